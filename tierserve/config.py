@@ -1,0 +1,166 @@
+"""Engine configuration: tiers, memory partition and scheduler limits, from TOML.
+
+Every value is validated when the file is loaded, before anything runs; an error names
+the offending field (e.g. ``tiers.P1.ceiling``). Config objects are frozen and do no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from tierserve.tiers import ALL_TIERS, Tier
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    ttft_target_s: float  # P95 target; inf = none
+    wfq_weight: float
+    drr_weight: float
+    aging_s: float  # a waiting request older than this moves ahead of the fair order; inf = never
+    floor: float  # fraction of KV blocks only this tier or a more urgent one may use
+    reserve: float  # fraction kept for this tier, lent to others while idle, reclaimed on need
+    ceiling: float  # most of the KV blocks this tier may hold
+    expected_output_tokens: int  # cost hint when a request gives none
+
+
+DEFAULT_TIERS: dict[Tier, TierConfig] = {
+    # Targets and shares: DESIGN.md §1. Weights and aging thresholds: the source article
+    # (WFQ 16/8/4/2, DRR 8/4/2/1, aging 30/15/5 s). Floors/reserves/ceilings: DESIGN.md §4.
+    Tier.P0: TierConfig(0.5, 16.0, 8.0, math.inf, 0.15, 0.0, 0.40, 256),
+    Tier.P1: TierConfig(5.0, 8.0, 4.0, 30.0, 0.0, 0.30, 1.0, 256),
+    Tier.P2: TierConfig(60.0, 4.0, 2.0, 15.0, 0.0, 0.0, 1.0, 64),
+    Tier.P3: TierConfig(math.inf, 2.0, 1.0, 5.0, 0.0, 0.0, 1.0, 512),
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192  # token budget of one step (decodes + prefill chunks)
+    max_num_seqs: int = 256  # running sequences at most
+    long_prompt_tokens: int = 8192  # a P1-or-lower prompt longer than this is chunked to...
+    long_prompt_chunk_tokens: int = 4096  # ...at most this many tokens per step
+    swap_factor: float = 0.3  # swap when swap time < factor * prefill time, else recompute
+    drr_quantum_tokens: int = 2048  # token-cost DRR: tokens per unit of weight per round
+    p0_step_tokens: int = 2048  # hybrid: prefill tokens of other tiers per step while P0 prefills
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tiers: Mapping[Tier, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+
+    def tier(self, tier: Tier) -> TierConfig:
+        return self.tiers[tier]
+
+
+def _check_number(path: str, value: Any, *, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if integer and not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{path}: NaN is not allowed")
+    return float(value)
+
+
+def _merge(path: str, base: Any, raw: Mapping[str, Any]) -> Any:
+    """Return `base` (a dataclass) with the fields in `raw` replaced, type-checked."""
+    known = {f.name: f for f in fields(base)}
+    changes: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{path}.{key}: unknown key (known: {', '.join(sorted(known))})")
+        current = getattr(base, key)
+        if isinstance(current, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{path}.{key}: expected true or false, got {value!r}")
+            changes[key] = value
+        elif isinstance(current, int):
+            changes[key] = int(_check_number(f"{path}.{key}", value, integer=True))
+        else:
+            changes[key] = _check_number(f"{path}.{key}", value)
+    return replace(base, **changes)
+
+
+def validate(config: EngineConfig) -> EngineConfig:
+    s = config.scheduler
+    for name in ("max_num_batched_tokens", "max_num_seqs", "long_prompt_tokens",
+                 "long_prompt_chunk_tokens", "drr_quantum_tokens", "p0_step_tokens"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"scheduler.{name}: must be >= 1, got {getattr(s, name)}")
+    if s.swap_factor < 0:
+        raise ConfigError(f"scheduler.swap_factor: must be >= 0, got {s.swap_factor}")
+    for tier in ALL_TIERS:
+        if tier not in config.tiers:
+            raise ConfigError(f"tiers.{tier.name}: missing")
+        t = config.tiers[tier]
+        p = f"tiers.{tier.name}"
+        for name in ("wfq_weight", "drr_weight"):
+            if getattr(t, name) <= 0:
+                raise ConfigError(f"{p}.{name}: must be > 0, got {getattr(t, name)}")
+        for name in ("ttft_target_s", "aging_s"):
+            if getattr(t, name) <= 0:
+                raise ConfigError(f"{p}.{name}: must be > 0, got {getattr(t, name)}")
+        for name in ("floor", "reserve", "ceiling"):
+            if not 0 <= getattr(t, name) <= 1:
+                raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
+        if t.ceiling < t.floor + t.reserve:
+            raise ConfigError(
+                f"{p}.ceiling: {t.ceiling} is below floor + reserve ({t.floor} + {t.reserve})"
+            )
+        if t.expected_output_tokens < 1:
+            raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
+    total = sum(config.tiers[t].floor + config.tiers[t].reserve for t in ALL_TIERS)
+    if total > 1 + 1e-9:
+        raise ConfigError(f"tiers: floors and reserves add up to {total:.0%}, over 100%")
+    return config
+
+
+# Top-level tables that belong to other layers (the server validates them itself).
+FOREIGN_SECTIONS = ("server", "tenants", "limits")
+
+
+def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
+    allowed = ("scheduler", "tiers", *FOREIGN_SECTIONS)
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{key}: unknown section (known: {', '.join(allowed)})")
+    scheduler = _merge("scheduler", SchedulerConfig(), raw.get("scheduler", {}))
+    tiers = dict(DEFAULT_TIERS)
+    raw_tiers = raw.get("tiers", {})
+    if not isinstance(raw_tiers, Mapping):
+        raise ConfigError("tiers: expected a table")
+    for name, body in raw_tiers.items():
+        try:
+            tier = Tier.parse(name)
+        except ValueError as e:
+            raise ConfigError(f"tiers.{name}: {e}") from None
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"tiers.{name}: expected a table")
+        tiers[tier] = _merge(f"tiers.{tier.name}", tiers[tier], body)
+    return validate(EngineConfig(scheduler=scheduler, tiers=tiers))
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    return parse_config(load_raw(path))

@@ -1,0 +1,270 @@
+"""One scheduling pass: which requests decode, which prefill chunks run, who is admitted,
+who is preempted (and how), who comes back from swap.
+
+Order within a pass: decodes of running requests (most protected first; when blocks run
+out, victims come from the less protected ones), then swapped requests come back, then
+prefill chunks of running requests, then new admissions in policy order. Every change
+of state happens here, between steps; nothing leaves the batch while a step runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tierserve.clock import Clock
+from tierserve.config import EngineConfig
+from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
+from tierserve.memory.manager import Alloc, KVCacheManager
+from tierserve.request import EventKind, Request, RequestStatus
+from tierserve.scheduling.base import Policy
+from tierserve.tiers import ALL_TIERS, Tier
+
+
+class PreemptMode(enum.Enum):
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+@dataclass
+class SchedulerOutput:
+    batch: StepBatch
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    preempted: list[tuple[Request, PreemptMode]] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: Policy,
+        memory: KVCacheManager,
+        executor: Executor,
+        clock: Clock,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.memory = memory
+        self.executor = executor
+        self.clock = clock
+        self.running: list[Request] = []
+        self.swapped: tuple[deque[Request], ...] = tuple(deque() for _ in ALL_TIERS)
+        self._forced: list[Request] = []  # victims named from outside, taken at the next pass
+
+    def add(self, req: Request) -> None:
+        self.policy.add(req, self.clock.now())
+
+    def request_preemption(self, req: Request) -> None:
+        """Preempt a running request at the next step boundary."""
+        self._forced.append(req)
+
+    def num_swapped(self, tier: Tier | None = None) -> int:
+        return sum(map(len, self.swapped)) if tier is None else len(self.swapped[tier])
+
+    # ---- the pass ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config.scheduler
+        now = self.clock.now()
+        policy, memory = self.policy, self.memory
+        out = SchedulerOutput(StepBatch())
+        scheduled: dict[Request, int] = {}  # request -> tokens this step; decodes first
+        fresh: set[Request] = set()  # admitted or swapped in during this pass: not victims
+        budget = cfg.max_num_batched_tokens
+
+        for req in self._forced:
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._preempt(req, out, now)
+        self._forced.clear()
+
+        running = self.running
+        running.sort(key=policy.running_key)
+
+        # 1. Decodes, most protected first; a request that cannot grow takes blocks from
+        #    the least protected requests after it, or yields its own.
+        i = 0
+        while i < len(running):
+            req = running[i]
+            if req.is_prefilling:
+                i += 1
+                continue
+            if budget < 1:
+                break
+            status = memory.grow(req, req.num_tokens)
+            while status is not Alloc.OK:
+                victim = self._decode_victim(req, running[i + 1 :], same_tier=status is Alloc.OVER_CEILING)
+                if victim is None:
+                    break
+                running.remove(victim)
+                self._preempt(victim, out, now)
+                status = memory.grow(req, req.num_tokens)
+            if status is not Alloc.OK:
+                running.pop(i)
+                self._preempt(req, out, now)
+                continue
+            scheduled[req] = 1
+            budget -= 1
+            i += 1
+
+        # 2. Swapped requests come back before anything new of their tier is admitted.
+        for tier in ALL_TIERS:
+            queue = self.swapped[tier]
+            while queue and len(running) < cfg.max_num_seqs:
+                req = queue[0]
+                mapping = memory.swap_in(req)
+                if isinstance(mapping, Alloc):
+                    break
+                queue.popleft()
+                out.swap_in.extend(mapping)
+                req.status = RequestStatus.RUNNING
+                req.record(now, EventKind.SWAPPED_IN, f"{len(mapping)} blocks")
+                running.append(req)
+                fresh.add(req)
+                if not req.is_prefilling and budget >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
+                    scheduled[req] = 1
+                    budget -= 1
+
+        # 3. Prefill chunks of running requests, in protection order. While a P0 request
+        #    prefills, a policy that protects P0 keeps other tiers' chunks small.
+        p0_pending = policy.protects_p0_steps and (
+            policy.num_waiting(Tier.P0) > 0
+            or any(r.tier == Tier.P0 and r.is_prefilling for r in running)
+        )
+        others_left = cfg.p0_step_tokens if p0_pending else cfg.max_num_batched_tokens
+        for req in running:
+            if budget < 1:
+                break
+            if req in scheduled or not req.is_prefilling:
+                continue
+            chunk = self._chunk(req, budget, others_left)
+            if chunk < 1 or memory.grow(req, req.num_computed_tokens + chunk) is not Alloc.OK:
+                continue
+            scheduled[req] = chunk
+            budget -= chunk
+            if req.tier != Tier.P0:
+                others_left -= chunk
+
+        # 4. Admissions in policy order.
+        preempted_now = {r for r, _ in out.preempted}
+        while budget >= 1 and len(running) < cfg.max_num_seqs:
+            req = policy.peek(now)
+            if req is None or req in preempted_now:
+                break
+            if any(self.swapped[t] for t in range(req.tier + 1)):
+                break
+            if not policy.may_admit(req, memory):
+                break
+            status = memory.admit(req)
+            if status is Alloc.NO_SPACE:
+                status = self._reclaim_for(req, out, now, fresh)
+                for victim, _ in out.preempted:
+                    if victim in scheduled:
+                        budget += scheduled.pop(victim)
+                preempted_now = {r for r, _ in out.preempted}
+            if status is not Alloc.OK:
+                break
+            popped = policy.pop(now)
+            assert popped is req, "policy.pop() disagreed with policy.peek()"
+            req.status = RequestStatus.RUNNING
+            if req.admitted_time is None:
+                req.admitted_time = now
+                req.record(now, EventKind.ADMITTED, f"{req.num_cached_tokens} tokens cached")
+            else:
+                req.record(now, EventKind.READMITTED, f"{req.num_computed_tokens} tokens cached")
+            running.append(req)
+            fresh.add(req)
+            out.admitted.append(req)
+            chunk = self._chunk(req, budget, others_left)
+            if chunk >= 1:
+                scheduled[req] = chunk
+                budget -= chunk
+                if req.tier != Tier.P0:
+                    others_left -= chunk
+
+        decodes, prefills = [], []
+        for req, n in scheduled.items():
+            seq = ScheduledSeq(req, n)
+            (prefills if req.is_prefilling else decodes).append(seq)
+        out.batch = StepBatch(decodes, prefills)
+        return out
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _chunk(self, req: Request, budget: int, others_left: int) -> int:
+        cfg = self.config.scheduler
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.tier != Tier.P0:
+            n = min(n, others_left)
+            if req.num_prompt_tokens > cfg.long_prompt_tokens:
+                n = min(n, cfg.long_prompt_chunk_tokens)
+        return n
+
+    def _decode_victim(self, req: Request, after: list[Request], *, same_tier: bool) -> Request | None:
+        candidates: Iterable[Request] = after
+        if same_tier:
+            candidates = [r for r in after if r.tier == req.tier]
+        key = self.policy.victim_key
+        memory = self.memory
+        return min(candidates, key=lambda r: key(r, memory), default=None)
+
+    def _reclaim_for(
+        self,
+        req: Request,
+        out: SchedulerOutput,
+        now: float,
+        fresh: set[Request],
+    ) -> Alloc:
+        """Preempt running requests, as the policy allows, until `req` can be admitted."""
+        memory, policy = self.memory, self.policy
+        num_blocks = memory.blocks_for(req.num_tokens)
+        if not policy.preempts_for_admission(req, memory, num_blocks):
+            return Alloc.NO_SPACE
+        status = Alloc.NO_SPACE
+        while status is Alloc.NO_SPACE:
+            candidates = [
+                r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)
+            ]
+            victim = min(candidates, key=lambda r: policy.victim_key(r, memory), default=None)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt(victim, out, now)
+            status = memory.admit(req)
+        return status
+
+    def _preempt(self, req: Request, out: SchedulerOutput, now: float) -> None:
+        mode = self._preempt_mode(req)
+        mapping = self.memory.swap_out(req) if mode is PreemptMode.SWAP else None
+        req.num_preemptions += 1
+        if mapping is not None:
+            out.swap_out.extend(mapping)
+            req.status = RequestStatus.SWAPPED
+            self.swapped[req.tier].append(req)
+            req.record(now, EventKind.PREEMPTED_SWAP, f"{len(mapping)} blocks")
+        else:
+            mode = PreemptMode.RECOMPUTE
+            self.memory.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.policy.prepend(req, now)
+            req.record(now, EventKind.PREEMPTED_RECOMPUTE, f"{req.num_tokens} tokens to recompute")
+        out.preempted.append((req, mode))
+
+    def _preempt_mode(self, req: Request) -> PreemptMode:
+        """Swap when moving the blocks over the host link costs less than `swap_factor`
+        times prefilling them again (DESIGN.md §4); otherwise recompute."""
+        if not self.policy.allow_swap or req.num_computed_tokens == 0 or not req.block_ids:
+            return PreemptMode.RECOMPUTE
+        num_blocks = len(req.block_ids)
+        if self.memory.host.num_free < num_blocks:
+            return PreemptMode.RECOMPUTE
+        swap_s = self.executor.estimate_swap_s(num_blocks)
+        prefill_s = self.executor.estimate_prefill_s(req.num_computed_tokens)
+        if swap_s < self.config.scheduler.swap_factor * prefill_s:
+            return PreemptMode.SWAP
+        return PreemptMode.RECOMPUTE

@@ -1,0 +1,229 @@
+"""The KV-cache manager: per-request block tables over one pool, tier limits, prefix
+cache and host swap. Methods are check-then-commit: a method that cannot do all of its
+work returns a failure value and changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+
+from tierserve.memory.block_pool import BlockPool, hash_block
+from tierserve.memory.host_pool import HostPool
+from tierserve.memory.partition import TierPartition
+from tierserve.request import Request
+from tierserve.tiers import ALL_TIERS, Tier
+
+
+class Alloc(enum.Enum):
+    OK = "ok"
+    NO_SPACE = "no_space"  # would fit if other requests gave blocks back
+    OVER_CEILING = "over_ceiling"  # the tier already holds all it may
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        partition: TierPartition | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.host = HostPool(num_host_blocks)
+        self.partition = partition or TierPartition.flat(num_blocks)
+        if self.partition.num_blocks != num_blocks:
+            raise ValueError("partition was built for a different number of blocks")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._holders: dict[str, Request] = {}  # requests holding device blocks
+        self._swapped: dict[str, Request] = {}  # requests holding host blocks
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
+        self._prefix_queried = [0] * len(ALL_TIERS)
+        self._prefix_hit = [0] * len(ALL_TIERS)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def used_blocks(self, tier: Tier) -> int:
+        return self.pool.used_by_tier[tier]
+
+    def borrowed_blocks(self, tier: Tier) -> int:
+        return self.partition.borrowed(self.pool.used_by_tier)[tier]
+
+    def usage(self) -> float:
+        """Fraction of blocks in use (cached-free blocks count as free)."""
+        return 1 - self.pool.num_free / self.pool.num_blocks
+
+    def prefix_hit_rate(self, tier: Tier) -> float:
+        queried = self._prefix_queried[tier]
+        return self._prefix_hit[tier] / queried if queried else 0.0
+
+    def prefix_totals(self) -> tuple[int, int]:
+        """(prompt tokens looked up, tokens found) over all tiers."""
+        return sum(self._prefix_queried), sum(self._prefix_hit)
+
+    def check(self, tier: Tier, num_new_blocks: int) -> Alloc:
+        """Could `tier` take `num_new_blocks` more blocks right now?"""
+        used = self.pool.used_by_tier
+        if used[tier] + num_new_blocks > self.partition.ceiling[tier]:
+            return Alloc.OVER_CEILING
+        if self.pool.num_free - num_new_blocks < self.partition.protected_free(tier, used):
+            return Alloc.NO_SPACE
+        return Alloc.OK
+
+    def within_entitlement(self, tier: Tier, num_new_blocks: int) -> bool:
+        """Whether the tier would still be inside its floor + reserve (so it may reclaim)."""
+        return self.pool.used_by_tier[tier] + num_new_blocks <= self.partition.entitlement(tier)
+
+    def is_borrowing(self, tier: Tier) -> bool:
+        return self.borrowed_blocks(tier) > 0
+
+    # ---- device blocks -------------------------------------------------------------------
+
+    def admit(self, req: Request) -> Alloc:
+        """Give a waiting request blocks for every known token, reusing cached prefix blocks."""
+        assert not req.block_ids, f"{req.request_id} already holds blocks"
+        hits = self._match_prefix(req)
+        num_revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        num_new = self.blocks_for(req.num_tokens) - len(hits)
+        status = self.check(req.tier, num_new + num_revived)
+        if status is not Alloc.OK:
+            return status
+        for b in hits:
+            self.pool.take(b, req.tier)
+        req.block_ids = hits + [self.pool.allocate(req.tier) for _ in range(num_new)]
+        req.num_computed_tokens = len(hits) * self.block_size
+        self._num_registered[req.request_id] = len(hits)
+        self._holders[req.request_id] = req
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+            self._prefix_queried[req.tier] += req.num_prompt_tokens
+            self._prefix_hit[req.tier] += req.num_computed_tokens
+        return Alloc.OK
+
+    def grow(self, req: Request, num_tokens: int) -> Alloc:
+        """Make sure the request's blocks cover its first `num_tokens` tokens."""
+        num_new = self.blocks_for(num_tokens) - len(req.block_ids)
+        if num_new <= 0:
+            return Alloc.OK
+        status = self.check(req.tier, num_new)
+        if status is Alloc.OK:
+            tier = req.tier
+            req.block_ids.extend(self.pool.allocate(tier) for _ in range(num_new))
+        return status
+
+    def free(self, req: Request) -> None:
+        """Release every device and host block of the request and forget it."""
+        for b in req.block_ids:
+            self.pool.release(b)
+        req.block_ids = []
+        self._holders.pop(req.request_id, None)
+        if req.host_block_ids:
+            self.host.free(req.host_block_ids)
+            req.host_block_ids = []
+        self._swapped.pop(req.request_id, None)
+        self._hashes.pop(req.request_id, None)
+        self._num_registered.pop(req.request_id, None)
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Enter the request's newly completed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        start = self._num_registered.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for i in range(start, num_full):
+            self.pool.register(req.block_ids[i], hashes[i])
+        self._num_registered[req.request_id] = num_full
+
+    # ---- swap ----------------------------------------------------------------------------
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to host slots; returns (device, host) pairs to copy."""
+        host_ids = self.host.allocate(len(req.block_ids))
+        if host_ids is None:
+            return None
+        mapping = list(zip(req.block_ids, host_ids, strict=True))
+        for b in req.block_ids:
+            self.pool.release(b)
+        req.block_ids = []
+        req.host_block_ids = host_ids
+        del self._holders[req.request_id]
+        self._swapped[req.request_id] = req
+        self._num_registered[req.request_id] = 0
+        return mapping
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]] | Alloc:
+        """Bring a swapped request back; returns (host, device) pairs to copy, or why not."""
+        status = self.check(req.tier, len(req.host_block_ids))
+        if status is not Alloc.OK:
+            return status
+        device_ids = [self.pool.allocate(req.tier) for _ in req.host_block_ids]
+        mapping = list(zip(req.host_block_ids, device_ids, strict=True))
+        self.host.free(req.host_block_ids)
+        req.host_block_ids = []
+        req.block_ids = device_ids
+        del self._swapped[req.request_id]
+        self._holders[req.request_id] = req
+        return mapping
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        tokens, size = req.token_ids, self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+            hashes.append(parent)
+        return hashes
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        # Leave at least one token to compute: its logits give the next token.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._block_hashes(req, max_blocks):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- integrity -----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Every block is free, cached or owned, exactly once; raises AssertionError if not."""
+        self.pool.check_integrity()
+        refs: Counter[int] = Counter()
+        for rid, req in self._holders.items():
+            assert req.request_id == rid and not req.host_block_ids, f"{rid} is half swapped"
+            refs.update(req.block_ids)
+        for b in range(self.pool.num_blocks):
+            assert refs[b] == self.pool.ref_count[b], (
+                f"block {b}: {refs[b]} holders but ref_count {self.pool.ref_count[b]}"
+            )
+        held: list[int] = []
+        for rid, req in self._swapped.items():
+            assert not req.block_ids, f"swapped request {rid} still holds device blocks"
+            held.extend(req.host_block_ids)
+        self.host.check_integrity(held)
+        used = self.pool.used_by_tier
+        for t in ALL_TIERS:
+            assert used[t] <= self.partition.ceiling[t], f"{t.name} is above its ceiling"

@@ -1,0 +1,146 @@
+"""A request and everything the engine records about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tierserve.tiers import Tier
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks (new, or preempted by recompute)
+    RUNNING = "running"  # holds device blocks; prefilling or decoding
+    SWAPPED = "swapped"  # preempted by swap: its blocks are in the host pool
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    REJECTED = "rejected"
+    ABORTED = "abort"
+
+
+class EventKind(enum.Enum):
+    ARRIVED = "arrived"
+    ADMITTED = "admitted"
+    FIRST_TOKEN = "first_token"
+    PREEMPTED_SWAP = "preempted_swap"
+    PREEMPTED_RECOMPUTE = "preempted_recompute"
+    SWAPPED_IN = "swapped_in"
+    READMITTED = "readmitted"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    time: float
+    kind: EventKind
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request.
+
+    `tier` is the tier the tenant is entitled to: it decides which memory the request
+    may hold. Aging can move a request ahead in the queue but never changes `tier`.
+    `token_ids` is the prompt followed by the generated tokens; `num_computed_tokens`
+    of them have their K/V in the cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tier: Tier = Tier.P1
+    tenant: str = "default"
+    arrival_time: float = 0.0
+    expected_output_tokens: int | None = None  # cost hint for fair queuing
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    reject_reason: str = ""
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    events: list[TimelineEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt must hold at least one token")
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until the K/V of every known token but the last sampled one is computed."""
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
+
+    @property
+    def expected_cost_tokens(self) -> int:
+        """Prompt plus expected output: the cost fair queuing charges for this request."""
+        expected = self.expected_output_tokens
+        out = self.sampling.max_tokens if expected is None else min(expected, self.sampling.max_tokens)
+        return self.num_prompt_tokens + out
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    def record(self, time: float, kind: EventKind, detail: str = "") -> None:
+        self.events.append(TimelineEvent(time, kind, detail))

@@ -1,0 +1,106 @@
+"""The queue-policy interface every scheduling policy implements.
+
+A policy owns the waiting queue (which request is admitted next) and answers the
+questions the scheduler asks when memory runs out (who may be preempted, in what order).
+Memory accounting always uses `Request.tier`, the tier the tenant is entitled to;
+a policy may reorder the queue (aging) but never changes it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+from tierserve.config import EngineConfig
+from tierserve.request import Request
+from tierserve.tiers import ALL_TIERS, Tier
+
+if TYPE_CHECKING:
+    from tierserve.memory.manager import KVCacheManager
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+    tiered_memory: ClassVar[bool] = True  # apply floors, reserves and ceilings
+    allow_swap: ClassVar[bool] = True  # preempt by swap where the cost rule says so
+    protects_p0_steps: ClassVar[bool] = False  # keep steps short while a P0 request prefills
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._num_waiting = [0] * len(ALL_TIERS)
+
+    # ---- the waiting queue ---------------------------------------------------------------
+
+    def add(self, req: Request, now: float) -> None:
+        """Enqueue a newly arrived request."""
+        self._num_waiting[req.tier] += 1
+        self._push(req, now)
+
+    def prepend(self, req: Request, now: float) -> None:
+        """Put back a request that was preempted by recompute, ahead of its peers."""
+        self._num_waiting[req.tier] += 1
+        self._push_front(req, now)
+
+    @abstractmethod
+    def peek(self, now: float) -> Request | None:
+        """The request `pop` would return now; aging is evaluated here, on every pass."""
+
+    def pop(self, now: float) -> Request:
+        req = self._pop(now)
+        self._num_waiting[req.tier] -= 1
+        return req
+
+    def remove(self, req: Request) -> None:
+        """Take a waiting request out of the queue (abort)."""
+        self._remove(req)
+        self._num_waiting[req.tier] -= 1
+
+    def num_waiting(self, tier: Tier | None = None) -> int:
+        return sum(self._num_waiting) if tier is None else self._num_waiting[tier]
+
+    def __len__(self) -> int:
+        return sum(self._num_waiting)
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]:
+        """Every waiting request (any order)."""
+
+    @abstractmethod
+    def _push(self, req: Request, now: float) -> None: ...
+
+    @abstractmethod
+    def _push_front(self, req: Request, now: float) -> None: ...
+
+    @abstractmethod
+    def _pop(self, now: float) -> Request: ...
+
+    @abstractmethod
+    def _remove(self, req: Request) -> None: ...
+
+    # ---- running requests and preemption -------------------------------------------------
+
+    def running_key(self, req: Request) -> tuple[float, ...]:
+        """Running requests are protected in this order: the smallest key is kept longest.
+
+        When a running request needs a block and none is free, the victim is chosen by
+        `victim_key` among the requests ordered after it, or else it yields itself.
+        """
+        return (req.tier, req.arrival_time)
+
+    def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
+        """Whether a waiting request may preempt running ones to be admitted."""
+        return False
+
+    def admission_victim_ok(self, req: Request, victim: Request, memory: KVCacheManager) -> bool:
+        """Whether a waiting request admitted by preemption may take `victim`'s blocks."""
+        return victim.tier > req.tier
+
+    def victim_key(self, victim: Request, memory: KVCacheManager) -> tuple[float, ...]:
+        """Victims are taken smallest key first: lowest tier, borrowers, least work lost."""
+        borrowing = memory.is_borrowing(victim.tier)
+        return (-victim.tier, 0 if borrowing else 1, victim.num_computed_tokens)
+
+    def may_admit(self, req: Request, memory: KVCacheManager) -> bool:
+        """A last word before admission (best-effort tiers wait for idle capacity)."""
+        return True

@@ -1,0 +1,87 @@
+"""The production policy: P0 strict with reserved memory and the right to reclaim;
+P1–P2 by weighted fair queuing; P3 best effort; aging so nothing waits forever.
+
+Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): the
+head of a tier that has waited longer than the tier's `aging_s` is served ahead of the
+fair order, oldest first, right after P0. It changes the order only — memory is always
+accounted to the tier the tenant is entitled to, so an aged P1 never holds P0's floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+from tierserve.config import EngineConfig
+from tierserve.request import Request
+from tierserve.scheduling.base import Policy
+from tierserve.scheduling.sfq import StartTimeFairQueues
+from tierserve.scheduling.wfq import expected_cost
+from tierserve.tiers import ALL_TIERS, Tier
+
+if TYPE_CHECKING:
+    from tierserve.memory.manager import KVCacheManager
+
+FAIR_TIERS = (Tier.P1, Tier.P2)
+FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
+
+
+class HybridPolicy(Policy):
+    name: ClassVar[str] = "hybrid"
+    protects_p0_steps: ClassVar[bool] = True
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
+        self._sfq = StartTimeFairQueues(weights, expected_cost)
+        self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
+
+    def _choose(self, now: float) -> tuple[Tier, bool] | None:
+        """(tier to serve, whether in fair order)."""
+        sfq = self._sfq
+        if sfq.queues[Tier.P0]:
+            return Tier.P0, False
+        aged: Tier | None = None
+        oldest = 0.0
+        for tier in FAIR_TIERS_WITH_P3:
+            head = sfq.head(tier)
+            if head is not None and now - head.arrival_time > self._aging_s[tier]:
+                if aged is None or head.arrival_time < oldest:
+                    aged, oldest = tier, head.arrival_time
+        if aged is not None:
+            return aged, False
+        # P3 is best effort: it competes only while no P1 request waits.
+        eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3
+        tier = sfq.best(eligible)
+        return None if tier is None else (tier, True)
+
+    def peek(self, now: float) -> Request | None:
+        choice = self._choose(now)
+        return None if choice is None else self._sfq.head(choice[0])
+
+    def _pop(self, now: float) -> Request:
+        choice = self._choose(now)
+        assert choice is not None, "pop from an empty queue"
+        tier, in_order = choice
+        return self._sfq.serve(tier, in_order=in_order)
+
+    def _push(self, req: Request, now: float) -> None:
+        self._sfq.append(req)
+
+    def _push_front(self, req: Request, now: float) -> None:
+        self._sfq.appendleft(req)
+
+    def _remove(self, req: Request) -> None:
+        self._sfq.remove(req)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._sfq)
+
+    def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
+        # P0 may always reclaim; other tiers only to take back their own floor and reserve.
+        return req.tier == Tier.P0 or memory.within_entitlement(req.tier, num_blocks)
+
+    def admission_victim_ok(self, req: Request, victim: Request, memory: KVCacheManager) -> bool:
+        if victim.tier <= req.tier:
+            return False
+        return req.tier == Tier.P0 or memory.is_borrowing(victim.tier)

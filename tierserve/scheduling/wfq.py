@@ -1,0 +1,46 @@
+"""Weighted fair queuing across all four tiers (weights 16/8/4/2 by default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+from tierserve.config import EngineConfig
+from tierserve.request import Request
+from tierserve.scheduling.base import Policy
+from tierserve.scheduling.sfq import StartTimeFairQueues
+from tierserve.tiers import ALL_TIERS
+
+
+def expected_cost(req: Request) -> float:
+    return float(req.expected_cost_tokens)
+
+
+class WfqPolicy(Policy):
+    name: ClassVar[str] = "wfq"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
+        self._sfq = StartTimeFairQueues(weights, expected_cost)
+
+    def peek(self, now: float) -> Request | None:
+        tier = self._sfq.best(ALL_TIERS)
+        return None if tier is None else self._sfq.head(tier)
+
+    def _pop(self, now: float) -> Request:
+        tier = self._sfq.best(ALL_TIERS)
+        assert tier is not None, "pop from an empty queue"
+        return self._sfq.serve(tier)
+
+    def _push(self, req: Request, now: float) -> None:
+        self._sfq.append(req)
+
+    def _push_front(self, req: Request, now: float) -> None:
+        self._sfq.appendleft(req)
+
+    def _remove(self, req: Request) -> None:
+        self._sfq.remove(req)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._sfq)
