@@ -81,11 +81,11 @@ class Engine:
                 f"exceeds the model's context of {limit} tokens"
             )
         need = self.memory.blocks_for(req.max_total_tokens)
-        ceiling = self.memory.partition.ceiling[req.tier]
-        if need > ceiling:
+        most = self.memory.partition.max_blocks(req.tier)
+        if need > most:
             return (
                 f"needs {need} KV blocks at full length, but tier {req.tier.name} may hold "
-                f"at most {ceiling} blocks"
+                f"at most {most} blocks"
             )
         return ""
 

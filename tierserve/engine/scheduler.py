@@ -112,10 +112,13 @@ class Scheduler:
             i += 1
 
         # 2. Swapped requests come back before anything new of their tier is admitted.
+        just_preempted = {r for r, _ in out.preempted}
         for tier in ALL_TIERS:
             queue = self.swapped[tier]
             while queue and len(running) < cfg.max_num_seqs:
                 req = queue[0]
+                if req in just_preempted:
+                    break
                 mapping = memory.swap_in(req)
                 if isinstance(mapping, Alloc):
                     break
@@ -150,10 +153,9 @@ class Scheduler:
                 others_left -= chunk
 
         # 4. Admissions in policy order.
-        preempted_now = {r for r, _ in out.preempted}
         while budget >= 1 and len(running) < cfg.max_num_seqs:
             req = policy.peek(now)
-            if req is None or req in preempted_now:
+            if req is None:
                 break
             if any(self.swapped[t] for t in range(req.tier + 1)):
                 break
@@ -165,7 +167,6 @@ class Scheduler:
                 for victim, _ in out.preempted:
                     if victim in scheduled:
                         budget += scheduled.pop(victim)
-                preempted_now = {r for r, _ in out.preempted}
             if status is not Alloc.OK:
                 break
             popped = policy.pop(now)
@@ -185,6 +186,12 @@ class Scheduler:
                 budget -= chunk
                 if req.tier != Tier.P0:
                     others_left -= chunk
+
+        # Victims preempted by recompute rejoin the queue only now, so that the policy's
+        # order cannot shift between its peek and pop, nor re-admit them in this pass.
+        for victim, mode in out.preempted:
+            if mode is PreemptMode.RECOMPUTE:
+                policy.prepend(victim, now)
 
         decodes, prefills = [], []
         for req, n in scheduled.items():
@@ -251,7 +258,6 @@ class Scheduler:
             self.memory.free(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
-            self.policy.prepend(req, now)
             req.record(now, EventKind.PREEMPTED_RECOMPUTE, f"{req.num_tokens} tokens to recompute")
         out.preempted.append((req, mode))
 

@@ -47,6 +47,10 @@ class TierPartition:
         """Blocks the tier may take back from borrowers: its floor plus its reserve."""
         return self.floor[tier] + self.reserve[tier]
 
+    def max_blocks(self, tier: Tier) -> int:
+        """The most blocks the tier can ever hold: its ceiling, less more urgent floors."""
+        return min(self.ceiling[tier], self.num_blocks - sum(self.floor[:tier]))
+
     def protected_free(self, tier: Tier, used: list[int]) -> int:
         """Free blocks `tier` must leave alone: unfilled floors of more urgent tiers."""
         return sum(max(0, self.floor[u] - used[u]) for u in range(tier))

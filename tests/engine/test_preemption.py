@@ -1,0 +1,241 @@
+"""Preemption: who is chosen, how (swap or recompute), when, and how they come back."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tests.conftest import make_request
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig, SchedulerConfig
+from tierserve.engine import Engine
+from tierserve.executors.base import StepBatch
+from tierserve.executors.null import NullExecutor
+from tierserve.request import EventKind, Request, RequestStatus
+from tierserve.tiers import Tier
+
+
+def make_engine(
+    policy: str = "hybrid", blocks: int = 100, host: int = 200, swap_factor: float = 0.3, **executor_kw: object
+) -> Engine:
+    executor = NullExecutor(num_device_blocks=blocks, num_host_blocks=host, block_size=16, **executor_kw)  # type: ignore[arg-type]
+    config = EngineConfig(scheduler=SchedulerConfig(swap_factor=swap_factor))
+    return Engine(config, policy, executor, VirtualClock())
+
+
+def start(eng: Engine, *reqs: Request) -> None:
+    """Admit and prefill the requests (each gets its first token)."""
+    for r in reqs:
+        assert eng.add_request(r)
+    eng.step()
+    for r in reqs:
+        assert r.status is RequestStatus.RUNNING and r.num_output_tokens == 1, r
+
+
+def crowd(eng: Engine, max_tokens: int = 50) -> Request:
+    """A running P3 request holding 70 of the 100 blocks."""
+    p3 = make_request(num_prompt=16 * 70 - 1, max_tokens=max_tokens, tier=Tier.P3)
+    start(eng, p3)
+    return p3
+
+
+def big_p0(arrival: float = 0.0) -> Request:
+    """A P0 request that needs 35 blocks: more than are free beside `crowd`."""
+    return make_request(num_prompt=16 * 35 - 1, max_tokens=3, tier=Tier.P0, arrival=arrival)
+
+
+def run(eng: Engine) -> None:
+    for _ in range(10_000):
+        if not eng.has_unfinished():
+            return
+        eng.step()
+        eng.memory.check_integrity()
+    raise AssertionError("engine did not finish")
+
+
+def test_victims_are_lowest_tier_first_then_least_work_lost() -> None:
+    eng = make_engine(blocks=100, swap_factor=0.0)  # P0: floor 15, ceiling 40 blocks
+    p1 = make_request(num_prompt=16 * 20 - 1, max_tokens=50, tier=Tier.P1)
+    p2 = make_request(num_prompt=16 * 20 - 1, max_tokens=50, tier=Tier.P2)
+    p3_big = make_request(num_prompt=16 * 25 - 1, max_tokens=50, tier=Tier.P3)
+    p3_small = make_request(num_prompt=16 * 15 - 1, max_tokens=50, tier=Tier.P3)
+    start(eng, p1, p2, p3_big, p3_small)  # 80 blocks used, 20 free
+    p0 = make_request(num_prompt=16 * 30 - 1, max_tokens=5, tier=Tier.P0)  # needs 30
+    eng.add_request(p0)
+    eng.step()
+    assert p0.status is RequestStatus.RUNNING
+    assert p3_small.status is RequestStatus.WAITING, "the P3 with least work lost goes first"
+    assert p3_big.status is RequestStatus.RUNNING and p2.status is RequestStatus.RUNNING
+    assert eng.stats.preemptions[(Tier.P3, "recompute")] == 1
+
+
+def test_swap_when_the_host_link_is_cheap_enough_else_recompute() -> None:
+    # NullExecutor: swap = 1e-4 s per block, prefill = 0.01 + 1e-5 s per token.
+    # 70 blocks: swap 7 ms; prefill of 1,120 tokens: 21.2 ms.
+    for factor, expected in ((0.5, "swap"), (0.3, "recompute")):
+        eng = make_engine(swap_factor=factor)
+        p3 = crowd(eng)
+        eng.add_request(big_p0())
+        eng.step()
+        assert dict(eng.stats.preemptions) == {(Tier.P3, expected): 1}, factor
+        kind = EventKind.PREEMPTED_SWAP if expected == "swap" else EventKind.PREEMPTED_RECOMPUTE
+        assert p3.events[-1].kind is kind
+        run(eng)
+        assert p3.num_output_tokens == 50
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full() -> None:
+    eng = make_engine(host=5, swap_factor=1e9)
+    crowd(eng)
+    eng.add_request(big_p0())
+    eng.step()
+    assert dict(eng.stats.preemptions) == {(Tier.P3, "recompute"): 1}
+
+
+def test_swapped_requests_resume_with_their_progress() -> None:
+    eng = make_engine(swap_factor=1e9)
+    p3 = crowd(eng, max_tokens=30)
+    for _ in range(4):
+        eng.step()
+    progress = p3.num_computed_tokens
+    assert p3.num_output_tokens == 5
+    eng.add_request(big_p0())
+    eng.step()
+    assert p3.status is RequestStatus.SWAPPED and p3.num_computed_tokens == progress
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    moved_out = list(executor.swapped_out)
+    run(eng)
+    assert p3.num_output_tokens == 30 and p3.num_preemptions == 1
+    assert [h for h, _ in executor.swapped_in] == [h for _, h in moved_out]
+    # Once back, it never prefilled again: every later chunk of it was a one-token decode.
+    swapped_in_at = next(i for i, e in enumerate(p3.events) if e.kind is EventKind.SWAPPED_IN)
+    assert swapped_in_at > 0
+    chunks = [s.num_tokens for b in executor.batches for s in b.seqs if s.request is p3]
+    assert chunks[0] == 16 * 70 - 1 and set(chunks[1:]) == {1}
+
+
+def test_recomputed_requests_prefill_their_output_again() -> None:
+    eng = make_engine(swap_factor=0.0)
+    p3 = crowd(eng, max_tokens=30)
+    for _ in range(3):
+        eng.step()
+    eng.add_request(big_p0())
+    eng.step()
+    assert p3.status is RequestStatus.WAITING and p3.num_computed_tokens == 0
+    assert p3.num_output_tokens == 4, "generated tokens are kept and prefilled again"
+    run(eng)
+    assert p3.num_output_tokens == 30
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    chunks = [s.num_tokens for b in executor.batches for s in b.seqs if s.request is p3]
+    assert 16 * 70 - 1 + 4 in chunks, "the recompute prefilled prompt and output together"
+
+
+def test_swapped_requests_come_back_before_new_admissions_of_their_tier() -> None:
+    eng = make_engine(swap_factor=1e9)
+    p3 = crowd(eng, max_tokens=20)
+    eng.add_request(big_p0())
+    eng.step()
+    assert p3.status is RequestStatus.SWAPPED
+    newcomer = make_request(num_prompt=10, max_tokens=2, tier=Tier.P3, arrival=eng.clock.now())
+    eng.add_request(newcomer)
+    run(eng)
+    swapped_in = next(e.time for e in p3.events if e.kind is EventKind.SWAPPED_IN)
+    assert newcomer.admitted_time is not None and newcomer.admitted_time >= swapped_in
+
+
+def test_a_victim_named_during_a_step_leaves_at_the_step_boundary() -> None:
+    holder: dict[str, Engine] = {}
+    target = make_request(num_prompt=20, max_tokens=50, tier=Tier.P2)
+    aborted = make_request(num_prompt=20, max_tokens=50, tier=Tier.P2)
+    calls = {"n": 0}
+
+    def mid_step(batch: StepBatch) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            eng = holder["eng"]
+            assert eng.preempt(target.request_id)
+            assert eng.abort(aborted.request_id)
+            # Nothing has moved yet: both are still running and hold their blocks.
+            assert target.status is RequestStatus.RUNNING and target.block_ids
+            assert aborted.status is RequestStatus.RUNNING and aborted.block_ids
+
+    eng = make_engine(on_execute=mid_step)
+    holder["eng"] = eng
+    start(eng, target, aborted)
+    eng.step()
+    before = (target.num_output_tokens, aborted.num_output_tokens)
+    outputs = eng.step()  # the third execute: both are named mid-step
+    # The step they were in completed for both of them ...
+    assert (target.num_output_tokens, aborted.num_output_tokens) == (before[0] + 1, before[1] + 1)
+    # ... and the abort took effect at its end.
+    assert aborted.status is RequestStatus.ABORTED and not aborted.block_ids
+    assert any(o.request is aborted and o.finished for o in outputs)
+    assert target.status is RequestStatus.RUNNING
+    eng.step()  # the next pass takes the named victim
+    assert target.status in (RequestStatus.SWAPPED, RequestStatus.WAITING)
+    run(eng)
+    assert target.num_output_tokens == 50
+
+
+def test_hybrid_p0_reclaims_memory_that_vllm_priority_makes_it_wait_for() -> None:
+    results = {}
+    for policy in ("hybrid", "vllm-priority"):
+        eng = make_engine(policy)
+        crowd(eng, max_tokens=200)
+        p0 = big_p0(arrival=eng.clock.now())
+        eng.add_request(p0)
+        eng.step()
+        results[policy] = p0.status
+        if policy == "vllm-priority":
+            assert eng.stats.num_preemptions() == 0, "a waiting request never preempts in vLLM"
+        run(eng)
+    assert results == {"hybrid": RequestStatus.RUNNING, "vllm-priority": RequestStatus.WAITING}
+
+
+def test_vllm_priority_preempts_the_lowest_running_by_recompute_only() -> None:
+    eng = make_engine("vllm-priority", blocks=24, swap_factor=1e9)
+    high = make_request(num_prompt=16 * 8, max_tokens=100, tier=Tier.P1, arrival=0.0)
+    low_old = make_request(num_prompt=16 * 8, max_tokens=100, tier=Tier.P3, arrival=1.0)
+    low_new = make_request(num_prompt=16 * 8, max_tokens=100, tier=Tier.P3, arrival=2.0)
+    start(eng, high, low_old, low_new)  # 24 blocks, all full
+    eng.step()  # everyone needs a new block: the newest P3 goes, by recompute
+    assert low_new.status is RequestStatus.WAITING
+    assert high.status is RequestStatus.RUNNING
+    assert set(eng.stats.preemptions) == {(Tier.P3, "recompute")}
+
+
+def test_aging_bounds_the_wait_of_p3_behind_a_p1_flood() -> None:
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4))
+    eng = Engine(config, "hybrid", NullExecutor(num_device_blocks=400, step_s=0.05), VirtualClock())
+    p3 = make_request(num_prompt=50, max_tokens=5, tier=Tier.P3)
+    eng.add_request(p3)
+    aging = config.tiers[Tier.P3].aging_s
+    for i in range(2000):
+        now = eng.clock.now()
+        if eng.num_waiting(Tier.P1) < 20:  # keep a P1 backlog at all times
+            eng.add_request(make_request(num_prompt=50, max_tokens=20, tier=Tier.P1, arrival=now))
+        eng.step()
+        if p3.status.is_final or now > 4 * aging:
+            break
+    assert p3.admitted_time is not None, "P3 starved behind the P1 flood"
+    assert p3.admitted_time - p3.arrival_time <= aging + 2.0  # a couple of 50 ms steps of slack
+
+
+def test_aging_never_hands_out_p0_reserved_memory() -> None:
+    tiers = dict(EngineConfig().tiers)
+    tiers[Tier.P1] = replace(tiers[Tier.P1], reserve=0.0)  # P1 has nothing to reclaim
+    config = EngineConfig(tiers=tiers)
+    eng = Engine(config, "hybrid", NullExecutor(num_device_blocks=100, step_s=1.0), VirtualClock())
+    filler = make_request(num_prompt=16 * 85 - 48, max_tokens=48, tier=Tier.P2)  # grows to 85 blocks
+    start(eng, filler)
+    old_p1 = make_request(num_prompt=16 * 5, max_tokens=5, tier=Tier.P1)
+    eng.add_request(old_p1)
+    for _ in range(40):  # 40 s: beyond P1's 30 s aging threshold
+        eng.step()
+        assert eng.memory.num_free_blocks >= eng.memory.partition.floor[Tier.P0]
+    assert eng.clock.now() - old_p1.arrival_time > config.tiers[Tier.P1].aging_s
+    assert old_p1.status is RequestStatus.WAITING and filler.status is RequestStatus.RUNNING
+    assert eng.memory.used_blocks(Tier.P1) == 0
+    run(eng)
+    assert old_p1.num_output_tokens == 5

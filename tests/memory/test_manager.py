@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+from tests.conftest import make_request
+from tierserve.config import DEFAULT_TIERS
+from tierserve.memory.block_pool import BlockPool
+from tierserve.memory.manager import Alloc, KVCacheManager
+from tierserve.memory.partition import TierPartition
+from tierserve.tiers import Tier
+
+
+def tiered(num_blocks: int = 100, block: int = 4, host: int = 0) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block, host, TierPartition.from_tiers(num_blocks, DEFAULT_TIERS))
+
+
+def test_partition_follows_the_configured_fractions() -> None:
+    p = TierPartition.from_tiers(1000, DEFAULT_TIERS)
+    assert p.floor[Tier.P0] == 150 and p.ceiling[Tier.P0] == 400
+    assert p.reserve[Tier.P1] == 300
+    assert p.num_shared == 550
+
+
+def test_identical_prefixes_share_blocks_and_count_hits_per_tier() -> None:
+    mem = KVCacheManager(50, 4)
+    prompt = list(range(18))  # 4 full blocks + 2 tokens
+    a = make_request(tokens=prompt, tier=Tier.P0)
+    assert mem.admit(a) is Alloc.OK
+    a.num_computed_tokens = a.num_tokens
+    mem.cache_computed_blocks(a)
+    b = make_request(tokens=[*prompt[:16], 99, 98, 97], tier=Tier.P0)
+    assert mem.admit(b) is Alloc.OK
+    assert b.block_ids[:4] == a.block_ids[:4]
+    assert b.num_computed_tokens == 16 and b.num_cached_tokens == 16
+    assert [mem.pool.ref_count[x] for x in a.block_ids[:4]] == [2, 2, 2, 2]
+    assert mem.prefix_hit_rate(Tier.P0) == 16 / (18 + 19)
+    assert mem.prefix_hit_rate(Tier.P3) == 0.0
+    mem.check_integrity()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    mem = KVCacheManager(50, 4)
+    prompt = list(range(16))
+    a = make_request(tokens=prompt)
+    mem.admit(a)
+    a.num_computed_tokens = 16
+    mem.cache_computed_blocks(a)
+    b = make_request(tokens=list(prompt))
+    mem.admit(b)
+    assert b.num_computed_tokens == 12
+
+
+def test_freed_cached_blocks_stay_reusable_until_evicted_lowest_tier_first() -> None:
+    mem = KVCacheManager(6, 4)
+    low = make_request(tokens=list(range(8)), tier=Tier.P3)
+    high = make_request(tokens=list(range(100, 108)), tier=Tier.P0)
+    for r in (low, high):
+        assert mem.admit(r) is Alloc.OK
+        r.num_computed_tokens = 8
+        mem.cache_computed_blocks(r)
+        mem.free(r)
+    assert mem.num_free_blocks == 6 and mem.pool.num_cached_free == 4
+    # Four blocks are needed: two plain free ones, then P3's cached blocks are evicted.
+    filler = make_request(tokens=[7] * 16, tier=Tier.P1)
+    assert mem.admit(filler) is Alloc.OK
+    mem.free(filler)
+    again = make_request(tokens=list(range(100, 109)), tier=Tier.P0)
+    assert mem.admit(again) is Alloc.OK and again.num_cached_tokens == 8
+    low_again = make_request(tokens=list(range(9)), tier=Tier.P3)
+    assert mem.admit(low_again) is Alloc.OK and low_again.num_cached_tokens == 0
+    mem.check_integrity()
+
+
+def test_a_lower_tier_cannot_touch_an_unfilled_floor() -> None:
+    mem = tiered()  # P0 floor 15 blocks
+    p2 = make_request(num_prompt=4 * 85, tier=Tier.P2)
+    assert mem.admit(p2) is Alloc.OK  # 85 blocks: everything but P0's floor
+    assert mem.check(Tier.P2, 1) is Alloc.NO_SPACE
+    assert mem.check(Tier.P1, 1) is Alloc.NO_SPACE
+    assert mem.check(Tier.P0, 15) is Alloc.OK
+
+
+def test_ceiling_caps_a_tier_even_with_free_memory() -> None:
+    mem = tiered()
+    assert mem.admit(make_request(num_prompt=4 * 40, tier=Tier.P0)) is Alloc.OK
+    assert mem.check(Tier.P0, 1) is Alloc.OVER_CEILING
+    assert mem.check(Tier.P1, 1) is Alloc.OK
+
+
+def test_borrowing_is_attributed_to_the_least_urgent_tiers() -> None:
+    mem = tiered()  # shared = 55 blocks, P1 reserve 30
+    p2 = make_request(num_prompt=4 * 40, tier=Tier.P2)
+    p3 = make_request(num_prompt=4 * 40, tier=Tier.P3)
+    assert mem.admit(p2) is Alloc.OK and mem.admit(p3) is Alloc.OK
+    assert mem.borrowed_blocks(Tier.P3) == 25 and mem.borrowed_blocks(Tier.P2) == 0
+    # P1 is inside its reserve: it may reclaim, and freeing the borrower gives it room.
+    assert mem.within_entitlement(Tier.P1, 30)
+    assert mem.check(Tier.P1, 30) is Alloc.NO_SPACE
+    mem.free(p3)
+    assert mem.check(Tier.P1, 30) is Alloc.OK
+
+
+def test_failed_allocations_change_nothing() -> None:
+    mem = KVCacheManager(4, 4)
+    big = make_request(num_prompt=40)
+    assert mem.admit(big) is Alloc.OVER_CEILING  # a flat partition caps every tier at the pool
+    first = make_request(num_prompt=4, tier=Tier.P2)
+    assert mem.admit(first) is Alloc.OK
+    second = make_request(num_prompt=16)
+    assert mem.admit(second) is Alloc.NO_SPACE
+    assert not second.block_ids and mem.num_free_blocks == 3
+    mem.free(first)
+    small = make_request(num_prompt=15)
+    assert mem.admit(small) is Alloc.OK
+    small.token_ids.extend([1, 2])
+    assert mem.grow(small, small.num_tokens) is not Alloc.OK
+    assert len(small.block_ids) == 4
+    mem.check_integrity()
+
+
+def test_swap_out_and_in_keep_progress_and_move_blocks() -> None:
+    mem = KVCacheManager(8, 4, num_host_blocks=8)
+    req = make_request(num_prompt=10)
+    mem.admit(req)
+    req.num_computed_tokens = 10
+    out = mem.swap_out(req)
+    assert out is not None and len(out) == 3 and mem.num_free_blocks == 8
+    assert req.num_computed_tokens == 10 and len(req.host_block_ids) == 3
+    back = mem.swap_in(req)
+    assert not isinstance(back, Alloc) and len(back) == 3
+    assert [h for h, _ in back] == [h for _, h in out]
+    assert mem.host.num_free == 8
+    mem.check_integrity()
+
+
+def test_integrity_check_catches_a_double_free() -> None:
+    pool = BlockPool(4, 4)
+    b = pool.allocate(Tier.P1)
+    pool.release(b)
+    try:
+        pool.release(b)
+    except AssertionError:
+        return
+    raise AssertionError("double release went unnoticed")
+
+
+def test_integrity_check_catches_a_lost_block() -> None:
+    mem = KVCacheManager(4, 4)
+    req = make_request(num_prompt=8)
+    mem.admit(req)
+    req.block_ids.pop()  # the manager still counts a reference nobody holds
+    try:
+        mem.check_integrity()
+    except AssertionError:
+        return
+    raise AssertionError("a leaked block went unnoticed")

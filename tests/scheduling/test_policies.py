@@ -1,0 +1,178 @@
+"""Queue-order behaviour of each policy, driven directly (no engine)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.conftest import make_request
+from tierserve.config import EngineConfig
+from tierserve.request import Request
+from tierserve.scheduling import POLICIES, create_policy
+from tierserve.scheduling.base import Policy
+from tierserve.tiers import ALL_TIERS, Tier
+
+
+def backlog(policy: Policy, per_tier: int, *, prompt: int = 100, out: int = 50) -> None:
+    for i in range(per_tier):
+        for tier in ALL_TIERS:
+            policy.add(make_request(num_prompt=prompt, max_tokens=out, tier=tier, arrival=i * 1e-3), 0.0)
+
+
+def drain(policy: Policy, n: int, now: float = 0.0) -> list[Request]:
+    served = []
+    for _ in range(n):
+        peeked = policy.peek(now)
+        popped = policy.pop(now)
+        assert popped is peeked, "pop must return what peek showed"
+        served.append(popped)
+    return served
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="hybrid"):
+        create_policy("lottery", EngineConfig())
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_serves_every_request_once(name: str) -> None:
+    policy = create_policy(name, EngineConfig())
+    backlog(policy, 25)
+    assert len(policy) == 100
+    served = drain(policy, 100)
+    assert len({id(r) for r in served}) == 100
+    assert policy.peek(0.0) is None and len(policy) == 0
+
+
+def test_fcfs_ignores_tiers() -> None:
+    policy = create_policy("fcfs", EngineConfig())
+    reqs = [make_request(tier=t, arrival=i) for i, t in enumerate([Tier.P3, Tier.P0, Tier.P2])]
+    for r in reqs:
+        policy.add(r, 0.0)
+    assert drain(policy, 3) == reqs
+
+
+def test_strict_starves_a_backlogged_p3() -> None:
+    policy = create_policy("strict", EngineConfig())
+    p3 = make_request(tier=Tier.P3)
+    policy.add(p3, 0.0)
+    for step in range(1000):
+        policy.add(make_request(tier=Tier.P1, arrival=step), float(step))
+        assert policy.pop(float(step)).tier is Tier.P1
+    assert p3 in list(policy)
+
+
+def test_wfq_service_shares_converge_to_the_weights() -> None:
+    config = EngineConfig()
+    policy = create_policy("wfq", config)
+    backlog(policy, 3000)
+    cost: Counter[Tier] = Counter()
+    for req in drain(policy, 4000):
+        cost[req.tier] += req.expected_cost_tokens
+    weights = {t: config.tiers[t].wfq_weight for t in ALL_TIERS}
+    total_w, total_c = sum(weights.values()), sum(cost.values())
+    for tier in ALL_TIERS:
+        share, target = cost[tier] / total_c, weights[tier] / total_w
+        assert share == pytest.approx(target, rel=0.05), (tier, share, target)
+
+
+def test_wfq_charges_cost_not_request_count() -> None:
+    """A tier of long requests gets fewer requests through, the same tokens per weight."""
+    policy = create_policy("wfq", EngineConfig())
+    for i in range(2000):
+        policy.add(make_request(num_prompt=1000, max_tokens=1, tier=Tier.P1, arrival=i), 0.0)
+        policy.add(make_request(num_prompt=100, max_tokens=1, tier=Tier.P2, arrival=i), 0.0)
+    served = Counter(r.tier for r in drain(policy, 1200))
+    # Weights 8:4 with costs 1001:101 -> P2 gets about 5x as many requests as P1.
+    assert served[Tier.P2] / served[Tier.P1] == pytest.approx((4 / 101) / (8 / 1001), rel=0.05)
+
+
+def test_wfq_does_not_let_an_idle_tier_bank_credit() -> None:
+    policy = create_policy("wfq", EngineConfig())
+    for i in range(500):
+        policy.add(make_request(tier=Tier.P2, arrival=i), 0.0)
+    drain(policy, 400)  # P1 idle all this time
+    for i in range(100):
+        policy.add(make_request(tier=Tier.P1, arrival=1000 + i), 0.0)
+    first = Counter(r.tier for r in drain(policy, 30))
+    assert first[Tier.P2] > 0, "P1 must not monopolise the link with banked credit"
+
+
+def test_drr_counts_requests_by_weight() -> None:
+    policy = create_policy("drr", EngineConfig())
+    backlog(policy, 1000)
+    served = Counter(r.tier for r in drain(policy, 1500))
+    assert [served[t] for t in ALL_TIERS] == [800, 400, 200, 100]
+
+
+def test_token_drr_counts_tokens_by_weight() -> None:
+    config = EngineConfig()
+    policy = create_policy("drr-tokens", config)
+    for i in range(3000):
+        for tier, prompt in zip(ALL_TIERS, (500, 100, 2000, 300), strict=True):
+            policy.add(make_request(num_prompt=prompt, max_tokens=1, tier=tier, arrival=i), 0.0)
+    cost: Counter[Tier] = Counter()
+    for req in drain(policy, 3000):
+        cost[req.tier] += req.expected_cost_tokens
+    total = sum(cost.values())
+    for tier in ALL_TIERS:
+        assert cost[tier] / total == pytest.approx(config.tiers[tier].drr_weight / 15, rel=0.05)
+
+
+def test_hybrid_serves_p0_first_and_p3_only_when_p1_is_empty() -> None:
+    policy = create_policy("hybrid", EngineConfig())
+    p3 = make_request(tier=Tier.P3, arrival=0.0)
+    p1s = [make_request(tier=Tier.P1, arrival=0.1 + i) for i in range(3)]
+    p0 = make_request(tier=Tier.P0, arrival=5.0)
+    for r in [p3, *p1s, p0]:
+        policy.add(r, 0.0)
+    now = 1.0  # nobody has aged yet (P3 ages after 5 s)
+    assert drain(policy, 4, now) == [p0, *p1s]
+    assert drain(policy, 1, now) == [p3]
+
+
+def test_hybrid_aging_is_evaluated_while_requests_wait() -> None:
+    config = EngineConfig()
+    policy = create_policy("hybrid", config)
+    p3 = make_request(tier=Tier.P3, arrival=0.0)
+    policy.add(p3, 0.0)
+    for i in range(50):
+        policy.add(make_request(tier=Tier.P1, arrival=0.01 * i), 0.0)
+    aging = config.tiers[Tier.P3].aging_s
+    assert policy.peek(aging - 0.1).tier is Tier.P1
+    # Nothing was re-enqueued: the same queue, a later pass, and P3 is now first.
+    assert policy.peek(aging + 0.1) is p3
+    assert p3.tier is Tier.P3, "aging reorders; it never changes the entitled tier"
+
+
+def test_hybrid_p0_still_beats_an_aged_request() -> None:
+    policy = create_policy("hybrid", EngineConfig())
+    old = make_request(tier=Tier.P2, arrival=0.0)
+    p0 = make_request(tier=Tier.P0, arrival=100.0)
+    policy.add(old, 0.0)
+    policy.add(p0, 100.0)
+    assert policy.peek(100.0) is p0
+
+
+def test_vllm_priority_orders_by_priority_then_arrival_without_aging() -> None:
+    policy = create_policy("vllm-priority", EngineConfig())
+    late_p0 = make_request(tier=Tier.P0, arrival=9.0)
+    early_p2 = make_request(tier=Tier.P2, arrival=1.0)
+    early_p3 = make_request(tier=Tier.P3, arrival=0.0)
+    for r in (early_p3, early_p2, late_p0):
+        policy.add(r, 0.0)
+    assert drain(policy, 3, now=1e6) == [late_p0, early_p2, early_p3]
+
+
+def test_removed_requests_never_come_out() -> None:
+    for name in POLICIES:
+        policy = create_policy(name, EngineConfig())
+        reqs = [make_request(tier=t, arrival=i) for i, t in enumerate(ALL_TIERS)]
+        for r in reqs:
+            policy.add(r, 0.0)
+        policy.remove(reqs[0])
+        policy.remove(reqs[2])
+        served = drain(policy, 2)
+        assert set(map(id, served)) == {id(reqs[1]), id(reqs[3])}, name
+        assert policy.num_waiting() == 0

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierserve.config import DEFAULT_TIERS, ConfigError, EngineConfig, load_config, parse_config, validate
+from tierserve.tiers import Tier
+
+
+def test_defaults_are_valid() -> None:
+    config = validate(EngineConfig())
+    assert config.tiers[Tier.P0].ttft_target_s == 0.5
+    assert config.tiers[Tier.P0].floor == 0.15
+
+
+def test_toml_overrides_fields_and_keeps_the_rest(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        "[scheduler]\nmax_num_batched_tokens = 4096\n\n"
+        "[tiers.P1]\nwfq_weight = 10\nreserve = 0.2\n\n[tiers.background]\naging_s = 120\n"
+    )
+    config = load_config(path)
+    assert config.scheduler.max_num_batched_tokens == 4096
+    assert config.tiers[Tier.P1].wfq_weight == 10.0
+    assert config.tiers[Tier.P1].reserve == 0.2
+    assert config.tiers[Tier.P3].aging_s == 120.0
+    assert config.tiers[Tier.P2] == DEFAULT_TIERS[Tier.P2]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"tiers": {"P1": {"floor": 0.5, "reserve": 0.3}, "P2": {"floor": 0.3}}}, "over 100%"),
+        ({"tiers": {"P0": {"floor": 0.3, "ceiling": 0.2}}}, "tiers.P0.ceiling"),
+        ({"tiers": {"P2": {"wfq_weight": -1}}}, "tiers.P2.wfq_weight"),
+        ({"tiers": {"P2": {"drr_weight": 0}}}, "tiers.P2.drr_weight"),
+        ({"tiers": {"P1": {"colour": 3}}}, "tiers.P1.colour"),
+        ({"tiers": {"P9": {}}}, "tiers.P9"),
+        ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs"),
+        ({"scheduler": {"max_num_seqs": 1.5}}, "scheduler.max_num_seqs"),
+        ({"scheduler": {"enable_prefix_caching": 1}}, "scheduler.enable_prefix_caching"),
+        ({"schedular": {}}, "schedular"),
+        ({"tiers": {"P1": {"ttft_target_s": "fast"}}}, "tiers.P1.ttft_target_s"),
+    ],
+)
+def test_invalid_values_name_the_field(raw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_config(raw)
+
+
+def test_missing_and_malformed_files_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tiers\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_tier_names_parse_in_every_spelling() -> None:
+    assert Tier.parse("realtime") is Tier.P0
+    assert Tier.parse("P2") is Tier.P2
+    assert Tier.parse(3) is Tier.P3
+    assert Tier.parse("1") is Tier.P1
+    with pytest.raises(ValueError, match="unknown tier"):
+        Tier.parse("urgent")
