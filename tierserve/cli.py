@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 # Modules that each define `register(subparsers)`; a subcommand sets `func(args) -> int`.
 COMMAND_MODULES = (
-    "tierserve.bench.demo",
     "tierserve.bench.overhead",
     "tierserve.bench.reproduce",
     "tierserve.bench.engine_bench",
@@ -26,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name in COMMAND_MODULES:
         module = importlib.import_module(name)
-        target = bench if name.startswith("tierserve.bench.") and name != "tierserve.bench.demo" else sub
+        target = bench if name.startswith("tierserve.bench.") else sub
         module.register(target)
     return parser
 

@@ -6,6 +6,7 @@ The executor and the clock are passed in, so the same engine runs in simulation
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tierserve.clock import Clock
@@ -162,7 +163,9 @@ class Engine:
         self._in_step = True
         outputs: list[RequestOutput] = []
         try:
+            started = time.thread_time()
             out = self.scheduler.schedule()
+            self.stats.last_schedule_cpu_s = time.thread_time() - started
             for victim, mode in out.preempted:
                 self.stats.preemptions[(victim.tier, mode.value)] += 1
             duration = self._swap(out)

@@ -54,6 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: tuple[deque[Request], ...] = tuple(deque() for _ in ALL_TIERS)
         self._forced: list[Request] = []  # victims named from outside, taken at the next pass
+        self._unsorted = False  # requests joined `running` since it was last put in policy order
 
     def add(self, req: Request) -> None:
         self.policy.add(req, self.clock.now())
@@ -72,9 +73,11 @@ class Scheduler:
         now = self.clock.now()
         policy, memory = self.policy, self.memory
         out = SchedulerOutput(StepBatch())
-        scheduled: dict[Request, int] = {}  # request -> tokens this step; decodes first
+        decodes: dict[Request, int] = {}  # request -> 1, in protection order
+        prefills: dict[Request, int] = {}  # request -> chunk tokens
         fresh: set[Request] = set()  # admitted or swapped in during this pass: not victims
         budget = cfg.max_num_batched_tokens
+        block_size = memory.block_size
 
         for req in self._forced:
             if req.status is RequestStatus.RUNNING:
@@ -83,31 +86,38 @@ class Scheduler:
         self._forced.clear()
 
         running = self.running
-        running.sort(key=policy.running_key)
+        if self._unsorted:
+            running.sort(key=policy.running_key)
+            self._unsorted = False
 
         # 1. Decodes, most protected first; a request that cannot grow takes blocks from
         #    the least protected requests after it, or yields its own.
+        prefilling: list[Request] = []
         i = 0
         while i < len(running):
             req = running[i]
-            if req.is_prefilling:
+            num_tokens = len(req.token_ids)
+            if num_tokens - req.num_computed_tokens != 1 or num_tokens == req.num_prompt_tokens:
+                prefilling.append(req)
                 i += 1
                 continue
             if budget < 1:
-                break
-            status = memory.grow(req, req.num_tokens)
-            while status is not Alloc.OK:
-                victim = self._decode_victim(req, running[i + 1 :], same_tier=status is Alloc.OVER_CEILING)
-                if victim is None:
-                    break
-                running.remove(victim)
-                self._preempt(victim, out, now)
-                status = memory.grow(req, req.num_tokens)
-            if status is not Alloc.OK:
-                running.pop(i)
-                self._preempt(req, out, now)
+                i += 1
                 continue
-            scheduled[req] = 1
+            if num_tokens > len(req.block_ids) * block_size:
+                status = memory.grow(req, num_tokens)
+                while status is not Alloc.OK:
+                    victim = self._decode_victim(req, running[i + 1 :], same_tier=status is Alloc.OVER_CEILING)
+                    if victim is None:
+                        break
+                    running.remove(victim)
+                    self._preempt(victim, out, now)
+                    status = memory.grow(req, num_tokens)
+                if status is not Alloc.OK:
+                    running.pop(i)
+                    self._preempt(req, out, now)
+                    continue
+            decodes[req] = 1
             budget -= 1
             i += 1
 
@@ -127,27 +137,29 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 req.record(now, EventKind.SWAPPED_IN, f"{len(mapping)} blocks")
                 running.append(req)
+                self._unsorted = True
                 fresh.add(req)
-                if not req.is_prefilling and budget >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
-                    scheduled[req] = 1
+                if req.is_prefilling:
+                    prefilling.append(req)
+                elif budget >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
+                    decodes[req] = 1
                     budget -= 1
 
         # 3. Prefill chunks of running requests, in protection order. While a P0 request
         #    prefills, a policy that protects P0 keeps other tiers' chunks small.
         p0_pending = policy.protects_p0_steps and (
-            policy.num_waiting(Tier.P0) > 0
-            or any(r.tier == Tier.P0 and r.is_prefilling for r in running)
+            policy.num_waiting(Tier.P0) > 0 or any(r.tier == Tier.P0 for r in prefilling)
         )
         others_left = cfg.p0_step_tokens if p0_pending else cfg.max_num_batched_tokens
-        for req in running:
+        for req in prefilling:
             if budget < 1:
                 break
-            if req in scheduled or not req.is_prefilling:
-                continue
+            if req.status is not RequestStatus.RUNNING:
+                continue  # taken as a victim after it was listed
             chunk = self._chunk(req, budget, others_left)
             if chunk < 1 or memory.grow(req, req.num_computed_tokens + chunk) is not Alloc.OK:
                 continue
-            scheduled[req] = chunk
+            prefills[req] = chunk
             budget -= chunk
             if req.tier != Tier.P0:
                 others_left -= chunk
@@ -165,8 +177,7 @@ class Scheduler:
             if status is Alloc.NO_SPACE:
                 status = self._reclaim_for(req, out, now, fresh)
                 for victim, _ in out.preempted:
-                    if victim in scheduled:
-                        budget += scheduled.pop(victim)
+                    budget += decodes.pop(victim, 0) + prefills.pop(victim, 0)
             if status is not Alloc.OK:
                 break
             popped = policy.pop(now)
@@ -178,11 +189,12 @@ class Scheduler:
             else:
                 req.record(now, EventKind.READMITTED, f"{req.num_computed_tokens} tokens cached")
             running.append(req)
+            self._unsorted = True
             fresh.add(req)
             out.admitted.append(req)
             chunk = self._chunk(req, budget, others_left)
             if chunk >= 1:
-                scheduled[req] = chunk
+                prefills[req] = chunk
                 budget -= chunk
                 if req.tier != Tier.P0:
                     others_left -= chunk
@@ -193,11 +205,9 @@ class Scheduler:
             if mode is PreemptMode.RECOMPUTE:
                 policy.prepend(victim, now)
 
-        decodes, prefills = [], []
-        for req, n in scheduled.items():
-            seq = ScheduledSeq(req, n)
-            (prefills if req.is_prefilling else decodes).append(seq)
-        out.batch = StepBatch(decodes, prefills)
+        out.batch = StepBatch(
+            [ScheduledSeq(r, 1) for r in decodes], [ScheduledSeq(r, n) for r, n in prefills.items()]
+        )
         return out
 
     # ---- helpers -------------------------------------------------------------------------

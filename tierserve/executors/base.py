@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tierserve.request import Request
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """Compute `num_tokens` tokens of `request`, starting at `request.num_computed_tokens`."""
 
     request: Request

@@ -1,0 +1,104 @@
+"""`tierserve bench overhead`: CPU time of one scheduling pass under a large backlog.
+
+The engine runs on a virtual clock with the trivial executor, so everything measured is
+the scheduler itself: `num_running` requests decoding, `num_waiting` spread over the four
+tiers, and KV memory as the binding limit (so admission, reclaim and aging all run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from typing import Any
+
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig, SchedulerConfig
+from tierserve.engine import Engine
+from tierserve.executors.null import NullExecutor
+from tierserve.request import Request, SamplingParams
+from tierserve.scheduling import POLICIES
+from tierserve.tiers import ALL_TIERS
+
+BLOCK = 16
+PROMPT_TOKENS = 128
+TIER_SHARES = (0.05, 0.60, 0.30, 0.05)
+
+
+def measure(policy: str, num_running: int, num_waiting: int, num_passes: int, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    # Room for `num_running` prompts plus the decode growth over the run, and no more.
+    blocks_each = -(-(PROMPT_TOKENS + num_passes + 64) // BLOCK)
+    executor = NullExecutor(
+        num_device_blocks=int(num_running * blocks_each / 0.85),  # P0's floor stays free
+        num_host_blocks=num_running * blocks_each,
+        block_size=BLOCK,
+        max_model_len=1 << 20,
+    )
+    executor.record = False
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=16384))
+    clock = VirtualClock()
+    engine = Engine(config, policy, executor, clock)
+    serial = 0
+
+    def submit(n: int) -> None:
+        nonlocal serial
+        for _ in range(n):
+            tier = rng.choices(ALL_TIERS, TIER_SHARES)[0]
+            prompt = [rng.randrange(50000) for _ in range(PROMPT_TOKENS)]
+            engine.add_request(
+                Request(f"r{serial}", prompt, SamplingParams(max_tokens=100_000), tier=tier,
+                        arrival_time=clock.now())
+            )
+            serial += 1
+
+    submit(num_running + num_waiting)
+    for _ in range(10 * num_running):  # fill the running set
+        if engine.num_running() >= num_running:
+            break
+        engine.step()
+    samples = []
+    for _ in range(num_passes):
+        submit(max(0, num_running + num_waiting - engine.num_running() - engine.num_waiting()))
+        engine.step()
+        samples.append(engine.stats.last_schedule_cpu_s * 1e6)
+    samples.sort()
+    return {
+        "schedule_us_p50": statistics.median(samples),
+        "schedule_us_p99": samples[min(len(samples) - 1, int(0.99 * len(samples)))],
+        "running": engine.num_running(),
+        "waiting": engine.num_waiting(),
+        "preemptions": engine.stats.num_preemptions(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = args.policies or list(POLICIES)
+    for name in policies:
+        if name not in POLICIES:
+            print(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}", file=sys.stderr)
+            return 2
+    results = {}
+    for name in policies:
+        results[name] = measure(name, args.running, args.waiting, args.passes)
+        if not args.json:
+            r = results[name]
+            print(f"{name:<14} p50 {r['schedule_us_p50']:8.0f} us   p99 {r['schedule_us_p99']:8.0f} us   "
+                  f"running {r['running']:4d}  waiting {r['waiting']:6d}  preemptions {r['preemptions']}",
+                  flush=True)
+    if args.json:
+        print(json.dumps({"running": args.running, "waiting": args.waiting, "passes": args.passes,
+                          "policies": results}, indent=2))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("overhead", help="CPU time of one scheduling pass, per policy")
+    p.add_argument("--running", type=int, default=512, help="running requests (default 512)")
+    p.add_argument("--waiting", type=int, default=10_000, help="waiting requests (default 10000)")
+    p.add_argument("--passes", type=int, default=300, help="scheduling passes measured per policy")
+    p.add_argument("--policies", nargs="+", help="policies to measure (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
