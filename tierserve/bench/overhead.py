@@ -31,6 +31,7 @@ def measure(policy: str, num_running: int, num_waiting: int, num_passes: int, se
     rng = random.Random(seed)
     # Room for `num_running` prompts plus the decode growth over the run, and no more.
     blocks_each = -(-(PROMPT_TOKENS + num_passes + 64) // BLOCK)
+    max_tokens = blocks_each * BLOCK - PROMPT_TOKENS  # nobody finishes while we measure
     executor = NullExecutor(
         num_device_blocks=int(num_running * blocks_each / 0.85),  # P0's floor stays free
         num_host_blocks=num_running * blocks_each,
@@ -49,7 +50,7 @@ def measure(policy: str, num_running: int, num_waiting: int, num_passes: int, se
             tier = rng.choices(ALL_TIERS, TIER_SHARES)[0]
             prompt = [rng.randrange(50000) for _ in range(PROMPT_TOKENS)]
             engine.add_request(
-                Request(f"r{serial}", prompt, SamplingParams(max_tokens=100_000), tier=tier,
+                Request(f"r{serial}", prompt, SamplingParams(max_tokens=max_tokens), tier=tier,
                         arrival_time=clock.now())
             )
             serial += 1
@@ -65,6 +66,7 @@ def measure(policy: str, num_running: int, num_waiting: int, num_passes: int, se
         engine.step()
         samples.append(engine.stats.last_schedule_cpu_s * 1e6)
     samples.sort()
+    assert engine.stats.num_rejected == 0, "the backlog must be admissible"
     return {
         "schedule_us_p50": statistics.median(samples),
         "schedule_us_p99": samples[min(len(samples) - 1, int(0.99 * len(samples)))],

@@ -226,29 +226,20 @@ class Scheduler:
         if same_tier:
             candidates = [r for r in after if r.tier == req.tier]
         key = self.policy.victim_key
-        memory = self.memory
-        return min(candidates, key=lambda r: key(r, memory), default=None)
+        borrowed = self.memory.partition.borrowed(self.memory.pool.used_by_tier)
+        return min(candidates, key=lambda r: key(r, borrowed), default=None)
 
-    def _reclaim_for(
-        self,
-        req: Request,
-        out: SchedulerOutput,
-        now: float,
-        fresh: set[Request],
-    ) -> Alloc:
+    def _reclaim_for(self, req: Request, out: SchedulerOutput, now: float, fresh: set[Request]) -> Alloc:
         """Preempt running requests, as the policy allows, until `req` can be admitted."""
         memory, policy = self.memory, self.policy
-        num_blocks = memory.blocks_for(req.num_tokens)
-        if not policy.preempts_for_admission(req, memory, num_blocks):
+        if not policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
             return Alloc.NO_SPACE
+        borrowed = memory.partition.borrowed(memory.pool.used_by_tier)
+        candidates = [r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)]
+        candidates.sort(key=lambda r: policy.victim_key(r, borrowed), reverse=True)
         status = Alloc.NO_SPACE
-        while status is Alloc.NO_SPACE:
-            candidates = [
-                r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)
-            ]
-            victim = min(candidates, key=lambda r: policy.victim_key(r, memory), default=None)
-            if victim is None:
-                break
+        while status is Alloc.NO_SPACE and candidates:
+            victim = candidates.pop()
             self.running.remove(victim)
             self._preempt(victim, out, now)
             status = memory.admit(req)

@@ -9,7 +9,7 @@ a policy may reorder the queue (aging) but never changes it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import EngineConfig
@@ -96,10 +96,12 @@ class Policy(ABC):
         """Whether a waiting request admitted by preemption may take `victim`'s blocks."""
         return victim.tier > req.tier
 
-    def victim_key(self, victim: Request, memory: KVCacheManager) -> tuple[float, ...]:
-        """Victims are taken smallest key first: lowest tier, borrowers, least work lost."""
-        borrowing = memory.is_borrowing(victim.tier)
-        return (-victim.tier, 0 if borrowing else 1, victim.num_computed_tokens)
+    def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
+        """Victims are taken smallest key first: lowest tier, borrowers, least work lost.
+
+        `borrowed` is the blocks each tier holds beyond its share (`TierPartition.borrowed`).
+        """
+        return (-victim.tier, 0 if borrowed[victim.tier] else 1, victim.num_computed_tokens)
 
     def may_admit(self, req: Request, memory: KVCacheManager) -> bool:
         """A last word before admission (best-effort tiers wait for idle capacity)."""

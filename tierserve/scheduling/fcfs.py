@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from tierserve.config import EngineConfig
@@ -40,5 +40,5 @@ class FcfsPolicy(Policy):
     def running_key(self, req: Request) -> tuple[float, ...]:
         return (req.arrival_time,)
 
-    def victim_key(self, victim: Request, memory: object) -> tuple[float, ...]:
+    def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
         return (-victim.arrival_time,)  # the newest goes first, as in vLLM

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from tierserve.config import EngineConfig
@@ -53,5 +53,5 @@ class VllmPriorityPolicy(Policy):
     def __iter__(self) -> Iterator[Request]:
         return (entry[3] for entry in self._heap if id(entry[3]) not in self._removed)
 
-    def victim_key(self, victim: Request, memory: object) -> tuple[float, ...]:
+    def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
         return (-victim.tier, -victim.arrival_time)
