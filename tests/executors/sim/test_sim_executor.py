@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_request
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig
+from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
+from tierserve.executors.sim.cost_model import SeqChunk
+from tierserve.executors.sim.executor import SimExecutor, build_sim_executor, placeholder_token
+from tierserve.executors.sim.gpus import A100_80GB, GiB
+from tierserve.model_config import DEMO_MODEL, LLAMA_3_1_8B, LLAMA_3_1_70B, ModelConfig
+
+
+def test_spec_derives_blocks_from_kv_capacity_and_host_swap_bytes() -> None:
+    ex = SimExecutor(LLAMA_3_1_70B, A100_80GB, tp=8, block_size=16, host_swap_bytes=64 * GiB)
+    assert ex.spec.num_device_blocks == ex.cost.kv_capacity_tokens(0.9) // 16
+    assert ex.spec.num_host_blocks == 64 * GiB // (16 * 40_960)
+    assert ex.spec.kv_bytes_per_block == 16 * 327_680
+    assert ex.spec.max_model_len == LLAMA_3_1_70B.max_position_embeddings
+    assert ex.spec.eos_token_ids == LLAMA_3_1_70B.eos_token_ids
+
+
+def test_block_count_override_and_max_model_len_cap() -> None:
+    ex = SimExecutor(LLAMA_3_1_8B, A100_80GB, num_device_blocks=100, max_model_len=4096)
+    assert ex.spec.num_device_blocks == 100
+    assert ex.spec.max_model_len == 100 * 16  # no request can hold more than the pool
+    ex = SimExecutor(LLAMA_3_1_8B, A100_80GB, num_device_blocks=1000, max_model_len=4096)
+    assert ex.spec.max_model_len == 4096
+
+
+def test_model_that_does_not_fit_is_rejected() -> None:
+    with pytest.raises(ValueError, match="no memory"):
+        SimExecutor(LLAMA_3_1_70B, A100_80GB, tp=1)
+
+
+def test_execute_samples_exactly_the_sequences_whose_chunk_reaches_the_end() -> None:
+    ex = SimExecutor(LLAMA_3_1_8B, A100_80GB, num_device_blocks=1000)
+    decoding = make_request(num_prompt=10)
+    decoding.num_computed_tokens = 9  # one token left to compute: it samples
+    finishing = make_request(num_prompt=40)
+    finishing.num_computed_tokens = 8
+    partial = make_request(num_prompt=100)  # a 32-token chunk of 100: does not sample
+    batch = StepBatch(
+        decodes=[ScheduledSeq(decoding, 1)],
+        prefills=[ScheduledSeq(finishing, 32), ScheduledSeq(partial, 32)],
+    )
+    result = ex.execute(batch)
+    assert set(result.sampled_token_ids) == {decoding.request_id, finishing.request_id}
+    expected = ex.cost.step_cost([SeqChunk(1, 9), SeqChunk(32, 8), SeqChunk(32, 0)])
+    assert result.duration_s == pytest.approx(expected.total_s)
+    assert result.roofline_s == pytest.approx(expected.roofline_s)
+
+
+@pytest.mark.parametrize("model", [LLAMA_3_1_8B, DEMO_MODEL])
+def test_placeholder_tokens_are_deterministic_varied_and_never_eos(model: ModelConfig) -> None:
+    tokens = [placeholder_token(model, f"r{i}", p) for i in range(50) for p in range(40)]
+    assert tokens == [placeholder_token(model, f"r{i}", p) for i in range(50) for p in range(40)]
+    assert not set(tokens) & {*model.eos_token_ids, model.bos_token_id}
+    assert all(0 <= t < model.vocab_size for t in tokens)
+    assert len(set(tokens)) > 100
+
+
+def test_swaps_cost_the_predicted_host_link_time() -> None:
+    ex = SimExecutor(LLAMA_3_1_70B, A100_80GB, tp=8)
+    mapping = [(i, i) for i in range(64)]
+    assert ex.swap_out(mapping) == ex.swap_in(mapping) == pytest.approx(ex.estimate_swap_s(64))
+    assert ex.estimate_swap_s(64) == pytest.approx(64 * 16 * 40_960 / A100_80GB.host_link_bytes_per_s)
+    assert ex.estimate_prefill_s(2048) == pytest.approx(ex.cost.prefill_s(2048))
+
+
+def test_build_sim_executor_by_name_and_errors_for_unknown_names() -> None:
+    ex = build_sim_executor("llama-3.1-70b", "A100-80GB", tp=8, block_size=32)
+    assert ex.spec.block_size == 32 and ex.tp == 8
+    with pytest.raises(ValueError, match=r"known GPUs: a100-80gb, h100-80gb, h200"):
+        build_sim_executor("llama-3.1-8b", "b200")
+    with pytest.raises(ValueError, match=r"known models: demo, llama-3.1-70b, llama-3.1-8b"):
+        build_sim_executor("mistral-7b", "h200")
+
+
+def test_sim_executor_drives_the_engine_on_a_virtual_clock() -> None:
+    from tierserve.engine import Engine
+
+    executor: Executor = SimExecutor(LLAMA_3_1_70B, A100_80GB, tp=8, num_device_blocks=2048)
+    clock = VirtualClock()
+    engine = Engine(EngineConfig(), "fcfs", executor, clock)
+    requests = [make_request(num_prompt=300, max_tokens=20) for _ in range(4)]
+    for req in requests:
+        assert engine.add_request(req)
+    steps = 0
+    while engine.has_unfinished() and steps < 1000:
+        engine.step()
+        steps += 1
+    assert all(req.num_output_tokens == 20 for req in requests)
+    # 19 more decode steps of ~20 ms after the prefill: the virtual clock moved by about that.
+    assert 0.3 < clock.now() < 1.5
+    assert 0 < engine.stats.roofline_s < engine.stats.busy_s

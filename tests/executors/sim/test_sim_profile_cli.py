@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tierserve.executors.sim import profile_cli
+from tierserve.executors.sim.cost_model import CostModel
+from tierserve.executors.sim.gpus import A100_80GB
+from tierserve.model_config import LLAMA_3_1_70B
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tierserve")
+    profile_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+def test_json_output_has_the_documented_keys_and_model_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "a100-80gb", "--tp", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"prefill_s", "decode_step_s", "kv_bytes_per_token", "kv_capacity_tokens"} <= out.keys()
+    cm = CostModel(A100_80GB, LLAMA_3_1_70B, 8)
+    assert out["prefill_s"] == pytest.approx(cm.prefill_s(2048))  # defaults: 2048-token prefill,
+    assert out["decode_step_s"] == pytest.approx(cm.decode_step_s(1, 2048))  # batch 1 at context 2048
+    assert out["kv_bytes_per_token"] == 327_680
+    assert out["kv_capacity_tokens"] == cm.kv_capacity_tokens(0.9)
+
+
+def test_options_change_the_shapes_predicted(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["profile", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json"]
+    run([*argv, "--batch", "1", "--context", "128", "--prefill-tokens", "128"])
+    small = json.loads(capsys.readouterr().out)
+    run([*argv, "--batch", "64", "--context", "8192", "--prefill-tokens", "8192"])
+    big = json.loads(capsys.readouterr().out)
+    assert big["decode_step_s"] > small["decode_step_s"]
+    assert big["prefill_s"] > small["prefill_s"]
+
+
+def test_text_output_names_each_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["profile", "--model", "llama-3.1-8b", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    for words in (
+        "prefill of 2048 tokens",
+        "decode step, batch 1, context 2048",
+        "K/V bytes per token",
+        "capacity",
+    ):
+        assert words in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt-9", "--gpu", "h200"], "known models"),
+        (["--model", "demo", "--gpu", "tpu-v5"], "known GPUs"),
+        (["--model", "llama-3.1-70b", "--gpu", "h200", "--tp", "3"], "tp=3"),
+        (["--model", "demo", "--gpu", "h200", "--batch", "0"], "--batch"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(["profile", *argv]) == 2
+    assert message in capsys.readouterr().out

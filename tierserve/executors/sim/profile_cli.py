@@ -1,0 +1,121 @@
+"""`tierserve profile`: what the simulator predicts for a model on a GPU.
+
+tierserve profile --model llama-3.1-70b --gpu a100-80gb --tp 8 [--prefill-tokens 2048]
+                  [--batch 1 --context 2048] [--mem-util 0.9] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from tierserve.executors.sim.cost_model import CostModel, SeqChunk
+from tierserve.executors.sim.executor import get_model
+from tierserve.executors.sim.gpus import KNOWN_GPUS, get_gpu
+from tierserve.model_config import KNOWN_MODELS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("profile", help="predicted step times and K/V capacity for a model on a GPU")
+    p.add_argument("--model", required=True, help=f"one of: {', '.join(sorted(KNOWN_MODELS))}")
+    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(sorted(KNOWN_GPUS))}")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    p.add_argument(
+        "--prefill-tokens", type=int, default=2048, help="prompt tokens of one prefill (default 2048)"
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences in a decode step (default 1)")
+    p.add_argument(
+        "--context", type=int, default=2048, help="tokens each decoding sequence holds (default 2048)"
+    )
+    p.add_argument("--mem-util", type=float, default=0.9, help="fraction of GPU memory to use (default 0.9)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """What `tierserve profile` prints; `--json` prints these fields by name."""
+
+    model: str
+    gpu: str
+    tp: int
+    prefill_tokens: int
+    prefill_s: float
+    prefill_roofline_s: float
+    batch: int
+    context: int
+    decode_step_s: float
+    decode_roofline_s: float
+    decode_tokens_per_s: float
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_gpu: int
+    weight_bytes_per_gpu: int
+    mem_util: float
+    kv_capacity_tokens: int
+
+    def text(self) -> str:
+        ms = 1e3
+        return "\n".join(
+            [
+                f"{self.model} on {self.tp} x {self.gpu}",
+                f"  prefill of {self.prefill_tokens} tokens: {ms * self.prefill_s:.2f} ms"
+                f" (roofline {ms * self.prefill_roofline_s:.2f} ms)",
+                f"  decode step, batch {self.batch}, context {self.context}: {ms * self.decode_step_s:.2f} ms"
+                f" (roofline {ms * self.decode_roofline_s:.2f} ms; {self.decode_tokens_per_s:.0f} tokens/s)",
+                f"  K/V bytes per token: {self.kv_bytes_per_token:,}"
+                f" ({self.kv_bytes_per_token_per_gpu:,} per GPU)",
+                f"  K/V capacity at {self.mem_util:.0%} of memory: {self.kv_capacity_tokens:,} tokens",
+            ]
+        )
+
+
+def profile(
+    model_name: str,
+    gpu_name: str,
+    tp: int = 1,
+    prefill_tokens: int = 2048,
+    batch: int = 1,
+    context: int = 2048,
+    mem_util: float = 0.9,
+) -> Profile:
+    """The figures `tierserve profile` prints; ValueError for unknown names or bad shapes."""
+    for name, value in (("prefill-tokens", prefill_tokens), ("batch", batch)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if context < 0:
+        raise ValueError(f"--context must be >= 0, got {context}")
+    cm = CostModel(get_gpu(gpu_name), get_model(model_name), tp)
+    prefill = cm.step_cost([SeqChunk(prefill_tokens, 0)])
+    decode = cm.step_cost([SeqChunk(1, context)] * batch)
+    return Profile(
+        model=cm.model.name,
+        gpu=cm.gpu.name,
+        tp=tp,
+        prefill_tokens=prefill_tokens,
+        prefill_s=prefill.total_s,
+        prefill_roofline_s=prefill.roofline_s,
+        batch=batch,
+        context=context,
+        decode_step_s=decode.total_s,
+        decode_roofline_s=decode.roofline_s,
+        decode_tokens_per_s=batch / decode.total_s,
+        kv_bytes_per_token=cm.kv_bytes_per_token,
+        kv_bytes_per_token_per_gpu=cm.kv_bytes_per_token_per_gpu,
+        weight_bytes_per_gpu=cm.weight_bytes_per_gpu,
+        mem_util=mem_util,
+        kv_capacity_tokens=cm.kv_capacity_tokens(mem_util),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        figures = profile(
+            args.model, args.gpu, args.tp, args.prefill_tokens, args.batch, args.context, args.mem_util
+        )
+    except ValueError as err:
+        print(f"tierserve profile: {err}")
+        return 2
+    print(json.dumps(dataclasses.asdict(figures), indent=2) if args.json else figures.text())
+    return 0
