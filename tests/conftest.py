@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-from tierserve.request import Request, SamplingParams  # noqa: E402
-from tierserve.tiers import Tier  # noqa: E402
+from tierserve.request import Request, SamplingParams
+from tierserve.tiers import Tier
 
 _ids = itertools.count()
 

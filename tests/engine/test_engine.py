@@ -155,7 +155,7 @@ def test_every_request_ends_exactly_once(policy: str, seed: int, blocks: int, sw
                  swap_factor=swap_factor)
     reqs: list[Request] = []
     ended: dict[str, int] = {}
-    for i in range(80):
+    for _i in range(80):
         r = make_request(num_prompt=rng.randint(1, 400), max_tokens=rng.randint(1, 200),
                          tier=rng.choice(ALL_TIERS), arrival=eng.clock.now())
         eng.add_request(r)

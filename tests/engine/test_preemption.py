@@ -15,9 +15,15 @@ from tierserve.tiers import Tier
 
 
 def make_engine(
-    policy: str = "hybrid", blocks: int = 100, host: int = 200, swap_factor: float = 0.3, **executor_kw: object
+    policy: str = "hybrid",
+    blocks: int = 100,
+    host: int = 200,
+    swap_factor: float = 0.3,
+    **executor_kw: object,
 ) -> Engine:
-    executor = NullExecutor(num_device_blocks=blocks, num_host_blocks=host, block_size=16, **executor_kw)  # type: ignore[arg-type]
+    executor = NullExecutor(
+        num_device_blocks=blocks, num_host_blocks=host, block_size=16, **executor_kw  # type: ignore[arg-type]
+    )
     config = EngineConfig(scheduler=SchedulerConfig(swap_factor=swap_factor))
     return Engine(config, policy, executor, VirtualClock())
 
@@ -211,7 +217,7 @@ def test_aging_bounds_the_wait_of_p3_behind_a_p1_flood() -> None:
     p3 = make_request(num_prompt=50, max_tokens=5, tier=Tier.P3)
     eng.add_request(p3)
     aging = config.tiers[Tier.P3].aging_s
-    for i in range(2000):
+    for _i in range(2000):
         now = eng.clock.now()
         if eng.num_waiting(Tier.P1) < 20:  # keep a P1 backlog at all times
             eng.add_request(make_request(num_prompt=50, max_tokens=20, tier=Tier.P1, arrival=now))

@@ -27,7 +27,9 @@ PROMPT_TOKENS = 128
 TIER_SHARES = (0.05, 0.60, 0.30, 0.05)
 
 
-def measure(policy: str, num_running: int, num_waiting: int, num_passes: int, seed: int = 0) -> dict[str, Any]:
+def measure(
+    policy: str, num_running: int, num_waiting: int, num_passes: int, seed: int = 0
+) -> dict[str, Any]:
     rng = random.Random(seed)
     # Room for `num_running` prompts plus the decode growth over the run, and no more.
     blocks_each = -(-(PROMPT_TOKENS + num_passes + 64) // BLOCK)

@@ -107,7 +107,8 @@ class Scheduler:
             if num_tokens > len(req.block_ids) * block_size:
                 status = memory.grow(req, num_tokens)
                 while status is not Alloc.OK:
-                    victim = self._decode_victim(req, running[i + 1 :], same_tier=status is Alloc.OVER_CEILING)
+                    same_tier = status is Alloc.OVER_CEILING
+                    victim = self._decode_victim(req, running[i + 1 :], same_tier=same_tier)
                     if victim is None:
                         break
                     running.remove(victim)
@@ -166,9 +167,10 @@ class Scheduler:
 
         # 4. Admissions in policy order.
         while budget >= 1 and len(running) < cfg.max_num_seqs:
-            req = policy.peek(now)
-            if req is None:
+            head = policy.peek(now)
+            if head is None:
                 break
+            req = head
             if any(self.swapped[t] for t in range(req.tier + 1)):
                 break
             if not policy.may_admit(req, memory):
@@ -235,7 +237,9 @@ class Scheduler:
         if not policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
             return Alloc.NO_SPACE
         borrowed = memory.partition.borrowed(memory.pool.used_by_tier)
-        candidates = [r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)]
+        candidates = [
+            r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)
+        ]
         candidates.sort(key=lambda r: policy.victim_key(r, borrowed), reverse=True)
         status = Alloc.NO_SPACE
         while status is Alloc.NO_SPACE and candidates:

@@ -63,10 +63,7 @@ class BlockPool:
 
     def allocate(self, tier: Tier) -> int:
         """Hand out one block for `tier`; the caller has checked `num_free`."""
-        if self._free:
-            block_id = self._free.pop()
-        else:
-            block_id = self._evict_one()
+        block_id = self._free.pop() if self._free else self._evict_one()
         self.ref_count[block_id] = 1
         self.charged_tier[block_id] = tier
         self.used_by_tier[tier] += 1
@@ -101,7 +98,9 @@ class BlockPool:
             if lru:
                 block_id, _ = lru.popitem(last=False)
                 self._num_evictable -= 1
-                del self._hash_to_block[self.block_hash[block_id]]  # type: ignore[index]
+                block_hash = self.block_hash[block_id]
+                assert block_hash is not None, "an evictable block always has a hash"
+                del self._hash_to_block[block_hash]
                 self.block_hash[block_id] = None
                 self.charged_tier[block_id] = NO_TIER
                 return block_id

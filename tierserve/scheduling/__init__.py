@@ -11,10 +11,10 @@ from tierserve.scheduling.strict import StrictPolicy
 from tierserve.scheduling.vllm_priority import VllmPriorityPolicy
 from tierserve.scheduling.wfq import WfqPolicy
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (FcfsPolicy, StrictPolicy, DrrPolicy, TokenDrrPolicy, WfqPolicy, HybridPolicy, VllmPriorityPolicy)
-}
+_ALL: tuple[type[Policy], ...] = (
+    FcfsPolicy, StrictPolicy, DrrPolicy, TokenDrrPolicy, WfqPolicy, HybridPolicy, VllmPriorityPolicy,
+)
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _ALL}
 
 
 def create_policy(name: str, config: EngineConfig) -> Policy:

@@ -45,15 +45,16 @@ class HybridPolicy(Policy):
         oldest = 0.0
         for tier in FAIR_TIERS_WITH_P3:
             head = sfq.head(tier)
-            if head is not None and now - head.arrival_time > self._aging_s[tier]:
-                if aged is None or head.arrival_time < oldest:
-                    aged, oldest = tier, head.arrival_time
+            if head is None or now - head.arrival_time <= self._aging_s[tier]:
+                continue
+            if aged is None or head.arrival_time < oldest:
+                aged, oldest = tier, head.arrival_time
         if aged is not None:
             return aged, False
         # P3 is best effort: it competes only while no P1 request waits.
         eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3
-        tier = sfq.best(eligible)
-        return None if tier is None else (tier, True)
+        fair = sfq.best(eligible)
+        return None if fair is None else (fair, True)
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)

@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from tierserve.bench.driver import DriverConfig, DriverResult, run_workload
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig
+from tierserve.engine import Engine
+from tierserve.executors.null import NullExecutor
+from tierserve.request import EventKind, Request, RequestStatus
+from tierserve.tiers import Tier
+from tierserve.workloads.spec import RequestSpec
+from tierserve.workloads.synthetic import synthetic_stream
+
+
+def make_engine(policy: str = "hybrid", max_model_len: int = 8192) -> tuple[Engine, VirtualClock]:
+    clock = VirtualClock()
+    executor = NullExecutor(num_device_blocks=4096, num_host_blocks=4096, max_model_len=max_model_len)
+    executor.record = False
+    return Engine(EngineConfig(), policy, executor, clock), clock
+
+
+def spec(
+    index: int,
+    num_prompt: int = 32,
+    max_tokens: int = 4,
+    tier: Tier = Tier.P1,
+    arrival_s: float | None = None,
+) -> RequestSpec:
+    prompt = tuple(range(100 + index, 100 + index + num_prompt))
+    return RequestSpec(index, tier, "t", prompt, max_tokens, arrival_s=arrival_s)
+
+
+def small_stream(n: int) -> Iterator[RequestSpec]:
+    """Synthetic traffic with short outputs, so runs stay small."""
+    for s in itertools.islice(synthetic_stream(1, 2048), n):
+        yield RequestSpec(s.index, s.tier, s.tenant, s.prompt_token_ids[:200], min(s.max_tokens, 12))
+
+
+def test_closed_loop_keeps_exactly_n_in_flight() -> None:
+    engine, clock = make_engine()
+    exhausted = False
+
+    def specs() -> Iterator[RequestSpec]:
+        nonlocal exhausted
+        yield from small_stream(120)
+        exhausted = True
+
+    in_flight: list[int] = []
+    step = engine.step
+
+    def counting_step() -> list:  # type: ignore[type-arg]
+        if not exhausted:
+            in_flight.append(engine.num_waiting() + engine.num_running() + engine.num_swapped())
+        return step()
+
+    engine.step = counting_step  # type: ignore[method-assign]
+    run_workload(engine, clock, specs(), DriverConfig(num_measured=200, concurrency=6))
+    assert len(in_flight) > 20 and set(in_flight) == {6}
+
+
+def test_every_submitted_request_is_accounted_for_even_when_the_run_is_cut_short() -> None:
+    engine, clock = make_engine()
+    specs = [spec(i, max_tokens=2000 if i % 3 == 0 else 3) for i in range(40)]
+    result = run_workload(
+        engine, clock, specs, DriverConfig(num_measured=30, num_warmup=5, concurrency=8, drain_timeout_s=2.0)
+    )
+    statuses = {r.status for r in result.records}
+    assert len(result.records) == 40 and statuses == {RequestStatus.FINISHED, RequestStatus.ABORTED}
+    assert not engine.has_unfinished()
+    assert sorted(r.index for r in result.records if r.measured) == list(range(5, 35))
+    assert result.end_s < 2.0 + max(r.arrival_s for r in result.records) + 1.0
+
+
+def test_rejected_requests_are_recorded_and_the_client_moves_on() -> None:
+    engine, clock = make_engine(max_model_len=256)
+    specs = [spec(0), spec(1, num_prompt=300), spec(2)]
+    result = run_workload(engine, clock, specs, DriverConfig(num_measured=3, concurrency=1))
+    assert sorted(r.index for r in result.records) == [0, 1, 2]
+    assert [r.index for r in result.records if r.status is RequestStatus.REJECTED] == [1]
+
+
+def test_open_loop_submits_at_arrival_times_and_jumps_idle_gaps() -> None:
+    engine, clock = make_engine()
+    submitted: list[Request] = []
+    add = engine.add_request
+
+    def capture(req: Request) -> bool:
+        submitted.append(req)
+        return add(req)
+
+    engine.add_request = capture  # type: ignore[method-assign]
+    specs = [spec(0, arrival_s=0.0), spec(1, arrival_s=0.005), spec(2, arrival_s=100.0)]
+    result = run_workload(engine, clock, specs, DriverConfig(num_measured=3, concurrency=None))
+    assert [r.arrival_time for r in submitted] == [0.0, 0.005, 100.0]
+    arrived = [next(e.time for e in r.events if e.kind is EventKind.ARRIVED) for r in submitted]
+    assert arrived[0] == 0.0 and arrived[1] >= 0.005 and arrived[2] == 100.0  # idle until 100 s
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+
+
+def test_a_conversation_turn_carries_the_previous_real_answer() -> None:
+    engine, clock = make_engine()
+    prompts: list[list[int]] = []
+    add = engine.add_request
+    engine.add_request = lambda req: prompts.append(list(req.prompt_token_ids)) or add(req)  # type: ignore
+    first = RequestSpec(0, Tier.P0, "c", (1, 2, 3), 2, conversation_id="c")
+    second = RequestSpec(
+        1, Tier.P0, "c", (1, 2, 3, 900, 901, 50), 2, conversation_id="c", num_history_tokens=5
+    )
+    run_workload(engine, clock, [first, second], DriverConfig(num_measured=2, concurrency=1))
+    assert prompts[1] == [1, 2, 3, 7, 7, 50]  # NullExecutor answers with token 7
+
+
+def test_window_covers_the_measured_requests_only() -> None:
+    engine, clock = make_engine()
+    result = run_workload(
+        engine, clock, small_stream(60), DriverConfig(num_measured=30, num_warmup=10, concurrency=4)
+    )
+    measured = [r for r in result.records if r.measured]
+    assert {r.index for r in measured} == set(range(10, 40))
+    assert result.window.start_s == min(r.arrival_s for r in measured)
+    assert result.window.end_s == max(r.finish_s for r in measured)
+    assert 0 < result.window.num_generated_tokens < result.stats.num_generated_tokens
+
+
+def run_twice() -> tuple[DriverResult, DriverResult]:
+    out = []
+    for _ in range(2):
+        engine, clock = make_engine()
+        out.append(
+            run_workload(engine, clock, small_stream(80), DriverConfig(num_measured=50, concurrency=8))
+        )
+    return out[0], out[1]
+
+
+def test_same_workload_same_records() -> None:
+    a, b = run_twice()
+    assert a.records == b.records and a.window == b.window
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError):
+        DriverConfig(num_measured=0)

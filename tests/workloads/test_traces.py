@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierserve.workloads.traces import TraceFormatError, load_azure_csv, load_mooncake_jsonl, load_trace
+
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_azure_rows_become_arrivals_from_the_first_row(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "a.csv",
+        AZURE_HEADER + "2023-11-16 18:17:03.9799600,4808,10\n2023-11-16 18:17:05.4799600,110,0\n",
+    )
+    records = load_azure_csv(path)
+    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in records] == [
+        (0.0, 4808, 10),
+        (pytest.approx(1.5), 110, 0),
+    ]
+    assert records[1].line == 3
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("2023-11-16 18:17:04.0,12\n", "expected 3 columns"),
+        ("yesterday,12,3\n", "TIMESTAMP"),
+        ("2023-11-16 18:17:04.0,twelve,3\n", "ContextTokens must be an integer"),
+        ("2023-11-16 18:17:04.0,0,3\n", "ContextTokens must be >= 1"),
+        ("2023-11-16 18:17:04.0,12,-3\n", "GeneratedTokens must be >= 0"),
+        ("2023-11-16 18:17:02.0,12,3\n", "back in time"),
+    ],
+)
+def test_azure_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
+    path = write(tmp_path, "a.csv", AZURE_HEADER + "2023-11-16 18:17:03.0,5,5\n" + row)
+    with pytest.raises(TraceFormatError, match=message) as err:
+        load_azure_csv(path)
+    assert str(err.value).startswith(f"{path}:3:")
+
+
+def test_azure_wrong_header_is_line_1(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match=r"a\.csv:1: expected the header"):
+        load_azure_csv(write(tmp_path, "a.csv", "time,in,out\n"))
+
+
+def test_mooncake_rows_keep_hash_ids_and_ms_timestamps(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "m.jsonl",
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n'
+        '\n{"timestamp": 2500, "input_length": 512, "output_length": 1, "hash_ids": [0]}\n',
+    )
+    records = load_mooncake_jsonl(path)
+    assert records[0].hash_ids == (0, 1) and records[1].arrival_s == 2.5 and records[1].line == 3
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": 1, "input_length": 10, "hash_ids": [1]}', "missing 'output_length'"),
+        ('{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+        (
+            '{"timestamp": 1, "input_length": 10.5, "output_length": 1, "hash_ids": [1]}',
+            "input_length must be an integer",
+        ),
+        ('{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [1]}', "needs 2 hash ids"),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [-4]}',
+            "hash id must be >= 0",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": 4}',
+            "hash_ids must be a list",
+        ),
+    ],
+)
+def test_mooncake_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+    path = write(tmp_path, "m.jsonl", good + good + row + "\n")
+    with pytest.raises(TraceFormatError, match=message) as err:
+        load_mooncake_jsonl(path)
+    assert str(err.value).startswith(f"{path}:3:")
+
+
+def test_load_trace_picks_the_format_by_extension(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="unknown trace format"):
+        load_trace(write(tmp_path, "t.txt", "x"))
+    with pytest.raises(FileNotFoundError):
+        load_trace(tmp_path / "missing.csv")
+
+
+def test_the_shared_traces_load(shared_data: Path) -> None:
+    azure = load_trace(shared_data / "AzureLLMInferenceTrace_code.csv")
+    mooncake = load_trace(shared_data / "mooncake_conversation_trace.jsonl")
+    assert len(azure) == 8819 and len(mooncake) == 12031
+    assert azure[-1].arrival_s == pytest.approx(3435.948056)
+    assert all(len(r.hash_ids) == -(-r.num_prompt_tokens // 512) for r in mooncake)

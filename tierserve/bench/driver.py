@@ -1,0 +1,223 @@
+"""Drive an engine with a workload in virtual time, closed or open loop.
+
+Requests `[num_warmup, num_warmup + num_measured)` of the stream (by `RequestSpec.index`,
+and arriving after `warmup_s`) are measured. Closed loop: `concurrency` clients, each
+submitting its next request the moment its previous one ends (or is rejected). Open loop:
+each spec is submitted at the first step boundary at or after its `arrival_s`; the clock
+jumps to the next arrival while the engine is idle. After the measured requests, the
+workload keeps flowing (cool-down, not measured) so that the last measured requests see
+the same load; the run ends when every measured request has ended, when the stream runs
+out, or `drain_timeout_s` after the last measured arrival. Whatever is left is aborted,
+and every submitted request must then be final: the driver asserts it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from tierserve.bench.metrics import BlockSampler, RequestRecord, Window
+from tierserve.clock import VirtualClock
+from tierserve.engine import Engine, EngineStats
+from tierserve.request import Request, RequestStatus, SamplingParams
+from tierserve.tiers import ALL_TIERS
+from tierserve.workloads.spec import RequestSpec
+
+MAX_IDLE_STEPS = 1000  # steps in a row that neither take time nor end a request: the engine is stuck
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    num_measured: int
+    num_warmup: int = 0
+    warmup_s: float = 0.0
+    concurrency: int | None = 32  # None: open loop (every spec must carry `arrival_s`)
+    drain_timeout_s: float = 600.0
+    max_requests: int | None = None  # cap on submissions; default 4 x (warm-up + measured)
+
+    def __post_init__(self) -> None:
+        if self.num_measured < 1 or self.num_warmup < 0:
+            raise ValueError("need num_measured >= 1 and num_warmup >= 0")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+    def is_measured(self, spec: RequestSpec, arrival_s: float) -> bool:
+        return (
+            self.num_warmup <= spec.index < self.num_warmup + self.num_measured and arrival_s >= self.warmup_s
+        )
+
+
+@dataclass(frozen=True)
+class DriverResult:
+    records: list[RequestRecord]  # every submitted request, final, in submission order
+    window: Window
+    stats: EngineStats
+    end_s: float
+
+
+class _Run:
+    def __init__(
+        self, engine: Engine, clock: VirtualClock, specs: Iterable[RequestSpec], config: DriverConfig
+    ) -> None:
+        self.engine, self.clock, self.config = engine, clock, config
+        self.specs: Iterator[RequestSpec] = iter(specs)
+        self.next_spec: RequestSpec | None = next(self.specs, None)
+        self.max_requests = config.max_requests or 4 * (config.num_warmup + config.num_measured)
+        self.live: dict[str, tuple[Request, int, bool]] = {}  # request id -> (request, index, measured)
+        self.records: list[RequestRecord] = []
+        self.num_submitted = 0
+        self.num_measured_live = 0
+        self.last_turn: dict[str, Request] = {}  # conversation id -> its latest request
+        self.sampler = BlockSampler()
+        self.start: tuple[float, int, float, float] | None = None  # (time, tokens, roofline, busy)
+        self.window: Window | None = None
+        self.deadline = math.inf
+
+    # ---- submission ----------------------------------------------------------------------
+
+    def _all_measured_submitted(self) -> bool:
+        return (
+            self.next_spec is None
+            or self.next_spec.index >= self.config.num_warmup + self.config.num_measured
+        )
+
+    def _may_submit(self) -> bool:
+        if self.next_spec is None or self.num_submitted >= self.max_requests:
+            return False
+        return not (
+            self._all_measured_submitted() and self.num_measured_live == 0 and self.window is not None
+        )
+
+    def _prompt(self, spec: RequestSpec) -> list[int]:
+        """The spec's prompt, with the previous turn's real answer in place of the stand-in."""
+        prompt = list(spec.prompt_token_ids)
+        if spec.conversation_id is None:
+            return prompt
+        previous = self.last_turn.get(spec.conversation_id)
+        if (
+            spec.num_history_tokens
+            and previous is not None
+            and previous.status is RequestStatus.FINISHED
+            and previous.num_tokens == spec.num_history_tokens
+        ):
+            prompt[: spec.num_history_tokens] = previous.token_ids
+        return prompt
+
+    def _submit(self, spec: RequestSpec) -> None:
+        now = self.clock.now()
+        arrival = now if self.config.concurrency is not None else spec.arrival_s
+        assert arrival is not None, f"open loop: spec {spec.index} has no arrival time"
+        req = Request(
+            f"r{spec.index}",
+            self._prompt(spec),
+            SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+            tier=spec.tier,
+            tenant=spec.tenant,
+            arrival_time=arrival,
+        )
+        measured = self.config.is_measured(spec, arrival)
+        if measured and self.start is None:
+            s = self.engine.stats
+            self.start = (now, s.num_generated_tokens, s.roofline_s, s.busy_s)
+        if spec.conversation_id is not None:
+            self.last_turn[spec.conversation_id] = req
+        self.num_submitted += 1
+        self.next_spec = next(self.specs, None)
+        if self._all_measured_submitted() and math.isinf(self.deadline):
+            self.deadline = now + self.config.drain_timeout_s
+        if self.engine.add_request(req):
+            self.live[req.request_id] = (req, spec.index, measured)
+            self.num_measured_live += measured
+        else:
+            self.records.append(RequestRecord.of(req, spec.index, measured))
+
+    def _submit_due(self) -> None:
+        limit = self.config.concurrency
+        while self._may_submit():
+            spec = self.next_spec
+            assert spec is not None
+            if limit is not None and len(self.live) >= limit:
+                return
+            if limit is None and (spec.arrival_s is None or spec.arrival_s > self.clock.now()):
+                return
+            self._submit(spec)
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def _end(self, req: Request) -> None:
+        _, index, measured = self.live.pop(req.request_id)
+        self.records.append(RequestRecord.of(req, index, measured))
+        self.num_measured_live -= measured
+
+    def _step(self) -> bool:
+        """One engine step; False if it neither took time nor ended a request."""
+        memory = self.engine.memory
+        used = [memory.used_blocks(t) for t in ALL_TIERS]
+        borrowed = [memory.borrowed_blocks(t) for t in ALL_TIERS]
+        before = self.clock.now()
+        outputs = self.engine.step()
+        if self.start is not None and self.window is None:
+            self.sampler.add(self.clock.now() - before, used, borrowed)
+        ended = [o.request for o in outputs if o.finished]
+        for req in ended:
+            self._end(req)
+        return self.clock.now() > before or bool(ended)
+
+    def _close_window(self) -> None:
+        if self.window is not None:
+            return
+        s = self.engine.stats
+        t0, tokens0, roofline0, busy0 = self.start or (
+            self.clock.now(),
+            s.num_generated_tokens,
+            s.roofline_s,
+            s.busy_s,
+        )
+        self.window = Window(
+            t0,
+            self.clock.now(),
+            s.num_generated_tokens - tokens0,
+            s.roofline_s - roofline0,
+            s.busy_s - busy0,
+            self.sampler.usage(),
+        )
+
+    def run(self) -> DriverResult:
+        num_idle = 0
+        while True:
+            if self.start is not None and self._all_measured_submitted() and self.num_measured_live == 0:
+                self._close_window()
+            self._submit_due()
+            if self.window is not None or self.clock.now() >= self.deadline:
+                break
+            if self.engine.has_unfinished():
+                num_idle = 0 if self._step() else num_idle + 1
+                if num_idle > MAX_IDLE_STEPS:
+                    raise RuntimeError(
+                        f"engine made no progress in {MAX_IDLE_STEPS} steps with "
+                        f"{len(self.live)} requests live"
+                    )
+            elif self.next_spec is not None and self.config.concurrency is None and self._may_submit():
+                assert self.next_spec.arrival_s is not None
+                self.clock.advance_to(self.next_spec.arrival_s)
+            else:
+                break
+        self._close_window()
+        for request_id in list(self.live):
+            self.engine.abort(request_id)
+            self._end(self.live[request_id][0])
+        unaccounted = [r.request_id for r in self.records if not r.status.is_final]
+        assert not unaccounted and not self.engine.has_unfinished(), (
+            f"requests not accounted for: {unaccounted}"
+        )
+        assert len(self.records) == self.num_submitted, "a submitted request has no record"
+        assert self.window is not None
+        return DriverResult(self.records, self.window, self.engine.stats, self.clock.now())
+
+
+def run_workload(
+    engine: Engine, clock: VirtualClock, specs: Iterable[RequestSpec], config: DriverConfig
+) -> DriverResult:
+    """Run `specs` through `engine` (which must run on `clock`) as `config` says."""
+    return _Run(engine, clock, specs, config).run()

@@ -1,0 +1,159 @@
+"""Loaders for public request traces (sizes and arrival times only, no text).
+
+- Azure LLM inference trace (CSV): `TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock
+  timestamps such as ``2023-11-16 18:17:03.9799600``.
+- Mooncake trace (JSON lines): `timestamp` (ms from start), `input_length`, `output_length`,
+  `hash_ids` (one id per 512-token prefix block; the last block may be partial).
+
+A malformed row raises `TraceFormatError` naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tierserve.workloads.tokens import TRACE_BLOCK_TOKENS
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceFormatError(ValueError):
+    """A trace file is malformed; the message starts with ``file:line:``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    arrival_s: float  # from the first row of the trace
+    num_prompt_tokens: int
+    num_output_tokens: int  # may be 0 in a trace; the replay asks for at least 1
+    hash_ids: tuple[int, ...] = ()  # prefix blocks, empty when the trace has none
+    line: int = 0
+
+
+def _count(where: str, name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"{where}: {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise TraceFormatError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _int_field(where: str, name: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise TraceFormatError(f"{where}: {name} must be an integer, got {text!r}") from None
+    return _count(where, name, value, minimum)
+
+
+def _check_order(where: str, arrival_s: float, previous_s: float) -> None:
+    if arrival_s < previous_s:
+        raise TraceFormatError(
+            f"{where}: timestamp goes back in time ({arrival_s:.3f} s < {previous_s:.3f} s)"
+        )
+
+
+def load_azure_csv(path: str | Path) -> list[TraceRecord]:
+    p = Path(path)
+    records: list[TraceRecord] = []
+    with p.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or tuple(h.strip() for h in header) != AZURE_COLUMNS:
+            raise TraceFormatError(f"{p}:1: expected the header {','.join(AZURE_COLUMNS)}, got {header!r}")
+        origin: datetime | None = None
+        for row in reader:
+            where = f"{p}:{reader.line_num}"
+            if not row:
+                continue
+            if len(row) != len(AZURE_COLUMNS):
+                raise TraceFormatError(f"{where}: expected {len(AZURE_COLUMNS)} columns, got {len(row)}")
+            try:
+                stamp = datetime.fromisoformat(row[0].strip())
+            except ValueError:
+                raise TraceFormatError(f"{where}: TIMESTAMP {row[0]!r} is not a date and time") from None
+            origin = origin or stamp
+            arrival_s = (stamp - origin).total_seconds()
+            _check_order(where, arrival_s, records[-1].arrival_s if records else 0.0)
+            records.append(
+                TraceRecord(
+                    arrival_s,
+                    _int_field(where, "ContextTokens", row[1], 1),
+                    _int_field(where, "GeneratedTokens", row[2], 0),
+                    line=reader.line_num,
+                )
+            )
+    if not records:
+        raise TraceFormatError(f"{p}: no rows")
+    return records
+
+
+def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
+    p = Path(path)
+    records: list[TraceRecord] = []
+    with p.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            where = f"{p}:{line_no}"
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(f"{where}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise TraceFormatError(f"{where}: expected a JSON object")
+            for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+                if key not in row:
+                    raise TraceFormatError(f"{where}: missing {key!r}")
+            stamp = row["timestamp"]
+            if (
+                isinstance(stamp, bool)
+                or not isinstance(stamp, (int, float))
+                or not math.isfinite(stamp)
+                or stamp < 0
+            ):
+                raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
+            num_prompt = _count(where, "input_length", row["input_length"], 1)
+            hash_ids = row["hash_ids"]
+            if not isinstance(hash_ids, list):
+                raise TraceFormatError(f"{where}: hash_ids must be a list")
+            for h in hash_ids:
+                _count(where, "each hash id", h, 0)
+            num_blocks = -(-num_prompt // TRACE_BLOCK_TOKENS)
+            if len(hash_ids) != num_blocks:
+                raise TraceFormatError(
+                    f"{where}: input_length {num_prompt} needs {num_blocks} hash ids "
+                    f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
+                )
+            arrival_s = stamp / 1000.0
+            _check_order(where, arrival_s, records[-1].arrival_s if records else 0.0)
+            records.append(
+                TraceRecord(
+                    arrival_s,
+                    num_prompt,
+                    _count(where, "output_length", row["output_length"], 0),
+                    tuple(hash_ids),
+                    line=line_no,
+                )
+            )
+    if not records:
+        raise TraceFormatError(f"{p}: no rows")
+    return records
+
+
+def load_trace(path: str | Path) -> list[TraceRecord]:
+    """Pick the loader by extension: .csv (Azure) or .jsonl (Mooncake)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such trace file")
+    if p.suffix == ".csv":
+        return load_azure_csv(p)
+    if p.suffix in (".jsonl", ".json"):
+        return load_mooncake_jsonl(p)
+    raise TraceFormatError(f"{p}: unknown trace format (expected .csv or .jsonl)")
