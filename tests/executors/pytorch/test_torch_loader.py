@@ -1,0 +1,137 @@
+"""Loading local Hugging Face directories: what loads, and the error each broken file gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch_checkpoints import BOS_ID, EOS_ID, Checkpoint
+from torch_paged_runner import prompt_logits
+
+from tierserve.executors.pytorch.executor import build_torch_executor
+from tierserve.executors.pytorch.hf_config import ModelLoadError
+from tierserve.executors.pytorch.loader import load_model, make_demo_model
+from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer
+
+CPU = torch.device("cpu")
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, CPU)
+    return str(info.value)
+
+
+def test_sharded_checkpoint_loads_the_same_weights(make_checkpoint) -> None:
+    ckpt: Checkpoint = make_checkpoint(max_shard_size="60KB")
+    assert (ckpt.path / "model.safetensors.index.json").exists()
+    assert len(list(ckpt.path.glob("*.safetensors"))) > 1
+    executor, _ = build_torch_executor(ckpt.path, dtype=torch.float64, num_device_blocks=8)
+    prompt = [5, 9, 200, 31, 7]
+    torch.testing.assert_close(prompt_logits(executor, prompt), ckpt.logits(prompt), atol=1e-9, rtol=1e-9)
+
+
+def test_tokenizer_eos_bos_and_chat_template(checkpoint: Checkpoint) -> None:
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    assert isinstance(tok, HFTokenizer)
+    assert tok.eos_token_ids == (EOS_ID,)
+    ids = tok.encode("hello world")
+    assert ids[0] == BOS_ID and tok.decode(ids) == "hello world"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.count(BOS_ID) == 1 and chat[0] == BOS_ID  # the template's BOS, not a second one
+    assert tok.decode(chat) == "<|user|>hi<|assistant|>"  # </s> is special: skipped on decode
+
+
+def test_generation_config_eos_ids_win_over_config_json(checkpoint: Checkpoint) -> None:
+    (checkpoint.path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    executor, tok = build_torch_executor(checkpoint.path, num_device_blocks=4)
+    assert tok.eos_token_ids == (1, 7)
+    assert executor.spec.eos_token_ids == (1, 7)
+
+
+def test_without_chat_template_a_plain_format_is_used(checkpoint: Checkpoint) -> None:
+    edit_json(checkpoint.path / "tokenizer_config.json", chat_template=None)
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "user: hi\nassistant:"
+
+
+def test_unsupported_architecture_is_rejected(checkpoint: Checkpoint) -> None:
+    edit_json(checkpoint.path / "config.json", architectures=["GPT2LMHeadModel"])
+    message = load_error(checkpoint.path)
+    assert "config.json" in message and "GPT2LMHeadModel" in message and "unsupported" in message
+
+
+def test_unsupported_rope_type_is_rejected(checkpoint: Checkpoint) -> None:
+    edit_json(checkpoint.path / "config.json", rope_parameters={"rope_type": "yarn", "factor": 2.0})
+    assert "yarn" in load_error(checkpoint.path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_missing_file_is_named(checkpoint: Checkpoint, name: str) -> None:
+    (checkpoint.path / name).unlink()
+    message = load_error(checkpoint.path)
+    assert "missing file" in message
+    assert name in message or "safetensors" in message
+
+
+def test_missing_shard_listed_in_the_index_is_named(make_checkpoint) -> None:
+    ckpt: Checkpoint = make_checkpoint(max_shard_size="60KB")
+    shard = sorted(ckpt.path.glob("*.safetensors"))[-1]
+    shard.unlink()
+    message = load_error(ckpt.path)
+    assert shard.name in message and "missing file" in message
+
+
+def test_malformed_json_is_named(checkpoint: Checkpoint) -> None:
+    (checkpoint.path / "config.json").write_text('{"hidden_size": 64,')
+    message = load_error(checkpoint.path)
+    assert "config.json" in message and "malformed JSON" in message
+
+
+def test_missing_config_field_is_named(checkpoint: Checkpoint) -> None:
+    edit_json(checkpoint.path / "config.json", hidden_size=None)
+    message = load_error(checkpoint.path)
+    assert "config.json" in message and "hidden_size" in message
+
+
+def test_missing_tensor_is_named(checkpoint: Checkpoint) -> None:
+    edit_json(checkpoint.path / "config.json", num_hidden_layers=3)  # layer 2 is not in the file
+    message = load_error(checkpoint.path)
+    assert "model.layers.2." in message and "not found" in message and "model.safetensors" in message
+
+
+def test_tensor_shape_not_matching_config_is_named(checkpoint: Checkpoint) -> None:
+    edit_json(checkpoint.path / "config.json", intermediate_size=100)
+    message = load_error(checkpoint.path)
+    assert (
+        "model.safetensors" in message
+        and "mlp" in message
+        and "(128, 64)" in message
+        and "(100, 64)" in message
+    )
+
+
+def test_not_a_directory_is_rejected(tmp_path: Path) -> None:
+    assert "not a directory" in load_error(tmp_path / "nowhere")
+
+
+def test_demo_model_is_deterministic_and_needs_no_files() -> None:
+    a, b = make_demo_model(CPU), make_demo_model(CPU)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+    loaded = load_model("demo", CPU)
+    assert isinstance(loaded.tokenizer, ByteTokenizer)
+    assert loaded.model.config.name == "demo"

@@ -1,0 +1,81 @@
+"""`tierserve generate` and the `generate()` function, on the seeded demo model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+torch = pytest.importorskip("torch")
+
+from tierserve import generate as gen  # noqa: E402
+from tierserve.executors.pytorch.executor import build_torch_executor  # noqa: E402
+
+BOS = 256
+
+
+@pytest.fixture(scope="module")
+def demo():
+    torch.set_num_threads(1)
+    return build_torch_executor("demo", num_device_blocks=64, num_host_blocks=8)
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    gen.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["generate", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def test_prompt_ids_are_what_the_model_was_fed_bos_included(demo) -> None:
+    result = gen.generate(*demo, "Hi!", max_tokens=12, ignore_eos=True)
+    assert result.prompt_token_ids == [BOS, *b"Hi!"]
+    assert len(result.token_ids) == 12 and result.finish_reason == "length"
+    assert gen.generate(*demo, "Hi!", max_tokens=12, ignore_eos=True) == result  # greedy is deterministic
+
+
+def test_chat_prompt_goes_through_the_template(demo) -> None:
+    result = gen.generate(*demo, "Hi", max_tokens=2, chat=True)
+    assert result.prompt_token_ids == [BOS, *b"user: Hi\nassistant:"]
+
+
+def test_seed_makes_sampling_reproducible(demo) -> None:
+    kw = {"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True}
+    a = gen.generate(*demo, "seeded", seed=3, **kw)
+    assert gen.generate(*demo, "seeded", seed=3, **kw).token_ids == a.token_ids
+    assert gen.generate(*demo, "seeded", seed=4, **kw).token_ids != a.token_ids
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(demo) -> None:
+    kw = {"max_tokens": 48, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    full = gen.generate(*demo, "go", **kw)
+    # The first printable ASCII character that appears after the start of the text.
+    index = next(
+        i
+        for i, ch in enumerate(full.text)
+        if i >= 2 and ch.isascii() and ch.isprintable() and ch not in full.text[:i]
+    )
+    stop = full.text[index]
+    cut = gen.generate(*demo, "go", stop=[stop], **kw)
+    assert cut.text == full.text[:index]
+    assert cut.finish_reason == "stop"
+    assert len(cut.token_ids) < len(full.token_ids)
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_cli_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["--prompt", "abc", "--max-tokens", "5", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_token_ids"] == [BOS, *b"abc"]
+    assert len(out["token_ids"]) == 5 and isinstance(out["text"], str)
+
+
+def test_cli_prints_text_and_reports_bad_models(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    assert cli(["--prompt", "abc", "--max-tokens", "3"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+    assert cli(["--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "not a directory" in capsys.readouterr().err

@@ -1,0 +1,306 @@
+"""`tierserve bench engine`: the real engine on the demo model against Hugging Face generate().
+
+Same weights everywhere (the seeded demo model, copied into a transformers
+`LlamaForCausalLM`), greedy decoding, EOS ignored so every request runs to its own
+max_tokens. Throughput counts only the tokens each request asked for. Then P0's TTFT,
+alone and under a flood of P2 requests (policy hybrid). Importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierserve.config import EngineConfig
+    from tierserve.executors.pytorch.executor import TorchExecutor
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(
+    num_prompts: int,
+    seed: int,
+    prompt_range: tuple[int, ...] = (16, 256),
+    output_range: tuple[int, ...] = (16, 128),
+) -> Workload:
+    """Seeded prompts of random byte tokens, each with its own max_tokens."""
+    rng = random.Random(seed)
+    (lo, hi), (out_lo, out_hi) = prompt_range, output_range
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
+    return Workload(prompts, [rng.randint(out_lo, out_hi) for _ in range(num_prompts)])
+
+
+def _engine(executor: TorchExecutor, config: EngineConfig) -> Any:
+    from tierserve.clock import WallClock
+    from tierserve.engine import Engine
+
+    return Engine(config, "hybrid", executor, WallClock())
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, tier: Any, now: float) -> Any:
+    from tierserve.request import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(prompt), params, tier=tier, tenant="bench", arrival_time=now)
+
+
+def run_tierserve(
+    executor: TorchExecutor, config: EngineConfig, w: Workload
+) -> tuple[float, list[list[int]]]:
+    """All prompts submitted at once; continuous batching. Returns (tokens/s, outputs)."""
+    from tqdm import tqdm
+
+    from tierserve.tiers import Tier
+
+    engine = _engine(executor, config)
+    reqs = [
+        _request(f"r{i}", p, m, Tier.P1, engine.clock.now())
+        for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens, strict=True))
+    ]
+    start = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r)
+    with tqdm(total=w.num_output_tokens, desc="tierserve", file=sys.stderr, leave=False) as bar:
+        while engine.has_unfinished():
+            bar.update(sum(len(o.new_token_ids) for o in engine.step()))
+    elapsed = time.perf_counter() - start
+    return w.num_output_tokens / elapsed, [r.output_token_ids for r in reqs]
+
+
+def build_hf_model(executor: TorchExecutor) -> Any:
+    """A transformers LlamaForCausalLM holding the executor's (demo) weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = executor.model.config
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_size,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    hf: Any = LlamaForCausalLM(hf_config)
+    hf = hf.eval().to(executor.device)
+    result = hf.load_state_dict(executor.model.state_dict(), strict=False)
+    # A tied model has no lm_head tensor of its own: transformers ties it to the embeddings.
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not map onto transformers' Llama: {result}")
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def run_hf_serial(hf: Any, w: Workload) -> tuple[float, list[list[int]]]:
+    import torch
+    from tqdm import tqdm
+
+    outputs = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt, n in tqdm(
+            list(zip(w.prompts, w.max_tokens, strict=True)),
+            desc="HF one at a time",
+            file=sys.stderr,
+            leave=False,
+        ):
+            ids = torch.tensor([prompt], device=hf.device)
+            out = hf.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return w.num_output_tokens / (time.perf_counter() - start), outputs
+
+
+def run_hf_batched(hf: Any, w: Workload, pad_id: int = 0) -> float:
+    """One left-padded batch; runs to the longest max_tokens, counts only the wanted tokens."""
+    import torch
+
+    width = max(map(len, w.prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in w.prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in w.prompts], device=hf.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(w.max_tokens), do_sample=False)
+    return w.num_output_tokens / (time.perf_counter() - start)
+
+
+def _until_first_token(engine: Any, req: Any) -> float:
+    while req.first_token_time is None:
+        engine.step()
+    ttft: float = req.ttft_s
+    return ttft
+
+
+def measure_p0_ttft(
+    executor: TorchExecutor, config: EngineConfig, p0_prompts: list[list[int]], flood: Workload | None
+) -> tuple[list[float], list[float]]:
+    """TTFTs of P0 requests arriving at step boundaries, and arriving as a step begins.
+
+    With `flood`, all its requests are submitted as P2 first; the first P0 arrives with
+    the flood still queued, the later ones while it runs. The second list charges each
+    P0 the step in flight when it arrived (a request cannot join a running step).
+    """
+    from tierserve.tiers import Tier
+
+    engine = _engine(executor, config)
+    now = engine.clock.now
+    for i, (p, m) in enumerate(zip(flood.prompts, flood.max_tokens, strict=True) if flood else []):
+        engine.add_request(_request(f"flood{i}", p, m, Tier.P2, now()))
+    boundary, in_flight = [], []
+    for i, prompt in enumerate(p0_prompts):
+        req = _request(f"p0-{i}", prompt, 1, Tier.P0, now())
+        engine.add_request(req)
+        boundary.append(_until_first_token(engine, req))
+        engine.step()  # the flood moves on between measurements
+        arrival = now()
+        engine.step()  # the step that was running when the P0 arrived
+        # The same tokens reversed: a prompt the prefix cache has not seen.
+        req = _request(f"p0-late-{i}", prompt[::-1], 1, Tier.P0, arrival)
+        engine.add_request(req)
+        in_flight.append(_until_first_token(engine, req))
+    for rid in [f"flood{i}" for i in range(len(flood.prompts) if flood else 0)]:
+        engine.abort(rid)
+    return boundary, in_flight
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tierserve.config import EngineConfig, SchedulerConfig
+    from tierserve.executors.pytorch.executor import build_torch_executor
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)  # the same for the engine and the HF baselines
+    begin = time.perf_counter()
+    executor, _ = build_torch_executor("demo", args.device)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, p0_step_tokens=args.p0_step_tokens
+        )
+    )
+    w = make_workload(args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens))
+    run_tierserve(executor, config, make_workload(4, args.seed + 1, output_range=(4, 8)))  # warm-up
+    # Best of `repeats`: on a shared machine the slower runs measure the neighbours.
+    runs = [run_tierserve(executor, config, w) for _ in range(args.repeats)]
+    ts_tps, ts_out = max(runs, key=lambda r: r[0])
+    res: dict[str, Any] = {
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "num_prompts": args.num_prompts,
+        "num_output_tokens": w.num_output_tokens,
+        "tierserve_tokens_per_s": ts_tps,
+    }
+    import importlib.util
+
+    if args.skip_hf or importlib.util.find_spec("transformers") is None:
+        print("transformers baselines skipped", file=sys.stderr)
+    else:
+        hf = build_hf_model(executor)
+        run_hf_serial(hf, make_workload(2, args.seed + 1, output_range=(4, 8)))  # warm-up
+        res["hf_serial_tokens_per_s"], hf_out = run_hf_serial(hf, w)
+        res["hf_batched_tokens_per_s"] = max(run_hf_batched(hf, w) for _ in range(args.repeats))
+        res["speedup_vs_hf_batched"] = ts_tps / res["hf_batched_tokens_per_s"]
+        res["speedup_vs_hf_serial"] = ts_tps / res["hf_serial_tokens_per_s"]
+        res["greedy_agreement_with_hf"] = sum(a == b for a, b in zip(ts_out, hf_out, strict=True)) / len(
+            w.prompts
+        )
+    # Distinct prompts everywhere, so no P0 request is served from the prefix cache.
+    p0_prompts = make_workload(2 * args.num_p0, args.seed + 2, prompt_range=(128, 128)).prompts
+    alone, _ = measure_p0_ttft(executor, config, p0_prompts[: args.num_p0], None)
+    flood = make_workload(args.flood, args.seed + 3, tuple(args.prompt_tokens), tuple(args.output_tokens))
+    flood_boundary, flood_in_flight = measure_p0_ttft(executor, config, p0_prompts[args.num_p0 :], flood)
+    res.update(
+        p0_ttft_alone_s=_median(alone),
+        p0_ttft_under_flood_s=_median(flood_boundary),
+        p0_ttft_flood_ratio=_median(flood_boundary) / _median(alone),
+        p0_ttft_under_flood_max_s=max(flood_boundary),
+        p0_ttft_under_flood_in_flight_s=_median(flood_in_flight),
+        num_flood_requests=args.flood,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        p0_step_tokens=args.p0_step_tokens,
+        elapsed_s=time.perf_counter() - begin,
+    )
+    return res
+
+
+_ROWS = (
+    ("tierserve engine (continuous batching)", "tierserve_tokens_per_s", "tok/s"),
+    ("HF generate(), one request at a time", "hf_serial_tokens_per_s", "tok/s"),
+    ("HF generate(), one left-padded batch", "hf_batched_tokens_per_s", "tok/s"),
+    ("speed-up vs HF padded batch (target >= 2)", "speedup_vs_hf_batched", "x"),
+    ("greedy outputs identical to HF", "greedy_agreement_with_hf", "fraction"),
+    ("P0 TTFT alone (median)", "p0_ttft_alone_s", "s"),
+    ("P0 TTFT under P2 flood (median)", "p0_ttft_under_flood_s", "s"),
+    ("flood / alone (target <= 2)", "p0_ttft_flood_ratio", "x"),
+    ("P0 TTFT under flood, arriving mid-step", "p0_ttft_under_flood_in_flight_s", "s"),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("engine", help="real engine on the demo model vs Hugging Face generate()")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        nargs=2,
+        default=[16, 128],
+        metavar=("MIN", "MAX"),
+        help="each request's max_tokens, drawn in this range",
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--flood", type=int, default=64, help="P2 requests submitted before the P0 ones")
+    p.add_argument("--num-p0", type=int, default=5, help="P0 requests measured per scenario")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="step token budget")
+    p.add_argument("--p0-step-tokens", type=int, default=128, help="other tiers' prefill tokens per P0 step")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for every contender (0 = torch's default); 1 is steadiest on a shared box",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="runs of the engine and HF batch; the best counts")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    res = bench(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    head = f"{res['num_prompts']} prompts, {res['num_output_tokens']} output tokens"
+    print(f"demo model on {res['device']} ({res['threads']} threads): {head}")
+    for label, key, unit in _ROWS:
+        if key in res:
+            print(f"  {label:<44} {res[key]:>10.4g} {unit}")
+    return 0

@@ -1,0 +1,5 @@
+"""Real execution: a Llama-family model in PyTorch over the paged K/V pool (see docs/torch-executor.md).
+
+Import the modules directly (`tierserve.executors.pytorch.executor`, ...); this package
+file imports nothing, so `stop.py` stays usable without loading torch.
+"""

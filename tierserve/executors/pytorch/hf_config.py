@@ -1,0 +1,160 @@
+"""Parse a Hugging Face `config.json` into a `ModelConfig`, rejecting what we cannot run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierserve.model_config import ModelConfig, RopeScaling
+
+
+class ModelLoadError(Exception):
+    """A model directory cannot be loaded; the message names the file and what is wrong."""
+
+
+# Architecture -> whether q/k/v projections carry a bias.
+SUPPORTED_ARCHITECTURES: dict[str, bool] = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    config: ModelConfig
+    architecture: str
+    qkv_bias: bool
+    checkpoint_dtype: str | None  # "bfloat16", ... as the checkpoint declares it
+    max_model_len: int  # positions the model may attend over (a sliding window caps it)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: malformed JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _int(path: Path, raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "missing" if key not in raw else f"must be a positive integer, got {value!r}"
+        raise ModelLoadError(f"{path}: {key}: {what}")
+    return value
+
+
+def _float(path: Path, raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ModelLoadError(f"{path}: {key}: must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _architecture(path: Path, raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and archs:
+        arch = str(archs[0])
+    elif raw.get("model_type") in _MODEL_TYPES:
+        arch = _MODEL_TYPES[raw["model_type"]]
+    else:
+        raise ModelLoadError(f"{path}: no 'architectures' list and no known 'model_type'")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        known = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {known})")
+    return arch
+
+
+def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files
+    # have `rope_theta` and `rope_scaling` at the top level.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{path}: rope_scaling: expected an object, got {params!r}")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ModelLoadError(f"{path}: rope_type {kind!r} is not supported (supported: default, llama3)")
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid {e}") from None
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ModelLoadError(f"{path}: llama3 rope scaling: high_freq_factor must exceed low_freq_factor")
+    return theta, scaling
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int))
+    return ()
+
+
+def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None) -> HFModelSpec:
+    """Read `path` (config.json); EOS ids come from generation_config.json when it has them."""
+    raw = read_json(path)
+    arch = _architecture(path, raw)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise ModelLoadError(f"{path}: attention_bias / mlp_bias are not supported for {arch}")
+    if raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: use_sliding_window is not supported")
+    heads = _int(path, raw, "num_attention_heads")
+    kv_heads = _int(path, raw, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    hidden = _int(path, raw, "hidden_size")
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
+        raise ModelLoadError(f"{path}: head_dim must be a positive even integer, got {head_dim!r}")
+    if head_dim is None and hidden % heads:
+        raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    theta, scaling = _rope(path, raw)
+    dtype = raw.get("torch_dtype", raw.get("dtype"))
+    gen = generation_config or {}
+    eos = _eos_ids(gen.get("eos_token_id")) or _eos_ids(raw.get("eos_token_id"))
+    bos = raw.get("bos_token_id")
+    config = ModelConfig(
+        name=str(raw.get("_name_or_path") or path.parent.name),
+        vocab_size=_int(path, raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int(path, raw, "intermediate_size"),
+        num_hidden_layers=_int(path, raw, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=_int(path, raw, "max_position_embeddings", 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=_float(path, raw, "rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        head_dim=head_dim,
+        bos_token_id=bos if isinstance(bos, int) else None,
+        eos_token_ids=eos,
+        dtype_bytes=_DTYPES.get(str(dtype), 2),
+    )
+    max_len = config.max_position_embeddings
+    window = raw.get("sliding_window")
+    if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
+        max_len = min(max_len, window)  # within the window, sliding attention is full attention
+    return HFModelSpec(config, arch, SUPPORTED_ARCHITECTURES[arch], str(dtype) if dtype else None, max_len)

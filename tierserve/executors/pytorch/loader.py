@@ -1,0 +1,174 @@
+"""Load a model and its tokenizer: the seeded demo model, or a local Hugging Face directory.
+
+Never touches the network. A directory holds config.json, *.safetensors (one file, or
+shards listed in model.safetensors.index.json), tokenizer.json, and optionally
+tokenizer_config.json (chat template, special tokens) and generation_config.json (EOS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierserve.executors.pytorch.hf_config import ModelLoadError, parse_hf_config, read_json
+from tierserve.executors.pytorch.model import CausalLM
+from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from tierserve.model_config import DEMO_MODEL, ModelConfig
+
+DEMO_SEED = 0
+_INIT_STD = 0.02  # Hugging Face's default initializer_range
+_HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    max_model_len: int
+
+
+def make_demo_model(
+    device: torch.device, dtype: torch.dtype = torch.float32, seed: int = DEMO_SEED
+) -> CausalLM:
+    """The demo model with weights drawn from a fixed seed: identical on every start-up."""
+    model = CausalLM(DEMO_MODEL)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * _INIT_STD)
+    return model.to_device(device, dtype)
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it (for error messages and loading)."""
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.exists():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index_path}: no 'weight_map' object")
+        files = {name: directory / str(f) for name, f in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing file (listed in {index_path.name})")
+        return files
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{directory}: missing file: no *.safetensors weights")
+    from safetensors import safe_open
+
+    files = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+                files[name] = shard
+    return files
+
+
+def load_weights(model: CausalLM, directory: Path) -> None:
+    """Copy every parameter of `model` from the directory's safetensors, checking names and shapes."""
+    from safetensors import SafetensorError, safe_open
+
+    files = _weight_files(directory)
+    expected = dict(model.named_parameters())
+    where = ", ".join(sorted({p.name for p in files.values()}))
+    missing = [name for name in expected if name not in files]
+    if missing:
+        raise ModelLoadError(
+            f"{directory}: tensor {missing[0]!r} not found in {where} ({len(missing)} missing)"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in names:
+                        tensor = f.get_tensor(name)
+                        param = expected[name]
+                        if tuple(tensor.shape) != tuple(param.shape):
+                            raise ModelLoadError(
+                                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                f"config.json implies {tuple(param.shape)}"
+                            )
+                        param.copy_(tensor)
+            except SafetensorError as e:
+                raise ModelLoadError(f"{path}: unreadable safetensors: {e}") from None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
+    from tokenizers import Tokenizer as RawTokenizer
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing file")
+    try:
+        raw = RawTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad files
+        raise ModelLoadError(f"{path}: cannot be read as a tokenizer: {e}") from None
+    tok_config: dict[str, Any] = {}
+    if (directory / "tokenizer_config.json").exists():
+        tok_config = read_json(directory / "tokenizer_config.json")
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not template and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    bos = _token_text(tok_config.get("bos_token"))
+    eos = _token_text(tok_config.get("eos_token"))
+    if bos is None and config.bos_token_id is not None:
+        bos = raw.id_to_token(config.bos_token_id)
+    eos_ids = config.eos_token_ids
+    eos_id = raw.token_to_id(eos) if eos is not None else None
+    if not eos_ids and eos_id is not None:
+        eos_ids = (int(eos_id),)
+    if eos is None and eos_ids:
+        eos = raw.id_to_token(eos_ids[0])
+    return HFTokenizer(
+        raw,
+        eos_ids,
+        chat_template=template if isinstance(template, str) else None,
+        bos_token=bos,
+        eos_token=eos,
+    )
+
+
+def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
+    """`source` is "demo" or a local Hugging Face model directory."""
+    if str(source) == "demo":
+        model = make_demo_model(device, dtype or torch.float32)
+        return LoadedModel(model, ByteTokenizer(), DEMO_MODEL.max_position_embeddings)
+    directory = Path(source)
+    if not directory.is_dir():
+        raise ModelLoadError(
+            f"{directory}: not a directory (give 'demo' or a local Hugging Face model directory)"
+        )
+    gen_path = directory / "generation_config.json"
+    gen_config = read_json(gen_path) if gen_path.exists() else None
+    spec = parse_hf_config(directory / "config.json", gen_config)
+    tokenizer = load_tokenizer(directory, spec.config)
+    if dtype is None:
+        # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
+        half = _HALF_DTYPES.get(spec.checkpoint_dtype or "", torch.bfloat16)
+        dtype = torch.float32 if device.type == "cpu" else half
+    with torch.device("meta"):
+        model = CausalLM(spec.config, qkv_bias=spec.qkv_bias)
+    model.to_empty(device=device)
+    model.to_device(device, dtype)
+    load_weights(model, directory)
+    return LoadedModel(model, tokenizer, spec.max_model_len)

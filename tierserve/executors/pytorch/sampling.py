@@ -1,0 +1,77 @@
+"""Token sampling: greedy, temperature, top-k, top-p — stateless and reproducible.
+
+The random draw for a request's k-th output token uses a generator seeded from
+(seed, k) alone, so a request preempted by recompute samples the same tokens again.
+A request without a seed gets one derived from its id and the sampler's salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tierserve.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed from a request seed and an output-token index (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled float32 logits of one row, with top-k/top-p exclusions set to -inf."""
+    scaled = logits.to(torch.float32) / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    request_id: str
+    params: SamplingParams
+    output_index: int  # how many tokens the request had generated before this one
+
+
+class Sampler:
+    def __init__(self, salt: int | None = None):
+        self.salt = int.from_bytes(os.urandom(8), "little") if salt is None else salt
+
+    def seed_for(self, req: SampleRequest) -> int:
+        if req.params.seed is not None:
+            return req.params.seed
+        digest = hashlib.blake2b(
+            req.request_id.encode(), digest_size=8, key=(self.salt & _MASK64).to_bytes(8, "little")
+        )
+        return int.from_bytes(digest.digest(), "little")
+
+    def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
+        """One token per row of `logits` ([len(requests), vocab])."""
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        for row, req in enumerate(requests):
+            if req.params.temperature > 0:
+                tokens[row] = self._draw(logits[row].cpu(), req)
+        return [int(t) for t in tokens]
+
+    def _draw(self, logits: torch.Tensor, req: SampleRequest) -> int:
+        probs = torch.softmax(filter_logits(logits, req.params), dim=-1)
+        gen = torch.Generator().manual_seed(mix_seed(self.seed_for(req), req.output_index))
+        return int(torch.multinomial(probs, 1, generator=gen).item())
