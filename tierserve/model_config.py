@@ -93,7 +93,7 @@ LLAMA_3_1_70B = ModelConfig(
 # byte-level tokenizer (256 bytes + BOS=256, EOS=257, PAD=258). Small enough for a CPU.
 DEMO_MODEL = ModelConfig(
     name="demo",
-    vocab_size=512,
+    vocab_size=259,  # every id decodes to a byte or a special token
     hidden_size=256,
     intermediate_size=768,
     num_hidden_layers=4,
