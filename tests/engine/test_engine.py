@@ -185,3 +185,24 @@ def test_every_request_ends_exactly_once(policy: str, seed: int, blocks: int, sw
     stats = eng.stats
     assert stats.num_finished + stats.num_rejected + stats.num_aborted == len(reqs)
     assert eng.memory.num_free_blocks == eng.memory.num_blocks
+
+
+def test_p0_solo_prefill_leaves_lower_tiers_out_of_p0_prefill_steps_but_never_twice() -> None:
+    eng = engine("hybrid", blocks=2000, p0_solo_prefill=True, max_num_batched_tokens=64)
+    batch_reqs = [make_request(num_prompt=20, max_tokens=200, tier=Tier.P2) for _ in range(4)]
+    for r in batch_reqs:
+        eng.add_request(r)
+    eng.step()
+    eng.step()
+    p0 = make_request(num_prompt=200, max_tokens=2, tier=Tier.P0)  # four 64-token chunks
+    eng.add_request(p0)
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    seen = len(executor.batches)
+    while p0.first_token_time is None:
+        eng.step()
+    p0_steps = executor.batches[seen:]
+    solo = [all(s.request.tier is Tier.P0 for s in b.seqs) for b in p0_steps]
+    assert solo[0], "the first P0 prefill step carries no P2 work"
+    assert all(not (a and b) for a, b in zip(solo, solo[1:], strict=False)), "never two solo steps running"
+    assert any(not s for s in solo), "P2 decodes still ran while P0 prefilled in chunks"

@@ -202,7 +202,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     executor, _ = build_torch_executor("demo", args.device)
     config = EngineConfig(
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, p0_step_tokens=args.p0_step_tokens
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            p0_step_tokens=args.p0_step_tokens,
+            p0_solo_prefill=args.p0_solo_prefill,
         )
     )
     w = make_workload(args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens))
@@ -245,6 +247,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         num_flood_requests=args.flood,
         max_num_batched_tokens=args.max_num_batched_tokens,
         p0_step_tokens=args.p0_step_tokens,
+        p0_solo_prefill=args.p0_solo_prefill,
         elapsed_s=time.perf_counter() - begin,
     )
     return res
@@ -286,6 +289,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=int,
         default=1,
         help="torch CPU threads for every contender (0 = torch's default); 1 is steadiest on a shared box",
+    )
+    p.add_argument(
+        "--p0-solo-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a step that prefills P0 leaves P2-P3 decodes out (on a CPU they cost as much as the prefill)",
     )
     p.add_argument("--repeats", type=int, default=2, help="runs of the engine and HF batch; the best counts")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")

@@ -55,6 +55,7 @@ class Scheduler:
         self.swapped: tuple[deque[Request], ...] = tuple(deque() for _ in ALL_TIERS)
         self._forced: list[Request] = []  # victims named from outside, taken at the next pass
         self._unsorted = False  # requests joined `running` since it was last put in policy order
+        self._last_solo = False  # the last step was a P0-only prefill step (p0_solo_prefill)
 
     def add(self, req: Request) -> None:
         self.policy.add(req, self.clock.now())
@@ -201,6 +202,9 @@ class Scheduler:
                 if req.tier != Tier.P0:
                     others_left -= chunk
 
+        if policy.protects_p0_steps and cfg.p0_solo_prefill:
+            self._solo_p0(decodes, prefills)
+
         # Victims preempted by recompute rejoin the queue only now, so that the policy's
         # order cannot shift between its peek and pop, nor re-admit them in this pass.
         for victim, mode in out.preempted:
@@ -213,6 +217,17 @@ class Scheduler:
         return out
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _solo_p0(self, decodes: dict[Request, int], prefills: dict[Request, int]) -> None:
+        """Leave P2-P3 work out of a step that prefills P0, so that P0's first token waits
+        for nothing but P0-P1 work. Never two steps running, so nothing starves."""
+        if self._last_solo or not any(r.tier == Tier.P0 for r in prefills):
+            self._last_solo = False
+            return
+        self._last_solo = True
+        for work in (decodes, prefills):
+            for req in [r for r in work if r.tier >= Tier.P2]:
+                del work[req]
 
     def _chunk(self, req: Request, budget: int, others_left: int) -> int:
         cfg = self.config.scheduler
