@@ -24,6 +24,7 @@ DEFAULT_POLICIES = ("fcfs", "drr", "wfq", "strict", "vllm-priority", "hybrid")
 DEFAULT_CONCURRENCY = (32, 64, 128, 256, 512)
 QUICK_CONCURRENCY = (32, 128)
 DEFAULT_RATES_RPS = (5.0, 10.0, 20.0)
+WARMUP_WAVES = 3
 MIN_P0_MEASURED = 120  # P0 is 5 % of traffic: its P95 needs enough samples
 QUICK_MEASURED = 200
 BASELINE_POLICY = "fcfs"  # one request at a time: the policy has nothing to choose
@@ -60,7 +61,7 @@ class Sweep:
     tier_mix: str = "5/60/30/5"
     num_measured: int = 2400
     num_warmup: int | None = None  # None: the concurrency (closed loop) or 10 % of the measured (open)
-    drain_timeout_s: float = 600.0
+    drain_timeout_s: float = 1800.0
     config_path: str | None = None
     # Every client's request may run at once, so KV memory, not a seat cap, is the limit
     # (in the article, no priority runs out of memory at 512).
@@ -70,7 +71,9 @@ class Sweep:
     def warmup(self, load: Load) -> int:
         if self.num_warmup is not None:
             return self.num_warmup
-        return load.concurrency if load.concurrency is not None else self.num_measured // 10
+        # Closed loop: the first wave of N requests all arrive at t = 0, a burst the engine
+        # needs a while to absorb; three waves put the measurement in the steady state.
+        return WARMUP_WAVES * load.concurrency if load.concurrency is not None else self.num_measured // 10
 
     def fit_trace(self, num_rows: int) -> Sweep:
         """This sweep with as many measured requests as fit in the trace after the warm-up."""
@@ -264,7 +267,8 @@ def _setup(sweep: Sweep, factory: ExecutorFactory) -> dict[str, Any]:
         else "tier drawn from the tier mix with the seed; "
         "lengths from the tier's distribution (docs/benchmark.md)",
         "measured_requests_per_run": sweep.num_measured,
-        "warmup": "the first N requests, N = concurrency (closed loop) or 10 % of the measured (open loop)"
+        "warmup": f"the first {WARMUP_WAVES} x concurrency requests (closed loop) "
+        "or 10 % of the measured (open loop)"
         if sweep.num_warmup is None
         else f"the first {sweep.num_warmup} requests",
         "drain_timeout_s": None if math.isinf(sweep.drain_timeout_s) else sweep.drain_timeout_s,
@@ -342,7 +346,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument("--requests", type=int, help="measured requests per run (default: enough for 120 P0)")
-    p.add_argument("--warmup", type=int, help="warm-up requests per run (default: the concurrency)")
+    p.add_argument("--warmup", type=int, help="warm-up requests per run (default: 3 x the concurrency)")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -393,7 +397,7 @@ def sweep_from_args(args: argparse.Namespace) -> Sweep:
         tier_mix=args.tier_mix,
         num_measured=measured,
         num_warmup=args.warmup,
-        drain_timeout_s=args.drain_timeout or 600.0,
+        drain_timeout_s=args.drain_timeout or 1800.0,
         config_path=args.config,
         max_num_seqs=args.max_num_seqs,
         extra_setup={"quick": bool(args.quick)},
