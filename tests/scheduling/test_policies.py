@@ -138,7 +138,7 @@ def test_hybrid_aging_is_evaluated_while_requests_wait() -> None:
     p3 = make_request(tier=Tier.P3, arrival=0.0)
     policy.add(p3, 0.0)
     for i in range(50):
-        policy.add(make_request(tier=Tier.P1, arrival=0.01 * i), 0.0)
+        policy.add(make_request(tier=Tier.P1, arrival=0.01 * (i + 1)), 0.0)
     aging = config.tiers[Tier.P3].aging_s
     assert policy.peek(aging - 0.1).tier is Tier.P1
     # Nothing was re-enqueued: the same queue, a later pass, and P3 is now first.
@@ -176,3 +176,16 @@ def test_removed_requests_never_come_out() -> None:
         served = drain(policy, 2)
         assert set(map(id, served)) == {id(reqs[1]), id(reqs[3])}, name
         assert policy.num_waiting() == 0
+
+
+def test_hybrid_aging_never_lets_a_request_overtake_an_older_more_urgent_one() -> None:
+    policy = create_policy("hybrid", EngineConfig())
+    old_p1 = make_request(tier=Tier.P1, arrival=0.0)
+    aged_p3 = make_request(tier=Tier.P3, arrival=1.0)
+    policy.add(old_p1, 0.0)
+    policy.add(aged_p3, 1.0)
+    # At t = 20 both waited long; P3's 5 s threshold is passed, P1's 30 s is not, but the
+    # P1 request is older: it goes first.
+    assert policy.peek(20.0) is old_p1
+    policy.pop(20.0)
+    assert policy.peek(20.0) is aged_p3

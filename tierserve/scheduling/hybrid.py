@@ -3,8 +3,11 @@ P1–P2 by weighted fair queuing; P3 best effort; aging so nothing waits forever
 
 Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): the
 head of a tier that has waited longer than the tier's `aging_s` is served ahead of the
-fair order, oldest first, right after P0. It changes the order only — memory is always
-accounted to the tier the tenant is entitled to, so an aged P1 never holds P0's floor.
+fair order, oldest first, right after P0 — unless a more urgent tier's head has waited
+longer still, so aging never lets a request overtake an older, more urgent one (under
+overload every head ages, and the lower tiers' shorter thresholds would otherwise invert
+the priorities). It changes the order only — memory is always accounted to the tier the
+tenant is entitled to, so an aged P1 never holds P0's floor.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ class HybridPolicy(Policy):
                 continue
             if aged is None or head.arrival_time < oldest:
                 aged, oldest = tier, head.arrival_time
-        if aged is not None:
+        if aged is not None and not any(
+            (head := sfq.head(t)) is not None and head.arrival_time <= oldest for t in FAIR_TIERS[: aged - 1]
+        ):
             return aged, False
         # P3 is best effort: it competes only while no P1 request waits.
         eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3

@@ -1,0 +1,98 @@
+"""`tierserve bench serve`: seeded workload, the overhead arithmetic, and a tiny real run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tierserve.bench import serve_bench
+from tierserve.bench.serve_bench import summarize
+from tierserve.server.loadgen import Outcome, make_specs
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_bench.register(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+def test_workload_is_seeded_and_follows_the_tier_mix() -> None:
+    a = make_specs(400, 3, [5, 60, 30, 5], (64, 128), (16, 32))
+    assert a == make_specs(400, 3, [5, 60, 30, 5], (64, 128), (16, 32))
+    assert a != make_specs(400, 4, [5, 60, 30, 5], (64, 128), (16, 32))
+    share = sum(s.tier == "P1" for s in a) / len(a)
+    assert 0.5 < share < 0.7
+    assert all(16 <= s.max_tokens <= 32 for s in a)
+    assert not any(s.tier == "P0" for s in make_specs(100, 0, [0, 1, 1, 1], (8, 8), (1, 1)))
+
+
+def test_overhead_is_http_ttft_minus_engine_ttft_split_into_request_and_response_paths() -> None:
+    outcomes = [
+        Outcome("P0", "ok", ttft_s=0.150, e2e_s=1.0, num_output_tokens=10, request_id="a"),
+        Outcome("P1", "ok", ttft_s=0.300, e2e_s=1.0, num_output_tokens=10, request_id="b"),
+        Outcome("P1", "503:queue_full"),
+    ]
+    # engine: id -> (TTFT in the engine, first token on the event loop at); http: (body in at, chunk out at)
+    engine = {"a": (0.100, 10.100), "b": (0.250, 20.250)}
+    http = {"a": (9.998, 10.103), "b": (19.999, 20.252)}
+    r = summarize(outcomes, engine, http, wall_s=2.0, config={})
+    assert r.num_ok == 2 and r.rejections == {"503:queue_full": 1}
+    assert r.request_path_p50_ms == pytest.approx(1.5) and r.response_path_p50_ms == pytest.approx(2.5)
+    assert r.api_overhead_p50_ms == pytest.approx(4.0) and r.api_overhead_samples == 2
+    assert r.client_overhead_p50_ms == pytest.approx(50.0)
+    assert r.tiers["P1"]["rejected"] == 1 and r.tiers["P0"]["engine_ttft_p50_ms"] == pytest.approx(100.0)
+    assert r.output_tokens_per_s == 10.0
+
+
+def test_arguments_are_bounded() -> None:
+    assert serve_bench.run(_parse(["serve", "--requests", "0"])) == 2
+    assert serve_bench.run(_parse(["serve", "--tier-mix", "1/2/3"])) == 2
+    with pytest.raises(SystemExit):
+        _parse(["serve", "--max-tokens", "9-3"])
+
+
+def test_a_small_run_against_the_sim_server_reports_every_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "serve.json"
+    args = _parse(
+        [
+            "serve",
+            "--requests",
+            "16",
+            "--concurrency",
+            "4",
+            "--prompt-tokens",
+            "16-48",
+            "--max-tokens",
+            "2-6",
+            "--duration-s",
+            "60",
+            "--model",
+            "llama-3.1-8b",
+            "--tp",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
+    assert serve_bench.run(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    assert printed["num_sent"] == 16 and printed["num_ok"] == 16 and printed["rejections"] == {}
+    assert printed["api_overhead_samples"] == 16
+    for key in (
+        "api_overhead_p50_ms",
+        "api_overhead_p99_ms",
+        "client_overhead_p99_ms",
+        "request_path_p50_ms",
+        "response_path_p50_ms",
+    ):
+        assert printed[key] is not None and printed[key] > 0, key
+    assert printed["api_overhead_p50_ms"] <= printed["client_overhead_p50_ms"]
+    assert sum(t["sent"] for t in printed["tiers"].values()) == 16
+    assert printed["output_tokens_per_s"] > 0

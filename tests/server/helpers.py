@@ -1,0 +1,120 @@
+"""Stand-ins and a live-server harness for the server tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tierserve.engine import Engine
+from tierserve.executors.base import StepBatch, StepResult
+from tierserve.executors.null import NullExecutor
+from tierserve.server.config import ServeConfig
+from tierserve.server.drain import DrainingServer
+from tierserve.server.embedded import embedded_server, loopback_socket
+from tierserve.server.state import ServerState, build_state
+
+T = TypeVar("T")
+MODEL = "stand-in"
+REPLY = "Hello, world! The quick brown fox jumps over the lazy dog. "
+
+
+class ByteTokenizer:
+    """Ids 0-255 are bytes; 256 is BOS, 257 EOS."""
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (257,)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [256, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+
+
+class TextExecutor(NullExecutor):
+    """A stand-in executor whose requests all answer REPLY, byte by byte, over and over."""
+
+    def __init__(self, **kw: object) -> None:
+        kw.setdefault("step_s", 0.002)
+        kw.setdefault("per_token_s", 1e-6)
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.record = False
+        self._reply = REPLY.encode()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        sampled = {
+            s.request.request_id: self._reply[s.request.num_output_tokens % len(self._reply)]
+            for s in batch.seqs
+            if s.samples
+        }
+        duration = self.step_s + self.per_token_s * batch.num_tokens
+        return StepResult(duration, sampled, roofline_s=duration / 2)
+
+
+def free_socket() -> socket.socket:
+    return loopback_socket()
+
+
+@dataclass
+class LiveServer:
+    url: str
+    state: ServerState
+    server: DrainingServer
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def begin_drain(self) -> None:
+        loop = self.server._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(self.server.begin_drain)
+
+    def inspect(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread, between steps."""
+        loop = self.server._loop
+        assert loop is not None
+        future = asyncio.run_coroutine_threadsafe(self.state.engine.inspect(fn), loop)
+        result: T = future.result(timeout=10)
+        return result
+
+    def wait_engine_idle(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.inspect(lambda e: e.has_unfinished()):
+            if time.monotonic() > deadline:
+                raise AssertionError("engine still has unfinished requests")
+            time.sleep(0.02)
+
+
+def make_state(
+    config: ServeConfig | None = None, *, policy: str = "hybrid", **executor_kw: object
+) -> ServerState:
+    executor = TextExecutor(**executor_kw)
+    return build_state(
+        config or ServeConfig(),
+        executor,
+        ByteTokenizer(),
+        model_name=MODEL,
+        vocab_size=512,
+        policy=policy,
+        pace=True,
+    )
+
+
+@contextmanager
+def live_server(state: ServerState, *, drain_timeout_s: float = 5.0) -> Iterator[LiveServer]:
+    """Run the app under uvicorn in a thread on a free loopback port."""
+    with embedded_server(state, drain_timeout_s=drain_timeout_s) as srv:
+        yield LiveServer(srv.url, srv.state, srv.server, srv.thread)

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible API against a live uvicorn server, called with the official client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.server.helpers import MODEL, REPLY, LiveServer, live_server, make_state
+from tierserve.server.admission import ThroughputMeter
+from tierserve.server.config import parse_serve_config
+from tierserve.tiers import Tier
+
+CONTEXT = 4096
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    config = parse_serve_config({"server": {"max_body_bytes": 64 * 1024}, "limits": {"queue_cap": {"P3": 0}}})
+    with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="anything", max_retries=0)
+
+
+def test_chat_completion_returns_the_text_and_usage(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)
+    assert r.choices[0].message.content == REPLY[:12]
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len("user: hi\nassistant:") + 1  # + BOS
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_stream_sends_role_text_finish_usage_and_done(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY[:9]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 9
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_non_streaming_and_streaming(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="Say hello", max_tokens=5, seed=3, temperature=0.5, top_p=0.9
+    )
+    assert r.object == "text_completion" and r.choices[0].text == REPLY[:5]
+    assert r.usage is not None and r.usage.prompt_tokens == len("Say hello") + 1
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=7, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == REPLY[:7]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_the_answer_before_it(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=200,
+        stop=["quick", "never"],
+    )
+    assert r.choices[0].message.content == REPLY[: REPLY.index("quick")]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage is not None and r.usage.completion_tokens == REPLY.index("quick") + len("quick")
+    chunks = list(client.completions.create(model=MODEL, prompt="x", max_tokens=200, stop="fox", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == REPLY[: REPLY.index("fox")]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_tier_comes_from_the_header_or_the_body(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-request-tier": "realtime"}
+    )
+    assert raw.headers["x-tierserve-tier"] == "P0"
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"priority": 2}
+    )
+    assert raw.headers["x-tierserve-tier"] == "P2"
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert raw.headers["x-tierserve-tier"] == "P1"  # the open tenant's default
+
+
+def test_health_and_ready(server: LiveServer) -> None:
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def test_queue_cap_refuses_with_503_retry_after_and_queue_depth(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"x-request-tier": "P3"},
+        )
+    assert e.value.status_code == 503
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    error = e.value.response.json()["error"]
+    assert error["code"] == "queue_full" and error["current_queue_depth"] == 0 and error["retry_after"] >= 1
+
+
+def test_estimated_wait_beyond_the_deadline_is_refused_early(
+    server: LiveServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = server.state
+    now = state.clock.now()
+    meter = ThroughputMeter(window_s=10.0)
+    for i in range(40):  # 4 starts per second over the last 10 s
+        meter.record(now - 10 + (i + 1) * 0.25)
+    monkeypatch.setattr(state.admission, "_meter", meter)
+    monkeypatch.setattr(
+        state.engine, "queued_by_tier", lambda: {Tier.P0: 0, Tier.P1: 30, Tier.P2: 0, Tier.P3: 0}
+    )
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    error = e.value.response.json()["error"]
+    assert error["code"] == "deadline" and error["current_queue_depth"] == 30
+    assert error["retry_after"] == pytest.approx(30 / 4 - 5.0, rel=0.2)
+    # A realtime request has nobody ahead of it and goes through.
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_headers={"x-request-tier": "P0"},
+    )
+    assert r.choices[0].finish_reason == "length"
+
+
+def _post(server: LiveServer, path: str, body: object) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+
+
+CHAT = {"model": MODEL, "messages": MESSAGES}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": CONTEXT}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
+        ("/v1/chat/completions", {**CHAT, "temperature": 3}, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {**CHAT, "priority": 7}, "priority"),
+        ("/v1/chat/completions", {**CHAT, "stop": ["a"] * 20}, "stop"),
+        ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+            "messages.0.role",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "x" * CONTEXT}]},
+            "messages",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "x" * CONTEXT}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field(server: LiveServer, path: str, body: object, param: str) -> None:
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param.split(".")[0] in error["message"]
+    assert set(error) >= {"message", "type", "param", "code"}
+
+
+def test_invalid_json_is_400(server: LiveServer) -> None:
+    r = _post(server, "/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+
+
+def test_bad_tier_header_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            extra_headers={"x-request-tier": "urgent"},
+        )
+    assert e.value.param == "x-request-tier"
+
+
+def test_oversized_body_is_413_declared_or_streamed(server: LiveServer) -> None:
+    big = json.dumps({**CHAT, "user": "x" * 70_000})
+    r = _post(server, "/v1/chat/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192].encode()
+
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["param"] is None
+
+
+def test_unknown_route_and_method_use_the_error_envelope(server: LiveServer) -> None:
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()

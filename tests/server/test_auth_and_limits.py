@@ -1,0 +1,116 @@
+"""Tenants, entitlement and rate limits through the live API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.server.helpers import MODEL, LiveServer, live_server, make_state
+from tierserve.server.config import parse_serve_config
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+CONFIG = {
+    "server": {"tenant_header": True},
+    "tenants": {
+        "gold": {"api_keys": ["sk-gold"], "max_tier": "realtime", "default_tier": "realtime"},
+        "bronze": {"api_keys": ["sk-bronze"], "max_tier": "batch", "default_tier": "background"},
+        "tiny": {
+            "api_keys": ["sk-tiny"],
+            "requests_per_s": 0.01,
+            "request_burst": 1,
+            "tokens_per_s": 1,
+            "token_burst": 5000,
+        },
+        "internal": {"max_tier": "online"},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server(make_state(parse_serve_config(CONFIG))) as srv:
+        yield srv
+
+
+def _client(server: LiveServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0)
+
+
+def _tier(client: openai.OpenAI, **kw: object) -> str:
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kw)  # type: ignore[call-overload]
+    return str(raw.headers["x-tierserve-tier"])
+
+
+def test_key_selects_the_tenant_and_its_default_tier(server: LiveServer) -> None:
+    assert _tier(_client(server, "sk-gold")) == "P0"
+    assert _tier(_client(server, "sk-bronze")) == "P3"
+
+
+def test_declared_tier_above_the_entitlement_is_lowered_never_raised(server: LiveServer) -> None:
+    bronze = _client(server, "sk-bronze")
+    assert _tier(bronze, extra_headers={"x-request-tier": "realtime"}) == "P2"
+    assert _tier(bronze, extra_body={"priority": 0}) == "P2"
+    assert _tier(bronze, extra_headers={"x-request-tier": "background"}) == "P3"
+    gold = _client(server, "sk-gold")
+    assert _tier(gold, extra_headers={"x-request-tier": "batch"}) == "P2"
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tierserve_requests_total{finish_reason="length",priority="P2"}' in text
+
+
+@pytest.mark.parametrize("key", ["sk-wrong", ""])
+def test_unknown_or_missing_key_is_401(server: LiveServer, key: str) -> None:
+    if key:
+        with pytest.raises(openai.AuthenticationError) as e:
+            _client(server, key).chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert e.value.code == "invalid_api_key"
+    else:
+        r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_tenant_header_is_accepted_where_the_config_allows_it(server: LiveServer) -> None:
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        headers={"x-tenant-id": "internal", "x-request-tier": "P0"},
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+    )
+    assert r.status_code == 200 and r.headers["x-tierserve-tier"] == "P1"
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        headers={"x-tenant-id": "nobody"},
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+    )
+    assert r.status_code == 401
+
+
+def test_over_the_rate_limit_is_429_with_openai_headers(server: LiveServer) -> None:
+    tiny = _client(server, "sk-tiny")
+    raw = tiny.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert raw.headers["x-ratelimit-limit-requests"] == "1"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+    assert raw.headers["x-ratelimit-limit-tokens"] == "5000"
+    with pytest.raises(openai.RateLimitError) as e:
+        tiny.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    headers = e.value.response.headers
+    assert int(headers["retry-after"]) >= 60  # one request per 100 s
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    for name in ("limit", "remaining", "reset"):
+        assert f"x-ratelimit-{name}-tokens" in headers
+    body = e.value.response.json()["error"]
+    assert body["code"] == "rate_limit_exceeded" and body["type"] == "requests"
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tierserve_rejections_total{priority="P1",reason="rate_limit_requests"} 1.0' in text
+
+
+def test_request_too_large_for_the_token_bucket_is_429(server: LiveServer) -> None:
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        headers={"authorization": "Bearer sk-tiny"},
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 6000},
+    )
+    assert r.status_code == 429 and "6" in r.json()["error"]["message"]

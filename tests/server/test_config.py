@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierserve.config import ConfigError
+from tierserve.server.config import load_serve_config, parse_serve_config
+from tierserve.tiers import Tier
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "example-config.toml"
+
+
+def test_example_config_loads_with_tenants_limits_and_tiers() -> None:
+    config = load_serve_config(EXAMPLE)
+    assert config.requires_key
+    api = config.tenants["api-customers"]
+    assert api.max_tier is Tier.P1 and api.weight == 2.0
+    assert api.limit.requests_per_s == 20 and api.limit.request_burst == 40
+    assert config.limits.queue_caps[Tier.P0] == 64
+    assert config.engine.tiers[Tier.P0].ttft_target_s == 0.5
+
+
+def test_no_config_is_open_with_no_limits() -> None:
+    config = load_serve_config(None)
+    assert config.source is None and not config.requires_key and not config.tenants
+    assert config.limits.global_limit.requests_per_s is None
+
+
+def test_burst_defaults_to_one_second_of_rate() -> None:
+    config = parse_serve_config({"limits": {"tokens_per_s": 500}, "tenants": {"a": {"requests_per_s": 0.5}}})
+    assert config.limits.global_limit.token_burst == 500
+    assert config.tenants["a"].limit.request_burst == 1  # never below one request
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"server": {"prot": 1}}, "server.prot"),
+        ({"server": {"port": 70000}}, "server.port"),
+        ({"server": {"tenant_header": "yes"}}, "server.tenant_header"),
+        ({"server": {"ratelimit": {"backend": "memcached"}}}, "server.ratelimit.backend"),
+        ({"server": {"ratelimit": {"fail_mode": "maybe"}}}, "server.ratelimit.fail_mode"),
+        ({"limits": {"requests_per_s": -1}}, "limits.requests_per_s"),
+        ({"limits": {"request_burst": 10}}, "limits.request_burst"),
+        ({"limits": {"queue_cap": {"P7": 3}}}, "limits.queue_cap.P7"),
+        ({"limits": {"queue_cap": {"P1": 1.5}}}, "limits.queue_cap.P1"),
+        ({"tenants": {"a": {"max_tier": "urgent"}}}, "tenants.a.max_tier"),
+        ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight"),
+        ({"tenants": {"a": {"api_keys": "sk-1"}}}, "tenants.a.api_keys"),
+        ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}}, "tenants.b.api_keys"),
+        ({"tenants": {"a": {"tokens_per_s": float("inf")}}}, "tenants.a.tokens_per_s"),
+        ({"tenants": {"a": {"colour": "red"}}}, "tenants.a.colour"),
+        ({"tenants": {"a": 3}}, "tenants.a"),
+        ({"tiers": {"P1": {"ttft_target_s": -1}}}, "tiers.P1.ttft_target_s"),
+    ],
+)
+def test_invalid_values_are_rejected_naming_the_field(raw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_serve_config(raw)
+
+
+def test_missing_file_and_bad_toml_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_serve_config(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\nport = 1\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_serve_config(bad)

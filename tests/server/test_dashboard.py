@@ -1,0 +1,61 @@
+"""The shipped Grafana dashboard charts the metrics the server exports, and only those."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.helpers import make_state
+from tierserve.server.config import parse_serve_config
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
+REQUIRED = [
+    "llm_scheduler_queue_depth",
+    "llm_scheduler_wait_seconds",
+    "llm_kv_cache_hit_rate",
+    "llm_preemption",
+    "llm_sla_attainment",
+    "llm_kv_swap_seconds",
+    "tierserve_kv_blocks_used",
+    "tierserve_kv_blocks_borrowed",
+    "tierserve_rejections",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+]
+
+
+def _exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def _exported() -> set[str]:
+    config = parse_serve_config(
+        {"server": {"ratelimit": {"backend": "redis", "redis_url": "redis://127.0.0.1:1"}}}
+    )
+    state = make_state(config)
+    state.metrics.reject("queue_full", None)  # labelled families appear once they have a sample
+    return {family.name for family in text_string_to_metric_families(state.metrics.render().decode())}
+
+
+def test_dashboard_charts_every_named_metric() -> None:
+    text = "\n".join(_exprs())
+    for name in REQUIRED:
+        assert name in text, name
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    exported = _exported()
+    for expr in _exprs():
+        for name in re.findall(r"\b((?:llm|tierserve|vllm:)[a-z_:]+)\{", expr):
+            base = re.sub(r"_(bucket|total)$", "", name)
+            assert name in exported or base in exported, (name, expr)

@@ -1,0 +1,81 @@
+"""Disconnects, draining, and the engine loop under concurrent mixed-tier load."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.server.helpers import MODEL, live_server, make_state
+
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+def _free_and_total(engine: object) -> tuple[int, int]:
+    memory = engine.memory  # type: ignore[attr-defined]
+    memory.check_integrity()
+    return memory.num_free_blocks, memory.num_blocks
+
+
+def test_a_disconnected_stream_is_aborted_and_frees_its_blocks() -> None:
+    with live_server(make_state()) as srv:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert srv.inspect(lambda e: e.memory.num_free_blocks < e.memory.num_blocks)
+        srv.wait_engine_idle(timeout_s=5)
+        free, total = srv.inspect(_free_and_total)
+        assert free == total
+        stats = srv.inspect(lambda e: (e.stats.num_aborted, e.stats.num_generated_tokens))
+        assert stats[0] == 1 and stats[1] < 3000
+        assert "tierserve_client_disconnects_total 1.0" in httpx.get(srv.url + "/metrics").text
+
+
+def test_a_disconnected_non_streaming_request_is_aborted_too() -> None:
+    with live_server(make_state()) as srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                srv.base_url + "/chat/completions",
+                timeout=0.3,
+                json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000},
+            )
+        srv.wait_engine_idle(timeout_s=5)
+        assert srv.inspect(lambda e: e.stats.num_aborted) == 1
+
+
+def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
+    with live_server(make_state(), drain_timeout_s=20) as srv:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            srv.begin_drain()
+            time.sleep(0.05)
+            refused = httpx.post(
+                srv.base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES}
+            )
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            assert httpx.get(srv.url + "/ready").status_code == 503
+            assert httpx.get(srv.url + "/health").status_code == 200
+            rest = [line for line in lines if line.startswith("data: {")]
+        assert json.loads(rest[-1][6:])["choices"][0]["finish_reason"] == "length"
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive()  # it shut itself down once drained
+
+
+def test_drain_timeout_aborts_what_is_left_and_exits() -> None:
+    with live_server(make_state(), drain_timeout_s=0.3) as srv:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            srv.begin_drain()
+            rest = [line for line in lines if line]
+        assert any('"code": "aborted"' in line for line in rest) and rest[-1] == "data: [DONE]"
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive()

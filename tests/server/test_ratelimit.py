@@ -1,0 +1,192 @@
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import pytest
+
+from tierserve.server.buckets import Bucket, LocalBuckets, TakeResult
+from tierserve.server.config import RateLimit, TenantConfig
+from tierserve.server.ratelimit import RateLimiter, format_reset
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_bucket_allows_its_burst_then_refills_at_its_rate() -> None:
+    now = FakeTime()
+    buckets = LocalBuckets(now)
+    b = Bucket("b", rate_per_s=2.0, capacity=3.0)
+    assert [buckets.take_now([b], [1]).allowed for _ in range(4)] == [True, True, True, False]
+    refused = buckets.take_now([b], [1])
+    assert refused.wait_s == pytest.approx(0.5)
+    now.t += 0.5
+    assert buckets.take_now([b], [1]).allowed
+    now.t += 100
+    assert buckets.take_now([b], [3]).levels[0].remaining == pytest.approx(0.0)  # capped at capacity
+
+
+def test_take_debits_every_bucket_or_none() -> None:
+    buckets = LocalBuckets(FakeTime())
+    wide, narrow = Bucket("wide", 1.0, 100.0), Bucket("narrow", 1.0, 5.0)
+    assert not buckets.take_now([wide, narrow], [10, 10]).allowed
+    result = buckets.take_now([wide, narrow], [5, 5])
+    assert result.allowed and [lv.remaining for lv in result.levels] == [95.0, 0.0]
+
+
+def test_give_refunds_up_to_capacity_and_charges_into_debt() -> None:
+    now = FakeTime()
+    buckets = LocalBuckets(now)
+    b = Bucket("b", 10.0, 100.0)
+    buckets.take_now([b], [80])
+    buckets.give_now(b, 500)
+    assert buckets.take_now([b], [0]).levels[0].remaining == 100.0
+    buckets.give_now(b, -150)
+    refused = buckets.take_now([b], [1])
+    assert not refused.allowed and refused.wait_s == pytest.approx(5.1)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.02, "20ms"), (1.5, "1.5s"), (360, "6m0s"), (61.25, "1m1.25s")]
+)
+def test_reset_durations_are_written_as_openai_does(seconds: float, text: str) -> None:
+    assert format_reset(seconds) == text
+
+
+def _tenant(**limit: float) -> TenantConfig:
+    return TenantConfig(name="t", limit=RateLimit(**limit))
+
+
+def test_limiter_refuses_over_the_tenant_limit_with_openai_headers() -> None:
+    now = FakeTime()
+    limiter = RateLimiter(RateLimit(), now=now)
+    tenant = _tenant(requests_per_s=1.0, request_burst=2.0, tokens_per_s=100.0, token_burst=1000.0)
+
+    async def scenario() -> None:
+        first = await limiter.acquire(tenant, 300)
+        assert first.allowed
+        assert first.headers["x-ratelimit-limit-requests"] == "2"
+        assert first.headers["x-ratelimit-remaining-requests"] == "1"
+        assert first.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert first.headers["x-ratelimit-remaining-tokens"] == "700"
+        assert first.headers["x-ratelimit-reset-tokens"] == "3s"
+        second = await limiter.acquire(tenant, 800)  # requests left, tokens short
+        assert not second.allowed and second.reason == "tokens"
+        assert second.headers["Retry-After"] == "1" and second.headers["retry-after-ms"] == "1000"
+        await limiter.settle(first.reservation, 100)  # used 100 of 300: 200 come back
+        assert (await limiter.acquire(tenant, 800)).allowed
+        third = await limiter.acquire(tenant, 1)
+        assert not third.allowed and third.reason == "requests"
+
+    asyncio.run(scenario())
+
+
+def test_request_larger_than_the_bucket_is_refused_as_too_large() -> None:
+    limiter = RateLimiter(RateLimit(tokens_per_s=10.0, token_burst=50.0))
+    decision = asyncio.run(limiter.acquire(_tenant(), 51))
+    assert not decision.allowed and decision.reason == "too_large" and "51" in decision.message
+
+
+def test_no_limits_means_no_headers_and_no_reservation() -> None:
+    decision = asyncio.run(RateLimiter(RateLimit()).acquire(_tenant(), 10**9))
+    assert decision.allowed and decision.headers == {} and decision.reservation is None
+
+
+class BrokenBackend:
+    calls = 0
+
+    async def take(self, buckets: Sequence[Bucket], costs: Sequence[float]) -> TakeResult:
+        self.calls += 1
+        raise ConnectionError("redis is down")
+
+    async def give(self, bucket: Bucket, amount: float) -> None:
+        raise ConnectionError("redis is down")
+
+
+def test_fail_open_keeps_limiting_on_local_buckets_and_says_so() -> None:
+    backend = BrokenBackend()
+    limiter = RateLimiter(RateLimit(requests_per_s=1.0, request_burst=2.0), remote=backend, fail_open=True)
+
+    async def scenario() -> list[bool]:
+        return [(await limiter.acquire(_tenant(), 1)).allowed for _ in range(3)]
+
+    assert asyncio.run(scenario()) == [True, True, False]
+    assert limiter.redis_up is False and limiter.num_fallbacks == 3
+    assert backend.calls == 1  # then it waits before trying Redis again
+
+
+def test_fail_closed_refuses_while_the_backend_is_down() -> None:
+    limiter = RateLimiter(RateLimit(requests_per_s=100.0), remote=BrokenBackend(), fail_open=False)
+    decision = asyncio.run(limiter.acquire(_tenant(), 1))
+    assert not decision.allowed and decision.reason == "unavailable" and "Retry-After" in decision.headers
+
+
+# ---- Redis (the real server on 127.0.0.1:6379; skipped when it is not there) ----------------
+
+REDIS_URL = "redis://127.0.0.1:6379/15"
+
+
+def _redis_or_skip() -> None:
+    redis = pytest.importorskip("redis")
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
+    except (redis.RedisError, OSError):
+        pytest.skip("no Redis server on 127.0.0.1:6379")
+
+
+def test_redis_buckets_are_shared_by_replicas_and_atomic() -> None:
+    _redis_or_skip()
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+    limit = RateLimit(requests_per_s=0.001, request_burst=10.0)
+
+    async def scenario() -> tuple[int, bool | None]:
+        replicas = [RedisBuckets(REDIS_URL, timeout_s=1.0, key_prefix=prefix) for _ in range(2)]
+        limiters = [RateLimiter(limit, remote=r) for r in replicas]
+        decisions = await asyncio.gather(*(limiters[i % 2].acquire(_tenant(), 1) for i in range(30)))
+        for r in replicas:
+            await r.close()
+        return sum(d.allowed for d in decisions), limiters[0].redis_up
+
+    allowed, up = asyncio.run(scenario())
+    assert allowed == 10 and up is True
+
+
+def test_redis_give_settles_tokens() -> None:
+    _redis_or_skip()
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+
+    async def scenario() -> tuple[bool, bool]:
+        backend = RedisBuckets(REDIS_URL, timeout_s=1.0, key_prefix=prefix)
+        limiter = RateLimiter(RateLimit(tokens_per_s=0.001, token_burst=100.0), remote=backend)
+        first = await limiter.acquire(_tenant(), 100)
+        await limiter.settle(first.reservation, 40)  # 60 come back
+        refused = (await limiter.acquire(_tenant(), 61)).allowed
+        fits = (await limiter.acquire(_tenant(), 60)).allowed
+        await backend.close()
+        return refused, fits
+
+    assert asyncio.run(scenario()) == (False, True)
+
+
+def test_unreachable_redis_fails_open_onto_local_buckets() -> None:
+    pytest.importorskip("redis")
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    async def scenario() -> tuple[bool, bool | None, int]:
+        backend = RedisBuckets("redis://127.0.0.1:1/0", timeout_s=0.2, key_prefix="x")
+        limiter = RateLimiter(RateLimit(requests_per_s=10.0), remote=backend, fail_open=True)
+        decision = await limiter.acquire(_tenant(), 1)
+        await backend.close()
+        return decision.allowed, limiter.redis_up, limiter.num_fallbacks
+
+    assert asyncio.run(scenario()) == (True, False, 1)

@@ -1,0 +1,56 @@
+"""Rate limits shared through Redis by two server replicas, and the rule when Redis is down."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.helpers import MODEL, live_server, make_state
+from tierserve.server.config import parse_serve_config
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+REDIS_URL = "redis://127.0.0.1:6379/15"
+
+
+def _config(url: str, prefix: str, fail_mode: str) -> Any:
+    return parse_serve_config({
+        "server": {"ratelimit": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                                 "fail_mode": fail_mode, "redis_timeout_s": 0.5}},
+        "tenants": {"t": {"api_keys": ["sk-t"], "requests_per_s": 0.001, "request_burst": 3}},
+    })  # fmt: skip
+
+
+def _post(url: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=BODY, headers={"authorization": "Bearer sk-t"})
+
+
+def test_two_replicas_share_one_tenant_bucket_through_redis() -> None:
+    redis = pytest.importorskip("redis")
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
+    except (redis.RedisError, OSError):
+        pytest.skip("no Redis server on 127.0.0.1:6379")
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+    with (
+        live_server(make_state(_config(REDIS_URL, prefix, "closed"))) as a,
+        live_server(make_state(_config(REDIS_URL, prefix, "closed"))) as b,
+    ):
+        codes = [_post(url).status_code for url in (a.url, b.url, a.url, b.url, a.url)]
+        assert codes == [200, 200, 200, 429, 429]
+        assert "tierserve_ratelimit_redis_up 1.0" in httpx.get(b.url + "/metrics").text
+
+
+@pytest.mark.parametrize(("fail_mode", "status"), [("open", 200), ("closed", 503)])
+def test_unreachable_redis_follows_the_fail_rule_and_says_so(fail_mode: str, status: int) -> None:
+    state = make_state(_config("redis://127.0.0.1:1/0", "x", fail_mode))
+    with live_server(state) as srv:
+        r = _post(srv.url)
+        assert r.status_code == status, r.text
+        if status == 503:
+            assert r.json()["error"]["code"] == "ratelimit_unavailable"
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert "tierserve_ratelimit_redis_up 0.0" in metrics
+        assert "tierserve_ratelimit_fallback_total 1.0" in metrics

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+
+from tierserve.server.config import parse_serve_config
+from tierserve.server.errors import ApiError
+from tierserve.server.tenants import TenantResolver, decide_tier, parse_declared_tier
+from tierserve.tiers import Tier
+
+KEYED = {
+    "server": {"tenant_header": True},
+    "tenants": {
+        "gold": {"api_keys": ["sk-gold"], "max_tier": "P0"},
+        "silver": {"api_keys": ["sk-silver"], "max_tier": "P2", "default_tier": "P3"},
+        "internal": {"max_tier": "P1"},
+    },
+}
+
+
+def test_api_key_selects_its_tenant() -> None:
+    resolver = TenantResolver(parse_serve_config(KEYED))
+    assert resolver.resolve("Bearer sk-gold", None).name == "gold"
+    assert resolver.resolve("bearer sk-silver", "internal").name == "silver"  # the key wins
+
+
+@pytest.mark.parametrize("auth", ["Bearer sk-nope", None, "", "Basic sk-gold"])
+def test_unknown_or_missing_key_is_401_when_keys_are_configured(auth: str | None) -> None:
+    resolver = TenantResolver(parse_serve_config(KEYED))
+    with pytest.raises(ApiError) as e:
+        resolver.resolve(auth, None)
+    assert e.value.status == 401
+
+
+def test_tenant_header_names_a_tenant_only_where_allowed() -> None:
+    allowed = TenantResolver(parse_serve_config(KEYED))
+    assert allowed.resolve(None, "internal").name == "internal"
+    with pytest.raises(ApiError) as e:
+        allowed.resolve(None, "stranger")
+    assert e.value.status == 401
+    strict = TenantResolver(parse_serve_config({**KEYED, "server": {"tenant_header": False}}))
+    with pytest.raises(ApiError) as e:
+        strict.resolve(None, "internal")
+    assert e.value.status == 401
+
+
+def test_open_server_accepts_any_key_and_labels_tenants_by_header() -> None:
+    resolver = TenantResolver(parse_serve_config({}))
+    assert not resolver.requires_key
+    assert resolver.resolve("Bearer whatever", None).name == "default"
+    tenant = resolver.resolve(None, "team-a")
+    assert tenant.name == "team-a" and tenant.max_tier is Tier.P0
+
+
+def test_open_server_with_declared_tenants_puts_strangers_in_the_default_tenant() -> None:
+    resolver = TenantResolver(parse_serve_config({"tenants": {"a": {"max_tier": "P2"}}}))
+    assert resolver.resolve(None, "a").max_tier is Tier.P2
+    assert resolver.resolve(None, "b").name == "default"
+
+
+def test_tenant_header_must_be_printable_and_short() -> None:
+    resolver = TenantResolver(parse_serve_config({}))
+    for bad in ("", "x" * 65, "a\x00b"):
+        with pytest.raises(ApiError) as e:
+            resolver.resolve(None, bad)
+        assert e.value.status == 400 and e.value.param == "x-tenant-id"
+
+
+@pytest.mark.parametrize(
+    ("header", "priority", "expected"),
+    [
+        ("realtime", None, Tier.P0),
+        ("P2", 0, Tier.P2),
+        ("background", None, Tier.P3),
+        (None, 1, Tier.P1),
+        ("0", None, Tier.P0),
+        (None, None, None),
+    ],
+)
+def test_header_beats_body_priority(header: str | None, priority: int | None, expected: Tier | None) -> None:
+    assert parse_declared_tier(header, priority) == expected
+
+
+def test_bad_tier_header_is_400_naming_it() -> None:
+    with pytest.raises(ApiError) as e:
+        parse_declared_tier("urgent", None)
+    assert e.value.status == 400 and e.value.param == "x-request-tier"
+
+
+def test_declared_tier_is_lowered_to_the_entitlement_never_raised() -> None:
+    silver = parse_serve_config(KEYED).tenants["silver"]  # max P2, default P3
+    lowered = decide_tier(silver, Tier.P0)
+    assert lowered.effective is Tier.P2 and lowered.lowered and lowered.entitled is Tier.P2
+    kept = decide_tier(silver, Tier.P3)
+    assert kept.effective is Tier.P3 and not kept.lowered
+    assert decide_tier(silver, None).effective is Tier.P3

@@ -1,0 +1,253 @@
+"""`tierserve bench serve`: HTTP load against `serve --backend sim`, started in this process.
+
+A seeded, bounded, closed-loop load generator (httpx, loopback only): `--concurrency`
+clients stream `--requests` completions with tiers drawn from `--tier-mix`. The server is
+the real app (admission, rate limits, SSE) over the simulated deployment, so requests take
+the time the simulator predicts. Reports per-tier TTFT P50/P95, rejections by reason and
+throughput, and the latency the API layer adds to the first token: HTTP TTFT minus the
+TTFT inside the engine (arrival -> first token, what an in-process caller sees).
+
+That added latency is measured twice. `api_overhead_*`: on the server, from the request
+reaching the app to the first token's chunk handed to the socket, minus the engine's TTFT,
+split into the request path (parse, tokenize, limits, admission, inbox) and the response
+path (engine thread -> event loop -> detokenize -> SSE). `client_overhead_*`: as the
+clients see it, so it also holds the loopback network and the load generator's own time
+(httpx is CPU-hungry: on a small machine this is mostly the client). The load generator
+runs in a child process so that its CPU does not queue behind the server's for the
+interpreter lock. Importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
+
+
+@dataclass
+class BenchResult:
+    config: dict[str, Any]
+    wall_s: float
+    num_sent: int
+    num_ok: int
+    rejections: dict[str, int]
+    throughput_rps: float
+    output_tokens_per_s: float
+    tiers: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    api_overhead_p50_ms: float | None = None  # server-side: HTTP TTFT - in-engine TTFT
+    api_overhead_p99_ms: float | None = None
+    api_overhead_samples: int = 0
+    request_path_p50_ms: float | None = None  # request reached the app -> engine arrival
+    request_path_p99_ms: float | None = None
+    response_path_p50_ms: float | None = None  # first token on the event loop -> chunk sent
+    response_path_p99_ms: float | None = None
+    client_overhead_p50_ms: float | None = None  # client-side TTFT - in-engine TTFT
+    client_overhead_p99_ms: float | None = None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
+
+
+def summarize(
+    outcomes: list[Outcome],
+    engine_trace: dict[str, tuple[float, float]],
+    http_trace: dict[str, tuple[float, float | None]],
+    wall_s: float,
+    config: dict[str, Any],
+) -> BenchResult:
+    """`engine_trace`: id -> (in-engine TTFT, first token on the loop at); `http_trace`: id ->
+    (request reached the app at, first chunk sent at)."""
+    ok = [o for o in outcomes if o.status == "ok"]
+    result = BenchResult(
+        config=config,
+        wall_s=wall_s,
+        num_sent=len(outcomes),
+        num_ok=len(ok),
+        rejections=dict(Counter(o.status for o in outcomes if o.status != "ok")),
+        throughput_rps=len(ok) / wall_s if wall_s else 0.0,
+        output_tokens_per_s=sum(o.num_output_tokens for o in ok) / wall_s if wall_s else 0.0,
+    )
+    for tier in TIERS:
+        mine = [o for o in outcomes if o.tier == tier]
+        ttfts = [o.ttft_s * 1000 for o in mine if o.status == "ok" and o.ttft_s is not None]
+        inside = [engine_trace[o.request_id][0] * 1000 for o in mine if o.request_id in engine_trace]
+        result.tiers[tier] = {
+            "sent": len(mine),
+            "ok": sum(o.status == "ok" for o in mine),
+            "rejected": sum(o.status != "ok" for o in mine),
+            "ttft_p50_ms": _pct(ttfts, 0.50),
+            "ttft_p95_ms": _pct(ttfts, 0.95),
+            "engine_ttft_p50_ms": _pct(inside, 0.50),
+            "engine_ttft_p95_ms": _pct(inside, 0.95),
+        }
+    request, response = [], []
+    for rid, (ttft, on_loop_at) in engine_trace.items():
+        received_at, sent_at = http_trace.get(rid, (None, None))
+        if received_at is not None and sent_at is not None:
+            request.append((on_loop_at - ttft - received_at) * 1000)
+            response.append((sent_at - on_loop_at) * 1000)
+    overhead = [a + b for a, b in zip(request, response, strict=True)]
+    client = [
+        (o.ttft_s - engine_trace[o.request_id][0]) * 1000
+        for o in ok
+        if o.ttft_s is not None and o.request_id in engine_trace
+    ]
+    result.api_overhead_p50_ms, result.api_overhead_p99_ms = _pct(overhead, 0.50), _pct(overhead, 0.99)
+    result.request_path_p50_ms, result.request_path_p99_ms = _pct(request, 0.50), _pct(request, 0.99)
+    result.response_path_p50_ms, result.response_path_p99_ms = _pct(response, 0.50), _pct(response, 0.99)
+    result.client_overhead_p50_ms, result.client_overhead_p99_ms = _pct(client, 0.50), _pct(client, 0.99)
+    result.api_overhead_samples = len(overhead)
+    return result
+
+
+def run_bench(args: argparse.Namespace) -> BenchResult:
+    from tierserve.server.backends import build_backend
+    from tierserve.server.config import load_serve_config
+    from tierserve.server.embedded import embedded_server
+    from tierserve.server.state import build_state
+    from tierserve.server.tracing import ServeTrace
+
+    mix = [float(x) for x in args.tier_mix.split("/")]
+    specs = make_specs(args.requests, args.seed, mix, tuple(args.prompt_tokens), tuple(args.max_tokens))
+    config = load_serve_config(args.config)
+    backend = build_backend("sim", args.model, gpu=args.gpu, tp=args.tp)
+    state = build_state(
+        config,
+        backend.executor,
+        backend.tokenizer,
+        model_name=backend.model_name,
+        vocab_size=backend.vocab_size,
+        policy=args.policy,
+        pace=True,
+    )
+    from tierserve.server.cli import SWITCH_INTERVAL_S
+
+    engine_trace: dict[str, tuple[float, float]] = {}
+    state.engine.ttft_trace = engine_trace
+    state.trace = ServeTrace()
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `tierserve serve` runs
+    try:
+        with embedded_server(state) as srv:
+            start = time.perf_counter()
+            outcomes = drive_in_child(srv.url, backend.model_name, specs, args.concurrency, args.duration_s)
+            wall = time.perf_counter() - start
+    finally:
+        sys.setswitchinterval(previous)
+    http_trace = {rid: (r.received_at, r.first_sent_at) for rid, r in state.trace.records.items()}
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "out")}
+    return summarize(outcomes, engine_trace, http_trace, wall, settings)
+
+
+def _ms(v: float | int | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def print_table(r: BenchResult) -> None:
+    c = r.config
+    print(
+        f"bench serve: {c['model']} on {c['tp']} x {c['gpu']} (sim), policy {c['policy']}, "
+        f"{c['concurrency']} concurrent streams, {r.num_sent} requests in {r.wall_s:.1f} s"
+    )
+    print(
+        f"{'tier':<5}{'sent':>6}{'ok':>6}{'refused':>8}{'TTFT P50 ms':>13}{'TTFT P95 ms':>13}"
+        f"{'engine P50':>12}{'engine P95':>12}"
+    )
+    for tier, t in r.tiers.items():
+        print(
+            f"{tier:<5}{t['sent']:>6}{t['ok']:>6}{t['rejected']:>8}{_ms(t['ttft_p50_ms']):>13}"
+            f"{_ms(t['ttft_p95_ms']):>13}{_ms(t['engine_ttft_p50_ms']):>12}{_ms(t['engine_ttft_p95_ms']):>12}"
+        )
+    print(f"throughput: {r.throughput_rps:.2f} req/s, {r.output_tokens_per_s:.0f} output tokens/s")
+    print(f"rejections: {r.rejections or 'none'}")
+    print(
+        f"API overhead on the server (HTTP TTFT - in-engine TTFT, {r.api_overhead_samples} requests): "
+        f"P50 {_ms(r.api_overhead_p50_ms)} ms, P99 {_ms(r.api_overhead_p99_ms)} ms"
+    )
+    print(
+        f"  request path (app -> engine arrival): P50 {_ms(r.request_path_p50_ms)} ms, "
+        f"P99 {_ms(r.request_path_p99_ms)} ms; response path (first token -> chunk sent): "
+        f"P50 {_ms(r.response_path_p50_ms)} ms, P99 {_ms(r.response_path_p99_ms)} ms"
+    )
+    print(
+        f"as the clients see it (with loopback and the load generator's own time): "
+        f"P50 {_ms(r.client_overhead_p50_ms)} ms, P99 {_ms(r.client_overhead_p99_ms)} ms"
+    )
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected LO-HI with 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "serve",
+        help="HTTP load against the API server on the sim backend",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=600, help="requests to send (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=200, help="concurrent streams (default: %(default)s)")
+    p.add_argument(
+        "--duration-s", type=float, default=120.0, help="stop sending after this long (default: 120)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=_range, default=(64, 1024), help="LO-HI (default: 64-1024)")
+    p.add_argument("--max-tokens", type=_range, default=(16, 128), help="LO-HI (default: 16-128)")
+    p.add_argument("--model", default="llama-3.1-70b")
+    p.add_argument("--gpu", default="a100-80gb")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--policy", default="hybrid")
+    p.add_argument("--config", help="server/engine config TOML (default: open server, default tiers)")
+    p.add_argument(
+        "--out", default="bench-out/serve-bench.json", help="JSON result file (default: %(default)s)"
+    )
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.requests <= 100_000 or not 1 <= args.concurrency <= 2000 or args.duration_s <= 0:
+        print(
+            "bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, --duration-s > 0",
+            file=sys.stderr,
+        )
+        return 2
+    mix = args.tier_mix.split("/")
+    if len(mix) != 4 or not all(x.replace(".", "", 1).isdigit() for x in mix) or sum(map(float, mix)) <= 0:
+        print(
+            f"bench serve: --tier-mix must be four shares like 5/60/30/5, got {args.tier_mix!r}",
+            file=sys.stderr,
+        )
+        return 2
+    result = run_bench(args)
+    text = json.dumps(asdict(result), indent=2)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print_table(result)
+        if args.out:
+            print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,81 @@
+"""Admission: per-tier queue caps and early rejection of requests that would miss their deadline.
+
+The wait of a new request at tier t is estimated as the number of requests queued ahead
+of it (waiting at tier t or a more urgent one) divided by the rate at which the engine
+has recently been starting requests (first tokens per second). When that estimate
+already exceeds the tier's TTFT target, waiting is pointless: reject now with 503 and a
+Retry-After, rather than time out later. Without enough recent history there is no
+estimate and nothing is rejected for its deadline.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tierserve.config import TierConfig
+from tierserve.tiers import ALL_TIERS, Tier
+
+
+class ThroughputMeter:
+    """Events per second over a sliding window. `record` may be called from any thread."""
+
+    def __init__(self, window_s: float = 10.0, min_events: int = 8) -> None:
+        self._window_s = window_s
+        self._min_events = min_events
+        self._times: deque[float] = deque()
+        self._lock = threading.Lock()
+
+    def record(self, t: float, count: int = 1) -> None:
+        with self._lock:
+            self._times.extend([t] * count)
+            self._trim(t)
+
+    def _trim(self, now: float) -> None:
+        while self._times and self._times[0] < now - self._window_s:
+            self._times.popleft()
+
+    def rate(self, now: float) -> float | None:
+        """Events per second, or None when the window holds too few events to tell."""
+        with self._lock:
+            self._trim(now)
+            n = len(self._times)
+            if n < self._min_events:
+                return None
+            span = max(now - self._times[0], 1e-3)
+        return n / span
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionVerdict:
+    admitted: bool
+    reason: str = ""  # when refused: "queue_full" or "deadline"
+    queue_depth: int = 0  # requests queued at this tier
+    estimated_wait_s: float | None = None
+    retry_after_s: float = 0.0
+
+
+class AdmissionController:
+    def __init__(
+        self, tiers: Mapping[Tier, TierConfig], queue_caps: Mapping[Tier, int], meter: ThroughputMeter
+    ) -> None:
+        self._targets = {t: tiers[t].ttft_target_s for t in ALL_TIERS}
+        self._caps = dict(queue_caps)
+        self._meter = meter
+
+    def check(self, tier: Tier, queued: Mapping[Tier, int], now: float) -> AdmissionVerdict:
+        """`queued[t]`: requests of tier t not yet started (engine waiting queue + inbox)."""
+        depth = queued.get(tier, 0)
+        ahead = sum(queued.get(t, 0) for t in ALL_TIERS if t <= tier)
+        rate = self._meter.rate(now)
+        wait = None if rate is None else ahead / rate
+        if depth >= self._caps[tier]:
+            retry = 1.0 if rate is None else max(1.0, (depth - self._caps[tier] + 1) / rate)
+            return AdmissionVerdict(False, "queue_full", depth, wait, retry)
+        target = self._targets[tier]
+        if wait is not None and math.isfinite(target) and wait > target:
+            return AdmissionVerdict(False, "deadline", depth, wait, max(1.0, wait - target))
+        return AdmissionVerdict(True, "", depth, wait, 0.0)

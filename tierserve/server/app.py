@@ -1,0 +1,150 @@
+"""The FastAPI application: OpenAI-compatible routes, health, readiness and metrics.
+
+Every error leaves in OpenAI's envelope; validation errors are 400s naming the field
+(FastAPI's default would be 422). An unexpected exception is logged and answered with a
+500 in the same envelope; tests assert that no input reaches that handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+
+from tierserve import __version__
+from tierserve.server.body_limit import BodyLimitMiddleware
+from tierserve.server.errors import ApiError
+from tierserve.server.generate import generate
+from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.state import ServerState
+from tierserve.server.tracing import ReceivedAtMiddleware
+
+log = logging.getLogger("tierserve.server")
+
+TierHeader = Annotated[
+    str | None, Header(alias="x-request-tier", description="realtime|online|batch|background or P0..P3")
+]
+TenantHeader = Annotated[
+    str | None, Header(alias="x-tenant-id", description="tenant, where the config allows it")
+]
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "header", "query")]
+    # pydantic names union members (e.g. "str", "list[TextPart]") in the path; keep field names only.
+    fields = [
+        p for p in parts if not (p[:1].islower() and ("[" in p or p in ("str", "int", "float", "bool")))
+    ]
+    return ".".join(fields) or None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        log.info("tierserve ready: %s", state.describe())
+        try:
+            yield
+        finally:
+            state.draining = True
+            await state.engine.stop()
+            if state.remote_buckets is not None:
+                await state.remote_buckets.close()
+
+    app = FastAPI(
+        title="tierserve",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible API with priority tiers, tenants and rate limits.",
+    )
+    app.state.tierserve = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
+    if state.trace is not None:
+        app.add_middleware(ReceivedAtMiddleware)  # outermost: added last
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: HttpRequest, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: HttpRequest, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return ApiError(
+                400,
+                f"Invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}",
+                code="invalid_json",
+            ).response()
+        param = _param(tuple(first.get("loc", ())))
+        message = first.get("msg", "invalid request")
+        return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HttpRequest, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: HttpRequest, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return ApiError(500, "Internal server error.", type="server_error").response()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        http: HttpRequest,
+        x_request_tier: TierHeader = None,
+        x_tenant_id: TenantHeader = None,
+    ) -> Response:
+        return await generate(state, http, body, tier_header=x_request_tier, tenant_header=x_tenant_id)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        body: CompletionRequest,
+        http: HttpRequest,
+        x_request_tier: TierHeader = None,
+        x_tenant_id: TenantHeader = None,
+    ) -> Response:
+        return await generate(state, http, body, tier_header=x_request_tier, tenant_header=x_tenant_id)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        m = state.model
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": m.created,
+                    "owned_by": "tierserve",
+                    "max_model_len": m.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.engine.running and not state.draining:
+            return JSONResponse({"status": "ready"})
+        why = "draining" if state.draining else "engine loop not running"
+        return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,269 @@
+"""The server's part of the TOML config: `[server]`, `[limits]` and `[tenants.*]`.
+
+`tierserve.config` parses `[scheduler]` and `[tiers.*]` and leaves these three tables to
+this module, which validates them strictly: an unknown key or a bad value raises
+`ConfigError` naming the field (e.g. ``tenants.acme.max_tier``). Everything is frozen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
+from tierserve.tiers import Tier
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """Token-bucket limits; None means that dimension is unlimited."""
+
+    requests_per_s: float | None = None
+    request_burst: float = 0.0  # bucket capacity in requests; 0 = one second's worth (at least 1)
+    tokens_per_s: float | None = None
+    token_burst: float = 0.0  # bucket capacity in tokens; 0 = one second's worth
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    api_keys: tuple[str, ...] = ()
+    max_tier: Tier = Tier.P0  # the most urgent tier this tenant may use
+    default_tier: Tier = Tier.P1  # used when a request declares no tier (then capped by max_tier)
+    weight: float = 1.0  # fair-share weight among tenants
+    limit: RateLimit = field(default_factory=RateLimit)
+
+
+@dataclass(frozen=True)
+class RateLimitBackendConfig:
+    backend: str = "memory"  # "memory" | "redis"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    fail_mode: str = "open"  # Redis unreachable: "open" = keep serving on local buckets; "closed" = reject
+    redis_timeout_s: float = 0.05
+    key_prefix: str = "tierserve"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512  # when a request gives none (capped by the context left)
+    tenant_header: bool = False  # accept `x-tenant-id` to name a tenant without an API key
+    default_tenant: str = "default"  # tenant of requests that name none, when keys are not required
+    drain_timeout_s: float = 30.0
+    ratelimit: RateLimitBackendConfig = field(default_factory=RateLimitBackendConfig)
+
+
+DEFAULT_QUEUE_CAPS: dict[Tier, int] = {Tier.P0: 256, Tier.P1: 2048, Tier.P2: 8192, Tier.P3: 8192}
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    global_limit: RateLimit = field(default_factory=RateLimit)
+    queue_caps: Mapping[Tier, int] = field(default_factory=lambda: dict(DEFAULT_QUEUE_CAPS))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    source: str | None = None  # the file it came from; None = built-in defaults (open server)
+
+    @property
+    def requires_key(self) -> bool:
+        """True when any tenant has API keys: then a request without a known key gets 401."""
+        return any(t.api_keys for t in self.tenants.values())
+
+
+def _table(path: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a table, got {value!r}")
+    return value
+
+
+def _reject_unknown(path: str, raw: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{path}.{key}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def _number(path: str, value: Any, *, minimum: float, integer: bool = False, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if integer and not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"{path}: must be finite, got {value!r}")
+    if value < minimum or (strict and value == minimum):
+        raise ConfigError(f"{path}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _string(path: str, value: Any, choices: tuple[str, ...] = ()) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+    if choices and value not in choices:
+        raise ConfigError(f"{path}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _bool(path: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    return value
+
+
+def _tier(path: str, value: Any) -> Tier:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{path}: expected a tier name or 0..3, got {value!r}")
+    try:
+        return Tier.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+_RATE_KEYS = ("requests_per_s", "request_burst", "tokens_per_s", "token_burst")
+
+
+def _rate_limit(path: str, raw: Mapping[str, Any]) -> RateLimit:
+    """Read the rate keys of a table; a burst defaults to one second's worth (at least 1)."""
+    values: dict[str, float | None] = {}
+    for rate_key, burst_key in (("requests_per_s", "request_burst"), ("tokens_per_s", "token_burst")):
+        rate = raw.get(rate_key)
+        burst = raw.get(burst_key)
+        if rate is None:
+            if burst is not None:
+                raise ConfigError(f"{path}.{burst_key}: set without {path}.{rate_key}")
+            values[rate_key], values[burst_key] = None, 0.0
+            continue
+        r = _number(f"{path}.{rate_key}", rate, minimum=0.0, strict=True)
+        b = max(1.0, r) if burst is None else _number(f"{path}.{burst_key}", burst, minimum=1.0)
+        values[rate_key], values[burst_key] = r, b
+    return RateLimit(
+        requests_per_s=values["requests_per_s"],
+        request_burst=values["request_burst"] or 0.0,
+        tokens_per_s=values["tokens_per_s"],
+        token_burst=values["token_burst"] or 0.0,
+    )
+
+
+def _ratelimit_backend(path: str, raw: Mapping[str, Any]) -> RateLimitBackendConfig:
+    _reject_unknown(path, raw, ("backend", "redis_url", "fail_mode", "redis_timeout_s", "key_prefix"))
+    base = RateLimitBackendConfig()
+    return RateLimitBackendConfig(
+        backend=_string(f"{path}.backend", raw.get("backend", base.backend), ("memory", "redis")),
+        redis_url=_string(f"{path}.redis_url", raw.get("redis_url", base.redis_url)),
+        fail_mode=_string(f"{path}.fail_mode", raw.get("fail_mode", base.fail_mode), ("open", "closed")),
+        redis_timeout_s=_number(
+            f"{path}.redis_timeout_s",
+            raw.get("redis_timeout_s", base.redis_timeout_s),
+            minimum=0.0,
+            strict=True,
+        ),
+        key_prefix=_string(f"{path}.key_prefix", raw.get("key_prefix", base.key_prefix)),
+    )
+
+
+def _server(raw: Mapping[str, Any]) -> ServerSettings:
+    known = (
+        "host",
+        "port",
+        "max_body_bytes",
+        "default_max_tokens",
+        "tenant_header",
+        "default_tenant",
+        "drain_timeout_s",
+        "ratelimit",
+    )
+    _reject_unknown("server", raw, known)
+    base = ServerSettings()
+    port = int(_number("server.port", raw.get("port", base.port), minimum=0, integer=True))
+    if port > 65535:
+        raise ConfigError(f"server.port: must be <= 65535, got {port}")
+    return ServerSettings(
+        host=_string("server.host", raw.get("host", base.host)),
+        port=port,
+        max_body_bytes=int(
+            _number(
+                "server.max_body_bytes",
+                raw.get("max_body_bytes", base.max_body_bytes),
+                minimum=1,
+                integer=True,
+            )
+        ),
+        default_max_tokens=int(
+            _number(
+                "server.default_max_tokens",
+                raw.get("default_max_tokens", base.default_max_tokens),
+                minimum=1,
+                integer=True,
+            )
+        ),
+        tenant_header=_bool("server.tenant_header", raw.get("tenant_header", base.tenant_header)),
+        default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
+        drain_timeout_s=_number(
+            "server.drain_timeout_s", raw.get("drain_timeout_s", base.drain_timeout_s), minimum=0.0
+        ),
+        ratelimit=_ratelimit_backend(
+            "server.ratelimit", _table("server.ratelimit", raw.get("ratelimit", {}))
+        ),
+    )
+
+
+def _limits(raw: Mapping[str, Any]) -> LimitsConfig:
+    _reject_unknown("limits", raw, (*_RATE_KEYS, "queue_cap"))
+    caps = dict(DEFAULT_QUEUE_CAPS)
+    for name, value in _table("limits.queue_cap", raw.get("queue_cap", {})).items():
+        tier = _tier(f"limits.queue_cap.{name}", name)
+        caps[tier] = int(_number(f"limits.queue_cap.{name}", value, minimum=0, integer=True))
+    return LimitsConfig(global_limit=_rate_limit("limits", raw), queue_caps=caps)
+
+
+def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> TenantConfig:
+    path = f"tenants.{name}"
+    _reject_unknown(path, raw, ("api_keys", "max_tier", "default_tier", "weight", *_RATE_KEYS))
+    keys = raw.get("api_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(f"{path}.api_keys: expected a list of non-empty strings, got {keys!r}")
+    for key in keys:
+        if key in seen_keys:
+            raise ConfigError(f"{path}.api_keys: key {key[:6]}... is also given to tenant {seen_keys[key]!r}")
+        seen_keys[key] = name
+    max_tier = _tier(f"{path}.max_tier", raw.get("max_tier", "P0"))
+    default_tier = _tier(f"{path}.default_tier", raw.get("default_tier", "P1"))
+    return TenantConfig(
+        name=name,
+        api_keys=tuple(keys),
+        max_tier=max_tier,
+        default_tier=default_tier,
+        weight=_number(f"{path}.weight", raw.get("weight", 1.0), minimum=0.0, strict=True),
+        limit=_rate_limit(path, raw),
+    )
+
+
+def parse_serve_config(raw: Mapping[str, Any], source: str | None = None) -> ServeConfig:
+    """Validate a whole parsed TOML document (engine sections included)."""
+    engine = parse_config(raw)
+    server = _server(_table("server", raw.get("server", {})))
+    limits = _limits(_table("limits", raw.get("limits", {})))
+    tenants: dict[str, TenantConfig] = {}
+    seen_keys: dict[str, str] = {}
+    for name, body in _table("tenants", raw.get("tenants", {})).items():
+        tenants[name] = _tenant(name, _table(f"tenants.{name}", body), seen_keys)
+    if tenants and server.default_tenant not in tenants and not any(t.api_keys for t in tenants.values()):
+        # Open server with declared tenants: anonymous requests need a tenant to land in.
+        tenants[server.default_tenant] = TenantConfig(name=server.default_tenant)
+    return ServeConfig(server=server, limits=limits, tenants=tenants, engine=engine, source=source)
+
+
+def load_serve_config(path: str | Path | None) -> ServeConfig:
+    """Load and validate `path`; None gives the built-in open configuration."""
+    if path is None:
+        return ServeConfig()
+    return parse_serve_config(load_raw(path), source=str(path))

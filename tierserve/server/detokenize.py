@@ -1,0 +1,87 @@
+"""Incremental detokenization with stop strings.
+
+`TextStream.push(new_ids)` returns the text that is safe to send now. It decodes only a
+short window of recent tokens (so a long generation costs O(n), not O(n^2)), holds back
+text that ends in an incomplete UTF-8 character, and holds back any tail that could be
+the start of a stop string. When a stop string appears, the text before it is released,
+`stopped` turns true and everything after is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierserve.server.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self._tok = tokenizer
+        self._stop = tuple(s for s in stop if s)
+        self._ids: list[int] = []
+        self._prefix = 0  # decode context starts here
+        self._read = 0  # tokens before this one have been turned into text
+        self._held = ""  # decoded, not yet released (may be the start of a stop string)
+        self.stopped = False
+        self.num_tokens_used = 0  # tokens up to and including the one that completed a stop string
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        out: list[str] = []
+        for token in token_ids:
+            self._ids.append(token)
+            self.num_tokens_used += 1
+            out.append(self._release(self._held + self._decode_new()))
+            if self.stopped:
+                break
+        return "".join(out)
+
+    def flush(self) -> str:
+        """At the end of generation: the text still held back (cut at a stop string if one completes)."""
+        if self.stopped:
+            return ""
+        tail = ""
+        if self._read < len(self._ids):
+            before = self._tok.decode(self._ids[self._prefix : self._read])
+            tail = self._tok.decode(self._ids[self._prefix :])[len(before) :]
+            self._prefix, self._read = self._read, len(self._ids)
+        text = self._release(self._held + tail)
+        if not self.stopped:
+            text += self._held
+        self._held = ""
+        return text
+
+    def _decode_new(self) -> str:
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        if after.endswith(_REPLACEMENT) or len(after) < len(before):
+            return ""  # an incomplete character: wait for the next token
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+    def _release(self, text: str) -> str:
+        if not self._stop:
+            self._held = ""
+            return text
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return text[:cut]
+        keep = _stop_prefix_len(text, self._stop)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

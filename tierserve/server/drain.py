@@ -1,0 +1,63 @@
+"""Graceful shutdown: SIGTERM stops admission, running requests finish, then uvicorn exits.
+
+uvicorn's own handling would close the listening socket at once (new clients get
+"connection refused", not a 503) and re-raise the signal after shutdown (exit status
+143). `DrainingServer` instead marks the server draining (new requests: 503, /ready:
+503), waits up to the drain timeout for in-flight requests, aborts whatever is left,
+and then lets uvicorn shut down normally, so the process exits with status 0.
+A second signal forces an immediate exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+
+from tierserve.server.state import ServerState
+
+log = logging.getLogger("tierserve.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self.begin_drain)
+
+    def begin_drain(self) -> None:
+        """Start draining (call on the server's event loop, or via `call_soon_threadsafe`)."""
+        if self._drain_task is not None:
+            return
+        self._state.draining = True
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        engine = self._state.engine
+        log.info(
+            "draining: admission stopped, %d requests in flight (timeout %.1f s)",
+            engine.num_in_flight,
+            self._drain_timeout_s,
+        )
+        if not await engine.wait_idle(self._drain_timeout_s):
+            log.warning("drain timeout: aborting %d requests", engine.num_in_flight)
+            await engine.stop()
+            await engine.wait_idle(2.0)
+        log.info("drained; shutting down")
+        self.should_exit = True

@@ -1,0 +1,245 @@
+"""One generation request, from the HTTP body to the last byte.
+
+Order of checks: draining (503) -> tenant (401) -> model and body (404/400) -> tier ->
+rate limits (429) -> admission (503) -> engine. Nothing is reserved until the body is
+known to be valid, and a refusal after the rate limit refunds the reserved tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from tierserve.request import FinishReason, Request
+from tierserve.server.detokenize import TextStream
+from tierserve.server.errors import ApiError
+from tierserve.server.formatting import DONE, ResponseFormatter, Usage, error_event
+from tierserve.server.prepare import Prepared, check_model, prepare
+from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.ratelimit import Reservation
+from tierserve.server.sse import SSEResponse, watch_disconnect
+from tierserve.server.state import ServerState
+from tierserve.server.streams import Delta, RequestHandle
+from tierserve.server.tenants import decide_tier, parse_declared_tier
+from tierserve.server.tracing import RECEIVED_AT, TraceRecord
+
+
+async def generate(
+    state: ServerState,
+    http: HttpRequest,
+    body: ChatCompletionRequest | CompletionRequest,
+    *,
+    tier_header: str | None,
+    tenant_header: str | None,
+) -> Response:
+    chat = isinstance(body, ChatCompletionRequest)
+    metrics = state.metrics
+    if state.draining:
+        metrics.reject("draining", None)
+        raise ApiError(
+            503,
+            "The server is shutting down; retry on another replica.",
+            type="server_error",
+            code="draining",
+            headers={"Retry-After": "1"},
+            extra={"retry_after": 1.0},
+        )
+    tenant = state.tenants.resolve(http.headers.get("authorization"), tenant_header)
+    check_model(state, body.model)
+    decision = decide_tier(tenant, parse_declared_tier(tier_header, body.priority))
+    tier = decision.effective
+    prepared = prepare(state, body, tier)
+    num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
+    rate = await state.limiter.acquire(tenant, num_reserved)
+    headers = {"x-tierserve-tier": tier.name, **rate.headers}
+    if not rate.allowed:
+        metrics.reject(f"rate_limit_{rate.reason}", tier)
+        if rate.reason == "unavailable":
+            raise ApiError(
+                503,
+                "Rate limiter unavailable (fail-closed).",
+                type="server_error",
+                code="ratelimit_unavailable",
+                headers=headers,
+                extra={"retry_after": rate.retry_after_s},
+            )
+        message = rate.message or f"Rate limit reached for tenant {tenant.name!r} ({rate.reason})."
+        raise ApiError(
+            429,
+            message,
+            type="tokens" if rate.reason != "requests" else "requests",
+            code="rate_limit_exceeded",
+            headers=headers,
+        )
+    verdict = state.admission.check(tier, state.engine.queued_by_tier(), state.clock.now())
+    if not verdict.admitted:
+        metrics.reject(verdict.reason, tier)
+        await state.limiter.settle(rate.reservation, 0)
+        retry = round(verdict.retry_after_s, 3)
+        headers["Retry-After"] = str(max(1, int(retry + 0.999)))
+        wait = "unknown" if verdict.estimated_wait_s is None else f"{verdict.estimated_wait_s:.2f} s"
+        raise ApiError(
+            503,
+            f"Tier {tier.name} is overloaded ({verdict.reason}; estimated wait {wait}).",
+            type="server_error",
+            code=verdict.reason,
+            headers=headers,
+            extra={"retry_after": retry, "current_queue_depth": verdict.queue_depth},
+        )
+    request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
+    req = Request(
+        request_id,
+        prepared.prompt_token_ids,
+        prepared.sampling,
+        tier=tier,
+        tenant=tenant.name,
+        arrival_time=state.clock.now(),
+    )
+    handle = state.engine.submit(req, decision.entitled)
+    fmt = ResponseFormatter(
+        chat=chat,
+        response_id=request_id,
+        created=int(time.time()),
+        model=state.model.name,
+        include_usage=prepared.include_usage,
+    )
+    run = GenerationRun(state, handle, fmt, prepared, rate.reservation)
+    if state.trace is not None:
+        received = http.scope.get(RECEIVED_AT)
+        run.trace = state.trace.records[request_id] = TraceRecord(received if received else time.monotonic())
+    if prepared.stream:
+        return SSEResponse(run.stream(), headers, on_disconnect=run.cancel)
+    watcher = watch_disconnect(http.receive, run.cancel)
+    try:
+        result = await run.collect()
+    finally:
+        watcher.cancel()
+    return Response(json.dumps(result), headers=headers, media_type="application/json")
+
+
+class GenerationRun:
+    """Turns the engine's deltas into text, stops at stop strings, and settles at the end."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        handle: RequestHandle,
+        fmt: ResponseFormatter,
+        prepared: Prepared,
+        reservation: Reservation | None,
+    ) -> None:
+        self._state = state
+        self._handle = handle
+        self._fmt = fmt
+        self._prepared = prepared
+        self._reservation = reservation
+        self._text = TextStream(state.tokenizer, prepared.stop)
+        self._num_received = 0
+        self._cached = 0
+        self._closed = False
+        self.trace: TraceRecord | None = None
+
+    def cancel(self) -> None:
+        """The client went away."""
+        if not self._closed and not self._handle.finished:
+            self._state.metrics.disconnects.inc()
+            self._state.engine.cancel(self._handle)
+
+    @property
+    def _usage(self) -> Usage:
+        used = self._text.num_tokens_used if self._text.stopped else self._num_received
+        return Usage(len(self._prepared.prompt_token_ids), used, self._cached)
+
+    def _consume(self, deltas: list[Delta]) -> tuple[str, str | None, Delta | None]:
+        """Text to send, the finish reason if it ended, and the final delta if it failed."""
+        end = next((d for d in deltas if d.finished), None)
+        if end is not None:
+            deltas = deltas[: deltas.index(end) + 1]  # nothing follows an end
+        ids = [t for d in deltas for t in d.token_ids]
+        self._num_received += len(ids)
+        text = self._text.push(ids)
+        if self._text.stopped:
+            if end is None:
+                self._state.engine.finish(self._handle.request.request_id)
+            return text, "stop", None
+        if end is None:
+            return text, None, None
+        self._cached = end.num_cached_tokens
+        if end.error or end.finish_reason in (FinishReason.ABORTED, FinishReason.REJECTED):
+            return text, None, end
+        text += self._text.flush()
+        return text, ("length" if end.finish_reason is FinishReason.LENGTH else "stop"), None
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._state.engine.close(self._handle)
+        if self._reservation is not None:
+            used = len(self._prepared.prompt_token_ids) + self._usage.completion_tokens
+            self._state.spawn(self._state.limiter.settle(self._reservation, used))
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        fmt = self._fmt
+        started = False
+        try:
+            while True:
+                text, reason, failed = self._consume(await self._handle.next())
+                out: list[bytes] = []
+                if failed is not None:
+                    if not started:
+                        raise _failure(failed)
+                    yield error_event(failed.error or "request aborted", code="aborted") + DONE
+                    return
+                first = not started
+                if first:
+                    started = True
+                    out.append(fmt.first_chunk())
+                if text:
+                    out.append(fmt.text_chunk(text))
+                if reason is not None:
+                    out.append(fmt.finish_chunk(reason))
+                    if fmt.include_usage:
+                        out.append(fmt.usage_chunk(self._usage))
+                    out.append(DONE)
+                chunk = b"".join(out)
+                if not chunk and not first:
+                    continue  # tokens with no text yet (an incomplete character, a held stop prefix)
+                yield chunk  # the first one goes out even if empty: it carries the status line
+                if self.trace is not None and self.trace.first_sent_at is None:
+                    self.trace.first_sent_at = time.monotonic()  # resumed: the chunk has been sent
+                if reason is not None:
+                    return
+        finally:
+            self._close()
+
+    async def collect(self) -> dict[str, Any]:
+        parts: list[str] = []
+        try:
+            while True:
+                text, reason, failed = self._consume(await self._handle.next())
+                if failed is not None:
+                    raise _failure(failed)
+                parts.append(text)
+                if reason is not None:
+                    return self._fmt.full("".join(parts), reason, self._usage)
+        finally:
+            self._close()
+
+
+def _failure(end: Delta) -> ApiError:
+    if end.finish_reason is FinishReason.REJECTED:
+        return ApiError(400, f"The engine refused the request: {end.error}", param="max_tokens")
+    return ApiError(
+        503,
+        f"The request was aborted: {end.error or 'aborted'}",
+        type="server_error",
+        code="aborted",
+        headers={"Retry-After": "1"},
+        extra={"retry_after": 1.0},
+    )

@@ -1,0 +1,159 @@
+"""A closed-loop HTTP load generator for the server: seeded, bounded, loopback only.
+
+`drive` runs `concurrency` httpx clients that stream completions for a list of `Spec`s
+(tier, prompt, max_tokens) until all are sent or `duration_s` passes; each ends in one
+`Outcome`. `drive_in_child` runs it in a fresh interpreter, so that the load generator's
+own CPU does not compete with the server's threads for the interpreter lock (used by
+`tierserve bench serve`). Times are `time.monotonic()` where they cross processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+TIERS = ("P0", "P1", "P2", "P3")
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
+
+
+@dataclass(frozen=True)
+class Spec:
+    tier: str
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    tier: str
+    status: str  # "ok" or the refusal, e.g. "503:queue_full"
+    ttft_s: float | None = None  # client-side: request sent -> first token received
+    e2e_s: float | None = None
+    num_output_tokens: int = 0
+    request_id: str = ""
+    first_chunk_at: float | None = None  # time.monotonic() when the first token arrived
+
+
+def make_specs(
+    n: int, seed: int, mix: list[float], prompt_tokens: tuple[int, int], max_tokens: tuple[int, int]
+) -> list[Spec]:
+    """Tiers by `mix`; prompts of about 4 bytes per simulated token (the sim tokenizer's ratio)."""
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(n):
+        tier = rng.choices(TIERS, weights=mix)[0]
+        num_words = max(1, rng.randint(*prompt_tokens) * 4 // 6)
+        prompt = " ".join(rng.choice(WORDS)[:5] for _ in range(num_words))
+        specs.append(Spec(tier, prompt, rng.randint(*max_tokens)))
+    return specs
+
+
+async def _one(client: Any, model: str, spec: Spec) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    out = Outcome(spec.tier, "ok")
+    async with client.stream(
+        "POST", "/v1/completions", json=body, headers={"x-request-tier": spec.tier}
+    ) as r:
+        if r.status_code != 200:
+            error = json.loads(await r.aread()).get("error", {})
+            out.status = f"{r.status_code}:{error.get('code')}"
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if out.ttft_s is None:
+                out.first_chunk_at = time.monotonic()
+                out.ttft_s = time.perf_counter() - start
+                out.request_id = line[len('data: {"id": "') :].split('"', 1)[0]
+            if '"usage": {' in line:
+                out.num_output_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            elif '"error": {' in line:
+                out.status = "aborted"
+    out.e2e_s = time.perf_counter() - start
+    return out
+
+
+async def drive(
+    url: str, model: str, specs: list[Spec], concurrency: int, duration_s: float
+) -> list[Outcome]:
+    """Closed loop: `concurrency` clients send the specs in order until done or `duration_s` passes."""
+    import httpx
+
+    queue = list(reversed(specs))
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=httpx.Timeout(duration_s + 30)
+    ) as client:
+
+        async def worker() -> None:
+            while queue:
+                spec = queue.pop()
+                try:
+                    outcomes.append(await _one(client, model, spec))
+                except httpx.HTTPError as e:
+                    outcomes.append(Outcome(spec.tier, f"http_error:{type(e).__name__}"))
+
+        tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+        _, pending = await asyncio.wait(tasks, timeout=duration_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return outcomes
+
+
+def drive_in_child(
+    url: str, model: str, specs: list[Spec], concurrency: int, duration_s: float
+) -> list[Outcome]:
+    """Run `drive` in a fresh interpreter (`python -m tierserve.server.loadgen`), JSON in and out."""
+    import os
+    import subprocess
+
+    import tierserve
+
+    root = str(Path(tierserve.__file__).resolve().parents[1])  # importable even when not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+
+    job = {
+        "url": url,
+        "model": model,
+        "specs": [asdict(x) for x in specs],
+        "concurrency": concurrency,
+        "duration_s": duration_s,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierserve.server.loadgen"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=duration_s + 120,
+        check=False,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the load generator failed:\n{proc.stderr[-4000:]}")
+    return [Outcome(**o) for o in json.loads(proc.stdout)]
+
+
+def _client_main() -> None:
+    job = json.loads(sys.stdin.read())
+    specs = [Spec(**x) for x in job["specs"]]
+    outcomes = asyncio.run(drive(job["url"], job["model"], specs, job["concurrency"], job["duration_s"]))
+    json.dump([asdict(o) for o in outcomes], sys.stdout)
+
+
+if __name__ == "__main__":  # the child process of `drive_in_child`
+    _client_main()

@@ -1,0 +1,128 @@
+"""Prometheus metrics of one server, in its own `CollectorRegistry` (no global state).
+
+Event metrics (histograms, counters of things that happen) are observed as they happen,
+from the engine thread or a handler; prometheus_client's metrics are thread-safe.
+State metrics (queue depth, KV blocks, cumulative engine counters) are read from the
+latest engine snapshot when Prometheus scrapes. Names: the source article's `llm_*`
+(DESIGN.md §6), vLLM's `vllm:*` where they overlap (so vLLM dashboards keep working)
+and `tierserve_*` for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from tierserve.server.state_metrics import EngineSnapshot, LimiterState, StateCollector
+from tierserve.tiers import Tier
+
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+# fmt: off
+# vLLM's buckets for the same names.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
+SWAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, ttft_targets: Mapping[Tier, float]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._model = model_name
+        self._targets = dict(ttft_targets)
+        r = self.registry
+        m = ["model_name"]
+        self.wait = Histogram(
+            "llm_scheduler_wait_seconds",
+            "Time from enqueue to first token, by tier",
+            ["priority"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.swap = Histogram(
+            "llm_kv_swap_seconds",
+            "Time to move one batch of KV blocks between device and host",
+            ["direction"],
+            buckets=SWAP_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish", m, buckets=E2E_BUCKETS, registry=r
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of started requests", m, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=r).labels(
+            model_name
+        )
+        self.rejections = Counter(
+            "tierserve_rejections",
+            "Requests refused before the engine, by reason",
+            ["reason", "priority"],
+            registry=r,
+        )
+        self.outcomes = Counter(
+            "tierserve_requests",
+            "Requests that reached the engine, by how they ended",
+            ["priority", "finish_reason"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
+        )
+        self._sla_lock = threading.Lock()
+        self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
+        self._state = StateCollector(model_name, self.sla_attainment)
+        r.register(self._state)
+
+    def bind(
+        self, snapshot: Callable[[], EngineSnapshot], limiter: Callable[[], LimiterState] | None
+    ) -> None:
+        """Where scrape-time state comes from."""
+        self._state.snapshot = snapshot
+        self._state.limiter = limiter
+
+    def observe_first_token(self, tier: Tier, wait_s: float, num_prompt_tokens: int) -> None:
+        self.wait.labels(tier.name).observe(wait_s)
+        self.ttft.observe(wait_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def observe_finished(
+        self, tier: Tier, entitled: Tier, ttft_s: float | None, e2e_s: float, reason: str
+    ) -> None:
+        self.e2e.observe(e2e_s)
+        self.outcomes.labels(tier.name, reason).inc()
+        if ttft_s is None:
+            return
+        met = ttft_s <= self._targets.get(tier, math.inf)
+        with self._sla_lock:
+            counts = self._sla.setdefault((tier, entitled), [0, 0])
+            counts[0] += met
+            counts[1] += 1
+
+    def reject(self, reason: str, tier: Tier | None) -> None:
+        self.rejections.labels(reason, "none" if tier is None else tier.name).inc()
+
+    def sla_attainment(self) -> dict[tuple[Tier, Tier], float]:
+        with self._sla_lock:
+            return {k: met / total for k, (met, total) in self._sla.items() if total}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,150 @@
+"""From a validated body to what the engine needs: prompt token ids and sampling parameters.
+
+Every check that depends on the model or the tier happens here, before anything is
+reserved, and fails with a 4xx naming the field: unknown model, unsupported options, a
+prompt or `max_tokens` beyond the context, or beyond the KV blocks the tier may hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierserve.request import SamplingParams
+from tierserve.server.errors import ApiError, bad_request
+from tierserve.server.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from tierserve.server.state import ServerState
+from tierserve.tiers import Tier
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model.name:
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist (this server serves '{state.model.name}').",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if (body.n or 1) > 1:
+        raise bad_request("n: only n=1 is supported", "n")
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs:
+            raise bad_request("logprobs: not supported", "logprobs")
+    else:
+        if body.echo:
+            raise bad_request("echo: not supported", "echo")
+        if body.logprobs is not None:
+            raise bad_request("logprobs: not supported", "logprobs")
+        if (body.best_of or 1) > 1:
+            raise bad_request("best_of: only best_of=1 is supported", "best_of")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    stops = body.stop_strings()
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+
+
+def _prompt_ids(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    tok = state.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return list(tok.apply_chat_template(messages))
+        except ValueError as e:
+            raise bad_request(f"messages: {e}", "messages") from None
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    if len(prompt) == 0:
+        raise bad_request("prompt: must not be empty", "prompt")
+    first = prompt[0]
+    if isinstance(first, (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("prompt: only one prompt per request is supported", "prompt")
+        if isinstance(first, str):
+            return tok.encode(first)
+        ids = list(first)
+    else:
+        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+    vocab = state.model.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
+    return ids
+
+
+def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest, tier: Tier) -> Prepared:
+    _check_options(body)
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    ids = _prompt_ids(state, body)
+    if not ids:
+        raise bad_request(f"{prompt_param}: the prompt is empty", prompt_param)
+    num_prompt = len(ids)
+    context = state.model.max_model_len
+    if num_prompt >= context:
+        raise ApiError(
+            400,
+            f"{prompt_param}: the prompt is {num_prompt} tokens; the model's context is {context} "
+            "(room is needed for at least one output token)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    tier_tokens = state.ceiling_blocks[tier] * state.block_size
+    if num_prompt >= tier_tokens:
+        raise bad_request(
+            f"{prompt_param}: the prompt is {num_prompt} tokens; tier {tier.name} may hold at most "
+            f"{tier_tokens} tokens of KV cache",
+            prompt_param,
+        )
+    max_tokens, field = body.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = min(
+            state.config.server.default_max_tokens, context - num_prompt, tier_tokens - num_prompt
+        )
+    elif num_prompt + max_tokens > context:
+        raise ApiError(
+            400,
+            f"{field}: {max_tokens} + the prompt's {num_prompt} tokens exceeds the model's context "
+            f"of {context} tokens",
+            param=field,
+            code="context_length_exceeded",
+        )
+    elif num_prompt + max_tokens > tier_tokens:
+        raise bad_request(
+            f"{field}: {max_tokens} + the prompt's {num_prompt} tokens exceeds the "
+            f"{tier_tokens} tokens of KV cache tier {tier.name} may hold",
+            field,
+        )
+    temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
+    except ValueError as e:
+        raise bad_request(str(e), None) from None
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(
+        ids, sampling, tuple(s for s in body.stop_strings() if s), bool(body.stream), include_usage
+    )

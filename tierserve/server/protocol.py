@@ -1,0 +1,87 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), as much of them as tierserve serves.
+
+Fields OpenAI defines that change nothing here (penalties, `user`, `tools`...) are
+accepted and ignored; fields whose absence would change the answer (`n` > 1, `logprobs`,
+`echo`) are rejected with a 400 by the handler. Numbers are bounded so that no value can
+reach the engine unchecked.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+INT64_MIN = -(2**63)
+UINT64_MAX = 2**64 - 1
+MAX_TOKENS_BOUND = 2**31 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, le=128)
+    priority: int | None = Field(None, ge=0, le=3, description="tierserve: 0 (realtime) .. 3 (background)")
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
+    logprobs: bool | None = False
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output limit the client set, and the field it came from (for error messages)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: str | None = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"

@@ -1,0 +1,176 @@
+"""Global and per-tenant rate limits in requests/s and tokens/s, with OpenAI's headers.
+
+A request reserves ``prompt tokens + max_tokens`` up front; `settle` corrects the token
+buckets with the real count when it ends. When a Redis backend is configured and
+unreachable, the limiter falls back by rule: fail-open keeps serving on in-process
+buckets, fail-closed refuses; it retries Redis after `REDIS_RETRY_S`. Both are visible
+through `redis_up` and `num_fallbacks` (exported as metrics).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierserve.server.buckets import Bucket, BucketBackend, LocalBuckets, TakeResult
+from tierserve.server.config import RateLimit, TenantConfig
+
+REDIS_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    backend: BucketBackend
+    token_buckets: tuple[Bucket, ...]
+    num_tokens: int  # what was debited
+
+
+@dataclass(frozen=True, slots=True)
+class RateDecision:
+    allowed: bool
+    headers: dict[str, str]  # x-ratelimit-* (and Retry-After when refused)
+    retry_after_s: float = 0.0
+    reason: str = ""  # when refused: "requests", "tokens", "too_large" or "unavailable"
+    message: str = ""
+    reservation: Reservation | None = None
+
+
+def format_reset(seconds: float) -> str:
+    """A duration as OpenAI writes it in x-ratelimit-reset-*: "20ms", "1.5s", "6m0s"."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, secs = divmod(round(seconds, 3), 60)
+    if minutes:
+        return f"{int(minutes)}m{secs:g}s"
+    return f"{secs:g}s"
+
+
+def _buckets(prefix: str, limit: RateLimit) -> tuple[Bucket | None, Bucket | None]:
+    requests = None
+    if limit.requests_per_s is not None:
+        requests = Bucket(
+            f"{prefix}:requests", limit.requests_per_s, limit.request_burst or max(1.0, limit.requests_per_s)
+        )
+    tokens = None
+    if limit.tokens_per_s is not None:
+        tokens = Bucket(
+            f"{prefix}:tokens", limit.tokens_per_s, limit.token_burst or max(1.0, limit.tokens_per_s)
+        )
+    return requests, tokens
+
+
+class RateLimiter:
+    def __init__(
+        self,
+        global_limit: RateLimit,
+        *,
+        remote: BucketBackend | None = None,
+        fail_open: bool = True,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._global = _buckets("global", global_limit)
+        self._local = LocalBuckets(now)
+        self._remote = remote
+        self._fail_open = fail_open
+        self._now = now
+        self._remote_down_until = -math.inf
+        self._tenant_buckets: dict[str, tuple[Bucket | None, Bucket | None]] = {}
+        self.num_fallbacks = 0  # operations served locally (or refused) because Redis failed
+        self.redis_up: bool | None = None if remote is None else True
+
+    def _for_tenant(self, tenant: TenantConfig) -> tuple[list[Bucket], list[Bucket]]:
+        own = self._tenant_buckets.get(tenant.name)
+        if own is None:
+            own = self._tenant_buckets[tenant.name] = _buckets(f"tenant:{tenant.name}", tenant.limit)
+        requests = [b for b in (self._global[0], own[0]) if b is not None]
+        tokens = [b for b in (self._global[1], own[1]) if b is not None]
+        return requests, tokens
+
+    async def _run_take(
+        self, buckets: list[Bucket], costs: list[float]
+    ) -> tuple[TakeResult, BucketBackend] | None:
+        """Take on Redis when configured and up; None when it is down and the rule is fail-closed."""
+        remote = self._remote
+        if remote is not None and self._now() >= self._remote_down_until:
+            try:
+                result = await remote.take(buckets, costs)
+                self.redis_up = True
+                return result, remote
+            except (TimeoutError, OSError, ConnectionError, _redis_error()):
+                self.redis_up = False
+                self._remote_down_until = self._now() + REDIS_RETRY_S
+        if remote is not None:
+            self.num_fallbacks += 1
+            if not self._fail_open:
+                return None
+        return self._local.take_now(buckets, costs), self._local
+
+    async def acquire(self, tenant: TenantConfig, num_tokens: int) -> RateDecision:
+        requests, tokens = self._for_tenant(tenant)
+        if not requests and not tokens:
+            return RateDecision(allowed=True, headers={})
+        for bucket in tokens:
+            if num_tokens > bucket.capacity:
+                message = (
+                    f"{num_tokens} tokens requested; the limit allows at most {bucket.capacity:g} at once"
+                )
+                return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
+        buckets = requests + tokens
+        costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
+        outcome = await self._run_take(buckets, costs)
+        if outcome is None:
+            return RateDecision(
+                allowed=False,
+                headers={"Retry-After": str(math.ceil(REDIS_RETRY_S))},
+                retry_after_s=REDIS_RETRY_S,
+                reason="unavailable",
+            )
+        result, backend = outcome
+        headers = _headers(buckets, result, len(requests))
+        if result.allowed:
+            reservation = Reservation(backend, tuple(tokens), num_tokens) if tokens else None
+            return RateDecision(allowed=True, headers=headers, reservation=reservation)
+        wait = result.wait_s
+        headers["Retry-After"] = str(max(1, math.ceil(wait)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+        req_short = any(lv.wait_s > 0 for lv in result.levels[: len(requests)])
+        return RateDecision(
+            allowed=False, headers=headers, retry_after_s=wait, reason="requests" if req_short else "tokens"
+        )
+
+    async def settle(self, reservation: Reservation | None, num_tokens_used: int) -> None:
+        """Refund (or charge) the difference between the reserved and the real token count."""
+        if reservation is None or num_tokens_used == reservation.num_tokens:
+            return
+        delta = float(reservation.num_tokens - num_tokens_used)
+        for bucket in reservation.token_buckets:
+            try:
+                await reservation.backend.give(bucket, delta)
+            except (TimeoutError, OSError, ConnectionError, _redis_error()):
+                self.num_fallbacks += 1
+                self.redis_up = False
+
+
+def _redis_error() -> type[Exception]:
+    try:
+        import redis
+    except ImportError:  # pragma: no cover - redis is a dependency
+        return OSError
+    return redis.RedisError
+
+
+def _headers(buckets: list[Bucket], result: TakeResult, num_request_buckets: int) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers, from the tightest bucket of each kind."""
+    headers: dict[str, str] = {}
+    groups = (("requests", 0, num_request_buckets), ("tokens", num_request_buckets, len(buckets)))
+    for name, lo, hi in groups:
+        if lo == hi:
+            continue
+        i = min(range(lo, hi), key=lambda j: result.levels[j].remaining)
+        bucket, level = buckets[i], result.levels[i]
+        headers[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+        headers[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(level.remaining)))
+        headers[f"x-ratelimit-reset-{name}"] = format_reset(level.reset_s(bucket))
+    return headers

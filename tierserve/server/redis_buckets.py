@@ -1,0 +1,117 @@
+"""Token buckets in Redis, shared by every server replica (DESIGN.md §8).
+
+Each operation is one Lua script, so it is atomic, and it reads the Redis server's
+clock (`TIME`), so replicas with skewed clocks agree. A bucket is a hash
+``{level, ts}`` that expires once it would have refilled anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tierserve.server.buckets import Bucket, BucketLevel, TakeResult
+
+# KEYS[i]: bucket i. ARGV: rate_1, capacity_1, cost_1, rate_2, ...
+# Returns {allowed (0/1), level_1, wait_1, level_2, wait_2, ...}; numbers as strings, because
+# Redis truncates Lua numbers to integers in replies.
+TAKE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local n = #KEYS
+local levels = {}
+local allowed = 1
+for i = 1, n do
+  local rate = tonumber(ARGV[3 * i - 2])
+  local cap = tonumber(ARGV[3 * i - 1])
+  local cost = tonumber(ARGV[3 * i])
+  local v = redis.call('HMGET', KEYS[i], 'level', 'ts')
+  local level = tonumber(v[1])
+  local ts = tonumber(v[2])
+  if level == nil or ts == nil then
+    level = cap
+    ts = now
+  end
+  level = math.min(cap, level + math.max(0, now - ts) * rate)
+  levels[i] = level
+  if level < cost then allowed = 0 end
+end
+local out = {allowed}
+for i = 1, n do
+  local rate = tonumber(ARGV[3 * i - 2])
+  local cap = tonumber(ARGV[3 * i - 1])
+  local cost = tonumber(ARGV[3 * i])
+  local level = levels[i]
+  local wait = 0
+  if level < cost then wait = (cost - level) / rate end
+  if allowed == 1 then level = level - cost end
+  redis.call('HSET', KEYS[i], 'level', tostring(level), 'ts', tostring(now))
+  redis.call('EXPIRE', KEYS[i], math.ceil((cap - math.min(level, 0)) / rate) + 60)
+  out[#out + 1] = tostring(level)
+  out[#out + 1] = tostring(wait)
+end
+return out
+"""
+
+# KEYS[1]: the bucket. ARGV: rate, capacity, amount. Refill, add, cap at capacity.
+GIVE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local v = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local level = tonumber(v[1])
+local ts = tonumber(v[2])
+if level == nil or ts == nil then
+  level = cap
+  ts = now
+end
+level = math.min(cap, level + math.max(0, now - ts) * rate + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil((cap - math.min(level, 0)) / rate) + 60)
+return tostring(level)
+"""
+
+
+class RedisBuckets:
+    """`BucketBackend` on a Redis server. Raises `redis.RedisError` (or OSError) when unreachable."""
+
+    def __init__(self, url: str, *, timeout_s: float, key_prefix: str) -> None:
+        import redis.asyncio as aioredis
+
+        self._client: Any = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+        )
+        self._prefix = key_prefix
+        self._take = self._client.register_script(TAKE_SCRIPT)
+        self._give = self._client.register_script(GIVE_SCRIPT)
+
+    def _key(self, bucket: Bucket) -> str:
+        return f"{self._prefix}:bucket:{bucket.key}"
+
+    async def take(self, buckets: Sequence[Bucket], costs: Sequence[float]) -> TakeResult:
+        args: list[str] = []
+        for bucket, cost in zip(buckets, costs, strict=True):
+            args += [repr(bucket.rate_per_s), repr(bucket.capacity), repr(float(cost))]
+        reply = await self._take(keys=[self._key(b) for b in buckets], args=args)
+        allowed = int(reply[0]) == 1
+        levels = tuple(
+            BucketLevel(remaining=float(reply[1 + 2 * i]), wait_s=float(reply[2 + 2 * i]))
+            for i in range(len(buckets))
+        )
+        return TakeResult(allowed=allowed, levels=levels)
+
+    async def give(self, bucket: Bucket, amount: float) -> None:
+        await self._give(
+            keys=[self._key(bucket)],
+            args=[repr(bucket.rate_per_s), repr(bucket.capacity), repr(float(amount))],
+        )
+
+    async def ping(self) -> bool:
+        return bool(await self._client.ping())
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,86 @@
+"""The handler's side of a request: its stream of deltas, and their delivery on the event loop.
+
+The engine thread posts each step's deltas to the `Dispatcher` (through
+`call_soon_threadsafe`). The dispatcher wakes at most `DISPATCH_SLICE` handlers per
+event-loop iteration, FIFO: each request's deltas stay in order, and a step's burst of
+hundreds of chunks cannot hold up a new first token, or a new request's bytes, for the
+whole burst (the loop polls for I/O between slices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from tierserve.request import FinishReason, Request
+from tierserve.tiers import Tier
+
+DISPATCH_SLICE = 4  # handlers woken per event-loop iteration
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New tokens of one request (possibly none) and, when it ended, how."""
+
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str = ""  # the engine refused or lost the request
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """The handler's end of one request. Deltas arrive in order; the last one has `finished`."""
+
+    request: Request
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    finished: bool = False  # the final delta has been delivered
+    closed: bool = False
+
+    async def next(self) -> list[Delta]:
+        """Wait for at least one delta and return every delta already delivered."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+
+def tier_of(item: tuple[RequestHandle, Delta]) -> Tier:
+    return item[0].request.tier
+
+
+class Dispatcher:
+    """Hands deltas to handlers on the event loop, FIFO (so each request's deltas stay in
+    order), at most `DISPATCH_SLICE` per loop iteration."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
+        self._loop = loop
+        self._done = done  # set once the handlers woken for everything posted have run
+        self._pending: deque[tuple[RequestHandle, Delta]] = deque()
+        self._scheduled = False
+
+    def post(self, items: list[tuple[RequestHandle, Delta]]) -> None:
+        self._pending.extend(items)
+        if not self._scheduled:
+            self._drain()
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        pending = self._pending
+        for _ in range(min(DISPATCH_SLICE, len(pending))):
+            handle, delta = pending.popleft()
+            if delta.finished:
+                handle.finished = True
+            if not handle.closed:
+                handle.queue.put_nowait(delta)
+        # The woken handlers run in the next iteration, after a poll for I/O; then the rest.
+        if pending:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
+        else:
+            self._loop.call_soon(self._done.set)  # runs after the handlers just woken

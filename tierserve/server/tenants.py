@@ -1,0 +1,102 @@
+"""Who is calling and at which tier: API key or `x-tenant-id` -> tenant -> effective tier.
+
+A declared tier more urgent than the tenant's entitlement is lowered to it, never raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierserve.server.config import ServeConfig, TenantConfig
+from tierserve.server.errors import bad_request, unauthorized
+from tierserve.tiers import Tier
+
+MAX_TENANT_NAME = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TierDecision:
+    declared: Tier | None  # what the request asked for (None: nothing, the tenant default applied)
+    effective: Tier  # the tier it runs at
+    entitled: Tier  # the most urgent tier its tenant may use
+
+    @property
+    def lowered(self) -> bool:
+        return self.declared is not None and self.effective != self.declared
+
+
+class TenantResolver:
+    """Maps credentials to a `TenantConfig`; raises `ApiError` (401/400) when it cannot."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self._config = config
+        self._by_key = {key: t for t in config.tenants.values() for key in t.api_keys}
+        self._requires_key = config.requires_key
+        self._default = config.tenants.get(config.server.default_tenant) or TenantConfig(
+            name=config.server.default_tenant
+        )
+
+    @property
+    def requires_key(self) -> bool:
+        return self._requires_key
+
+    def resolve(self, authorization: str | None, tenant_header: str | None) -> TenantConfig:
+        if tenant_header is not None:
+            _check_tenant_name(tenant_header)
+        if self._requires_key:
+            key = _bearer(authorization)
+            if key:
+                tenant = self._by_key.get(key)
+                if tenant is None:
+                    raise unauthorized("Incorrect API key provided.")
+                return tenant
+            if self._config.server.tenant_header and tenant_header is not None:
+                named = self._config.tenants.get(tenant_header)
+                if named is not None:
+                    return named
+                raise unauthorized(f"Unknown tenant {tenant_header!r} in x-tenant-id.")
+            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        # Open server: any key is accepted; x-tenant-id picks a declared tenant, or labels an
+        # ad-hoc one when none are declared.
+        if tenant_header is None:
+            return self._default
+        named = self._config.tenants.get(tenant_header)
+        if named is not None:
+            return named
+        if self._config.tenants:
+            return self._default
+        return TenantConfig(name=tenant_header)
+
+
+def _bearer(authorization: str | None) -> str:
+    if not authorization:
+        return ""
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return ""
+    return value.strip()
+
+
+def _check_tenant_name(name: str) -> None:
+    if not name or len(name) > MAX_TENANT_NAME or not name.isprintable():
+        raise bad_request(f"x-tenant-id must be 1..{MAX_TENANT_NAME} printable characters", "x-tenant-id")
+
+
+def parse_declared_tier(header: str | None, priority: int | None) -> Tier | None:
+    """The tier a request declares: the `x-request-tier` header wins over the body's `priority`."""
+    if header is not None:
+        try:
+            return Tier.parse(header)
+        except ValueError as e:
+            raise bad_request(f"x-request-tier: {e}", "x-request-tier") from None
+    if priority is not None:
+        if not 0 <= priority <= 3:
+            raise bad_request(f"priority must be 0..3, got {priority}", "priority")
+        return Tier(priority)
+    return None
+
+
+def decide_tier(tenant: TenantConfig, declared: Tier | None) -> TierDecision:
+    wanted = tenant.default_tier if declared is None else declared
+    # A larger Tier value is less urgent: cap at the entitlement by taking the max.
+    return TierDecision(declared=declared, effective=max(wanted, tenant.max_tier), entitled=tenant.max_tier)

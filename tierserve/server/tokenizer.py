@@ -1,0 +1,57 @@
+"""The tokenizer interface the server needs, and the placeholder tokenizer of the sim backend.
+
+The torch executor's tokenizers (byte-level for the demo model, `tokenizers` for real
+ones) satisfy `Tokenizer` structurally. The simulated backend produces placeholder
+token ids, so its tokenizer only has to count prompt tokens realistically (about four
+bytes of English per token, as Llama-3's tokenizer does) and render ids as words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+Message = Mapping[str, str]
+
+
+class Tokenizer(Protocol):
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]: ...
+
+
+_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "elit", "sed", "do", "tempor", "ut")
+
+
+class PlaceholderTokenizer:
+    """About one token per four UTF-8 bytes; every id decodes to a filler word."""
+
+    BYTES_PER_TOKEN = 4
+
+    def __init__(self, vocab_size: int = 128000) -> None:
+        self._vocab_size = vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        data += b"\0" * (-len(data) % self.BYTES_PER_TOKEN)
+        words = np.frombuffer(data, dtype="<u4")  # little-endian words: ids do not depend on the host
+        ids: list[int] = (words % self._vocab_size).tolist()
+        return [1, *ids] if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(" " + _WORDS[t % len(_WORDS)] for t in token_ids)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+        return self.encode("\n".join([*lines, "assistant:"]))
