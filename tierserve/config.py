@@ -33,11 +33,14 @@ class TierConfig:
 
 
 DEFAULT_TIERS: dict[Tier, TierConfig] = {
-    # Targets and shares: DESIGN.md §1. Weights and aging thresholds: the source article
-    # (WFQ 16/8/4/2, DRR 8/4/2/1, aging 30/15/5 s). Floors/reserves/ceilings: DESIGN.md §4.
+    # Targets and shares: DESIGN.md §1. Weights: the source article (WFQ 16/8/4/2, DRR
+    # 8/4/2/1). Floors/reserves/ceilings: DESIGN.md §4. Aging: only P3 ages by default (the
+    # article's 5 s). P1-P2 are served by fair queuing, which already bounds their wait; the
+    # article's 30 s / 15 s thresholds would, under overload, turn the order into
+    # first-come-first-served across tiers, and the P1 target into P2's.
     Tier.P0: TierConfig(0.5, 16.0, 8.0, math.inf, 0.15, 0.0, 0.40, 256),
-    Tier.P1: TierConfig(5.0, 8.0, 4.0, 30.0, 0.0, 0.30, 1.0, 256),
-    Tier.P2: TierConfig(60.0, 4.0, 2.0, 15.0, 0.0, 0.0, 1.0, 64),
+    Tier.P1: TierConfig(5.0, 8.0, 4.0, math.inf, 0.0, 0.30, 1.0, 256),
+    Tier.P2: TierConfig(60.0, 4.0, 2.0, math.inf, 0.0, 0.0, 1.0, 64),
     Tier.P3: TierConfig(math.inf, 2.0, 1.0, 5.0, 0.0, 0.0, 1.0, 512),
 }
 

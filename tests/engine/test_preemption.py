@@ -230,7 +230,7 @@ def test_aging_bounds_the_wait_of_p3_behind_a_p1_flood() -> None:
 
 def test_aging_never_hands_out_p0_reserved_memory() -> None:
     tiers = dict(EngineConfig().tiers)
-    tiers[Tier.P1] = replace(tiers[Tier.P1], reserve=0.0)  # P1 has nothing to reclaim
+    tiers[Tier.P1] = replace(tiers[Tier.P1], reserve=0.0, aging_s=30.0)  # nothing to reclaim; ages
     config = EngineConfig(tiers=tiers)
     eng = Engine(config, "hybrid", NullExecutor(num_device_blocks=100, step_s=1.0), VirtualClock())
     filler = make_request(num_prompt=16 * 85 - 48, max_tokens=48, tier=Tier.P2)  # grows to 85 blocks

@@ -189,3 +189,29 @@ def test_hybrid_aging_never_lets_a_request_overtake_an_older_more_urgent_one() -
     assert policy.peek(20.0) is old_p1
     policy.pop(20.0)
     assert policy.peek(20.0) is aged_p3
+
+
+def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
+    config = EngineConfig()
+    policy = create_policy("hybrid", config)
+    first, second = (make_request(num_prompt=5000, max_tokens=500, tier=Tier.P1) for _ in range(2))
+    policy.add(first, 0.0)
+    policy.add(second, 0.0)
+    for i in range(50):
+        policy.add(make_request(num_prompt=10, max_tokens=1, tier=Tier.P2, arrival=0.0), 0.0)
+    assert drain(policy, 1, now=0.0) == [first]
+    # By weight, the cheap P2 requests now have hundreds of turns before `second` ...
+    assert policy.peek(1.0).tier is Tier.P2
+    # ... but past half its 5 s target, the P1 request goes first.
+    half = config.tiers[Tier.P1].ttft_target_s / 2
+    assert policy.peek(half + 0.1) is second
+
+
+def test_hybrid_rescue_is_earliest_deadline_first() -> None:
+    config = EngineConfig()
+    policy = create_policy("hybrid", config)
+    p2 = make_request(tier=Tier.P2, arrival=0.0)  # due at 60 s
+    p1 = make_request(tier=Tier.P1, arrival=40.0)  # due at 45 s
+    policy.add(p2, 0.0)
+    policy.add(p1, 40.0)
+    assert policy.peek(43.0) is p1

@@ -1,5 +1,11 @@
 """The production policy: P0 strict with reserved memory and the right to reclaim;
-P1–P2 by weighted fair queuing; P3 best effort; aging so nothing waits forever.
+P1–P2 by weighted fair queuing, with an SLO rescue; P3 best effort; aging so nothing
+waits forever.
+
+Order of service: P0; then aged heads; then any P1–P2 head that has waited over half
+its TTFT target, earliest deadline (arrival + target) first — under overload this keeps
+P1's 5 s target ahead of P2's 60 s one instead of sharing the delay by weight; then the
+fair order (P3 joins it only while no P1 request waits).
 
 Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): the
 head of a tier that has waited longer than the tier's `aging_s` is served ahead of the
@@ -25,6 +31,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
+RESCUE_FRACTION = 0.5  # of the TTFT target a P1-P2 head may wait before it is rescued
 FAIR_TIERS = (Tier.P1, Tier.P2)
 FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
 
@@ -38,6 +45,7 @@ class HybridPolicy(Policy):
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
         self._sfq = StartTimeFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
+        self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
 
     def _choose(self, now: float) -> tuple[Tier, bool] | None:
         """(tier to serve, whether in fair order)."""
@@ -56,6 +64,19 @@ class HybridPolicy(Policy):
             (head := sfq.head(t)) is not None and head.arrival_time <= oldest for t in FAIR_TIERS[: aged - 1]
         ):
             return aged, False
+        # SLO rescue: a P1-P2 head that has waited over half its TTFT target goes ahead of
+        # the fair order, earliest deadline first.
+        rescue: Tier | None = None
+        deadline = 0.0
+        for tier in FAIR_TIERS:
+            head = sfq.head(tier)
+            if head is None or now - head.arrival_time <= RESCUE_FRACTION * self._target_s[tier]:
+                continue
+            due = head.arrival_time + self._target_s[tier]
+            if rescue is None or due < deadline:
+                rescue, deadline = tier, due
+        if rescue is not None:
+            return rescue, False
         # P3 is best effort: it competes only while no P1 request waits.
         eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3
         fair = sfq.best(eligible)
