@@ -197,7 +197,7 @@ def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
     first, second = (make_request(num_prompt=5000, max_tokens=500, tier=Tier.P1) for _ in range(2))
     policy.add(first, 0.0)
     policy.add(second, 0.0)
-    for i in range(50):
+    for _ in range(50):
         policy.add(make_request(num_prompt=10, max_tokens=1, tier=Tier.P2, arrival=0.0), 0.0)
     assert drain(policy, 1, now=0.0) == [first]
     # By weight, the cheap P2 requests now have hundreds of turns before `second` ...
