@@ -52,35 +52,47 @@ class HybridPolicy(Policy):
         sfq = self._sfq
         if sfq.queues[Tier.P0]:
             return Tier.P0, False
+        urgent = self._aged(now)
+        if urgent is None:
+            urgent = self._rescued(now)
+        if urgent is not None:
+            return urgent, False
+        # P3 is best effort: it competes only while no P1 request waits.
+        eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3
+        fair = sfq.best(eligible)
+        return None if fair is None else (fair, True)
+
+    def _aged(self, now: float) -> Tier | None:
+        """The tier of the oldest head past its aging threshold, unless a more urgent
+        tier's head is older still (aging never overtakes an older, more urgent request)."""
         aged: Tier | None = None
         oldest = 0.0
         for tier in FAIR_TIERS_WITH_P3:
-            head = sfq.head(tier)
+            head = self._sfq.head(tier)
             if head is None or now - head.arrival_time <= self._aging_s[tier]:
                 continue
             if aged is None or head.arrival_time < oldest:
                 aged, oldest = tier, head.arrival_time
-        if aged is not None and not any(
-            (head := sfq.head(t)) is not None and head.arrival_time <= oldest for t in FAIR_TIERS[: aged - 1]
-        ):
-            return aged, False
-        # SLO rescue: a P1-P2 head that has waited over half its TTFT target goes ahead of
-        # the fair order, earliest deadline first.
+        if aged is None:
+            return None
+        for tier in FAIR_TIERS[: aged - 1]:
+            head = self._sfq.head(tier)
+            if head is not None and head.arrival_time <= oldest:
+                return None
+        return aged
+
+    def _rescued(self, now: float) -> Tier | None:
+        """The P1-P2 head past half its TTFT target with the earliest deadline, if any."""
         rescue: Tier | None = None
         deadline = 0.0
         for tier in FAIR_TIERS:
-            head = sfq.head(tier)
+            head = self._sfq.head(tier)
             if head is None or now - head.arrival_time <= RESCUE_FRACTION * self._target_s[tier]:
                 continue
             due = head.arrival_time + self._target_s[tier]
             if rescue is None or due < deadline:
                 rescue, deadline = tier, due
-        if rescue is not None:
-            return rescue, False
-        # P3 is best effort: it competes only while no P1 request waits.
-        eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3
-        fair = sfq.best(eligible)
-        return None if fair is None else (fair, True)
+        return rescue
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)
