@@ -86,6 +86,7 @@ class Request:
     tenant: str = "default"
     arrival_time: float = 0.0
     expected_output_tokens: int | None = None  # cost hint for fair queuing
+    tenant_weight: float = 1.0  # the tenant's fair share among tenants of the same tier
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -105,6 +106,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt must hold at least one token")
+        if self.tenant_weight <= 0:
+            raise ValueError(f"request {self.request_id!r}: tenant_weight must be > 0")
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
 

@@ -215,3 +215,23 @@ def test_hybrid_rescue_is_earliest_deadline_first() -> None:
     policy.add(p2, 0.0)
     policy.add(p1, 40.0)
     assert policy.peek(43.0) is p1
+
+
+@pytest.mark.parametrize("name", ["strict", "wfq", "hybrid", "drr"])
+def test_tenants_of_one_tier_share_it_by_their_weights(name: str) -> None:
+    policy = create_policy(name, EngineConfig())
+    for i in range(400):
+        for tenant, weight in (("big", 3.0), ("small", 1.0)):
+            req = make_request(num_prompt=100, max_tokens=10, tier=Tier.P1, arrival=float(i))
+            req.tenant, req.tenant_weight = tenant, weight
+            policy.add(req, 0.0)
+    served = Counter(r.tenant for r in drain(policy, 400))
+    assert served["big"] / served["small"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_one_tenant_keeps_arrival_order_inside_its_tier() -> None:
+    policy = create_policy("strict", EngineConfig())
+    reqs = [make_request(tier=Tier.P2, arrival=float(i)) for i in range(5)]
+    for r in reqs:
+        policy.add(r, 0.0)
+    assert drain(policy, 5) == reqs

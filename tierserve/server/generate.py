@@ -98,6 +98,7 @@ async def generate(
         prepared.sampling,
         tier=tier,
         tenant=tenant.name,
+        tenant_weight=tenant.weight,
         arrival_time=state.clock.now(),
     )
     handle = state.engine.submit(req, decision.entitled)
