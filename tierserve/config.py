@@ -54,7 +54,7 @@ class SchedulerConfig:
     swap_factor: float = 0.3  # swap when swap time < factor * prefill time, else recompute
     drr_quantum_tokens: int = 2048  # token-cost DRR: tokens per unit of weight per round
     p0_step_tokens: int = 2048  # hybrid: prefill tokens of other tiers per step while P0 prefills
-    p0_solo_prefill: bool = False  # hybrid: a step that prefills P0 leaves P2-P3 out (every other step)
+    p0_solo_prefill: bool = False  # hybrid: a step that prefills P0 leaves P2-P3 out (≤ half the steps)
     enable_prefix_caching: bool = True
 
 

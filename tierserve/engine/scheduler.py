@@ -22,6 +22,8 @@ from tierserve.request import EventKind, Request, RequestStatus
 from tierserve.scheduling.base import Policy
 from tierserve.tiers import ALL_TIERS, Tier
 
+SOLO_WINDOW = 8  # p0_solo_prefill: P2-P3 run in at least half of any this many steps
+
 
 class PreemptMode(enum.Enum):
     SWAP = "swap"
@@ -55,7 +57,8 @@ class Scheduler:
         self.swapped: tuple[deque[Request], ...] = tuple(deque() for _ in ALL_TIERS)
         self._forced: list[Request] = []  # victims named from outside, taken at the next pass
         self._unsorted = False  # requests joined `running` since it was last put in policy order
-        self._last_solo = False  # the last step was a P0-only prefill step (p0_solo_prefill)
+        # Whether each of the last SOLO_WINDOW steps left P2-P3 out (p0_solo_prefill).
+        self._solo_history: deque[bool] = deque(maxlen=SOLO_WINDOW)
 
     def add(self, req: Request) -> None:
         self.policy.add(req, self.clock.now())
@@ -220,11 +223,12 @@ class Scheduler:
 
     def _solo_p0(self, decodes: dict[Request, int], prefills: dict[Request, int]) -> None:
         """Leave P2-P3 work out of a step that prefills P0, so that P0's first token waits
-        for nothing but P0-P1 work. Never two steps running, so nothing starves."""
-        if self._last_solo or not any(r.tier == Tier.P0 for r in prefills):
-            self._last_solo = False
+        for nothing but P0-P1 work. At most half of any SOLO_WINDOW steps, so nothing starves."""
+        history = self._solo_history
+        solo = sum(history) < SOLO_WINDOW // 2 and any(r.tier == Tier.P0 for r in prefills)
+        history.append(solo)
+        if not solo:
             return
-        self._last_solo = True
         for work in (decodes, prefills):
             for req in [r for r in work if r.tier >= Tier.P2]:
                 del work[req]
