@@ -36,7 +36,6 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     preempted: list[tuple[Request, PreemptMode]] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -197,7 +196,6 @@ class Scheduler:
             running.append(req)
             self._unsorted = True
             fresh.add(req)
-            out.admitted.append(req)
             chunk = self._chunk(req, budget, others_left)
             if chunk >= 1:
                 prefills[req] = chunk

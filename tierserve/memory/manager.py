@@ -63,17 +63,9 @@ class KVCacheManager:
     def borrowed_blocks(self, tier: Tier) -> int:
         return self.partition.borrowed(self.pool.used_by_tier)[tier]
 
-    def usage(self) -> float:
-        """Fraction of blocks in use (cached-free blocks count as free)."""
-        return 1 - self.pool.num_free / self.pool.num_blocks
-
     def prefix_hit_rate(self, tier: Tier) -> float:
         queried = self._prefix_queried[tier]
         return self._prefix_hit[tier] / queried if queried else 0.0
-
-    def prefix_totals(self) -> tuple[int, int]:
-        """(prompt tokens looked up, tokens found) over all tiers."""
-        return sum(self._prefix_queried), sum(self._prefix_hit)
 
     def check(self, tier: Tier, num_new_blocks: int) -> Alloc:
         """Could `tier` take `num_new_blocks` more blocks right now?"""
