@@ -54,7 +54,8 @@ class SchedulerConfig:
     swap_factor: float = 0.3  # swap when swap time < factor * prefill time, else recompute
     drr_quantum_tokens: int = 2048  # token-cost DRR: tokens per unit of weight per round
     p0_step_tokens: int = 2048  # hybrid: prefill tokens of other tiers per step while P0 prefills
-    p0_solo_prefill: bool = False  # hybrid: a step that prefills P0 leaves P2-P3 out (≤ half the steps)
+    p0_solo_prefill: bool = True  # hybrid: a step that prefills P0 runs P0 work only (≤ half the steps)
+    p3_yields: bool = True  # hybrid: a P0-P2 prefill step leaves P3 out (prompts ≤ 1/2, decodes ≤ 1/4)
     enable_prefix_caching: bool = True
 
 

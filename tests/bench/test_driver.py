@@ -114,6 +114,31 @@ def test_a_conversation_turn_carries_the_previous_real_answer() -> None:
     assert prompts[1] == [1, 2, 3, 7, 7, 50]  # NullExecutor answers with token 7
 
 
+@pytest.mark.parametrize("open_loop", [False, True])
+def test_a_turn_waits_for_its_conversations_previous_answer_and_others_go_first(open_loop: bool) -> None:
+    engine, clock = make_engine()
+    prompts: dict[str, list[int]] = {}
+    add = engine.add_request
+    engine.add_request = lambda req: (  # type: ignore
+        prompts.__setitem__(req.request_id, list(req.prompt_token_ids)) or add(req)
+    )
+    at = 0.0 if open_loop else None
+    first = RequestSpec(0, Tier.P0, "c", (1, 2, 3), 20, conversation_id="c", arrival_s=at)
+    second = RequestSpec(
+        1, Tier.P0, "c", (1, 2, 3, *[900] * 20, 50), 2, conversation_id="c", num_history_tokens=23,
+        arrival_s=at,
+    )
+    other = RequestSpec(2, Tier.P1, "t", (5, 6, 7), 2, arrival_s=at)
+    config = DriverConfig(num_measured=3, concurrency=None if open_loop else 4)
+    result = run_workload(engine, clock, [first, second, other], config)
+    by_index = {r.index: r for r in result.records}
+    assert by_index[1].arrival_s >= by_index[0].finish_s, "the next turn is sent after the answer"
+    assert by_index[2].arrival_s < by_index[0].finish_s, "a free client sends the next request meanwhile"
+    assert prompts["r1"] == [1, 2, 3, *[7] * 20, 50]  # the real answer: the history is all cached
+    assert by_index[1].num_cached_tokens > 0
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+
+
 def test_window_covers_the_measured_requests_only() -> None:
     engine, clock = make_engine()
     result = run_workload(

@@ -9,6 +9,11 @@ workload keeps flowing (cool-down, not measured) so that the last measured reque
 the same load; the run ends when every measured request has ended, when the stream runs
 out, or `drain_timeout_s` after the last measured arrival. Whatever is left is aborted,
 and every submitted request must then be final: the driver asserts it.
+
+A conversation's next turn is sent only once its previous turn has ended: a user cannot
+answer a reply they have not read. Until then the turn is held, and the client sends the
+next request of the stream instead; a held turn goes out, ahead of the stream, as soon as
+its conversation is free (open loop: at that moment, which becomes its arrival).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tierserve.tiers import ALL_TIERS
 from tierserve.workloads.spec import RequestSpec
 
 MAX_IDLE_STEPS = 1000  # steps in a row that neither take time nor end a request: the engine is stuck
+MAX_HELD = 1000  # turns held for a busy conversation at most; then the clients wait
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class _Run:
         self.num_submitted = 0
         self.num_measured_live = 0
         self.last_turn: dict[str, Request] = {}  # conversation id -> its latest request
+        self.held: list[RequestSpec] = []  # turns whose conversation's previous turn is live, by index
         self.sampler = BlockSampler()
         self.start: tuple[float, int, float, float] | None = None  # (time, tokens, roofline, busy)
         self.window: Window | None = None
@@ -77,17 +84,45 @@ class _Run:
     # ---- submission ----------------------------------------------------------------------
 
     def _all_measured_submitted(self) -> bool:
-        return (
-            self.next_spec is None
-            or self.next_spec.index >= self.config.num_warmup + self.config.num_measured
+        end = self.config.num_warmup + self.config.num_measured
+        return (self.next_spec is None or self.next_spec.index >= end) and not any(
+            spec.index < end for spec in self.held
         )
 
     def _may_submit(self) -> bool:
-        if self.next_spec is None or self.num_submitted >= self.max_requests:
+        if (self.next_spec is None and not self.held) or self.num_submitted >= self.max_requests:
             return False
         return not (
             self._all_measured_submitted() and self.num_measured_live == 0 and self.window is not None
         )
+
+    def _conversation_busy(self, spec: RequestSpec) -> bool:
+        if spec.conversation_id is None:
+            return False
+        previous = self.last_turn.get(spec.conversation_id)
+        return previous is not None and not previous.status.is_final
+
+    def _take_next(self) -> tuple[RequestSpec, bool] | None:
+        """(the next request to send, whether it was held): a held turn whose conversation
+        is free, else the stream's next spec (holding any turn of a busy conversation on the
+        way); None if the stream's next spec has not arrived yet (open loop) or none is left."""
+        for i, spec in enumerate(self.held):
+            if not self._conversation_busy(spec):
+                return self.held.pop(i), True
+        while self.next_spec is not None and len(self.held) < MAX_HELD:
+            spec = self.next_spec
+            open_loop = self.config.concurrency is None
+            if open_loop and (spec.arrival_s is None or spec.arrival_s > self.clock.now()):
+                return None
+            if not self._conversation_busy(spec):
+                self._advance()
+                return spec, False
+            self.held.append(spec)
+            self._advance()
+        return None
+
+    def _advance(self) -> None:
+        self.next_spec = next(self.specs, None)
 
     def _prompt(self, spec: RequestSpec) -> list[int]:
         """The spec's prompt, with the previous turn's real answer in place of the stand-in."""
@@ -104,9 +139,9 @@ class _Run:
             prompt[: spec.num_history_tokens] = previous.token_ids
         return prompt
 
-    def _submit(self, spec: RequestSpec) -> None:
+    def _submit(self, spec: RequestSpec, held: bool) -> None:
         now = self.clock.now()
-        arrival = now if self.config.concurrency is not None else spec.arrival_s
+        arrival = now if self.config.concurrency is not None or held else spec.arrival_s
         assert arrival is not None, f"open loop: spec {spec.index} has no arrival time"
         req = Request(
             f"r{spec.index}",
@@ -123,7 +158,6 @@ class _Run:
         if spec.conversation_id is not None:
             self.last_turn[spec.conversation_id] = req
         self.num_submitted += 1
-        self.next_spec = next(self.specs, None)
         if self._all_measured_submitted() and math.isinf(self.deadline):
             self.deadline = now + self.config.drain_timeout_s
         if self.engine.add_request(req):
@@ -135,13 +169,12 @@ class _Run:
     def _submit_due(self) -> None:
         limit = self.config.concurrency
         while self._may_submit():
-            spec = self.next_spec
-            assert spec is not None
             if limit is not None and len(self.live) >= limit:
                 return
-            if limit is None and (spec.arrival_s is None or spec.arrival_s > self.clock.now()):
+            taken = self._take_next()
+            if taken is None:
                 return
-            self._submit(spec)
+            self._submit(*taken)
 
     # ---- stepping ------------------------------------------------------------------------
 

@@ -22,7 +22,9 @@ from tierserve.request import EventKind, Request, RequestStatus
 from tierserve.scheduling.base import Policy
 from tierserve.tiers import ALL_TIERS, Tier
 
-SOLO_WINDOW = 8  # p0_solo_prefill: P2-P3 run in at least half of any this many steps
+# Step shaping (p0_solo_prefill, p3_yields): the work a rule leaves out of a step runs in
+# at least half of any SHAPING_WINDOW steps, so that it is delayed, never starved.
+SHAPING_WINDOW = 8
 
 
 class PreemptMode(enum.Enum):
@@ -56,8 +58,11 @@ class Scheduler:
         self.swapped: tuple[deque[Request], ...] = tuple(deque() for _ in ALL_TIERS)
         self._forced: list[Request] = []  # victims named from outside, taken at the next pass
         self._unsorted = False  # requests joined `running` since it was last put in policy order
-        # Whether each of the last SOLO_WINDOW steps left P2-P3 out (p0_solo_prefill).
-        self._solo_history: deque[bool] = deque(maxlen=SOLO_WINDOW)
+        # Whether each of the last SHAPING_WINDOW steps was P0-only (p0_solo_prefill), and
+        # whether each left P3's prompt chunks / decodes out (p3_yields).
+        self._solo_history: deque[bool] = deque(maxlen=SHAPING_WINDOW)
+        self._yield_history: deque[bool] = deque(maxlen=SHAPING_WINDOW)
+        self._decode_yield_history: deque[bool] = deque(maxlen=SHAPING_WINDOW)
 
     def add(self, req: Request) -> None:
         self.policy.add(req, self.clock.now())
@@ -151,7 +156,7 @@ class Scheduler:
 
         # 3. Prefill chunks of running requests, in protection order. While a P0 request
         #    prefills, a policy that protects P0 keeps other tiers' chunks small.
-        p0_pending = policy.protects_p0_steps and (
+        p0_pending = policy.shapes_steps and (
             policy.num_waiting(Tier.P0) > 0 or any(r.tier == Tier.P0 for r in prefilling)
         )
         others_left = cfg.p0_step_tokens if p0_pending else cfg.max_num_batched_tokens
@@ -203,8 +208,11 @@ class Scheduler:
                 if req.tier != Tier.P0:
                     others_left -= chunk
 
-        if policy.protects_p0_steps and cfg.p0_solo_prefill:
-            self._solo_p0(decodes, prefills)
+        if policy.shapes_steps:
+            if cfg.p0_solo_prefill:
+                self._solo_p0(decodes, prefills)
+            if cfg.p3_yields:
+                self._p3_yields(decodes, prefills)
 
         # Victims preempted by recompute rejoin the queue only now, so that the policy's
         # order cannot shift between its peek and pop, nor re-admit them in this pass.
@@ -220,16 +228,34 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------
 
     def _solo_p0(self, decodes: dict[Request, int], prefills: dict[Request, int]) -> None:
-        """Leave P2-P3 work out of a step that prefills P0, so that P0's first token waits
-        for nothing but P0-P1 work. At most half of any SOLO_WINDOW steps, so nothing starves."""
+        """Make a step that prefills P0 a P0-only step: the first token then waits for P0's
+        own prefill and nothing else, as it would on an idle engine. What is left out (every
+        other tier's decodes and chunks) runs in the next step."""
         history = self._solo_history
-        solo = sum(history) < SOLO_WINDOW // 2 and any(r.tier == Tier.P0 for r in prefills)
+        solo = sum(history) < SHAPING_WINDOW // 2 and any(r.tier == Tier.P0 for r in prefills)
         history.append(solo)
-        if not solo:
+        if solo:
+            for work in (decodes, prefills):
+                for req in [r for r in work if r.tier != Tier.P0]:
+                    del work[req]
+
+    def _p3_yields(self, decodes: dict[Request, int], prefills: dict[Request, int]) -> None:
+        """Let background work yield to first tokens: a step that prefills P0-P2 leaves out
+        P3's prompt chunks (in at most half of any SHAPING_WINDOW steps) and P3's decodes (in
+        at most a quarter, so P3's inter-token latency grows by at most 4/3)."""
+        if not any(r.tier != Tier.P3 for r in prefills):
+            self._yield_history.append(False)
+            self._decode_yield_history.append(False)
             return
-        for work in (decodes, prefills):
-            for req in [r for r in work if r.tier >= Tier.P2]:
-                del work[req]
+        for history, work, limit in (
+            (self._yield_history, prefills, SHAPING_WINDOW // 2),
+            (self._decode_yield_history, decodes, SHAPING_WINDOW // 4),
+        ):
+            yields = sum(history) < limit and any(r.tier == Tier.P3 for r in work)
+            history.append(yields)
+            if yields:
+                for req in [r for r in work if r.tier == Tier.P3]:
+                    del work[req]
 
     def _chunk(self, req: Request, budget: int, others_left: int) -> int:
         cfg = self.config.scheduler
@@ -296,3 +322,4 @@ class Scheduler:
         if swap_s < self.config.scheduler.swap_factor * prefill_s:
             return PreemptMode.SWAP
         return PreemptMode.RECOMPUTE
+

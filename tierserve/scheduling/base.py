@@ -24,7 +24,7 @@ class Policy(ABC):
     name: ClassVar[str]
     tiered_memory: ClassVar[bool] = True  # apply floors, reserves and ceilings
     allow_swap: ClassVar[bool] = True  # preempt by swap where the cost rule says so
-    protects_p0_steps: ClassVar[bool] = False  # keep steps short while a P0 request prefills
+    shapes_steps: ClassVar[bool] = False  # p0_step_tokens, p0_solo_prefill and p3_yields apply
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -38,7 +38,7 @@ FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
 
 class HybridPolicy(Policy):
     name: ClassVar[str] = "hybrid"
-    protects_p0_steps: ClassVar[bool] = True
+    shapes_steps: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
