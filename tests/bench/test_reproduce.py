@@ -194,3 +194,34 @@ def test_command_runs_on_the_simulator(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["setup"]["model"] == "llama-3.1-70b" and len(results["runs"]) == 2
     assert all(0 < run["utilization"] <= 1 for run in results["runs"])
+
+
+def test_several_seeds_report_medians_sums_and_maxima(tmp_path: Path) -> None:
+    from tierserve.bench import report
+    from tierserve.bench.reproduce import run_seeds
+
+    results = run_seeds(tiny_sweep(policies=("hybrid",)), [0, 1, 2], null_executor, workers=1)
+    runs = results["runs"]
+    assert results["setup"]["seed"] == [0, 1, 2]
+    assert sorted(r["seed"] for r in runs) == [0, 0, 1, 1, 2, 2]
+    summary = report.across_seeds(runs)
+    assert len(summary) == 2
+    for merged in summary:
+        mine = [r for r in runs if r["load"] == merged["load"]]
+        assert merged["seed"] == [0, 1, 2]
+        assert merged["ttft_p95_s"]["P1"] == pytest.approx(sorted(r["ttft_p95_s"]["P1"] for r in mine)[1])
+        assert merged["completed"]["P1"] == sum(r["completed"]["P1"] for r in mine)
+        assert merged["submitted"] == sum(r["submitted"] for r in mine)
+        assert merged["max_wait_s"]["P1"] == max(r["max_wait_s"]["P1"] for r in mine)
+        assert merged["concurrency"] == mine[0]["concurrency"]
+        assert merged["accounted"] is True
+    write_outputs(tmp_path, results)
+    assert "median over the seeds" in (tmp_path / "report.md").read_text()
+    assert report.across_seeds(runs[:2]) == runs[:2]  # one seed per cell: unchanged
+
+
+def test_seeds_must_be_distinct() -> None:
+    from tierserve.bench.reproduce import run_seeds
+
+    with pytest.raises(ValueError, match="distinct"):
+        run_seeds(tiny_sweep(), [1, 1], null_executor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,61 @@ def run_entry(
 
 def write_json(path: Path, results: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+
+
+# ---- several seeds ---------------------------------------------------------------------------
+
+
+# Over several seeds, counts of requests and events are summed (so "every P3 completed"
+# still means every one of them), the longest waits and peaks are the largest, and every
+# other number is the median.
+SUMMED_OVER_SEEDS = frozenset(
+    {"completed", "rejected", "measured", "aborted", "censored", "swaps", "recomputes", "swap",
+     "recompute", "submitted", "engine_steps"}
+)
+MAX_OVER_SEEDS = frozenset({"max_wait_s", "used_peak", "borrowed_peak"})
+
+
+def across_seeds(runs: Sequence[Run]) -> list[Run]:
+    """One run per (policy, load): as it is when one seed ran, else merged over the seeds —
+    counts summed, longest waits and peaks the largest, every other number the median (a
+    P95 is then the median of the seeds' P95s), flags (`accounted`) true only if true in
+    every seed — with `seed` the list of seeds."""
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run["policy"], run["load"]), []).append(run)
+    return [group[0] if len(group) == 1 else _median_run(group) for group in groups.values()]
+
+
+def _median_run(group: Sequence[Run]) -> Run:
+    def merge(values: Sequence[Any], how: str = "median") -> Any:
+        first = values[0]
+        if isinstance(first, bool):
+            return all(values)
+        if isinstance(first, Mapping):
+            return {k: merge([v[k] for v in values], _how(k, how)) for k in first}
+        numeric = all(isinstance(v, (int, float)) for v in values)
+        if how == "sum" and numeric:
+            return sum(values)
+        if how == "max" and numeric:
+            return max(values)
+        if all(v == first for v in values):
+            return first
+        if not numeric:
+            return None
+        if all(isinstance(v, int) for v in values):
+            return statistics.median_low(values)
+        return _r(statistics.median(values))
+
+    merged: dict[str, Any] = merge(list(group))
+    merged["seed"] = [run.get("seed") for run in group]
+    return merged
+
+
+def _how(key: str, inherited: str) -> str:
+    if key in SUMMED_OVER_SEEDS:
+        return "sum"
+    return "max" if key in MAX_OVER_SEEDS else inherited
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -285,11 +341,20 @@ def targets_section(runs: Sequence[Run]) -> str:
 def markdown(setup: Mapping[str, Any], runs: Sequence[Run]) -> str:
     lines = ["# tierserve bench reproduce", "", "## Setup", ""]
     lines += [f"- **{key}**: {value}" for key, value in setup.items() if not isinstance(value, Mapping)]
+    seeds = setup.get("seed")
     lines += [
         "",
         "Definitions: docs/benchmark.md. Percentiles are over the measured requests (warm-up and "
         "cool-down excluded); a request without a first token when its run ended counts with its wait "
         "so far (a lower bound).",
+    ]
+    if isinstance(seeds, list):
+        lines += [
+            "",
+            f"Each run was made with each workload seed ({', '.join(map(str, seeds))}); every figure below "
+            "is the median over the seeds (results.json has each seed's runs).",
+        ]
+    lines += [
         "",
         "## Results",
         "",

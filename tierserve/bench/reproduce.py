@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,6 +159,7 @@ def _run_job(job: _Job) -> tuple[_Job, Any]:
     )
     result = run_workload(engine, clock, sweep.workload(executor.spec.max_model_len, job.load), driver)
     extra = {
+        "seed": sweep.seed,
         "submitted": len(result.records),
         "accounted": True,  # the driver asserts it
         "engine_steps": result.stats.num_steps,
@@ -229,6 +230,19 @@ def run_sweep(
     return {"setup": _setup(sweep, factory), "runs": runs}
 
 
+def run_seeds(
+    sweep: Sweep, seeds: Sequence[int], factory: ExecutorFactory = sim_executor, workers: int = 2
+) -> dict[str, Any]:
+    """`run_sweep` once per workload seed; the runs of every seed, each tagged with its seed."""
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
+    results = [run_sweep(replace(sweep, seed=s), factory, workers) for s in seeds]
+    setup = dict(results[0]["setup"])
+    if len(seeds) > 1:
+        setup["seed"] = list(seeds)
+    return {"setup": setup, "runs": [run for r in results for run in r["runs"]]}
+
+
 def _setup(sweep: Sweep, factory: ExecutorFactory) -> dict[str, Any]:
     import subprocess
 
@@ -293,8 +307,9 @@ def write_outputs(out_dir: Path, results: Mapping[str, Any]) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "results.json", results)
-    (out_dir / "report.md").write_text(report.markdown(results["setup"], results["runs"]))
-    report.plot_ttft_p95(out_dir / "ttft_p95.png", results["runs"], results["setup"]["ttft_targets_s"])
+    summary = report.across_seeds(results["runs"])
+    (out_dir / "report.md").write_text(report.markdown(results["setup"], summary))
+    report.plot_ttft_p95(out_dir / "ttft_p95.png", summary, results["setup"]["ttft_targets_s"])
 
 
 # ---- the command ----------------------------------------------------------------------------
@@ -340,7 +355,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--concurrency", type=int, nargs="+", help="closed-loop clients (default: 32 64 128 256 512)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="workload seed; with several, each runs in turn and the report shows medians (default: 0)",
+    )
     p.add_argument("--model", default="llama-3.1-70b")
     p.add_argument("--gpu", default="a100-80gb")
     p.add_argument("--tp", type=int, default=8)
@@ -389,7 +410,7 @@ def sweep_from_args(args: argparse.Namespace) -> Sweep:
         model=args.model,
         gpu=args.gpu,
         tp=args.tp,
-        seed=args.seed,
+        seed=args.seed[0],
         policies=tuple(args.policies),
         loads=loads,
         trace=args.trace,
@@ -417,11 +438,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve bench reproduce: {e}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    results = run_sweep(sweep, workers=max(1, args.workers))
+    results = run_seeds(sweep, args.seed, workers=max(1, args.workers))
     out_dir = Path(args.out)
     write_outputs(out_dir, results)
-    print(report.tables(results["runs"]))
-    print(report.targets_section(results["runs"]))
+    summary = report.across_seeds(results["runs"])
+    print(report.tables(summary))
+    print(report.targets_section(summary))
     print(
         f"wrote {out_dir / 'results.json'}, {out_dir / 'report.md'}, {out_dir / 'ttft_p95.png'} "
         f"in {time.monotonic() - started:.0f} s",
