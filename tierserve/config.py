@@ -54,6 +54,7 @@ class SchedulerConfig:
     swap_factor: float = 0.3  # swap when swap time < factor * prefill time, else recompute
     drr_quantum_tokens: int = 2048  # token-cost DRR: tokens per unit of weight per round
     p0_step_tokens: int = 2048  # hybrid: prefill tokens of other tiers per step while P0 prefills
+    p0_guard_s: float = 0.0  # hybrid: keep p0_step_tokens this long after each P0 arrival (0: off)
     p0_solo_prefill: bool = True  # hybrid: a step that prefills P0 runs P0 work only (≤ half the steps)
     p3_yields: bool = True  # hybrid: a P0-P2 prefill step leaves P3 out (prompts ≤ 1/2, decodes ≤ 1/4)
     enable_prefix_caching: bool = True
@@ -105,6 +106,8 @@ def validate(config: EngineConfig) -> EngineConfig:
             raise ConfigError(f"scheduler.{name}: must be >= 1, got {getattr(s, name)}")
     if s.swap_factor < 0:
         raise ConfigError(f"scheduler.swap_factor: must be >= 0, got {s.swap_factor}")
+    if not s.p0_guard_s >= 0:
+        raise ConfigError(f"scheduler.p0_guard_s: must be >= 0, got {s.p0_guard_s}")
     for tier in ALL_TIERS:
         if tier not in config.tiers:
             raise ConfigError(f"tiers.{tier.name}: missing")

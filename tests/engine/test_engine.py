@@ -262,3 +262,18 @@ def test_p3_yields_off_and_other_policies_leave_p3_in() -> None:
             eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
             eng.step()
             assert any(s.request is p3 for s in executor.batches[-1].decodes), policy
+
+
+@pytest.mark.parametrize("guard_s", [0.0, 1000.0])
+def test_p0_guard_keeps_other_chunks_small_for_a_while_after_p0(guard_s: float) -> None:
+    eng = engine("hybrid", blocks=8000, max_num_batched_tokens=4096, p0_step_tokens=64, p0_guard_s=guard_s)
+    p0 = make_request(num_prompt=16, max_tokens=1, tier=Tier.P0)
+    eng.add_request(p0)
+    run(eng)
+    p1 = make_request(num_prompt=1000, max_tokens=1, tier=Tier.P1)
+    eng.add_request(p1)
+    eng.step()
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    (chunk,) = executor.batches[-1].prefills
+    assert chunk.num_tokens == (64 if guard_s else 1000)

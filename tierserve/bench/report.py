@@ -259,7 +259,7 @@ def targets(runs: Sequence[Run]) -> list[tuple[str, bool | None, str]]:
         return name, met, detail
 
     rel = _throughput_vs_fcfs(runs)
-    up_to_256 = [r for r in mine if (r.get("concurrency") or 0) <= 256]
+    up_to_256 = [r for r in mine if r.get("concurrency") is not None and r["concurrency"] <= 256]
     heavy = [r for r in mine if r.get("concurrency") in (256, 512)]
 
     def p95(run: Run | None, tier: str) -> float | None:

@@ -10,6 +10,7 @@ of state happens here, between steps; nothing leaves the batch while a step runs
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -63,8 +64,11 @@ class Scheduler:
         self._solo_history: deque[bool] = deque(maxlen=SHAPING_WINDOW)
         self._yield_history: deque[bool] = deque(maxlen=SHAPING_WINDOW)
         self._decode_yield_history: deque[bool] = deque(maxlen=SHAPING_WINDOW)
+        self._last_p0_arrival = -math.inf
 
     def add(self, req: Request) -> None:
+        if req.tier == Tier.P0:
+            self._last_p0_arrival = self.clock.now()
         self.policy.add(req, self.clock.now())
 
     def request_preemption(self, req: Request) -> None:
@@ -156,8 +160,12 @@ class Scheduler:
 
         # 3. Prefill chunks of running requests, in protection order. While a P0 request
         #    prefills, a policy that protects P0 keeps other tiers' chunks small.
+        #    With p0_guard_s, steps stay that small for a while after each P0 arrival, so
+        #    that the next P0 request finds a short step in flight.
         p0_pending = policy.shapes_steps and (
-            policy.num_waiting(Tier.P0) > 0 or any(r.tier == Tier.P0 for r in prefilling)
+            policy.num_waiting(Tier.P0) > 0
+            or any(r.tier == Tier.P0 for r in prefilling)
+            or now - self._last_p0_arrival < cfg.p0_guard_s
         )
         others_left = cfg.p0_step_tokens if p0_pending else cfg.max_num_batched_tokens
         for req in prefilling:
