@@ -24,7 +24,8 @@ def make_engine(
     executor = NullExecutor(
         num_device_blocks=blocks, num_host_blocks=host, block_size=16, **executor_kw  # type: ignore[arg-type]
     )
-    config = EngineConfig(scheduler=SchedulerConfig(swap_factor=swap_factor))
+    # p3_yields off: these tests start requests of several tiers in one step.
+    config = EngineConfig(scheduler=SchedulerConfig(swap_factor=swap_factor, p3_yields=False))
     return Engine(config, policy, executor, VirtualClock())
 
 
