@@ -47,9 +47,26 @@ def test_overhead_is_http_ttft_minus_engine_ttft_split_into_request_and_response
     assert r.output_tokens_per_s == 10.0
 
 
+def test_warmup_requests_are_left_out_of_the_ttft_percentiles_only() -> None:
+    outcomes = [
+        Outcome("P0", "ok", ttft_s=5.0, e2e_s=6.0, num_output_tokens=1, request_id="burst", index=0),
+        Outcome("P0", "ok", ttft_s=0.1, e2e_s=1.0, num_output_tokens=1, request_id="steady", index=1),
+    ]
+    engine = {"burst": (4.9, 104.9), "steady": (0.09, 200.09)}
+    http = {"burst": (99.99, 104.91), "steady": (199.999, 200.1)}
+    r = summarize(outcomes, engine, http, wall_s=1.0, config={}, warmup=1)
+    p0 = r.tiers["P0"]
+    assert p0["sent"] == 2 and p0["ttft_p95_ms"] == pytest.approx(100.0)
+    assert p0["engine_ttft_p95_ms"] == pytest.approx(90.0)
+    assert r.api_overhead_samples == 2 and r.warmup_requests == 1
+    everything = summarize(outcomes, engine, http, wall_s=1.0, config={})
+    assert everything.tiers["P0"]["ttft_p95_ms"] > 4000
+
+
 def test_arguments_are_bounded() -> None:
     assert serve_bench.run(_parse(["serve", "--requests", "0"])) == 2
     assert serve_bench.run(_parse(["serve", "--tier-mix", "1/2/3"])) == 2
+    assert serve_bench.run(_parse(["serve", "--requests", "10", "--warmup", "10"])) == 2
     with pytest.raises(SystemExit):
         _parse(["serve", "--max-tokens", "9-3"])
 

@@ -7,6 +7,11 @@ the time the simulator predicts. Reports per-tier TTFT P50/P95, rejections by re
 throughput, and the latency the API layer adds to the first token: HTTP TTFT minus the
 TTFT inside the engine (arrival -> first token, what an in-process caller sees).
 
+The per-tier TTFT percentiles leave out the first `--warmup` requests sent (default: one
+per client, capped at a third of the requests): every client sends its first request at
+once, a start-up burst no steady load has. Counts, throughput and the API overhead cover
+every request.
+
 That added latency is measured twice. `api_overhead_*`: on the server, from the request
 reaching the app to the first token's chunk handed to the socket, minus the engine's TTFT,
 split into the request path (parse, tokenize, limits, admission, inbox) and the response
@@ -42,6 +47,7 @@ class BenchResult:
     throughput_rps: float
     output_tokens_per_s: float
     tiers: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    warmup_requests: int = 0  # the first requests sent, left out of the per-tier TTFT percentiles
     api_overhead_p50_ms: float | None = None  # server-side: HTTP TTFT - in-engine TTFT
     api_overhead_p99_ms: float | None = None
     api_overhead_samples: int = 0
@@ -67,6 +73,7 @@ def summarize(
     http_trace: dict[str, tuple[float, float | None]],
     wall_s: float,
     config: dict[str, Any],
+    warmup: int = 0,
 ) -> BenchResult:
     """`engine_trace`: id -> (in-engine TTFT, first token on the loop at); `http_trace`: id ->
     (request reached the app at, first chunk sent at)."""
@@ -79,11 +86,13 @@ def summarize(
         rejections=dict(Counter(o.status for o in outcomes if o.status != "ok")),
         throughput_rps=len(ok) / wall_s if wall_s else 0.0,
         output_tokens_per_s=sum(o.num_output_tokens for o in ok) / wall_s if wall_s else 0.0,
+        warmup_requests=warmup,
     )
     for tier in TIERS:
         mine = [o for o in outcomes if o.tier == tier]
-        ttfts = [o.ttft_s * 1000 for o in mine if o.status == "ok" and o.ttft_s is not None]
-        inside = [engine_trace[o.request_id][0] * 1000 for o in mine if o.request_id in engine_trace]
+        steady = [o for o in mine if not 0 <= o.index < warmup]
+        ttfts = [o.ttft_s * 1000 for o in steady if o.status == "ok" and o.ttft_s is not None]
+        inside = [engine_trace[o.request_id][0] * 1000 for o in steady if o.request_id in engine_trace]
         result.tiers[tier] = {
             "sent": len(mine),
             "ok": sum(o.status == "ok" for o in mine),
@@ -149,7 +158,8 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
         sys.setswitchinterval(previous)
     http_trace = {rid: (r.received_at, r.first_sent_at) for rid, r in state.trace.records.items()}
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "out")}
-    return summarize(outcomes, engine_trace, http_trace, wall, settings)
+    warmup = args.warmup if args.warmup is not None else min(args.concurrency, args.requests // 3)
+    return summarize(outcomes, engine_trace, http_trace, wall, settings, warmup)
 
 
 def _ms(v: float | int | None) -> str:
@@ -172,6 +182,7 @@ def print_table(r: BenchResult) -> None:
             f"{_ms(t['ttft_p95_ms']):>13}{_ms(t['engine_ttft_p50_ms']):>12}{_ms(t['engine_ttft_p95_ms']):>12}"
         )
     print(f"throughput: {r.throughput_rps:.2f} req/s, {r.output_tokens_per_s:.0f} output tokens/s")
+    print(f"TTFT percentiles leave out the first {r.warmup_requests} requests sent (the start-up burst)")
     print(f"rejections: {r.rejections or 'none'}")
     print(
         f"API overhead on the server (HTTP TTFT - in-engine TTFT, {r.api_overhead_samples} requests): "
@@ -209,6 +220,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--duration-s", type=float, default=120.0, help="stop sending after this long (default: 120)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        help="first requests sent left out of the TTFT percentiles (default: the concurrency, "
+        "at most a third of the requests)",
+    )
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=_range, default=(64, 1024), help="LO-HI (default: 64-1024)")
     p.add_argument("--max-tokens", type=_range, default=(16, 128), help="LO-HI (default: 16-128)")
@@ -230,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
             "bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, --duration-s > 0",
             file=sys.stderr,
         )
+        return 2
+    if args.warmup is not None and not 0 <= args.warmup < args.requests:
+        print("bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
         return 2
     mix = args.tier_mix.split("/")
     if len(mix) != 4 or not all(x.replace(".", "", 1).isdigit() for x in mix) or sum(map(float, mix)) <= 0:

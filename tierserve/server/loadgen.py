@@ -38,6 +38,7 @@ class Outcome:
     num_output_tokens: int = 0
     request_id: str = ""
     first_chunk_at: float | None = None  # time.monotonic() when the first token arrived
+    index: int = -1  # position of the request in the send order
 
 
 def make_specs(
@@ -54,7 +55,7 @@ def make_specs(
     return specs
 
 
-async def _one(client: Any, model: str, spec: Spec) -> Outcome:
+async def _one(client: Any, model: str, spec: Spec, index: int) -> Outcome:
     body = {
         "model": model,
         "prompt": spec.prompt,
@@ -63,7 +64,7 @@ async def _one(client: Any, model: str, spec: Spec) -> Outcome:
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    out = Outcome(spec.tier, "ok")
+    out = Outcome(spec.tier, "ok", index=index)
     async with client.stream(
         "POST", "/v1/completions", json=body, headers={"x-request-tier": spec.tier}
     ) as r:
@@ -102,10 +103,11 @@ async def drive(
         async def worker() -> None:
             while queue:
                 spec = queue.pop()
+                index = len(specs) - len(queue) - 1
                 try:
-                    outcomes.append(await _one(client, model, spec))
+                    outcomes.append(await _one(client, model, spec, index))
                 except httpx.HTTPError as e:
-                    outcomes.append(Outcome(spec.tier, f"http_error:{type(e).__name__}"))
+                    outcomes.append(Outcome(spec.tier, f"http_error:{type(e).__name__}", index=index))
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
         _, pending = await asyncio.wait(tasks, timeout=duration_s)
