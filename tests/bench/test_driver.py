@@ -139,6 +139,21 @@ def test_a_turn_waits_for_its_conversations_previous_answer_and_others_go_first(
     assert all(r.status is RequestStatus.FINISHED for r in result.records)
 
 
+def test_turns_of_one_conversation_run_one_after_another_even_with_free_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tierserve.bench.driver as driver
+
+    monkeypatch.setattr(driver, "MAX_HELD", 3)  # the clients wait once 3 turns are held
+    engine, clock = make_engine()
+    turns = [RequestSpec(i, Tier.P0, "c", (1, 2, 3, i), 3, conversation_id="c") for i in range(12)]
+    result = run_workload(engine, clock, turns, DriverConfig(num_measured=12, concurrency=4))
+    records = sorted(result.records, key=lambda r: r.arrival_s)
+    assert [r.index for r in records] == list(range(12))
+    assert all(b.arrival_s >= a.finish_s for a, b in itertools.pairwise(records))
+    assert all(r.status is RequestStatus.FINISHED for r in records)
+
+
 def test_window_covers_the_measured_requests_only() -> None:
     engine, clock = make_engine()
     result = run_workload(

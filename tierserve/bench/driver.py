@@ -109,7 +109,7 @@ class _Run:
         for i, spec in enumerate(self.held):
             if not self._conversation_busy(spec):
                 return self.held.pop(i), True
-        while self.next_spec is not None and len(self.held) < MAX_HELD:
+        while self.next_spec is not None:
             spec = self.next_spec
             open_loop = self.config.concurrency is None
             if open_loop and (spec.arrival_s is None or spec.arrival_s > self.clock.now()):
@@ -117,6 +117,8 @@ class _Run:
             if not self._conversation_busy(spec):
                 self._advance()
                 return spec, False
+            if len(self.held) >= MAX_HELD:
+                return None  # the clients wait for a conversation to come free
             self.held.append(spec)
             self._advance()
         return None
