@@ -330,4 +330,3 @@ class Scheduler:
         if swap_s < self.config.scheduler.swap_factor * prefill_s:
             return PreemptMode.SWAP
         return PreemptMode.RECOMPUTE
-
