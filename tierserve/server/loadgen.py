@@ -118,9 +118,15 @@ async def drive(
 
 
 def drive_in_child(
-    url: str, model: str, specs: list[Spec], concurrency: int, duration_s: float
+    url: str,
+    model: str,
+    specs: list[Spec],
+    concurrency: int,
+    duration_s: float,
+    cpus: set[int] | None = None,
 ) -> list[Outcome]:
-    """Run `drive` in a fresh interpreter (`python -m tierserve.server.loadgen`), JSON in and out."""
+    """Run `drive` in a fresh interpreter (`python -m tierserve.server.loadgen`), JSON in and out;
+    on `cpus` only, where given (Linux)."""
     import os
     import subprocess
 
@@ -144,6 +150,7 @@ def drive_in_child(
         timeout=duration_s + 120,
         check=False,
         env=env,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the load generator failed:\n{proc.stderr[-4000:]}")
