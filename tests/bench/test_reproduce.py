@@ -152,6 +152,10 @@ def test_open_loop_trace_replay_runs(tmp_path: Path) -> None:
     assert run["rate_scale"] == 2.0 and run["concurrency"] is None
     assert sum(run["completed"].values()) == sweep.num_measured
     assert "traces carry no tier" in results["setup"]["tier_assignment"]
+    from tierserve.bench import report
+
+    p1_slo = next(t for t in report.targets([{**run, "policy": "hybrid"}]) if "P1 SLO" in t[0])
+    assert p1_slo[1] is None, "the P1 SLO target is for closed-loop runs"
 
 
 @pytest.mark.parametrize(

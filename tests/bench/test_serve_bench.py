@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,17 @@ def test_warmup_requests_are_left_out_of_the_ttft_percentiles_only() -> None:
     assert r.api_overhead_samples == 2 and r.warmup_requests == 1
     everything = summarize(outcomes, engine, http, wall_s=1.0, config={})
     assert everything.tiers["P0"]["ttft_p95_ms"] > 4000
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs"
+)
+def test_the_load_generator_gets_a_cpu_the_server_keeps_off() -> None:
+    before = os.sched_getaffinity(0)
+    with serve_bench._cpu_for_the_load_generator() as spare:
+        assert spare is not None and len(spare) == 1 and spare <= before
+        assert os.sched_getaffinity(0) == before - spare
+    assert os.sched_getaffinity(0) == before
 
 
 def test_arguments_are_bounded() -> None:

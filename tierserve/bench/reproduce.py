@@ -302,7 +302,9 @@ def _setup(sweep: Sweep, factory: ExecutorFactory) -> dict[str, Any]:
     }
 
 
-def write_outputs(out_dir: Path, results: Mapping[str, Any]) -> None:
+def write_outputs(out_dir: Path, results: Mapping[str, Any]) -> list[Any]:
+    """Write results.json, report.md and the plot; return the runs the report shows (one
+    per policy and load, merged over the seeds)."""
     from tierserve.bench import report
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -310,6 +312,7 @@ def write_outputs(out_dir: Path, results: Mapping[str, Any]) -> None:
     summary = report.across_seeds(results["runs"])
     (out_dir / "report.md").write_text(report.markdown(results["setup"], summary))
     report.plot_ttft_p95(out_dir / "ttft_p95.png", summary, results["setup"]["ttft_targets_s"])
+    return summary
 
 
 # ---- the command ----------------------------------------------------------------------------
@@ -440,8 +443,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     results = run_seeds(sweep, args.seed, workers=max(1, args.workers))
     out_dir = Path(args.out)
-    write_outputs(out_dir, results)
-    summary = report.across_seeds(results["runs"])
+    summary = write_outputs(out_dir, results)
     print(report.tables(summary))
     print(report.targets_section(summary))
     print(
