@@ -114,7 +114,9 @@ def make_state(
 
 
 @contextmanager
-def live_server(state: ServerState, *, drain_timeout_s: float = 5.0) -> Iterator[LiveServer]:
+def live_server(
+    state: ServerState, *, drain_timeout_s: float = 5.0, freeze_heap: bool = False
+) -> Iterator[LiveServer]:
     """Run the app under uvicorn in a thread on a free loopback port."""
-    with embedded_server(state, drain_timeout_s=drain_timeout_s) as srv:
+    with embedded_server(state, drain_timeout_s=drain_timeout_s, freeze_heap=freeze_heap) as srv:
         yield LiveServer(srv.url, srv.state, srv.server, srv.thread)

@@ -115,3 +115,112 @@ def test_a_request_the_engine_refuses_ends_with_its_reason() -> None:
     end = asyncio.run(run())
     assert end.finished and end.finish_reason is FinishReason.REJECTED and "context" in end.error
     assert 'reason="engine_refused"' in state.metrics.render().decode()
+
+
+def test_first_tokens_go_ahead_of_queued_deltas_and_signal_when_handled() -> None:
+    import threading
+
+    from tierserve.server.streams import Dispatcher
+
+    def handle(i: int, tier: Tier = Tier.P2) -> RequestHandle:
+        return RequestHandle(
+            Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), tier=tier, arrival_time=0.0)
+        )
+
+    async def run() -> tuple[list[str], bool, bool]:
+        done = threading.Event()
+        dispatcher = Dispatcher(asyncio.get_running_loop(), done)
+        busy = [handle(i) for i in range(DISPATCH_SLICE * 3)]
+        new = [handle(100), handle(101, Tier.P0)]
+        order: list[str] = []
+
+        async def wait(h: RequestHandle) -> None:
+            await h.next()
+            order.append(h.request.request_id)
+
+        tasks = [asyncio.ensure_future(wait(h)) for h in busy + new]
+        await asyncio.sleep(0)
+        done.clear()
+        dispatcher.post([(h, Delta((7,))) for h in busy])  # a step's tokens, not first ones
+        set_without_firsts = done.is_set()
+        done.clear()
+        # The next step's first tokens arrive while most of that burst is still queued.
+        dispatcher.post([], [(h, Delta((8,))) for h in new])
+        dispatcher.post([(busy[0], Delta((9,)))])  # more queued deltas: no first tokens in them
+        pending_while_queued = done.is_set()
+        while not done.is_set():
+            await asyncio.sleep(0)
+        handled_when_set = {"r100", "r101"} <= set(order)
+        await asyncio.gather(*tasks)
+        return order, set_without_firsts, pending_while_queued or not handled_when_set
+
+    order, set_without_firsts, early = asyncio.run(run())
+    # The first slice of the burst was woken at once; the first tokens overtook the rest.
+    assert order.index("r100") < order.index(f"r{DISPATCH_SLICE}")
+    assert order.index("r101") < order.index(f"r{DISPATCH_SLICE}")
+    assert set_without_firsts  # nothing urgent: the engine need not wait
+    assert not early  # set only once the first tokens' handlers had run
+
+
+def test_first_tokens_are_posted_before_the_rest_of_the_step() -> None:
+    """One step gives some requests their first token and others a later one: the first
+    tokens are handed to the event loop in a post of their own, ahead of the rest."""
+    state = make_state(step_s=0.0005)
+    engine = state.engine
+    posts: list[tuple[list[str], list[str]]] = []
+
+    async def run() -> None:
+        engine.start()
+        assert engine._dispatcher is not None
+        dispatcher = engine._dispatcher
+        original = dispatcher.post
+
+        def spy(items: list[tuple[RequestHandle, Delta]], firsts: tuple = ()) -> None:  # type: ignore[type-arg]
+            posts.append(
+                ([h.request.request_id for h, _ in items], [h.request.request_id for h, _ in firsts])
+            )
+            original(items, firsts)
+
+        dispatcher.post = spy  # type: ignore[method-assign]
+        try:
+            tok = ByteTokenizer()
+            early = engine.submit(
+                Request(
+                    "early", tok.encode("a"), SamplingParams(max_tokens=30), arrival_time=state.clock.now()
+                ),
+                Tier.P0,
+            )
+            await early.next()
+            late = engine.submit(
+                Request(
+                    "late", tok.encode("b"), SamplingParams(max_tokens=3), arrival_time=state.clock.now()
+                ),
+                Tier.P0,
+            )
+            await asyncio.gather(_collect(early), _collect(late))
+            engine.close(early)
+            engine.close(late)
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+    i = next(i for i, (_, firsts) in enumerate(posts) if "late" in firsts)
+    items, firsts = posts[i]
+    assert firsts == ["late"] and items == []  # the first token alone, at once
+    assert "early" in posts[i + 1][0]  # the same step's other token, in the next post
+
+
+def test_freeze_heap_moves_start_up_objects_out_of_the_collector() -> None:
+    import gc
+
+    from tests.server.helpers import live_server
+
+    gc.unfreeze()
+    try:
+        with live_server(make_state(), freeze_heap=True):
+            frozen = gc.get_freeze_count()
+        assert frozen > 1000
+    finally:
+        gc.unfreeze()
+    with live_server(make_state()):
+        assert gc.get_freeze_count() == 0

@@ -79,7 +79,11 @@ async def _one(client: openai.AsyncOpenAI, rng: random.Random, i: int) -> tuple[
 @pytest.fixture(scope="module")
 def load() -> Iterator[LoadResult]:
     state = make_state(
-        parse_serve_config(LOAD_CONFIG), num_device_blocks=160, max_model_len=2048, swap_block_s=1e-6
+        parse_serve_config(LOAD_CONFIG),
+        num_device_blocks=160,
+        max_model_len=2048,
+        swap_block_s=1e-6,
+        step_s=0.005,  # steps long enough that a scrape every 0.1 s sees the load running
     )
     with live_server(state) as srv:
 

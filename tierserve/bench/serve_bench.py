@@ -174,7 +174,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `tierserve serve` runs
     try:
         # The server's threads start inside this block, so they inherit its CPUs.
-        with _cpu_for_the_load_generator() as client_cpus, embedded_server(state) as srv:
+        with _cpu_for_the_load_generator() as client_cpus, embedded_server(state, freeze_heap=True) as srv:
             start = time.perf_counter()
             outcomes = drive_in_child(
                 srv.url, backend.model_name, specs, args.concurrency, args.duration_s, client_cpus

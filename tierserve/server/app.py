@@ -7,6 +7,7 @@ Every error leaves in OpenAI's envelope; validation errors are 400s naming the f
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -46,10 +47,17 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(fields) or None
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
+    """`freeze_heap`: once started, move every live object out of the cyclic collector's
+    reach (`gc.freeze`) — modules, the model, the block pool. For a server process: a full
+    collection that walks them all pauses every thread (~0.1 s measured under load)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
+        if freeze_heap:
+            gc.collect()
+            gc.freeze()
         log.info("tierserve ready: %s", state.describe())
         try:
             yield

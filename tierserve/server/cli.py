@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         pace=backend.pace,
     )
-    app = create_app(state)
+    app = create_app(state, freeze_heap=True)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5
     )

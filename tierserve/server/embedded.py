@@ -38,12 +38,20 @@ def loopback_socket() -> socket.socket:
 
 @contextmanager
 def embedded_server(
-    state: ServerState, *, drain_timeout_s: float = 5.0, start_timeout_s: float = 30.0
+    state: ServerState,
+    *,
+    drain_timeout_s: float = 5.0,
+    start_timeout_s: float = 30.0,
+    freeze_heap: bool = False,
 ) -> Iterator[EmbeddedServer]:
     sock = loopback_socket()
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        create_app(state), log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
+        create_app(state, freeze_heap=freeze_heap),
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
     )
     server = DrainingServer(config, state, drain_timeout_s)
     thread = threading.Thread(

@@ -2,9 +2,9 @@
 
 The engine thread posts each step's deltas to the `Dispatcher` (through
 `call_soon_threadsafe`). The dispatcher wakes at most `DISPATCH_SLICE` handlers per
-event-loop iteration, FIFO: each request's deltas stay in order, and a step's burst of
-hundreds of chunks cannot hold up a new first token, or a new request's bytes, for the
-whole burst (the loop polls for I/O between slices).
+event-loop iteration, FIFO but for first tokens, which go ahead: each request's deltas
+stay in order, and a step's burst of hundreds of chunks cannot hold up a new first token,
+or a new request's bytes, for the whole burst (the loop polls for I/O between slices).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tierserve.request import FinishReason, Request
 from tierserve.tiers import Tier
@@ -20,9 +22,9 @@ from tierserve.tiers import Tier
 DISPATCH_SLICE = 4  # handlers woken per event-loop iteration
 
 
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New tokens of one request (possibly none) and, when it ended, how."""
+class Delta(NamedTuple):
+    """New tokens of one request (possibly none) and, when it ended, how. (A tuple: hundreds
+    are made per step on the engine thread, while first tokens wait for them.)"""
 
     token_ids: tuple[int, ...]
     finished: bool = False
@@ -55,17 +57,28 @@ def tier_of(item: tuple[RequestHandle, Delta]) -> Tier:
 
 
 class Dispatcher:
-    """Hands deltas to handlers on the event loop, FIFO (so each request's deltas stay in
-    order), at most `DISPATCH_SLICE` per loop iteration."""
+    """Hands deltas to handlers on the event loop, at most `DISPATCH_SLICE` per loop iteration.
+
+    FIFO, so each request's deltas stay in order, except that first tokens go to the head of
+    the queue (a request's first delta has nothing before it to overtake): a step's new first
+    tokens do not wait behind the rest of the previous step's burst. `done` is set once the
+    handlers of the first tokens posted last have run."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
         self._loop = loop
-        self._done = done  # set once the handlers woken for everything posted have run
+        self._done = done
         self._pending: deque[tuple[RequestHandle, Delta]] = deque()
+        self._firsts_left = 0  # first tokens at the head of `_pending` not woken yet
         self._scheduled = False
 
-    def post(self, items: list[tuple[RequestHandle, Delta]]) -> None:
+    def post(
+        self, items: list[tuple[RequestHandle, Delta]], firsts: Sequence[tuple[RequestHandle, Delta]] = ()
+    ) -> None:
         self._pending.extend(items)
+        self._pending.extendleft(reversed(firsts))
+        self._firsts_left += len(firsts)
+        if not self._firsts_left:
+            self._done.set()
         if not self._scheduled:
             self._drain()
 
@@ -78,9 +91,11 @@ class Dispatcher:
                 handle.finished = True
             if not handle.closed:
                 handle.queue.put_nowait(delta)
+            if self._firsts_left:
+                self._firsts_left -= 1
+                if not self._firsts_left:
+                    self._loop.call_soon(self._done.set)  # runs after the handlers just woken
         # The woken handlers run in the next iteration, after a poll for I/O; then the rest.
         if pending:
             self._scheduled = True
             self._loop.call_soon(self._drain)
-        else:
-            self._loop.call_soon(self._done.set)  # runs after the handlers just woken
