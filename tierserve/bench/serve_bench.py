@@ -5,7 +5,8 @@ clients stream `--requests` completions with tiers drawn from `--tier-mix`. The 
 the real app (admission, rate limits, SSE) over the simulated deployment, so requests take
 the time the simulator predicts. Reports per-tier TTFT P50/P95, rejections by reason and
 throughput, and the latency the API layer adds to the first token: HTTP TTFT minus the
-TTFT inside the engine (arrival -> first token, what an in-process caller sees).
+in-process TTFT (arrival -> return of the `Engine.step()` that produced the first token:
+what a caller of the engine in the same process sees).
 
 The per-tier TTFT percentiles leave out the first `--warmup` requests sent (default: one
 per client, capped at a third of the requests): every client sends its first request at
@@ -13,9 +14,9 @@ once, a start-up burst no steady load has. Counts, throughput and the API overhe
 every request.
 
 That added latency is measured twice. `api_overhead_*`: on the server, from the request
-reaching the app to the first token's chunk handed to the socket, minus the engine's TTFT,
-split into the request path (parse, tokenize, limits, admission, inbox) and the response
-path (engine thread -> event loop -> detokenize -> SSE). `client_overhead_*`: as the
+reaching the app to the first token's chunk handed to the socket, minus the in-process TTFT,
+split into the request path (parse, tokenize, limits, admission) and the response path
+(engine thread -> event loop -> detokenize -> SSE). `client_overhead_*`: as the
 clients see it, so it also holds the loopback network and the load generator's own time
 (httpx is CPU-hungry: on a small machine this is mostly the client). The load generator
 runs in a child process so that its CPU does not queue behind the server's for the
@@ -54,14 +55,14 @@ class BenchResult:
     output_tokens_per_s: float
     tiers: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
     warmup_requests: int = 0  # the first requests sent, left out of the per-tier TTFT percentiles
-    api_overhead_p50_ms: float | None = None  # server-side: HTTP TTFT - in-engine TTFT
+    api_overhead_p50_ms: float | None = None  # server-side: HTTP TTFT - in-process TTFT
     api_overhead_p99_ms: float | None = None
     api_overhead_samples: int = 0
     request_path_p50_ms: float | None = None  # request reached the app -> engine arrival
     request_path_p99_ms: float | None = None
-    response_path_p50_ms: float | None = None  # first token on the event loop -> chunk sent
+    response_path_p50_ms: float | None = None  # the step returned -> the first chunk sent
     response_path_p99_ms: float | None = None
-    client_overhead_p50_ms: float | None = None  # client-side TTFT - in-engine TTFT
+    client_overhead_p50_ms: float | None = None  # client-side TTFT - in-process TTFT
     client_overhead_p99_ms: float | None = None
 
 
@@ -81,8 +82,9 @@ def summarize(
     config: dict[str, Any],
     warmup: int = 0,
 ) -> BenchResult:
-    """`engine_trace`: id -> (in-engine TTFT, first token on the loop at); `http_trace`: id ->
-    (request reached the app at, first chunk sent at)."""
+    """`engine_trace`: id -> (in-process TTFT, `time.monotonic()` when the step that produced
+    the first token returned); `http_trace`: id -> (request reached the app at, first chunk
+    sent at)."""
     ok = [o for o in outcomes if o.status == "ok"]
     result = BenchResult(
         config=config,
@@ -109,11 +111,11 @@ def summarize(
             "engine_ttft_p95_ms": _pct(inside, 0.95),
         }
     request, response = [], []
-    for rid, (ttft, on_loop_at) in engine_trace.items():
+    for rid, (ttft, returned_at) in engine_trace.items():
         received_at, sent_at = http_trace.get(rid, (None, None))
         if received_at is not None and sent_at is not None:
-            request.append((on_loop_at - ttft - received_at) * 1000)
-            response.append((sent_at - on_loop_at) * 1000)
+            request.append((returned_at - ttft - received_at) * 1000)
+            response.append((sent_at - returned_at) * 1000)
     overhead = [a + b for a, b in zip(request, response, strict=True)]
     client = [
         (o.ttft_s - engine_trace[o.request_id][0]) * 1000
@@ -211,12 +213,12 @@ def print_table(r: BenchResult) -> None:
     print(f"TTFT percentiles leave out the first {r.warmup_requests} requests sent (the start-up burst)")
     print(f"rejections: {r.rejections or 'none'}")
     print(
-        f"API overhead on the server (HTTP TTFT - in-engine TTFT, {r.api_overhead_samples} requests): "
+        f"API overhead on the server (HTTP TTFT - in-process TTFT, {r.api_overhead_samples} requests): "
         f"P50 {_ms(r.api_overhead_p50_ms)} ms, P99 {_ms(r.api_overhead_p99_ms)} ms"
     )
     print(
         f"  request path (app -> engine arrival): P50 {_ms(r.request_path_p50_ms)} ms, "
-        f"P99 {_ms(r.request_path_p99_ms)} ms; response path (first token -> chunk sent): "
+        f"P99 {_ms(r.request_path_p99_ms)} ms; response path (step returned -> chunk sent): "
         f"P50 {_ms(r.response_path_p50_ms)} ms, P99 {_ms(r.response_path_p99_ms)} ms"
     )
     print(
