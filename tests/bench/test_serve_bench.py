@@ -48,7 +48,7 @@ def test_overhead_is_http_ttft_minus_engine_ttft_split_into_request_and_response
     assert r.output_tokens_per_s == 10.0
 
 
-def test_warmup_requests_are_left_out_of_the_ttft_percentiles_only() -> None:
+def test_warmup_requests_are_left_out_of_the_ttft_and_overhead_percentiles() -> None:
     outcomes = [
         Outcome("P0", "ok", ttft_s=5.0, e2e_s=6.0, num_output_tokens=1, request_id="burst", index=0),
         Outcome("P0", "ok", ttft_s=0.1, e2e_s=1.0, num_output_tokens=1, request_id="steady", index=1),
@@ -59,9 +59,14 @@ def test_warmup_requests_are_left_out_of_the_ttft_percentiles_only() -> None:
     p0 = r.tiers["P0"]
     assert p0["sent"] == 2 and p0["ttft_p95_ms"] == pytest.approx(100.0)
     assert p0["engine_ttft_p95_ms"] == pytest.approx(90.0)
-    assert r.api_overhead_samples == 2 and r.warmup_requests == 1
+    assert r.api_overhead_samples == 1 and r.warmup_requests == 1 and r.num_ok == 2
+    # steady: body in at 199.999, the step returned 0.09 s after arrival at 200.09, chunk out at 200.1
+    assert r.api_overhead_p99_ms == pytest.approx(11.0) and r.response_path_p50_ms == pytest.approx(10.0)
+    assert r.client_overhead_p50_ms == pytest.approx(10.0)
+    # the burst's request (body in at 99.99, arrival at 100.0, chunk out 10 ms after the step)
+    assert r.api_overhead_all_p99_ms == pytest.approx(20.0, abs=0.2)
     everything = summarize(outcomes, engine, http, wall_s=1.0, config={})
-    assert everything.tiers["P0"]["ttft_p95_ms"] > 4000
+    assert everything.tiers["P0"]["ttft_p95_ms"] > 4000 and everything.api_overhead_samples == 2
 
 
 @pytest.mark.skipif(
@@ -113,10 +118,11 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
     assert printed["num_sent"] == 16 and printed["num_ok"] == 16 and printed["rejections"] == {}
-    assert printed["api_overhead_samples"] == 16
+    assert printed["warmup_requests"] == 4 and printed["api_overhead_samples"] == 16 - 4
     for key in (
         "api_overhead_p50_ms",
         "api_overhead_p99_ms",
+        "api_overhead_all_p99_ms",
         "client_overhead_p99_ms",
         "request_path_p50_ms",
         "response_path_p50_ms",
