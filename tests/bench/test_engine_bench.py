@@ -59,3 +59,37 @@ def test_small_bench_reports_every_figure_as_json(capsys: pytest.CaptureFixture[
         assert res[key] > 0, key
     assert res["greedy_agreement_with_hf"] == 1.0  # the same weights give the same tokens
     assert res["num_prompts"] == 3 and 12 <= res["num_output_tokens"] <= 24
+
+
+def _azure_trace(path: os.PathLike[str], rows: list[tuple[int, int]]) -> None:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:15:{i:02d}.0000000,{c},{g}" for i, (c, g) in enumerate(rows)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_trace_lengths_keep_the_traces_spread_at_the_benchs_scale(tmp_path: os.PathLike[str]) -> None:
+    trace = os.path.join(tmp_path, "t.csv")
+    _azure_trace(trace, [(100, 10), (1000, 40), (4000, 80), (8000, 20)])
+    lengths = engine_bench.trace_lengths(trace, 40, seed=1, prompt_max=256, output_max=128)
+    assert lengths == engine_bench.trace_lengths(trace, 40, seed=1, prompt_max=256, output_max=128)
+    prompts, outputs = zip(*lengths, strict=True)
+    assert max(prompts) == 256 and max(outputs) == 128  # every row is drawn in 40 tries
+    assert set(prompts) == {3, 32, 128, 256} and set(outputs) == {16, 64, 128, 32}
+    w = engine_bench.make_workload(40, seed=1, lengths=lengths)
+    assert [len(p) for p in w.prompts] == list(prompts) and w.max_tokens == list(outputs)
+
+
+def test_a_missing_or_malformed_trace_is_a_clear_error(
+    tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    engine_bench.register(parser.add_subparsers(dest="bench", required=True))
+    bad = os.path.join(tmp_path, "bad.csv")
+    with open(bad, "w") as f:
+        f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:00.0,lots,3\n")
+    for path, message in ((os.path.join(tmp_path, "none.csv"), "no such trace file"), (bad, "bad.csv:2")):
+        args = parser.parse_args(["engine", "--lengths-from", path, "--skip-hf"])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("bench engine: --lengths-from:") and message in err, err

@@ -37,12 +37,41 @@ def make_workload(
     seed: int,
     prompt_range: tuple[int, ...] = (16, 256),
     output_range: tuple[int, ...] = (16, 128),
+    lengths: list[tuple[int, int]] | None = None,
 ) -> Workload:
-    """Seeded prompts of random byte tokens, each with its own max_tokens."""
+    """Seeded prompts of random byte tokens, each with its own max_tokens: lengths drawn
+    uniformly from the ranges, or the given (prompt, output) `lengths`."""
     rng = random.Random(seed)
     (lo, hi), (out_lo, out_hi) = prompt_range, output_range
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
-    return Workload(prompts, [rng.randint(out_lo, out_hi) for _ in range(num_prompts)])
+    if lengths is None:
+        lengths = [(rng.randint(lo, hi), rng.randint(out_lo, out_hi)) for _ in range(num_prompts)]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n, _ in lengths]
+    return Workload(prompts, [m for _, m in lengths])
+
+
+def trace_lengths(
+    path: str, num_prompts: int, seed: int, prompt_max: int, output_max: int
+) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of `num_prompts` requests drawn (seeded) from a request trace
+    (Azure CSV or Mooncake JSONL), scaled so that the longest drawn prompt has `prompt_max`
+    tokens and the longest output `output_max`: the trace's spread of lengths at the demo
+    model's scale."""
+    from tierserve.workloads.traces import load_trace
+
+    records = load_trace(path)
+    if not records:
+        raise ValueError(f"{path}: the trace has no requests")
+    rng = random.Random(seed)
+    drawn = [rng.choice(records) for _ in range(num_prompts)]
+    prompt_scale = prompt_max / max(r.num_prompt_tokens for r in drawn)
+    output_scale = output_max / max(max(r.num_output_tokens, 1) for r in drawn)
+    return [
+        (
+            max(1, round(r.num_prompt_tokens * prompt_scale)),
+            max(1, round(max(r.num_output_tokens, 1) * output_scale)),
+        )
+        for r in drawn
+    ]
 
 
 def _engine(executor: TorchExecutor, config: EngineConfig) -> Any:
@@ -190,7 +219,9 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench(args: argparse.Namespace) -> dict[str, Any]:
+def bench(args: argparse.Namespace, lengths: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Run every contender; `lengths`: the workload's (prompt, output) lengths, else drawn
+    uniformly from `--prompt-tokens` and `--output-tokens`."""
     import torch
 
     from tierserve.config import EngineConfig, SchedulerConfig
@@ -207,7 +238,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             p0_solo_prefill=args.p0_solo_prefill,
         )
     )
-    w = make_workload(args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens))
+    w = make_workload(
+        args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens), lengths
+    )
     run_tierserve(executor, config, make_workload(4, args.seed + 1, output_range=(4, 8)))  # warm-up
     # Best of `repeats`: on a shared machine the slower runs measure the neighbours.
     runs = [run_tierserve(executor, config, w) for _ in range(args.repeats)]
@@ -216,6 +249,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
+        "lengths_from": args.lengths_from,
+        "num_prompt_tokens": sum(map(len, w.prompts)),
         "num_output_tokens": w.num_output_tokens,
         "tierserve_tokens_per_s": ts_tps,
     }
@@ -279,6 +314,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar=("MIN", "MAX"),
         help="each request's max_tokens, drawn in this range",
     )
+    p.add_argument(
+        "--lengths-from",
+        metavar="TRACE",
+        help="draw the prompts' and outputs' lengths from a request trace (Azure .csv or Mooncake "
+        ".jsonl), scaled so the longest are --prompt-tokens MAX and --output-tokens MAX",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--flood", type=int, default=64, help="P2 requests submitted before the P0 ones")
     p.add_argument("--num-p0", type=int, default=5, help="P0 requests measured per scenario")
@@ -303,11 +344,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    res = bench(args)
+    from tierserve.workloads.traces import TraceFormatError
+
+    lengths = None
+    if args.lengths_from:
+        try:
+            lengths = trace_lengths(
+                args.lengths_from, args.num_prompts, args.seed, args.prompt_tokens[1], args.output_tokens[1]
+            )
+        except (OSError, TraceFormatError, ValueError) as e:
+            print(f"bench engine: --lengths-from: {e}", file=sys.stderr)
+            return 2
+    res = bench(args, lengths)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
-    head = f"{res['num_prompts']} prompts, {res['num_output_tokens']} output tokens"
+    head = (
+        f"{res['num_prompts']} prompts ({res['num_prompt_tokens']} tokens"
+        f"{', lengths from ' + res['lengths_from'] if res['lengths_from'] else ''}), "
+        f"{res['num_output_tokens']} output tokens"
+    )
     print(f"demo model on {res['device']} ({res['threads']} threads): {head}")
     for label, key, unit in _ROWS:
         if key in res:
