@@ -131,7 +131,7 @@ def test_first_tokens_go_ahead_of_queued_deltas_and_signal_when_handled() -> Non
         done = threading.Event()
         dispatcher = Dispatcher(asyncio.get_running_loop(), done)
         busy = [handle(i) for i in range(DISPATCH_SLICE * 3)]
-        new = [handle(100), handle(101, Tier.P0)]
+        new = [handle(100), handle(101, Tier.P0), handle(102)]
         order: list[str] = []
 
         async def wait(h: RequestHandle) -> None:
@@ -145,19 +145,20 @@ def test_first_tokens_go_ahead_of_queued_deltas_and_signal_when_handled() -> Non
         set_without_firsts = done.is_set()
         done.clear()
         # The next step's first tokens arrive while most of that burst is still queued.
-        dispatcher.post([], [(h, Delta((8,))) for h in new])
+        dispatcher.post([], [(h, Delta((8,))) for h in new[:2]])
+        dispatcher.post([], [(new[2], Delta((8,)))])  # a later step's: behind the earlier ones
         dispatcher.post([(busy[0], Delta((9,)))])  # more queued deltas: no first tokens in them
         pending_while_queued = done.is_set()
         while not done.is_set():
             await asyncio.sleep(0)
-        handled_when_set = {"r100", "r101"} <= set(order)
+        handled_when_set = {"r100", "r101", "r102"} <= set(order)
         await asyncio.gather(*tasks)
         return order, set_without_firsts, pending_while_queued or not handled_when_set
 
     order, set_without_firsts, early = asyncio.run(run())
     # The first slice of the burst was woken at once; the first tokens overtook the rest.
     assert order.index("r100") < order.index(f"r{DISPATCH_SLICE}")
-    assert order.index("r101") < order.index(f"r{DISPATCH_SLICE}")
+    assert order.index("r101") < order.index("r102") < order.index(f"r{DISPATCH_SLICE}")
     assert set_without_firsts  # nothing urgent: the engine need not wait
     assert not early  # set only once the first tokens' handlers had run
 

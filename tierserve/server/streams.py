@@ -74,9 +74,11 @@ class Dispatcher:
     def post(
         self, items: list[tuple[RequestHandle, Delta]], firsts: Sequence[tuple[RequestHandle, Delta]] = ()
     ) -> None:
-        self._pending.extend(items)
-        self._pending.extendleft(reversed(firsts))
-        self._firsts_left += len(firsts)
+        pending = self._pending
+        pending.extend(items)
+        for item in firsts:  # behind the first tokens still queued, ahead of everything else
+            pending.insert(self._firsts_left, item)
+            self._firsts_left += 1
         if not self._firsts_left:
             self._done.set()
         if not self._scheduled:
