@@ -238,3 +238,12 @@ def test_unknown_route_and_method_use_the_error_envelope(server: LiveServer) -> 
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
+
+
+def test_the_schema_documents_the_tier_and_tenant_headers(server: LiveServer) -> None:
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        post = paths[route]["post"]
+        headers = {p["name"] for p in post["parameters"] if p["in"] == "header"}
+        assert headers == {"x-request-tier", "x-tenant-id"}, route
+        assert "requestBody" in post, route

@@ -11,9 +11,9 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -30,12 +30,27 @@ from tierserve.server.tracing import ReceivedAtMiddleware
 
 log = logging.getLogger("tierserve.server")
 
-TierHeader = Annotated[
-    str | None, Header(alias="x-request-tier", description="realtime|online|batch|background or P0..P3")
-]
-TenantHeader = Annotated[
-    str | None, Header(alias="x-tenant-id", description="tenant, where the config allows it")
-]
+# The tier and tenant headers are read from the request, not declared as FastAPI parameters:
+# FastAPI's per-request parameter resolution cost ~0.1 ms of a ~0.3 ms route. They are
+# documented in the OpenAPI schema all the same.
+_HEADERS_DOC: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "x-request-tier",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "realtime|online|batch|background or P0..P3",
+        },
+        {
+            "name": "x-tenant-id",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "tenant, where the config allows it",
+        },
+    ]
+}
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -106,23 +121,27 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         log.exception("unhandled error")
         return ApiError(500, "Internal server error.", type="server_error").response()
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(
-        body: ChatCompletionRequest,
-        http: HttpRequest,
-        x_request_tier: TierHeader = None,
-        x_tenant_id: TenantHeader = None,
-    ) -> Response:
-        return await generate(state, http, body, tier_header=x_request_tier, tenant_header=x_tenant_id)
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=_HEADERS_DOC)
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        headers = http.headers
+        return await generate(
+            state,
+            http,
+            body,
+            tier_header=headers.get("x-request-tier"),
+            tenant_header=headers.get("x-tenant-id"),
+        )
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(
-        body: CompletionRequest,
-        http: HttpRequest,
-        x_request_tier: TierHeader = None,
-        x_tenant_id: TenantHeader = None,
-    ) -> Response:
-        return await generate(state, http, body, tier_header=x_request_tier, tenant_header=x_tenant_id)
+    @app.post("/v1/completions", response_model=None, openapi_extra=_HEADERS_DOC)
+    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        headers = http.headers
+        return await generate(
+            state,
+            http,
+            body,
+            tier_header=headers.get("x-request-tier"),
+            tenant_header=headers.get("x-tenant-id"),
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
