@@ -123,25 +123,11 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=_HEADERS_DOC)
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
-        headers = http.headers
-        return await generate(
-            state,
-            http,
-            body,
-            tier_header=headers.get("x-request-tier"),
-            tenant_header=headers.get("x-tenant-id"),
-        )
+        return await generate(state, http, body)
 
     @app.post("/v1/completions", response_model=None, openapi_extra=_HEADERS_DOC)
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
-        headers = http.headers
-        return await generate(
-            state,
-            http,
-            body,
-            tier_header=headers.get("x-request-tier"),
-            tenant_header=headers.get("x-tenant-id"),
-        )
+        return await generate(state, http, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

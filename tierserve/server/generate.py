@@ -33,10 +33,9 @@ async def generate(
     state: ServerState,
     http: HttpRequest,
     body: ChatCompletionRequest | CompletionRequest,
-    *,
-    tier_header: str | None,
-    tenant_header: str | None,
 ) -> Response:
+    """Serve one generation; the tier comes from `x-request-tier` or the body's `priority`, the
+    tenant from the API key or `x-tenant-id`."""
     chat = isinstance(body, ChatCompletionRequest)
     metrics = state.metrics
     if state.draining:
@@ -49,9 +48,10 @@ async def generate(
             headers={"Retry-After": "1"},
             extra={"retry_after": 1.0},
         )
-    tenant = state.tenants.resolve(http.headers.get("authorization"), tenant_header)
+    asked = http.headers
+    tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
     check_model(state, body.model)
-    decision = decide_tier(tenant, parse_declared_tier(tier_header, body.priority))
+    decision = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority))
     tier = decision.effective
     prepared = prepare(state, body, tier)
     num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
