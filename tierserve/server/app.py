@@ -30,8 +30,8 @@ from tierserve.server.tracing import ReceivedAtMiddleware
 
 log = logging.getLogger("tierserve.server")
 
-# The tier and tenant headers are read from the request, not declared as FastAPI parameters:
-# FastAPI's per-request parameter resolution cost ~0.1 ms of a ~0.3 ms route. They are
+# `generate` reads the tier and tenant headers from the request; declared as FastAPI
+# parameters, their per-request resolution cost ~45 us of the route's ~260 us. They are
 # documented in the OpenAPI schema all the same.
 _HEADERS_DOC: dict[str, Any] = {
     "parameters": [
