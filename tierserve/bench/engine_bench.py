@@ -44,7 +44,8 @@ def make_workload(
     rng = random.Random(seed)
     (lo, hi), (out_lo, out_hi) = prompt_range, output_range
     if lengths is None:
-        lengths = [(rng.randint(lo, hi), rng.randint(out_lo, out_hi)) for _ in range(num_prompts)]
+        prompts = [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
+        return Workload(prompts, [rng.randint(out_lo, out_hi) for _ in range(num_prompts)])
     prompts = [[rng.randrange(256) for _ in range(n)] for n, _ in lengths]
     return Workload(prompts, [m for _, m in lengths])
 
