@@ -64,14 +64,12 @@ def trace_lengths(
         raise ValueError(f"{path}: the trace has no requests")
     rng = random.Random(seed)
     drawn = [rng.choice(records) for _ in range(num_prompts)]
-    prompt_scale = prompt_max / max(r.num_prompt_tokens for r in drawn)
-    output_scale = output_max / max(max(r.num_output_tokens, 1) for r in drawn)
+    prompts = [r.num_prompt_tokens for r in drawn]
+    outputs = [max(r.num_output_tokens, 1) for r in drawn]  # a trace may record 0
+    prompt_scale, output_scale = prompt_max / max(prompts), output_max / max(outputs)
     return [
-        (
-            max(1, round(r.num_prompt_tokens * prompt_scale)),
-            max(1, round(max(r.num_output_tokens, 1) * output_scale)),
-        )
-        for r in drawn
+        (max(1, round(p * prompt_scale)), max(1, round(o * output_scale)))
+        for p, o in zip(prompts, outputs, strict=True)
     ]
 
 

@@ -55,7 +55,7 @@ class BenchResult:
     throughput_rps: float
     output_tokens_per_s: float
     tiers: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
-    warmup_requests: int = 0  # the first requests sent, left out of the per-tier TTFT percentiles
+    warmup_requests: int = 0  # the first requests sent, left out of the TTFT and overhead percentiles
     api_overhead_p50_ms: float | None = None  # server-side: HTTP TTFT - in-process TTFT
     api_overhead_p99_ms: float | None = None
     api_overhead_samples: int = 0
@@ -99,11 +99,15 @@ def summarize(
         output_tokens_per_s=sum(o.num_output_tokens for o in ok) / wall_s if wall_s else 0.0,
         warmup_requests=warmup,
     )
+
+    def steady(index: int) -> bool:
+        return not 0 <= index < warmup  # -1: not known to be one of the start-up burst
+
     for tier in TIERS:
         mine = [o for o in outcomes if o.tier == tier]
-        steady = [o for o in mine if not 0 <= o.index < warmup]
-        ttfts = [o.ttft_s * 1000 for o in steady if o.status == "ok" and o.ttft_s is not None]
-        inside = [engine_trace[o.request_id][0] * 1000 for o in steady if o.request_id in engine_trace]
+        kept = [o for o in mine if steady(o.index)]
+        ttfts = [o.ttft_s * 1000 for o in kept if o.status == "ok" and o.ttft_s is not None]
+        inside = [engine_trace[o.request_id][0] * 1000 for o in kept if o.request_id in engine_trace]
         result.tiers[tier] = {
             "sent": len(mine),
             "ok": sum(o.status == "ok" for o in mine),
@@ -121,14 +125,14 @@ def summarize(
             continue
         before, after = (returned_at - ttft - received_at) * 1000, (sent_at - returned_at) * 1000
         everything.append(before + after)
-        if not 0 <= index_of.get(rid, -1) < warmup:
+        if steady(index_of.get(rid, -1)):
             request.append(before)
             response.append(after)
     overhead = [a + b for a, b in zip(request, response, strict=True)]
     client = [
         (o.ttft_s - engine_trace[o.request_id][0]) * 1000
         for o in ok
-        if o.ttft_s is not None and o.request_id in engine_trace and not 0 <= o.index < warmup
+        if o.ttft_s is not None and o.request_id in engine_trace and steady(o.index)
     ]
     result.api_overhead_p50_ms, result.api_overhead_p99_ms = _pct(overhead, 0.50), _pct(overhead, 0.99)
     result.api_overhead_all_p50_ms = _pct(everything, 0.50)
@@ -266,7 +270,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--warmup",
         type=int,
-        help="first requests sent left out of the TTFT percentiles (default: the concurrency, "
+        help="first requests sent left out of the TTFT and overhead percentiles (default: the concurrency, "
         "at most a third of the requests)",
     )
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")

@@ -3,10 +3,10 @@
 The event loop never calls the engine. Handlers put commands (add, abort, finish) in a
 thread-safe inbox; the engine thread applies them between steps, so an abort frees the
 request's blocks before the next step starts. After each step the engine thread hands
-all new tokens to the event loop in one `call_soon_threadsafe`, waits (briefly) until the
-loop has sent the first tokens among them, and only then does its own bookkeeping
-(metrics, and an `EngineSnapshot` that the event loop reads for admission and metrics):
-a first token never waits for interpreter time spent on accounting. Only the engine
+the step's first tokens to the event loop (`call_soon_threadsafe`), waits (briefly) until
+the loop has sent them, then hands over the step's other tokens and only then does its own
+bookkeeping (metrics, and an `EngineSnapshot` that the event loop reads for admission and
+metrics): a first token never waits for interpreter time spent on accounting. Only the engine
 thread touches the engine and `_live`.
 
 Each step's deliveries are ordered (first tokens ahead of everything still queued, urgent
@@ -68,7 +68,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dispatcher: Dispatcher | None = None
-        self._handoff = threading.Event()  # set by the event loop once a posted batch is handled
+        self._handoff = threading.Event()  # set by the event loop once the posted first tokens are sent
         self._live: dict[str, _Live] = {}  # engine thread only
         self._handles: dict[str, RequestHandle] = {}  # event loop only: requests not yet closed
         self._submitted = dict.fromkeys(ALL_TIERS, 0)  # written by the event loop only
@@ -181,8 +181,8 @@ class AsyncEngine:
                 self._fail_all("internal engine error")
                 continue
             returned_at, returned = time.monotonic(), engine.clock.now()
-            seen, firsts = self._deliver_firsts(outputs)
-            if firsts:
+            seen, any_first = self._deliver_firsts(outputs)
+            if any_first:
                 # Let the event loop send the first tokens before this thread's work (the rest of
                 # the step's tokens, metrics, the next step) competes with it for the
                 # interpreter lock. Bounded: the engine never waits long.
@@ -230,11 +230,9 @@ class AsyncEngine:
         else:
             loop.call_soon_threadsafe(_settle, future, result, None)
 
-    def _deliver_firsts(
-        self, outputs: list[RequestOutput]
-    ) -> tuple[list[tuple[RequestOutput, _Live]], list[tuple[RequestHandle, Delta]]]:
+    def _deliver_firsts(self, outputs: list[RequestOutput]) -> tuple[list[tuple[RequestOutput, _Live]], bool]:
         """Post the step's first tokens (urgent tiers first) ahead of everything queued; return
-        the step's outputs that belong to live requests, and the posted first tokens."""
+        the step's outputs that belong to live requests, and whether any first token was posted."""
         seen: list[tuple[RequestOutput, _Live]] = []
         firsts: list[tuple[RequestHandle, Delta]] = []
         live_by_id = self._live
@@ -249,7 +247,7 @@ class AsyncEngine:
         if firsts:
             firsts.sort(key=tier_of)
             self._post([], firsts)
-        return seen, firsts
+        return seen, bool(firsts)
 
     def _deliver_rest(self, seen: list[tuple[RequestOutput, _Live]]) -> None:
         """Post the step's other tokens and its ends, urgent tiers first."""

@@ -59,10 +59,10 @@ def tier_of(item: tuple[RequestHandle, Delta]) -> Tier:
 class Dispatcher:
     """Hands deltas to handlers on the event loop, at most `DISPATCH_SLICE` per loop iteration.
 
-    FIFO, so each request's deltas stay in order, except that first tokens go to the head of
-    the queue (a request's first delta has nothing before it to overtake): a step's new first
-    tokens do not wait behind the rest of the previous step's burst. `done` is set once the
-    handlers of the first tokens posted last have run."""
+    FIFO, so each request's deltas stay in order, except that first tokens go ahead of
+    everything but earlier first tokens (a request's first delta has nothing before it to
+    overtake): a step's new first tokens do not wait behind the rest of the previous step's
+    burst. `done` is set once the handlers of every first token posted so far have run."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
         self._loop = loop
