@@ -37,7 +37,7 @@ def make_demo_model(
     model = CausalLM(DEMO_MODEL)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
+        for name, param in sorted(model.checkpoint_tensors().items()):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
@@ -75,7 +75,7 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     from safetensors import SafetensorError, safe_open
 
     files = _weight_files(directory)
-    expected = dict(model.named_parameters())
+    expected = model.checkpoint_tensors()
     where = ", ".join(sorted({p.name for p in files.values()}))
     missing = [name for name in expected if name not in files]
     if missing:
