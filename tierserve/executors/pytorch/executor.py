@@ -21,6 +21,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 256 << 20
 DEFAULT_GPU_KV_FRACTION = 0.5  # of the memory free once the weights are loaded
 MAX_DEFAULT_HOST_BYTES = 4 << 30
+CPU_DECODE_GROUP = 8  # sequences per decode attention call on a CPU (attention.py says why)
 
 
 class TorchExecutor:
@@ -50,6 +51,7 @@ class TorchExecutor:
             eos_token_ids=self.eos_token_ids,
         )
         self._buffers = GatherBuffers()
+        self._decode_group = CPU_DECODE_GROUP if self.device.type == "cpu" else None
         self.calibration: Calibration = calibrate(model, pool)
 
     @property
@@ -63,7 +65,9 @@ class TorchExecutor:
         rows: list[int] = []
         samples: list[SampleRequest] = []
         spans: list[SeqSpan] = []
-        for seq in batch.seqs:
+        # Decodes by context length, so that each decode attention group pads little.
+        decodes = sorted(batch.decodes, key=lambda s: s.start) if self._decode_group else batch.decodes
+        for seq in decodes + batch.prefills:
             req = seq.request
             end = seq.start + seq.num_tokens
             if seq.num_tokens < 1 or end > req.num_tokens or end > self._spec.max_model_len:
@@ -82,7 +86,12 @@ class TorchExecutor:
         num_decodes = len(batch.decodes)
         with torch.inference_mode():
             meta = build_metadata(
-                spans[:num_decodes], spans[num_decodes:], self._spec.block_size, self.device, self._buffers
+                spans[:num_decodes],
+                spans[num_decodes:],
+                self._spec.block_size,
+                self.device,
+                self._buffers,
+                self._decode_group,
             )
             logits = self.model(
                 torch.tensor(ids, device=self.device),
