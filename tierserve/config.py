@@ -100,8 +100,14 @@ def _merge(path: str, base: Any, raw: Mapping[str, Any]) -> Any:
 
 def validate(config: EngineConfig) -> EngineConfig:
     s = config.scheduler
-    for name in ("max_num_batched_tokens", "max_num_seqs", "long_prompt_tokens",
-                 "long_prompt_chunk_tokens", "drr_quantum_tokens", "p0_step_tokens"):
+    for name in (
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "long_prompt_tokens",
+        "long_prompt_chunk_tokens",
+        "drr_quantum_tokens",
+        "p0_step_tokens",
+    ):
         if getattr(s, name) < 1:
             raise ConfigError(f"scheduler.{name}: must be >= 1, got {getattr(s, name)}")
     if s.swap_factor < 0:
@@ -123,9 +129,7 @@ def validate(config: EngineConfig) -> EngineConfig:
             if not 0 <= getattr(t, name) <= 1:
                 raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
         if t.ceiling < t.floor + t.reserve:
-            raise ConfigError(
-                f"{p}.ceiling: {t.ceiling} is below floor + reserve ({t.floor} + {t.reserve})"
-            )
+            raise ConfigError(f"{p}.ceiling: {t.ceiling} is below floor + reserve ({t.floor} + {t.reserve})")
         if t.expected_output_tokens < 1:
             raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
     total = sum(config.tiers[t].floor + config.tiers[t].reserve for t in ALL_TIERS)

@@ -52,8 +52,13 @@ def measure(
             tier = rng.choices(ALL_TIERS, TIER_SHARES)[0]
             prompt = [rng.randrange(50000) for _ in range(PROMPT_TOKENS)]
             engine.add_request(
-                Request(f"r{serial}", prompt, SamplingParams(max_tokens=max_tokens), tier=tier,
-                        arrival_time=clock.now())
+                Request(
+                    f"r{serial}",
+                    prompt,
+                    SamplingParams(max_tokens=max_tokens),
+                    tier=tier,
+                    arrival_time=clock.now(),
+                )
             )
             serial += 1
 
@@ -89,12 +94,23 @@ def run(args: argparse.Namespace) -> int:
         results[name] = measure(name, args.running, args.waiting, args.passes)
         if not args.json:
             r = results[name]
-            print(f"{name:<14} p50 {r['schedule_us_p50']:8.0f} us   p99 {r['schedule_us_p99']:8.0f} us   "
-                  f"running {r['running']:4d}  waiting {r['waiting']:6d}  preemptions {r['preemptions']}",
-                  flush=True)
+            print(
+                f"{name:<14} p50 {r['schedule_us_p50']:8.0f} us   p99 {r['schedule_us_p99']:8.0f} us   "
+                f"running {r['running']:4d}  waiting {r['waiting']:6d}  preemptions {r['preemptions']}",
+                flush=True,
+            )
     if args.json:
-        print(json.dumps({"running": args.running, "waiting": args.waiting, "passes": args.passes,
-                          "policies": results}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "running": args.running,
+                    "waiting": args.waiting,
+                    "passes": args.passes,
+                    "policies": results,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -109,8 +109,19 @@ def write_json(path: Path, results: Mapping[str, Any]) -> None:
 # still means every one of them), the longest waits and peaks are the largest, and every
 # other number is the median.
 SUMMED_OVER_SEEDS = frozenset(
-    {"completed", "rejected", "measured", "aborted", "censored", "swaps", "recomputes", "swap",
-     "recompute", "submitted", "engine_steps"}
+    {
+        "completed",
+        "rejected",
+        "measured",
+        "aborted",
+        "censored",
+        "swaps",
+        "recomputes",
+        "swap",
+        "recompute",
+        "submitted",
+        "engine_steps",
+    }
 )
 MAX_OVER_SEEDS = frozenset({"max_wait_s", "used_peak", "borrowed_peak"})
 
@@ -278,9 +289,7 @@ def targets(runs: Sequence[Run]) -> list[tuple[str, bool | None, str]]:
 
     def show_vs_vllm(run: Run) -> str:
         base = _cell(runs, "vllm-priority", run["load"])
-        return ", ".join(
-            f"{t} {_fmt(p95(run, t))} vs {_fmt(p95(base, t))} s" for t in ("P0", "P1", "P2")
-        )
+        return ", ".join(f"{t} {_fmt(p95(run, t))} vs {_fmt(p95(base, t))} s" for t in ("P0", "P1", "P2"))
 
     def slowdown_ok(run: Run) -> bool | None:
         s = run.get("p0_slowdown")

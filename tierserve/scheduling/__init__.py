@@ -12,7 +12,13 @@ from tierserve.scheduling.vllm_priority import VllmPriorityPolicy
 from tierserve.scheduling.wfq import WfqPolicy
 
 _ALL: tuple[type[Policy], ...] = (
-    FcfsPolicy, StrictPolicy, DrrPolicy, TokenDrrPolicy, WfqPolicy, HybridPolicy, VllmPriorityPolicy,
+    FcfsPolicy,
+    StrictPolicy,
+    DrrPolicy,
+    TokenDrrPolicy,
+    WfqPolicy,
+    HybridPolicy,
+    VllmPriorityPolicy,
 )
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _ALL}
 

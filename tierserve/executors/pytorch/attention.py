@@ -36,7 +36,7 @@ class SeqSpan:
 class DecodeGroup:
     start: int  # first row of the group in the step's token tensor
     blocks: torch.Tensor  # [num_seqs, max_blocks] block tables, padded with block 0
-    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] True: a real position
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] additive: 0 at a real position
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ class PrefillChunk:
     num_tokens: int
     context_len: int  # the chunk attends to positions [0, context_len)
     blocks: torch.Tensor  # [ceil(context_len / block_size)] block ids
-    mask: torch.Tensor | None  # [num_tokens, context_len] allowed; None: plain causal (start == 0)
+    mask: torch.Tensor | None  # [num_tokens, context_len] additive; None: plain causal (start == 0)
 
 
 class GatherBuffers:
@@ -89,13 +89,23 @@ def _blocks(span: SeqSpan, block_size: int) -> list[int]:
     return list(span.block_ids[:n])
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 where `allowed`, -inf elsewhere: made once per step, not converted in every layer."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
+
+
 def _decode_group(
-    start: int, tables: list[list[int]], context: list[int], block_size: int, device: torch.device
+    start: int,
+    tables: list[list[int]],
+    context: list[int],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> DecodeGroup:
     width = max(map(len, tables))
     blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-    mask = (torch.arange(width * block_size)[None, :] < torch.tensor(context)[:, None])[:, None, None, :]
-    return DecodeGroup(start, blocks.to(device), mask.to(device))
+    allowed = torch.arange(width * block_size)[None, :] < torch.tensor(context)[:, None]
+    return DecodeGroup(start, blocks.to(device), _additive(allowed[:, None, None, :], dtype, device))
 
 
 def build_metadata(
@@ -105,9 +115,10 @@ def build_metadata(
     device: torch.device,
     buffers: GatherBuffers | None = None,
     decode_group: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    """Index tensors shared by every layer of one step; decodes in groups of at most
-    `decode_group` consecutive sequences (None: one group)."""
+    """Index tensors and masks (in the model's `dtype`) shared by every layer of one step;
+    decodes in groups of at most `decode_group` consecutive sequences (None: one group)."""
     tables = [_blocks(d, block_size) for d in decodes]
     context = [d.context_len for d in decodes]
     slots = [
@@ -116,7 +127,7 @@ def build_metadata(
     ]
     size = decode_group or max(len(decodes), 1)
     groups = tuple(
-        _decode_group(i, tables[i : i + size], context[i : i + size], block_size, device)
+        _decode_group(i, tables[i : i + size], context[i : i + size], block_size, device, dtype)
         for i in range(0, len(decodes), size)
     )
     chunks: list[PrefillChunk] = []
@@ -129,7 +140,7 @@ def build_metadata(
         mask = None
         if p.start > 0:
             q_pos = torch.arange(p.start, p.context_len)[:, None]
-            mask = (torch.arange(p.context_len)[None, :] <= q_pos).to(device)
+            mask = _additive(torch.arange(p.context_len)[None, :] <= q_pos, dtype, device)
         blocks = torch.tensor(table, dtype=torch.long, device=device)
         chunks.append(PrefillChunk(offset, p.num_tokens, p.context_len, blocks, mask))
         offset += p.num_tokens

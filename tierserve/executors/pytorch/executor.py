@@ -92,6 +92,7 @@ class TorchExecutor:
                 self.device,
                 self._buffers,
                 self._decode_group,
+                self.pool.layout.dtype,
             )
             logits = self.model(
                 torch.tensor(ids, device=self.device),
