@@ -35,7 +35,11 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 log = logging.getLogger("tierserve.server")
 
-HANDOFF_WAIT_S = 0.002  # the most a step waits for the event loop to take its tokens
+# The most a step waits for the event loop to send its first tokens: a base plus a share per
+# first token (sending one takes the loop ~0.1 ms here), capped.
+HANDOFF_WAIT_S = 0.001
+HANDOFF_WAIT_PER_FIRST_S = 0.0002
+HANDOFF_WAIT_MAX_S = 0.010
 
 
 @dataclass(slots=True)
@@ -181,13 +185,16 @@ class AsyncEngine:
                 self._fail_all("internal engine error")
                 continue
             returned_at, returned = time.monotonic(), engine.clock.now()
-            seen, any_first = self._deliver_firsts(outputs)
-            if any_first:
+            firsts = self._deliver_firsts(outputs)
+            if firsts:
                 # Let the event loop send the first tokens before this thread's work (the rest of
                 # the step's tokens, metrics, the next step) competes with it for the
                 # interpreter lock. Bounded: the engine never waits long.
-                self._handoff.wait(HANDOFF_WAIT_S)
-            self._deliver_rest(seen)
+                self._handoff.wait(
+                    min(HANDOFF_WAIT_S + HANDOFF_WAIT_PER_FIRST_S * len(firsts), HANDOFF_WAIT_MAX_S)
+                )
+            seen = self._live_outputs(outputs)
+            self._deliver_rest(seen, firsts)
             if self.ttft_trace is not None:
                 self._trace(seen, returned_at, returned)
             self._account(seen)
@@ -230,32 +237,43 @@ class AsyncEngine:
         else:
             loop.call_soon_threadsafe(_settle, future, result, None)
 
-    def _deliver_firsts(self, outputs: list[RequestOutput]) -> tuple[list[tuple[RequestOutput, _Live]], bool]:
+    def _deliver_firsts(self, outputs: list[RequestOutput]) -> set[str]:
         """Post the step's first tokens (urgent tiers first) ahead of everything queued; return
-        the step's outputs that belong to live requests, and whether any first token was posted."""
-        seen: list[tuple[RequestOutput, _Live]] = []
+        their request ids. Quick: the step's other outputs are looked at after the hand-off."""
         firsts: list[tuple[RequestHandle, Delta]] = []
         live_by_id = self._live
         for out in outputs:
-            live = live_by_id.get(out.request.request_id)
-            if live is None:
-                continue
-            seen.append((out, live))
-            if live.last_token_time is None and out.new_token_ids and not out.finished:
-                firsts.append((live.handle, Delta(tuple(out.new_token_ids))))
+            ids, req = out.new_token_ids, out.request
+            # Its only output tokens are this step's: cheap to test for a few hundred outputs.
+            if ids and not out.finished and len(req.token_ids) - req.num_prompt_tokens == len(ids):
+                live = live_by_id.get(req.request_id)
+                if live is not None and live.last_token_time is None:
+                    firsts.append((live.handle, Delta(tuple(ids))))
         self._handoff.clear()
-        if firsts:
-            firsts.sort(key=tier_of)
-            self._post([], firsts)
-        return seen, bool(firsts)
+        if not firsts:
+            return set()
+        firsts.sort(key=tier_of)
+        self._post([], firsts)
+        return {handle.request.request_id for handle, _ in firsts}
 
-    def _deliver_rest(self, seen: list[tuple[RequestOutput, _Live]]) -> None:
-        """Post the step's other tokens and its ends, urgent tiers first."""
+    def _live_outputs(self, outputs: list[RequestOutput]) -> list[tuple[RequestOutput, _Live]]:
+        """The step's outputs that belong to requests this server is still serving."""
+        live_by_id = self._live
+        seen = []
+        for out in outputs:
+            live = live_by_id.get(out.request.request_id)
+            if live is not None:
+                seen.append((out, live))
+        return seen
+
+    def _deliver_rest(self, seen: list[tuple[RequestOutput, _Live]], firsts: set[str]) -> None:
+        """Post the step's tokens other than the `firsts` already posted, and its ends, urgent
+        tiers first."""
         items: list[tuple[RequestHandle, Delta]] = []
         for out, live in seen:
             if out.finished:
                 items.append((live.handle, _final_delta(out.request, out.new_token_ids)))
-            elif out.new_token_ids and live.last_token_time is not None:
+            elif out.new_token_ids and out.request.request_id not in firsts:
                 items.append((live.handle, Delta(tuple(out.new_token_ids))))
         items.sort(key=tier_of)
         self._post(items)

@@ -19,7 +19,8 @@ from typing import NamedTuple
 from tierserve.request import FinishReason, Request
 from tierserve.tiers import Tier
 
-DISPATCH_SLICE = 4  # handlers woken per event-loop iteration
+DISPATCH_SLICE = 4  # queued handlers woken per event-loop iteration
+FIRSTS_AT_ONCE = 32  # first tokens woken at once when none is queued
 
 
 class Delta(NamedTuple):
@@ -62,13 +63,15 @@ class Dispatcher:
     FIFO, so each request's deltas stay in order, except that first tokens go ahead of
     everything but earlier first tokens (a request's first delta has nothing before it to
     overtake): a step's new first tokens do not wait behind the rest of the previous step's
-    burst. `done` is set once the handlers of every first token posted so far have run."""
+    burst. With no first token queued, a slice of new ones is woken at once, in `post`.
+    `done` is set once the handlers of every first token posted so far have run."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
         self._loop = loop
         self._done = done
         self._pending: deque[tuple[RequestHandle, Delta]] = deque()
         self._firsts_left = 0  # first tokens at the head of `_pending` not woken yet
+        self._unsignalled = 0  # batches of first tokens woken whose handlers may not have run yet
         self._scheduled = False
 
     def post(
@@ -76,27 +79,49 @@ class Dispatcher:
     ) -> None:
         pending = self._pending
         pending.extend(items)
+        woken = False
+        if firsts and not self._firsts_left:
+            # No first token is queued: wake a slice of these now, ahead of whatever the loop
+            # already has ready (the rest of an earlier step's burst), not one iteration later.
+            for handle, delta in firsts[:FIRSTS_AT_ONCE]:
+                self._wake(handle, delta)
+            firsts, woken = firsts[FIRSTS_AT_ONCE:], True
         for item in firsts:  # behind the first tokens still queued, ahead of everything else
             pending.insert(self._firsts_left, item)
             self._firsts_left += 1
-        if not self._firsts_left:
+        if woken and not self._firsts_left:
+            self._signal_when_run()
+        elif not self._firsts_left and not self._unsignalled:
             self._done.set()
         if not self._scheduled:
             self._drain()
+
+    def _signal_when_run(self) -> None:
+        """Set `done` once the handlers just woken have run (unless more first tokens follow)."""
+        self._unsignalled += 1
+        self._loop.call_soon(self._signal)  # runs after the handlers just woken
+
+    def _signal(self) -> None:
+        self._unsignalled -= 1
+        if not self._unsignalled and not self._firsts_left:
+            self._done.set()
+
+    @staticmethod
+    def _wake(handle: RequestHandle, delta: Delta) -> None:
+        if delta.finished:
+            handle.finished = True
+        if not handle.closed:
+            handle.queue.put_nowait(delta)
 
     def _drain(self) -> None:
         self._scheduled = False
         pending = self._pending
         for _ in range(min(DISPATCH_SLICE, len(pending))):
-            handle, delta = pending.popleft()
-            if delta.finished:
-                handle.finished = True
-            if not handle.closed:
-                handle.queue.put_nowait(delta)
+            self._wake(*pending.popleft())
             if self._firsts_left:
                 self._firsts_left -= 1
                 if not self._firsts_left:
-                    self._loop.call_soon(self._done.set)  # runs after the handlers just woken
+                    self._signal_when_run()
         # The woken handlers run in the next iteration, after a poll for I/O; then the rest.
         if pending:
             self._scheduled = True
