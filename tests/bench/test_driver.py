@@ -125,7 +125,13 @@ def test_a_turn_waits_for_its_conversations_previous_answer_and_others_go_first(
     at = 0.0 if open_loop else None
     first = RequestSpec(0, Tier.P0, "c", (1, 2, 3), 20, conversation_id="c", arrival_s=at)
     second = RequestSpec(
-        1, Tier.P0, "c", (1, 2, 3, *[900] * 20, 50), 2, conversation_id="c", num_history_tokens=23,
+        1,
+        Tier.P0,
+        "c",
+        (1, 2, 3, *[900] * 20, 50),
+        2,
+        conversation_id="c",
+        num_history_tokens=23,
         arrival_s=at,
     )
     other = RequestSpec(2, Tier.P1, "t", (5, 6, 7), 2, arrival_s=at)

@@ -16,8 +16,22 @@ def test_overhead_measure_keeps_the_requested_backlog() -> None:
 
 
 def test_overhead_cli_prints_json_for_each_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["bench", "overhead", "--running", "16", "--waiting", "100", "--passes", "5",
-                 "--policies", "wfq", "vllm-priority", "--json"])
+    code = main(
+        [
+            "bench",
+            "overhead",
+            "--running",
+            "16",
+            "--waiting",
+            "100",
+            "--passes",
+            "5",
+            "--policies",
+            "wfq",
+            "vllm-priority",
+            "--json",
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["policies"]) == {"wfq", "vllm-priority"}

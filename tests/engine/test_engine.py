@@ -66,8 +66,9 @@ def test_token_budget_and_max_sequences_hold_every_step(policy: str) -> None:
     eng = engine(policy, blocks=2000, max_num_batched_tokens=256, max_num_seqs=8)
     rng = random.Random(1)
     for i in range(60):
-        eng.add_request(make_request(num_prompt=rng.randint(1, 700), max_tokens=rng.randint(1, 30),
-                                     tier=Tier(i % 4)))
+        eng.add_request(
+            make_request(num_prompt=rng.randint(1, 700), max_tokens=rng.randint(1, 30), tier=Tier(i % 4))
+        )
     executor = eng.executor
     assert isinstance(executor, NullExecutor)
     run(eng)
@@ -109,8 +110,9 @@ def test_decodes_come_before_prefill_chunks() -> None:
 
 
 def test_requests_that_can_never_fit_are_rejected_with_the_reason() -> None:
-    eng = Engine(EngineConfig(), "hybrid", NullExecutor(num_device_blocks=100, max_model_len=1000),
-                 VirtualClock())
+    eng = Engine(
+        EngineConfig(), "hybrid", NullExecutor(num_device_blocks=100, max_model_len=1000), VirtualClock()
+    )
     too_long = make_request(num_prompt=900, max_tokens=200)
     assert not eng.add_request(too_long)
     assert too_long.status is RequestStatus.REJECTED and "context of 1000" in too_long.reject_reason
@@ -152,13 +154,23 @@ def test_abort_in_every_state_frees_everything(state: str) -> None:
 )
 def test_every_request_ends_exactly_once(policy: str, seed: int, blocks: int, swap_factor: float) -> None:
     rng = random.Random(seed)
-    eng = engine(policy, blocks=blocks, host=blocks // 2, max_num_batched_tokens=512, max_num_seqs=32,
-                 swap_factor=swap_factor)
+    eng = engine(
+        policy,
+        blocks=blocks,
+        host=blocks // 2,
+        max_num_batched_tokens=512,
+        max_num_seqs=32,
+        swap_factor=swap_factor,
+    )
     reqs: list[Request] = []
     ended: dict[str, int] = {}
     for _i in range(80):
-        r = make_request(num_prompt=rng.randint(1, 400), max_tokens=rng.randint(1, 200),
-                         tier=rng.choice(ALL_TIERS), arrival=eng.clock.now())
+        r = make_request(
+            num_prompt=rng.randint(1, 400),
+            max_tokens=rng.randint(1, 200),
+            tier=rng.choice(ALL_TIERS),
+            arrival=eng.clock.now(),
+        )
         eng.add_request(r)
         reqs.append(r)
         if rng.random() < 0.1:

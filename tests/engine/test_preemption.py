@@ -22,7 +22,10 @@ def make_engine(
     **executor_kw: object,
 ) -> Engine:
     executor = NullExecutor(
-        num_device_blocks=blocks, num_host_blocks=host, block_size=16, **executor_kw  # type: ignore[arg-type]
+        num_device_blocks=blocks,
+        num_host_blocks=host,
+        block_size=16,
+        **executor_kw,  # type: ignore[arg-type]
     )
     # p3_yields off: these tests start requests of several tiers in one step.
     config = EngineConfig(scheduler=SchedulerConfig(swap_factor=swap_factor, p3_yields=False))

@@ -247,3 +247,18 @@ def test_the_schema_documents_the_tier_and_tenant_headers(server: LiveServer) ->
         headers = {p["name"] for p in post["parameters"] if p["in"] == "header"}
         assert headers == {"x-request-tier", "x-tenant-id"}, route
         assert "requestBody" in post, route
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [(b"", "invalid_json"), (b"[1, 2]", None), (b'"text"', None), (b"null", None), (b"{}", None)],
+)
+def test_a_body_that_is_no_request_is_400(
+    server: LiveServer, path: str, body: bytes, code: str | None
+) -> None:
+    """The generation routes validate bodies themselves (fast_routes.py): the same 400s."""
+    r = _post(server, path, body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == code and error["message"]

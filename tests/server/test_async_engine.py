@@ -6,7 +6,7 @@ import asyncio
 
 from tests.server.helpers import REPLY, ByteTokenizer, make_state
 from tierserve.request import FinishReason, Request, SamplingParams
-from tierserve.server.streams import DISPATCH_SLICE, Delta, RequestHandle
+from tierserve.server.streams import ACCEPTED, DISPATCH_SLICE, Delta, RequestHandle
 from tierserve.tiers import Tier
 
 
@@ -17,6 +17,46 @@ async def _collect(handle: RequestHandle) -> tuple[list[int], FinishReason | Non
             tokens.extend(delta.token_ids)
             if delta.finished:
                 return tokens, delta.finish_reason
+
+
+async def _end(handle: RequestHandle) -> Delta:
+    while True:
+        for delta in await handle.next():
+            if delta.finished:
+                return delta
+
+
+def test_a_handler_hears_that_the_engine_accepted_its_request_before_any_token() -> None:
+    """So that a stream's status line is sent while the engine prefills, not with the token."""
+    import threading
+
+    state = make_state()
+    engine = state.engine.engine
+    real_step, go = engine.step, threading.Event()
+
+    def held_step() -> list:  # type: ignore[type-arg]
+        go.wait(10)
+        return real_step()
+
+    engine.step = held_step  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[Delta], list[int]]:
+        state.engine.start()
+        try:
+            handle = state.engine.submit(
+                Request("a", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
+            )
+            before = await asyncio.wait_for(handle.next(), 10)  # no step has run yet
+            go.set()
+            tokens, _ = await _collect(handle)
+            return before, tokens
+        finally:
+            go.set()
+            await state.engine.stop()
+
+    before, tokens = asyncio.run(run())
+    assert before == [ACCEPTED] and not ACCEPTED.token_ids and not ACCEPTED.finished
+    assert len(tokens) == 4
 
 
 def test_every_stream_gets_its_tokens_in_order_when_delivery_is_sliced() -> None:
@@ -87,7 +127,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
             first = state.engine.submit(
                 Request("a", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
             )
-            failed = (await first.next())[-1]
+            failed = await _end(first)
             second = state.engine.submit(
                 Request("b", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
             )
@@ -108,7 +148,7 @@ def test_a_request_the_engine_refuses_ends_with_its_reason() -> None:
         state.engine.start()
         try:
             req = Request("big", [1] * 60, SamplingParams(max_tokens=10), arrival_time=state.clock.now())
-            return (await state.engine.submit(req, Tier.P0).next())[-1]
+            return await _end(state.engine.submit(req, Tier.P0))
         finally:
             await state.engine.stop()
 

@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, Response
 
 from tierserve import __version__
 from tierserve.server.body_limit import BodyLimitMiddleware
-from tierserve.server.errors import ApiError
+from tierserve.server.errors import ApiError, http_error, invalid_body
+from tierserve.server.fast_routes import GenerationRoutes
 from tierserve.server.generate import generate
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.state import ServerState
@@ -53,15 +54,6 @@ _HEADERS_DOC: dict[str, Any] = {
 }
 
 
-def _param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "header", "query")]
-    # pydantic names union members (e.g. "str", "list[TextPart]") in the path; keep field names only.
-    fields = [
-        p for p in parts if not (p[:1].islower() and ("[" in p or p in ("str", "int", "float", "bool")))
-    ]
-    return ".".join(fields) or None
-
-
 def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
     """`freeze_heap`: once started, move every live object out of the cyclic collector's
     reach (`gc.freeze`) — modules, the model, the block pool. For a server process: a full
@@ -89,6 +81,7 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         description="OpenAI-compatible API with priority tiers, tenants and rate limits.",
     )
     app.state.tierserve = state
+    app.add_middleware(GenerationRoutes, state=state)  # innermost: inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
     if state.trace is not None:
         app.add_middleware(ReceivedAtMiddleware)  # outermost: added last
@@ -99,28 +92,18 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: HttpRequest, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return ApiError(
-                400,
-                f"Invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}",
-                code="invalid_json",
-            ).response()
-        param = _param(tuple(first.get("loc", ())))
-        message = first.get("msg", "invalid request")
-        return ApiError(400, f"{param}: {message}" if param else message, param=param).response()
+        return invalid_body(exc.errors()).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: HttpRequest, exc: HTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+    async def starlette_error(_: HttpRequest, exc: HTTPException) -> Response:
+        return http_error(exc).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: HttpRequest, exc: Exception) -> Response:
         log.exception("unhandled error")
         return ApiError(500, "Internal server error.", type="server_error").response()
 
+    # Served by `GenerationRoutes` ahead of FastAPI's router; declared here for the schema.
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=_HEADERS_DOC)
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         return await generate(state, http, body)

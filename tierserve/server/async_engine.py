@@ -30,7 +30,7 @@ from tierserve.request import FinishReason, Request
 from tierserve.server.admission import ThroughputMeter
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.state_metrics import EngineSnapshot, snapshot_of
-from tierserve.server.streams import Delta, Dispatcher, RequestHandle, tier_of
+from tierserve.server.streams import ACCEPTED, Delta, Dispatcher, RequestHandle, tier_of
 from tierserve.tiers import ALL_TIERS, Tier
 
 log = logging.getLogger("tierserve.server")
@@ -204,6 +204,7 @@ class AsyncEngine:
 
     def _apply_inbox(self) -> None:
         engine = self.engine
+        accepted: list[tuple[RequestHandle, Delta]] = []
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd.kind == "add":
@@ -212,6 +213,7 @@ class AsyncEngine:
                 self._applied[req.tier] += 1
                 if engine.add_request(req):
                     self._live[req.request_id] = cmd.live
+                    accepted.append((cmd.live.handle, ACCEPTED))
                 else:
                     self._metrics.reject("engine_refused", req.tier)
                     self._post([(cmd.live.handle, Delta((), True, FinishReason.REJECTED, req.reject_reason))])
@@ -226,6 +228,8 @@ class AsyncEngine:
             ended = engine.abort(cmd.request_id) if cmd.kind == "abort" else engine.finish(cmd.request_id)
             if ended:
                 self._end(live, live.handle.request)
+        # The handlers may commit their responses' status lines now, while the engine prefills.
+        self._post(accepted)
 
     def _answer(self, future: asyncio.Future[Any], fn: Callable[[Engine], Any]) -> None:
         loop = self._loop

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 
@@ -60,3 +61,33 @@ def bad_request(message: str, param: str | None, code: str | None = None) -> Api
 
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, code="invalid_api_key")
+
+
+def http_error(exc: HTTPException) -> ApiError:
+    """Starlette's HTTP errors (404, 405, 413 from the body limit) in the envelope."""
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+
+
+def invalid_body(errors: Sequence[Mapping[str, Any]]) -> ApiError:
+    """A 400 naming the first invalid field of a body that failed validation (pydantic's or
+    FastAPI's error list); invalid JSON has a message of its own."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400,
+            f"Invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}",
+            code="invalid_json",
+        )
+    param = _param(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid request")
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "header", "query")]
+    # pydantic names union members (e.g. "str", "list[TextPart]") in the path; keep field names only.
+    fields = [
+        p for p in parts if not (p[:1].islower() and ("[" in p or p in ("str", "int", "float", "bool")))
+    ]
+    return ".".join(fields) or None

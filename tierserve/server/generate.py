@@ -211,8 +211,10 @@ class GenerationRun:
                 chunk = b"".join(out)
                 if not chunk and not first:
                     continue  # tokens with no text yet (an incomplete character, a held stop prefix)
-                yield chunk  # the first one goes out even if empty: it carries the status line
-                if self.trace is not None and self.trace.first_sent_at is None:
+                # The first one goes out even if empty: it carries the status line. It is
+                # made when the engine accepts the request (an empty delta), before any token.
+                yield chunk
+                if self.trace is not None and self.trace.first_sent_at is None and self._num_received:
                     self.trace.first_sent_at = time.monotonic()  # resumed: the chunk has been sent
                 if reason is not None:
                     return

@@ -75,16 +75,24 @@ async def _one(client: Any, model: str, spec: Spec, index: int) -> Outcome:
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            if out.ttft_s is None:
+            if not out.request_id:
+                out.request_id = line[len('data: {"id": "') :].split('"', 1)[0]
+            if out.ttft_s is None and _has_text(line):  # not a chat stream's opening role chunk
                 out.first_chunk_at = time.monotonic()
                 out.ttft_s = time.perf_counter() - start
-                out.request_id = line[len('data: {"id": "') :].split('"', 1)[0]
             if '"usage": {' in line:
                 out.num_output_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
             elif '"error": {' in line:
                 out.status = "aborted"
     out.e2e_s = time.perf_counter() - start
     return out
+
+
+def _has_text(line: str) -> bool:
+    """Whether an SSE data line of a completion or chat stream carries generated text."""
+    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    choice = choices[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
 
 
 async def drive(

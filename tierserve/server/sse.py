@@ -1,9 +1,10 @@
 """An ASGI response for server-sent events that commits its status late and notices disconnects.
 
-The status line is sent with the first chunk, so an error found before any output (the
-engine refused the request) still gets a proper 4xx/5xx. A watcher reads `receive` for
-`http.disconnect` and calls `on_disconnect` at once, so the request is aborted even
-while no token is flowing; after that nothing more is sent.
+The status line is sent with the first chunk, which the stream produces once the engine
+has accepted the request (before its first token, so that token's chunk is one write):
+an error found before that (the engine refused the request) still gets a proper 4xx/5xx.
+A watcher reads `receive` for `http.disconnect` and calls `on_disconnect` at once, so
+the request is aborted even while no token is flowing; after that nothing more is sent.
 """
 
 from __future__ import annotations

@@ -53,6 +53,10 @@ class RequestHandle:
         return items
 
 
+# The engine took the request: its response's status line can go now, not with the first token.
+ACCEPTED = Delta(())
+
+
 def tier_of(item: tuple[RequestHandle, Delta]) -> Tier:
     return item[0].request.tier
 
