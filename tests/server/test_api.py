@@ -262,3 +262,26 @@ def test_a_body_that_is_no_request_is_400(
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == code and error["message"]
+
+
+def test_a_bug_under_a_generation_route_is_a_500_in_the_envelope_and_the_server_lives_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The generation routes run ahead of FastAPI's router: an unexpected error still
+    reaches the app's 500 handler, and the next request is served."""
+    state = make_state()
+    calls = {"n": 0}
+    resolve = state.tenants.resolve
+
+    def broken_once(*args: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug")
+        return resolve(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state.tenants, "resolve", broken_once)
+    with live_server(state) as srv:
+        r = _post(srv, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        r = _post(srv, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY[:2]
