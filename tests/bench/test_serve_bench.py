@@ -131,3 +131,14 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
     assert printed["api_overhead_p50_ms"] <= printed["client_overhead_p50_ms"]
     assert sum(t["sent"] for t in printed["tiers"].values()) == 16
     assert printed["output_tokens_per_s"] > 0
+
+
+def test_the_load_generator_times_the_first_chunk_that_carries_text() -> None:
+    from tierserve.server.loadgen import _has_text
+
+    role = 'data: {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}'
+    assert not _has_text(role)  # a chat stream opens with it when the engine accepts the request
+    assert _has_text('data: {"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}}]}')
+    assert _has_text('data: {"id": "c", "choices": [{"index": 0, "text": " lorem"}]}')
+    assert not _has_text('data: {"id": "c", "choices": [{"index": 0, "text": ""}]}')
+    assert not _has_text('data: {"id": "c", "choices": [], "usage": {"completion_tokens": 3}}')

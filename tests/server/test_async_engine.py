@@ -265,3 +265,41 @@ def test_freeze_heap_moves_start_up_objects_out_of_the_collector() -> None:
         gc.unfreeze()
     with live_server(make_state()):
         assert gc.get_freeze_count() == 0
+
+
+def test_more_first_tokens_than_are_woken_at_once_all_go_ahead_of_queued_deltas() -> None:
+    import threading
+
+    from tierserve.server.streams import FIRSTS_AT_ONCE, Dispatcher
+
+    def handle(i: int) -> RequestHandle:
+        return RequestHandle(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=0.0))
+
+    async def run() -> tuple[list[str], bool]:
+        done = threading.Event()
+        dispatcher = Dispatcher(asyncio.get_running_loop(), done)
+        busy = [handle(i) for i in range(DISPATCH_SLICE * 3)]
+        new = [handle(1000 + i) for i in range(FIRSTS_AT_ONCE + 3)]
+        order: list[str] = []
+
+        async def wait(h: RequestHandle) -> None:
+            await h.next()
+            order.append(h.request.request_id)
+
+        tasks = [asyncio.ensure_future(wait(h)) for h in busy + new]
+        await asyncio.sleep(0)
+        dispatcher.post([(h, Delta((7,))) for h in busy])
+        done.clear()
+        dispatcher.post([], [(h, Delta((8,))) for h in new])
+        while not done.is_set():
+            await asyncio.sleep(0)
+        handled_when_set = {h.request.request_id for h in new} <= set(order)
+        await asyncio.gather(*tasks)
+        return order, handled_when_set
+
+    order, handled_when_set = asyncio.run(run())
+    firsts = [rid for rid in order if int(rid[1:]) >= 1000]
+    assert firsts == [f"r{1000 + i}" for i in range(FIRSTS_AT_ONCE + 3)]  # in the order posted
+    # Only the burst's first slice (woken before the first tokens came) runs ahead of them.
+    assert all(order.index(rid) < order.index(f"r{DISPATCH_SLICE}") for rid in firsts)
+    assert handled_when_set
