@@ -157,28 +157,34 @@ def test_a_request_the_engine_refuses_ends_with_its_reason() -> None:
     assert 'reason="engine_refused"' in state.metrics.render().decode()
 
 
+def _handle(i: int, tier: Tier = Tier.P2) -> RequestHandle:
+    return RequestHandle(
+        Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), tier=tier, arrival_time=0.0)
+    )
+
+
+def _record_wake_order(handles: list[RequestHandle]) -> tuple[list[str], list[asyncio.Future[None]]]:
+    """Tasks that each wait for a handle's first delivery; the ids, in the order they woke."""
+    order: list[str] = []
+
+    async def wait(h: RequestHandle) -> None:
+        await h.next()
+        order.append(h.request.request_id)
+
+    return order, [asyncio.ensure_future(wait(h)) for h in handles]
+
+
 def test_first_tokens_go_ahead_of_queued_deltas_and_signal_when_handled() -> None:
     import threading
 
     from tierserve.server.streams import Dispatcher
 
-    def handle(i: int, tier: Tier = Tier.P2) -> RequestHandle:
-        return RequestHandle(
-            Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), tier=tier, arrival_time=0.0)
-        )
-
     async def run() -> tuple[list[str], bool, bool]:
         done = threading.Event()
         dispatcher = Dispatcher(asyncio.get_running_loop(), done)
-        busy = [handle(i) for i in range(DISPATCH_SLICE * 3)]
-        new = [handle(100), handle(101, Tier.P0), handle(102)]
-        order: list[str] = []
-
-        async def wait(h: RequestHandle) -> None:
-            await h.next()
-            order.append(h.request.request_id)
-
-        tasks = [asyncio.ensure_future(wait(h)) for h in busy + new]
+        busy = [_handle(i) for i in range(DISPATCH_SLICE * 3)]
+        new = [_handle(100), _handle(101, Tier.P0), _handle(102)]
+        order, tasks = _record_wake_order(busy + new)
         await asyncio.sleep(0)
         done.clear()
         dispatcher.post([(h, Delta((7,))) for h in busy])  # a step's tokens, not first ones
@@ -272,21 +278,12 @@ def test_more_first_tokens_than_are_woken_at_once_all_go_ahead_of_queued_deltas(
 
     from tierserve.server.streams import FIRSTS_AT_ONCE, Dispatcher
 
-    def handle(i: int) -> RequestHandle:
-        return RequestHandle(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=0.0))
-
     async def run() -> tuple[list[str], bool]:
         done = threading.Event()
         dispatcher = Dispatcher(asyncio.get_running_loop(), done)
-        busy = [handle(i) for i in range(DISPATCH_SLICE * 3)]
-        new = [handle(1000 + i) for i in range(FIRSTS_AT_ONCE + 3)]
-        order: list[str] = []
-
-        async def wait(h: RequestHandle) -> None:
-            await h.next()
-            order.append(h.request.request_id)
-
-        tasks = [asyncio.ensure_future(wait(h)) for h in busy + new]
+        busy = [_handle(i) for i in range(DISPATCH_SLICE * 3)]
+        new = [_handle(1000 + i) for i in range(FIRSTS_AT_ONCE + 3)]
+        order, tasks = _record_wake_order(busy + new)
         await asyncio.sleep(0)
         dispatcher.post([(h, Delta((7,))) for h in busy])
         done.clear()
