@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tierserve.executors.pytorch.workspace import Workspace
+
 
 @dataclass(frozen=True, slots=True)
 class SeqSpan:
@@ -48,33 +50,9 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [num_tokens, context_len] additive; None: plain causal (start == 0)
 
 
-class GatherBuffers:
-    """Reusable output memory for gathering blocks of K and V.
-
-    A gather's output is megabytes; allocating it afresh in every layer of every step
-    costs more than the copy itself (the pages fault in each time). Each layer's
-    attention finishes with the buffers before the next layer gathers into them.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def gather(self, name: str, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """`rows.index_select(0, index)`, written into the buffer called `name`."""
-        n = index.numel()
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < n or buf.shape[1:] != rows.shape[1:] or buf.dtype != rows.dtype:
-            size = max(n, 2 * buf.shape[0] if buf is not None else n)
-            buf = torch.empty((size, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-            self._buffers[name] = buf
-        out = buf[:n]
-        torch.index_select(rows, 0, index, out=out)
-        return out
-
-
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
-    buffers: GatherBuffers
+    workspace: Workspace  # the gathered K/V and other large per-layer tensors
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     decodes: tuple[DecodeGroup, ...]
@@ -113,7 +91,7 @@ def build_metadata(
     prefills: Sequence[SeqSpan],
     block_size: int,
     device: torch.device,
-    buffers: GatherBuffers | None = None,
+    workspace: Workspace | None = None,
     decode_group: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
@@ -145,7 +123,7 @@ def build_metadata(
         chunks.append(PrefillChunk(offset, p.num_tokens, p.context_len, blocks, mask))
         offset += p.num_tokens
     return AttentionMetadata(
-        buffers=buffers or GatherBuffers(),
+        workspace=workspace or Workspace(),
         block_size=block_size,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         decodes=groups,
@@ -181,16 +159,16 @@ def paged_attention(
         rows = slice(g.start, g.start + b)
         qd = q[rows].view(b, num_kv_heads, group, head_dim)
         table = g.blocks.flatten()
-        kd = meta.buffers.gather("k", k_rows, table).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = meta.buffers.gather("v", v_rows, table).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        kd = meta.workspace.gather("k", k_rows, table).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = meta.workspace.gather("v", v_rows, table).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
         out[rows] = od.reshape(b, num_heads, head_dim)
     gqa = num_heads != num_kv_heads
     for c in meta.prefills:
         rows = slice(c.offset, c.offset + c.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        kp = meta.buffers.gather("k", k_rows, c.blocks).view(-1, num_kv_heads, head_dim)[: c.context_len]
-        vp = meta.buffers.gather("v", v_rows, c.blocks).view(-1, num_kv_heads, head_dim)[: c.context_len]
+        kp = meta.workspace.gather("k", k_rows, c.blocks).view(-1, num_kv_heads, head_dim)[: c.context_len]
+        vp = meta.workspace.gather("v", v_rows, c.blocks).view(-1, num_kv_heads, head_dim)[: c.context_len]
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=gqa

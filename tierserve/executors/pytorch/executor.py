@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 
 from tierserve.executors.base import ExecutorSpec, StepBatch, StepResult
-from tierserve.executors.pytorch.attention import GatherBuffers, SeqSpan, build_metadata
+from tierserve.executors.pytorch.attention import SeqSpan, build_metadata
 from tierserve.executors.pytorch.calibrate import Calibration, calibrate
 from tierserve.executors.pytorch.kv_pool import KVLayout, KVPool
 from tierserve.executors.pytorch.loader import load_model
 from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.sampling import Sampler, SampleRequest
 from tierserve.executors.pytorch.tokenizer import Tokenizer
+from tierserve.executors.pytorch.workspace import Workspace
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 256 << 20
@@ -50,7 +51,7 @@ class TorchExecutor:
             kv_bytes_per_block=pool.layout.bytes_per_block,
             eos_token_ids=self.eos_token_ids,
         )
-        self._buffers = GatherBuffers()
+        self._workspace = Workspace()
         self._decode_group = CPU_DECODE_GROUP if self.device.type == "cpu" else None
         self.calibration: Calibration = calibrate(model, pool)
 
@@ -90,7 +91,7 @@ class TorchExecutor:
                 spans[num_decodes:],
                 self._spec.block_size,
                 self.device,
-                self._buffers,
+                self._workspace,
                 self._decode_group,
                 self.pool.layout.dtype,
             )

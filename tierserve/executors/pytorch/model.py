@@ -18,6 +18,7 @@ from torch import nn
 from tierserve.executors.pytorch.attention import AttentionMetadata, paged_attention
 from tierserve.executors.pytorch.kv_pool import KVPool
 from tierserve.executors.pytorch.rope import RotaryEmbedding, apply_rotary
+from tierserve.executors.pytorch.workspace import Workspace
 from tierserve.model_config import ModelConfig
 
 
@@ -96,9 +97,13 @@ class MLP(nn.Module):
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+        w = self.gate_up_proj.weight
+        gate_up = workspace.take("gate_up", (x.shape[0], w.shape[0]), x.dtype, x.device)
+        torch.mm(x, w.t(), out=gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        # In place: the gate's half of the buffer becomes silu(gate) * up.
+        result: torch.Tensor = self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return result
 
 
@@ -117,9 +122,9 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, meta)
-        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return result
+        # The residual stream is this step's own tensor: added to in place.
+        x.add_(self.self_attn(self.input_layernorm(x), cos_sin, kv, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x), meta.workspace))
 
 
 class DecoderStack(nn.Module):
