@@ -167,8 +167,12 @@ def paged_attention(
     for c in meta.prefills:
         rows = slice(c.offset, c.offset + c.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
-        kp = meta.workspace.gather("k", k_rows, c.blocks).view(-1, num_kv_heads, head_dim)[: c.context_len]
-        vp = meta.workspace.gather("v", v_rows, c.blocks).view(-1, num_kv_heads, head_dim)[: c.context_len]
+        if c.mask is None:  # a chunk from position 0: its own keys and values are all it sees
+            kp, vp = k[rows], v[rows]
+        else:
+            shape = (-1, num_kv_heads, head_dim)
+            kp = meta.workspace.gather("k", k_rows, c.blocks).view(shape)[: c.context_len]
+            vp = meta.workspace.gather("v", v_rows, c.blocks).view(shape)[: c.context_len]
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=c.mask, is_causal=c.mask is None, enable_gqa=gqa
