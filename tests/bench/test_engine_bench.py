@@ -50,6 +50,8 @@ def test_small_bench_reports_every_figure_as_json(capsys: pytest.CaptureFixture[
             "6",
             "--num-p0",
             "1",
+            "--repeats",
+            "3",
             "--json",
         ]
     )
@@ -59,6 +61,9 @@ def test_small_bench_reports_every_figure_as_json(capsys: pytest.CaptureFixture[
         assert res[key] > 0, key
     assert res["greedy_agreement_with_hf"] == 1.0  # the same weights give the same tokens
     assert res["num_prompts"] == 3 and 12 <= res["num_output_tokens"] <= 24
+    # The speed-up is the median of the three engine / padded-batch pairs' ratios.
+    ratios = res["speedup_vs_hf_batched_runs"]
+    assert len(ratios) == 3 and res["speedup_vs_hf_batched"] == sorted(ratios)[1]
 
 
 def _azure_trace(path: os.PathLike[str], rows: list[tuple[int, int]]) -> None:
