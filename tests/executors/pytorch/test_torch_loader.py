@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from torch_paged_runner import prompt_logits
 
 from tierserve.executors.pytorch.executor import build_torch_executor
 from tierserve.executors.pytorch.hf_config import ModelLoadError
-from tierserve.executors.pytorch.loader import load_model, make_demo_model
+from tierserve.executors.pytorch.loader import load_model, make_demo_model, make_random_model
+from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer
+from tierserve.model_config import DEMO_MODEL
 
 CPU = torch.device("cpu")
 
@@ -135,3 +138,20 @@ def test_demo_model_is_deterministic_and_needs_no_files() -> None:
     loaded = load_model("demo", CPU)
     assert isinstance(loaded.tokenizer, ByteTokenizer)
     assert loaded.model.config.name == "demo"
+
+
+def test_random_model_has_the_configs_shape_and_seeded_weights() -> None:
+    config = replace(DEMO_MODEL, name="untied", tie_word_embeddings=False, num_hidden_layers=2)
+    a = make_random_model(config, CPU, torch.bfloat16, seed=3)
+    b = make_random_model(config, CPU, torch.bfloat16, seed=3)
+    c = make_random_model(config, CPU, torch.bfloat16, seed=4)
+    tensors = a.checkpoint_tensors()
+    assert tensors.keys() == CausalLM(config).checkpoint_tensors().keys()
+    assert tensors["lm_head.weight"].shape == (config.vocab_size, config.hidden_size)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.all(tensors["model.layers.1.input_layernorm.weight"] == 1)
+    for name, t in tensors.items():
+        assert torch.equal(t, b.checkpoint_tensors()[name]), name
+        if not name.endswith("norm.weight"):
+            assert 0.015 < t.float().std() < 0.025, name
+            assert not torch.equal(t, c.checkpoint_tensors()[name]), name
