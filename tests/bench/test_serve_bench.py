@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,8 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
     ):
         assert printed[key] is not None and printed[key] > 0, key
     assert printed["api_overhead_p50_ms"] <= printed["client_overhead_p50_ms"]
+    if sys.platform == "linux":  # the host's steal time over the run, from /proc/stat
+        assert 0.0 <= printed["server_cpu_steal_pct"] <= 100.0
     assert sum(t["sent"] for t in printed["tiers"].values()) == 16
     assert printed["output_tokens_per_s"] > 0
 
@@ -142,3 +145,23 @@ def test_the_load_generator_times_the_first_chunk_that_carries_text() -> None:
     assert _has_text('data: {"id": "c", "choices": [{"index": 0, "text": " lorem"}]}')
     assert not _has_text('data: {"id": "c", "choices": [{"index": 0, "text": ""}]}')
     assert not _has_text('data: {"id": "c", "choices": [], "usage": {"completion_tokens": 3}}')
+
+
+STAT = """cpu  10 0 10 80 0 0 0 0 0 0
+cpu0 {0} 0 {1} {2} 0 0 0 {3} 0 0
+cpu1 100 0 0 900 0 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_steal_is_the_stolen_share_of_the_server_cpus_time() -> None:
+    before = serve_bench.cpu_times(STAT.format(100, 50, 800, 50))
+    after = serve_bench.cpu_times(STAT.format(150, 60, 970, 70))
+    assert sorted(before) == [0, 1] and before[0][:4] == [100, 0, 50, 800]
+    # CPU 0: 50 user + 10 system + 170 idle + 20 stolen = 250 ticks, 20 of them stolen.
+    assert serve_bench.steal_pct(before, after, {0}) == pytest.approx(8.0)
+    # CPU 1's counters did not move: alone it has no time to share out; with CPU 0, only
+    # CPU 0's ticks count.
+    assert serve_bench.steal_pct(before, before, {1}) is None
+    assert serve_bench.steal_pct(before, after, {0, 1}) == pytest.approx(8.0)
+    assert serve_bench.steal_pct(before, after, {2}) is None  # a CPU the counters do not list
