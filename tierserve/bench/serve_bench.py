@@ -30,7 +30,6 @@ the server-side figures would measure the client. Importing this module is cheap
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierserve.bench.output import emit
 from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
 
 
@@ -358,15 +358,5 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     result = run_bench(args)
-    text = json.dumps(asdict(result), indent=2)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        print_table(result)
-        if args.out:
-            print(f"wrote {args.out}")
+    emit(asdict(result), args.out, args.json, lambda: print_table(result))
     return 0

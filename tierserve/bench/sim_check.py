@@ -14,7 +14,6 @@ Importing this module is cheap.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import statistics
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierserve.bench.output import emit
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
 from tierserve.executors.sim.gpus import GiB, get_gpu
@@ -357,15 +357,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bench sim-check: {e}", file=sys.stderr)
         return 2
-    text = json.dumps(res, indent=2)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        print_table(res)
-        if args.out:
-            print(f"wrote {args.out}")
+    emit(res, args.out, args.json, lambda: print_table(res))
     return 0

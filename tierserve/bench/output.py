@@ -1,0 +1,24 @@
+"""How a benchmark command hands back its result: JSON to a file, and JSON or a table to stdout."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Callable[[], None]) -> None:
+    """Write `result` as JSON to `out` (if given; its folder is made), then print the JSON
+    (`as_json`) or the table, and where the file went."""
+    text = json.dumps(result, indent=2)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    if as_json:
+        print(text)
+        return
+    print_table()
+    if out:
+        print(f"wrote {out}")
