@@ -155,3 +155,21 @@ def test_random_model_has_the_configs_shape_and_seeded_weights() -> None:
         if not name.endswith("norm.weight"):
             assert 0.015 < t.float().std() < 0.025, name
             assert not torch.equal(t, c.checkpoint_tensors()[name]), name
+
+
+def test_a_half_precision_load_allocates_its_weights_at_their_size(
+    checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The model must be in the asked dtype when its storage is first allocated, not be made
+    # in float32 and cast (three times a half-precision model's size at the peak).
+    allocated: list[torch.dtype] = []
+    to_empty = CausalLM.to_empty
+
+    def record(self: CausalLM, *, device: torch.device) -> CausalLM:
+        allocated.extend(p.dtype for p in self.parameters())
+        return to_empty(self, device=device)
+
+    monkeypatch.setattr(CausalLM, "to_empty", record)
+    loaded = load_model(checkpoint.path, CPU, torch.bfloat16)
+    assert allocated and set(allocated) == {torch.bfloat16}
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())

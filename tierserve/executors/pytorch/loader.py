@@ -192,6 +192,9 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
         dtype = torch.float32 if device.type == "cpu" else half
     with torch.device("meta"):
         model = CausalLM(spec.config, qkv_bias=spec.qkv_bias)
+    # The dtype first, on the meta device: the weights are allocated once, at their size (not
+    # in float32 and then cast, three times a half-precision model's size at the peak).
+    model.to(dtype=dtype)
     model.to_empty(device=device)
     model.to_device(device, dtype)
     load_weights(model, directory)
