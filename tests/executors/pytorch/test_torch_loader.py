@@ -173,3 +173,16 @@ def test_a_half_precision_load_allocates_its_weights_at_their_size(
     loaded = load_model(checkpoint.path, CPU, torch.bfloat16)
     assert allocated and set(allocated) == {torch.bfloat16}
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_on_a_cpu_linear_weights_are_stored_column_major_with_the_checkpoints_values(
+    checkpoint: Checkpoint,
+) -> None:
+    loaded = load_model(checkpoint.path, CPU, torch.float64)
+    expected = checkpoint.hf.state_dict()  # the saved weights, in float64
+    for name, module in loaded.model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            # [out, in] in shape, [in, out] in memory
+            assert module.weight.stride() == (1, module.weight.shape[0]), name
+    for name, tensor in loaded.model.checkpoint_tensors().items():
+        torch.testing.assert_close(tensor, expected[name].to(torch.float64), rtol=0, atol=0, msg=name)

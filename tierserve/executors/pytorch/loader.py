@@ -54,11 +54,7 @@ def make_random_model(
     host): an 8 B model in bfloat16 on a GPU takes its 16 GB there and seconds to make.
     Not the demo's weights: `make_demo_model` draws those on the CPU, in its own order.
     """
-    with torch.device("meta"):
-        model = CausalLM(config)
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    model.to_device(device, dtype)
+    model = _unfilled_model(config, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.checkpoint_tensors().items()):
@@ -67,6 +63,19 @@ def make_random_model(
             else:
                 param.normal_(0.0, _INIT_STD, generator=gen)
     return model
+
+
+def _unfilled_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, *, qkv_bias: bool = False
+) -> CausalLM:
+    """A model of `config`'s shape on `device`, its weights allocated but not filled. The dtype
+    comes first, on the meta device: the weights are allocated once, at their size (not in
+    float32 and then cast, three times a half-precision model's size at the peak)."""
+    with torch.device("meta"):
+        model = CausalLM(config, qkv_bias=qkv_bias)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    return model.to_device(device, dtype)
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -190,12 +199,6 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
         # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
         half = _HALF_DTYPES.get(spec.checkpoint_dtype or "", torch.bfloat16)
         dtype = torch.float32 if device.type == "cpu" else half
-    with torch.device("meta"):
-        model = CausalLM(spec.config, qkv_bias=spec.qkv_bias)
-    # The dtype first, on the meta device: the weights are allocated once, at their size (not
-    # in float32 and then cast, three times a half-precision model's size at the peak).
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    model.to_device(device, dtype)
+    model = _unfilled_model(spec.config, device, dtype, qkv_bias=spec.qkv_bias)
     load_weights(model, directory)
     return LoadedModel(model, tokenizer, spec.max_model_len)
