@@ -165,3 +165,19 @@ def test_steal_is_the_stolen_share_of_the_server_cpus_time() -> None:
     assert serve_bench.steal_pct(before, before, {1}) is None
     assert serve_bench.steal_pct(before, after, {0, 1}) == pytest.approx(8.0)
     assert serve_bench.steal_pct(before, after, {2}) is None  # a CPU the counters do not list
+
+
+def test_the_load_generator_draws_its_progress_where_asked() -> None:
+    import asyncio
+    import io
+
+    from tests.server.helpers import MODEL, live_server, make_state
+    from tierserve.server.loadgen import drive
+
+    specs = make_specs(5, 0, [1, 1, 1, 1], (4, 8), (1, 3))
+    bar = io.StringIO()
+    with live_server(make_state()) as srv:
+        quiet = asyncio.run(drive(srv.url, MODEL, specs, 2, 30.0))
+        shown = asyncio.run(drive(srv.url, MODEL, specs, 2, 30.0, progress=bar))
+    assert [o.status for o in quiet] == [o.status for o in shown] == ["ok"] * 5
+    assert "bench serve" in bar.getvalue() and "5/5" in bar.getvalue()  # the bar's last state

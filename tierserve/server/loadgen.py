@@ -4,7 +4,8 @@
 (tier, prompt, max_tokens) until all are sent or `duration_s` passes; each ends in one
 `Outcome`. `drive_in_child` runs it in a fresh interpreter, so that the load generator's
 own CPU does not compete with the server's threads for the interpreter lock (used by
-`tierserve bench serve`). Times are `time.monotonic()` where they cross processes.
+`tierserve bench serve`), with a progress bar on the terminal drawn by the child (its own
+CPU, not the server's). Times are `time.monotonic()` where they cross processes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 TIERS = ("P0", "P1", "P2", "P3")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
@@ -96,14 +97,22 @@ def _has_text(line: str) -> bool:
 
 
 async def drive(
-    url: str, model: str, specs: list[Spec], concurrency: int, duration_s: float
+    url: str,
+    model: str,
+    specs: list[Spec],
+    concurrency: int,
+    duration_s: float,
+    progress: TextIO | None = None,
 ) -> list[Outcome]:
-    """Closed loop: `concurrency` clients send the specs in order until done or `duration_s` passes."""
+    """Closed loop: `concurrency` clients send the specs in order until done or `duration_s`
+    passes; a progress bar of ended requests is drawn on `progress` where given."""
     import httpx
+    from tqdm import tqdm
 
     queue = list(reversed(specs))
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    bar = tqdm(total=len(specs), desc="bench serve", unit="req", file=progress, disable=progress is None)
     async with httpx.AsyncClient(
         base_url=url, limits=limits, timeout=httpx.Timeout(duration_s + 30)
     ) as client:
@@ -116,12 +125,14 @@ async def drive(
                     outcomes.append(await _one(client, model, spec, index))
                 except httpx.HTTPError as e:
                     outcomes.append(Outcome(spec.tier, f"http_error:{type(e).__name__}", index=index))
+                bar.update()
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
         _, pending = await asyncio.wait(tasks, timeout=duration_s)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+    bar.close()
     return outcomes
 
 
@@ -134,7 +145,8 @@ def drive_in_child(
     cpus: set[int] | None = None,
 ) -> list[Outcome]:
     """Run `drive` in a fresh interpreter (`python -m tierserve.server.loadgen`), JSON in and out;
-    on `cpus` only, where given (Linux)."""
+    on `cpus` only, where given (Linux). Where this process's stderr is a terminal, the child
+    draws its progress bar there."""
     import os
     import subprocess
 
@@ -150,10 +162,12 @@ def drive_in_child(
         "concurrency": concurrency,
         "duration_s": duration_s,
     }
+    show = sys.stderr.isatty()
     proc = subprocess.run(
         [sys.executable, "-m", "tierserve.server.loadgen"],
-        input=json.dumps(job),
-        capture_output=True,
+        input=json.dumps({**job, "progress": show}),
+        stdout=subprocess.PIPE,
+        stderr=None if show else subprocess.PIPE,  # on the terminal: the bar, and any error
         text=True,
         timeout=duration_s + 120,
         check=False,
@@ -161,14 +175,18 @@ def drive_in_child(
         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"the load generator failed:\n{proc.stderr[-4000:]}")
+        where = "its error is above" if proc.stderr is None else proc.stderr[-4000:]
+        raise RuntimeError(f"the load generator failed (exit code {proc.returncode}): {where}")
     return [Outcome(**o) for o in json.loads(proc.stdout)]
 
 
 def _client_main() -> None:
     job = json.loads(sys.stdin.read())
     specs = [Spec(**x) for x in job["specs"]]
-    outcomes = asyncio.run(drive(job["url"], job["model"], specs, job["concurrency"], job["duration_s"]))
+    progress = sys.stderr if job.get("progress") else None
+    outcomes = asyncio.run(
+        drive(job["url"], job["model"], specs, job["concurrency"], job["duration_s"], progress)
+    )
     json.dump([asdict(o) for o in outcomes], sys.stdout)
 
 
