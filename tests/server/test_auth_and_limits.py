@@ -72,6 +72,15 @@ def test_unknown_or_missing_key_is_401(server: LiveServer, key: str) -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_listing_models_needs_a_key_too(server: LiveServer) -> None:
+    assert [m.id for m in _client(server, "sk-bronze").models.list()] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "sk-wrong").models.list()
+    r = httpx.get(server.base_url + "/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.base_url + "/models", headers={"x-tenant-id": "internal"}).status_code == 200
+
+
 def test_tenant_header_is_accepted_where_the_config_allows_it(server: LiveServer) -> None:
     r = httpx.post(
         server.base_url + "/chat/completions",

@@ -112,7 +112,9 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         return await generate(state, http, body)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(http: HttpRequest) -> dict[str, Any]:
+        # Behind the same keys as generation (with keys configured: 401 without a known one).
+        state.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
         m = state.model
         return {
             "object": "list",
