@@ -169,6 +169,16 @@ CHAT = {"model": MODEL, "messages": MESSAGES}
         ("/v1/chat/completions", {**CHAT, "stop": ["a"] * 20}, "stop"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+        ),
+        ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -2}, "top_k"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": MODEL}, "messages"),
         (
@@ -285,3 +295,31 @@ def test_a_bug_under_a_generation_route_is_a_500_in_the_envelope_and_the_server_
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         r = _post(srv, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY[:2]
+
+
+def test_sampling_fields_reach_the_engine_and_inert_ones_are_accepted(server: LiveServer) -> None:
+    from tierserve.server.prepare import prepare
+    from tierserve.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 40,
+            "seed": 7,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.25,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "user": "someone",
+        }
+    )
+    params = prepare(server.state, body, Tier.P1).sampling
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 40, 7)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    off = prepare(server.state, ChatCompletionRequest.model_validate({**CHAT, "top_k": -1}), Tier.P1)
+    assert off.sampling.top_k == 0 and not off.sampling.penalized
+    r = _post(server, "/v1/chat/completions", {**CHAT, "presence_penalty": 1.0, "tools": []})
+    assert r.status_code == 200, r.text

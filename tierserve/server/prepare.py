@@ -48,6 +48,14 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs:
             raise bad_request("logprobs: not supported", "logprobs")
+        for name in ("tools", "functions"):
+            if getattr(body, name):
+                raise bad_request(f"{name}: function calling is not supported", name)
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise bad_request(
+                f"response_format: only type 'text' is supported, got {kind!r}", "response_format"
+            )
     else:
         if body.echo:
             raise bad_request("echo: not supported", "echo")
@@ -140,7 +148,10 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
             seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
         )
     except ValueError as e:
         raise bad_request(str(e), None) from None

@@ -1,14 +1,14 @@
 """Request bodies of the OpenAI-compatible API (pydantic), as much of them as tierserve serves.
 
-Fields OpenAI defines that change nothing here (penalties, `user`, `tools`...) are
-accepted and ignored; fields whose absence would change the answer (`n` > 1, `logprobs`,
-`echo`) are rejected with a 400 by the handler. Numbers are bounded so that no value can
-reach the engine unchecked.
+Fields that change nothing here (`user`, `tool_choice` without tools, `parallel_tool_calls`,
+...) are accepted and ignored; fields tierserve cannot honour (`n` > 1, `logprobs`, `echo`,
+`tools`, a `response_format` other than text) are rejected with a 400 by the handler rather
+than silently dropped. Numbers are bounded so that no value can reach the engine unchecked.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,6 +55,9 @@ class _SamplingBody(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=128)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_BOUND, description="vLLM's extension: 0 or -1 = off")
     priority: int | None = Field(None, ge=0, le=3, description="tierserve: 0 (realtime) .. 3 (background)")
     user: str | None = None
 
@@ -68,6 +71,9 @@ class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     logprobs: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The output limit the client set, and the field it came from (for error messages)."""

@@ -53,6 +53,37 @@ def test_greedy_tokens_equal_transformers_when_batched_and_chunked(checkpoint: C
     assert len({tuple(e) for e in expected}) > 1, "the model should not say the same thing to every prompt"
 
 
+class OpenAIPenalties:
+    """A transformers logits processor with OpenAI's presence and frequency penalties over
+    the generated tokens: the reference for the sampler's."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        for row, ids in enumerate(input_ids[:, self.prompt_len :]):
+            counts = torch.bincount(ids, minlength=scores.shape[-1]).to(scores.dtype)
+            out[row] -= self.frequency * counts + self.presence * (counts > 0)
+        return out
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(2.0, 0.0), (0.0, 1.5), (0.7, 0.4), (-1.0, 0.0)])
+def test_greedy_with_penalties_equals_transformers_with_the_same_penalties(
+    checkpoint: Checkpoint, presence: float, frequency: float
+) -> None:
+    from transformers import LogitsProcessorList
+
+    executor = build(checkpoint)
+    ps = prompts()
+    got = greedy_paged(executor, ps, 16, chunk=5, presence_penalty=presence, frequency_penalty=frequency)
+    for p, tokens in zip(ps, got, strict=True):
+        penalties = LogitsProcessorList([OpenAIPenalties(len(p), presence, frequency)])
+        assert tokens == checkpoint.greedy(p, 16, logits_processor=penalties)
+    plain = greedy_paged(executor, ps, 16, chunk=5)
+    assert got != plain, "the penalties should change what this model says"
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (8, 4), (8, 2), (8, 1)])
 def test_grouped_query_attention_matches_for_each_head_ratio(
     make_checkpoint: Callable[..., Checkpoint], num_heads: int, num_kv_heads: int

@@ -1,12 +1,19 @@
-"""Sampling: greedy, filters, and draws that depend only on (seed, output index)."""
+"""Sampling: greedy, filters, penalties, and draws that depend only on (seed, output index)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from tierserve.executors.pytorch.sampling import Sampler, SampleRequest, filter_logits, mix_seed
+from tierserve.executors.pytorch.sampling import (
+    Sampler,
+    SampleRequest,
+    apply_penalties,
+    filter_logits,
+    mix_seed,
+)
 from tierserve.request import SamplingParams
 
 LOGITS = torch.tensor([0.0, 3.0, 1.0, 2.5, -1.0, 2.0])
@@ -60,3 +67,35 @@ def test_mixed_seeds_are_distinct_and_in_range() -> None:
     assert len(seeds) == 400
     assert all(0 <= s < 2**63 for s in seeds)
     assert mix_seed(-5, 0) >= 0
+
+
+def test_penalties_subtract_presence_once_and_frequency_per_appearance() -> None:
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(LOGITS, params, [3, 3, 5, 3])
+    expected = LOGITS.clone()
+    expected[3] -= 0.5 + 3 * 0.25
+    expected[5] -= 0.5 + 0.25
+    torch.testing.assert_close(out, expected)
+    assert apply_penalties(LOGITS, params, []) is LOGITS  # nothing generated yet
+
+
+def test_greedy_with_a_presence_penalty_moves_off_a_token_already_said() -> None:
+    params = SamplingParams(presence_penalty=2.0)
+    rows = LOGITS.repeat(2, 1)
+    reqs = [SampleRequest("a", params, 0, ()), SampleRequest("b", params, 1, (1,))]
+    assert Sampler().sample(rows, reqs) == [1, 3]  # 3.0 - 2.0 falls below token 3's 2.5
+
+
+def test_a_seeded_draw_sees_the_penalised_logits() -> None:
+    # Token 1 is likeliest; a large presence penalty on it makes it the least likely.
+    params = SamplingParams(temperature=0.3, seed=5, presence_penalty=2.0)
+    sampler = Sampler()
+    free = [sampler.sample(LOGITS[None], [SampleRequest("a", params, k, ())])[0] for k in range(40)]
+    penalised = [sampler.sample(LOGITS[None], [SampleRequest("a", params, k, (1, 1))])[0] for k in range(40)]
+    assert free.count(1) > 20 and penalised.count(1) < free.count(1)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalties_are_bounded_like_openais(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: 2.5})  # type: ignore[arg-type]

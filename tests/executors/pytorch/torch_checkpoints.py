@@ -46,12 +46,16 @@ class Checkpoint:
     path: Path
     hf: Any  # the transformers model whose weights were saved, in float64, eval mode
 
-    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+    def greedy(self, prompt: list[int], num_tokens: int, **generate_kw: Any) -> list[int]:
         """Reference: transformers' generate(), greedy, EOS ignored."""
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = self.hf.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, do_sample=False
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                **generate_kw,
             )
         return [int(t) for t in out[0, len(prompt) :]]
 

@@ -20,6 +20,8 @@ def greedy_paged(
     *,
     chunk: int = 10_000,
     seed: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> list[list[int]]:
     """Generate `num_tokens` per prompt, all prompts in every step (prefill chunks and decodes mixed)."""
     bs = executor.spec.block_size
@@ -27,7 +29,13 @@ def greedy_paged(
     random.Random(seed).shuffle(free)
     reqs = []
     for i, p in enumerate(prompts):
-        req = Request(f"r{i}", list(p), SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+        params = SamplingParams(
+            max_tokens=num_tokens,
+            ignore_eos=True,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+        )
+        req = Request(f"r{i}", list(p), params)
         req.block_ids = [free.pop() for _ in range(-(-(len(p) + num_tokens) // bs))]
         reqs.append(req)
     while any(r.num_output_tokens < num_tokens for r in reqs):

@@ -81,7 +81,8 @@ class TorchExecutor:
             positions.extend(range(seq.start, end))
             if seq.samples:
                 rows.append(len(ids) - 1)
-                samples.append(SampleRequest(req.request_id, req.sampling, req.num_output_tokens))
+                outputs = req.output_token_ids if req.sampling.penalized else ()
+                samples.append(SampleRequest(req.request_id, req.sampling, req.num_output_tokens, outputs))
         if not ids:
             return StepResult(duration_s=time.perf_counter() - start, sampled_token_ids={})
         num_decodes = len(batch.decodes)

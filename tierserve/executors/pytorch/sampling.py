@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p — stateless and reproducible.
+"""Token sampling: greedy, temperature, top-k, top-p, presence and frequency penalties —
+stateless and reproducible.
 
 The random draw for a request's k-th output token uses a generator seeded from
 (seed, k) alone, so a request preempted by recompute samples the same tokens again.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +46,25 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled
 
 
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """One row of logits less OpenAI's presence and frequency penalties for the tokens
+    generated so far, in float32 (the prompt's tokens are not penalised)."""
+    if not output_token_ids:
+        return logits
+    ids = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(torch.float32)
+    penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits.to(torch.float32) - penalty
+
+
 @dataclass(frozen=True, slots=True)
 class SampleRequest:
     request_id: str
     params: SamplingParams
     output_index: int  # how many tokens the request had generated before this one
+    output_token_ids: Sequence[int] = ()  # those tokens; needed only when `params.penalized`
 
 
 class Sampler:
@@ -67,8 +83,10 @@ class Sampler:
         """One token per row of `logits` ([len(requests), vocab])."""
         tokens = torch.argmax(logits, dim=-1).tolist()
         for row, req in enumerate(requests):
-            if req.params.temperature > 0:
-                tokens[row] = self._draw(logits[row].cpu(), req)
+            params = req.params
+            if params.temperature > 0 or params.penalized:
+                values = apply_penalties(logits[row].cpu(), params, req.output_token_ids)
+                tokens[row] = self._draw(values, req) if params.temperature > 0 else int(values.argmax())
         return [int(t) for t in tokens]
 
     def _draw(self, logits: torch.Tensor, req: SampleRequest) -> int:
