@@ -47,6 +47,12 @@ def test_azure_malformed_row_names_file_and_line(tmp_path: Path, row: str, messa
     assert str(err.value).startswith(f"{path}:3:")
 
 
+def test_azure_csv_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    path = tmp_path / "bom.csv"
+    path.write_text(AZURE_HEADER + "2023-11-16 18:17:03.0,5,5\n", encoding="utf-8-sig")
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in load_azure_csv(path)] == [(5, 5)]
+
+
 def test_azure_wrong_header_is_line_1(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match=r"a\.csv:1: expected the header"):
         load_azure_csv(write(tmp_path, "a.csv", "time,in,out\n"))
@@ -61,6 +67,17 @@ def test_mooncake_rows_keep_hash_ids_and_ms_timestamps(tmp_path: Path) -> None:
     )
     records = load_mooncake_jsonl(path)
     assert records[0].hash_ids == (0, 1) and records[1].arrival_s == 2.5 and records[1].line == 3
+
+
+def test_mooncake_rows_without_hash_ids_share_no_prefix(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "m.jsonl",
+        '{"timestamp": 0, "input_length": 600, "output_length": 5}\n'
+        '{"timestamp": 10, "input_length": 7, "output_length": 2, "hash_ids": null}\n',
+    )
+    records = load_mooncake_jsonl(path)
+    assert [(r.num_prompt_tokens, r.hash_ids) for r in records] == [(600, ()), (7, ())]
 
 
 @pytest.mark.parametrize(

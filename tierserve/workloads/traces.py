@@ -3,7 +3,8 @@
 - Azure LLM inference trace (CSV): `TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock
   timestamps such as ``2023-11-16 18:17:03.9799600``.
 - Mooncake trace (JSON lines): `timestamp` (ms from start), `input_length`, `output_length`,
-  `hash_ids` (one id per 512-token prefix block; the last block may be partial).
+  `hash_ids` (one id per 512-token prefix block; the last block may be partial). A trace
+  of the same shape without `hash_ids` loads too: its prompts share no prefixes.
 
 A malformed row raises `TraceFormatError` naming the file and the line.
 """
@@ -62,7 +63,7 @@ def _check_order(where: str, arrival_s: float, previous_s: float) -> None:
 def load_azure_csv(path: str | Path) -> list[TraceRecord]:
     p = Path(path)
     records: list[TraceRecord] = []
-    with p.open(newline="") as f:
+    with p.open(newline="", encoding="utf-8-sig") as f:  # a spreadsheet's export may start with a BOM
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != AZURE_COLUMNS:
@@ -108,7 +109,7 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
                 raise TraceFormatError(f"{where}: invalid JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise TraceFormatError(f"{where}: expected a JSON object")
-            for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+            for key in ("timestamp", "input_length", "output_length"):
                 if key not in row:
                     raise TraceFormatError(f"{where}: missing {key!r}")
             stamp = row["timestamp"]
@@ -120,13 +121,15 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
             ):
                 raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
             num_prompt = _count(where, "input_length", row["input_length"], 1)
-            hash_ids = row["hash_ids"]
-            if not isinstance(hash_ids, list):
+            hash_ids = row.get("hash_ids")
+            if hash_ids is None:
+                hash_ids = []
+            elif not isinstance(hash_ids, list):
                 raise TraceFormatError(f"{where}: hash_ids must be a list")
             for h in hash_ids:
                 _count(where, "each hash id", h, 0)
             num_blocks = -(-num_prompt // TRACE_BLOCK_TOKENS)
-            if len(hash_ids) != num_blocks:
+            if hash_ids and len(hash_ids) != num_blocks:
                 raise TraceFormatError(
                     f"{where}: input_length {num_prompt} needs {num_blocks} hash ids "
                     f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
