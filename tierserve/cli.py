@@ -21,7 +21,10 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tierserve import __version__
+
     parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tierserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name in COMMAND_MODULES:
