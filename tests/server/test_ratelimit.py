@@ -190,3 +190,16 @@ def test_unreachable_redis_fails_open_onto_local_buckets() -> None:
         return decision.allowed, limiter.redis_up, limiter.num_fallbacks
 
     assert asyncio.run(scenario()) == (True, False, 1)
+
+
+def test_unlimited_tenants_leave_no_buckets_behind() -> None:
+    """An open server labels a tenant per x-tenant-id: memory must not grow with the names."""
+    limiter = RateLimiter(RateLimit(requests_per_s=1000.0, request_burst=1000.0))
+
+    async def go() -> None:
+        for i in range(300):
+            assert (await limiter.acquire(TenantConfig(name=f"adhoc-{i}"), 1)).allowed
+        await limiter.acquire(_tenant(requests_per_s=5.0), 1)
+
+    asyncio.run(go())
+    assert list(limiter._tenant_buckets) == [_tenant().name]

@@ -15,6 +15,11 @@ from collections.abc import Iterator
 from tierserve.request import Request
 from tierserve.tiers import ALL_TIERS, Tier
 
+# `_last_finish` is pruned of tags that can no longer matter once it holds more than this
+# many tenants (and four times those queued): tenants come and go (an open server labels
+# a tenant per `x-tenant-id`), and the dict must not grow with every name ever seen.
+PRUNE_AT = 64
+
 
 class TenantFairQueue:
     def __init__(self) -> None:
@@ -67,7 +72,15 @@ class TenantFairQueue:
         self._last_finish[req.tenant] = start + req.expected_cost_tokens / req.tenant_weight
         self._virtual_time = start
         self._take(req)
+        if len(self._last_finish) > max(PRUNE_AT, 4 * len(self._queues)):
+            self._prune()
         return req
+
+    def _prune(self) -> None:
+        """Forget finish tags at or behind the virtual time: `_start` gives the virtual time
+        for them and for an absent tenant alike, and the virtual time never goes back."""
+        now = self._virtual_time
+        self._last_finish = {t: f for t, f in self._last_finish.items() if f > now}
 
     def remove(self, req: Request) -> None:
         self._take(req)

@@ -83,7 +83,9 @@ class RateLimiter:
     def _for_tenant(self, tenant: TenantConfig) -> tuple[list[Bucket], list[Bucket]]:
         own = self._tenant_buckets.get(tenant.name)
         if own is None:
-            own = self._tenant_buckets[tenant.name] = _buckets(f"tenant:{tenant.name}", tenant.limit)
+            own = _buckets(f"tenant:{tenant.name}", tenant.limit)
+            if own != (None, None):  # an unlimited (e.g. ad-hoc) tenant leaves nothing behind
+                self._tenant_buckets[tenant.name] = own
         requests = [b for b in (self._global[0], own[0]) if b is not None]
         tokens = [b for b in (self._global[1], own[1]) if b is not None]
         return requests, tokens
