@@ -310,7 +310,7 @@ def test_sampling_fields_reach_the_engine_and_inert_ones_are_accepted(server: Li
             "seed": 7,
             "presence_penalty": 0.5,
             "frequency_penalty": -0.25,
-            "tools": [],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": "none",
             "response_format": {"type": "text"},
             "user": "someone",

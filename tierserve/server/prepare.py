@@ -48,9 +48,11 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs:
             raise bad_request("logprobs: not supported", "logprobs")
-        for name in ("tools", "functions"):
-            if getattr(body, name):
-                raise bad_request(f"{name}: function calling is not supported", name)
+        # Tools the model may not call (`tool_choice: "none"`) change nothing.
+        if body.tools and body.tool_choice != "none":
+            raise bad_request("tools: function calling is not supported", "tools")
+        if body.functions:
+            raise bad_request("functions: function calling is not supported", "functions")
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
             raise bad_request(

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic), as much of them as tierserve serves.
 
-Fields that change nothing here (`user`, `tool_choice` without tools, `parallel_tool_calls`,
-...) are accepted and ignored; fields tierserve cannot honour (`n` > 1, `logprobs`, `echo`,
-`tools`, a `response_format` other than text) are rejected with a 400 by the handler rather
-than silently dropped. Numbers are bounded so that no value can reach the engine unchecked.
+Fields that change nothing here (`user`, `parallel_tool_calls`, tools the model may not
+call, ...) are accepted and ignored; fields tierserve cannot honour (`n` > 1, `logprobs`,
+`echo`, callable `tools`, a `response_format` other than text) are rejected with a 400 by
+the handler rather than silently dropped. Numbers are bounded so that no value can reach the engine unchecked.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     logprobs: bool | None = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
