@@ -79,3 +79,14 @@ def test_cli_prints_text_and_reports_bad_models(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().out.endswith("\n")
     assert cli(["--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_cli_penalties_stop_the_demo_repeating_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--prompt", "Hello", "--max-tokens", "12", "--ignore-eos", "--json"]
+    assert cli(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    assert cli([*argv, "--frequency-penalty", "2"]) == 0
+    penalised = json.loads(capsys.readouterr().out)["token_ids"]
+    assert len(set(penalised)) > len(set(plain))  # the random demo model loves one token
+    assert cli([*argv, "--presence-penalty", "3"]) == 2
+    assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err

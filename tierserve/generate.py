@@ -10,7 +10,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
@@ -32,17 +32,13 @@ def generate(
     tokenizer: Tokenizer,
     prompt: str,
     *,
-    max_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
     stop: Sequence[str] = (),
-    ignore_eos: bool = False,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
+    **sampling: Any,
 ) -> GenerateResult:
-    """Generate a reply to `prompt` (a chat user turn when `chat`); `on_text` gets text as it is final."""
+    """Generate a reply to `prompt` (a chat user turn when `chat`); `on_text` gets text as it
+    is final. `sampling`: `SamplingParams` fields (max_tokens defaults to 64 here)."""
     from tierserve.clock import WallClock
     from tierserve.config import EngineConfig
     from tierserve.engine import Engine
@@ -55,14 +51,7 @@ def generate(
         prompt_ids = tokenizer.encode(prompt)
     clock = WallClock()
     engine = Engine(EngineConfig(), "hybrid", executor, clock)
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        ignore_eos=ignore_eos,
-    )
+    params = SamplingParams(**{"max_tokens": 64, **sampling})
     req = Request("generate-0", prompt_ids, params, arrival_time=clock.now())
     if not engine.add_request(req):
         raise ValueError(f"request rejected: {req.reject_reason}")
@@ -89,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, as OpenAI's")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, as OpenAI's")
     p.add_argument(
         "--stop", nargs="+", default=[], metavar="STR", help="stop strings (not included in the text)"
     )
@@ -115,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
             chat=args.chat,
