@@ -15,12 +15,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierserve.scheduling.registry import BENCH_POLICIES
+
 if TYPE_CHECKING:  # keep the command cheap to import
     from tierserve.config import EngineConfig
     from tierserve.executors.base import Executor
     from tierserve.workloads.spec import RequestSpec
 
-DEFAULT_POLICIES = ("fcfs", "drr", "wfq", "strict", "vllm-priority", "hybrid")
+DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
 DEFAULT_CONCURRENCY = (32, 64, 128, 256, 512)
 QUICK_CONCURRENCY = (32, 128)
 DEFAULT_RATES_RPS = (5.0, 10.0, 20.0)

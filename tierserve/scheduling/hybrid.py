@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
+from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.sfq import StartTimeFairQueues
 from tierserve.scheduling.wfq import expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
@@ -100,7 +101,8 @@ class HybridPolicy(Policy):
 
     def _pop(self, now: float) -> Request:
         choice = self._choose(now)
-        assert choice is not None, "pop from an empty queue"
+        if choice is None:
+            raise EmptyQueueError("pop from an empty queue")
         tier, in_order = choice
         return self._sfq.serve(tier, in_order=in_order)
 

@@ -43,11 +43,12 @@ class StartTimeFairQueues(TierQueues):
                 best, best_tag = tier, tag
         return best
 
-    def serve(self, tier: Tier, *, in_order: bool = True) -> Request:
-        """Pop the head of `tier`. Out-of-order pops (aging) are charged but keep V."""
+    def serve(self, tier: Tier, *, in_order: bool = True, weight: float | None = None) -> Request:
+        """Pop the head of `tier`. Out-of-order pops (aging) are charged but keep V.
+        `weight` charges the request at another weight than its tier's (a promotion)."""
         start = self.start_tag(tier)
         req = self.popleft(tier)
-        self.last_finish[tier] = start + self.cost(req) / self.weights[tier]
+        self.last_finish[tier] = start + self.cost(req) / (weight or self.weights[tier])
         if in_order:
             self.virtual_time = max(self.virtual_time, start)
         self._head_start[tier] = None

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from tierserve.request import Request
+from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.tiers import ALL_TIERS, Tier
 
 # `_last_finish` is pruned of tags that can no longer matter once it holds more than this
@@ -67,7 +68,8 @@ class TenantFairQueue:
 
     def popleft(self) -> Request:
         req = self.head()
-        assert req is not None, "pop from an empty queue"
+        if req is None:
+            raise EmptyQueueError("pop from an empty queue")
         start = self._start(req.tenant)
         self._last_finish[req.tenant] = start + req.expected_cost_tokens / req.tenant_weight
         self._virtual_time = start

@@ -8,6 +8,7 @@ from typing import ClassVar
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
+from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.sfq import StartTimeFairQueues
 from tierserve.tiers import ALL_TIERS
 
@@ -30,7 +31,8 @@ class WfqPolicy(Policy):
 
     def _pop(self, now: float) -> Request:
         tier = self._sfq.best(ALL_TIERS)
-        assert tier is not None, "pop from an empty queue"
+        if tier is None:
+            raise EmptyQueueError("pop from an empty queue")
         return self._sfq.serve(tier)
 
     def _push(self, req: Request, now: float) -> None:
