@@ -32,7 +32,7 @@ from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
 from tierserve.scheduling.errors import EmptyQueueError
-from tierserve.scheduling.sfq import StartTimeFairQueues
+from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.scheduling.wfq import expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -63,7 +63,7 @@ class ArticlePolicy(Policy):
         super().__init__(config)
         options = config.options(self.name, ArticleOptions)
         self._weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
-        self._sfq = StartTimeFairQueues(self._weights, expected_cost)
+        self._sfq = TierFairQueues(self._weights, expected_cost)
         thresholds = (math.inf, options.p1_aging_s, options.p2_aging_s, options.p3_aging_s)
         # A request of tier t reaches level t - k after waiting _promoted_after[t][k].
         self._promoted_after = [
@@ -79,9 +79,9 @@ class ArticlePolicy(Policy):
     def _choose(self, now: float) -> tuple[Tier, Tier, bool] | None:
         """(queue to serve, level it is served at, whether in fair order)."""
         sfq = self._sfq
-        if sfq.queues[Tier.P0]:
+        if sfq.count(Tier.P0):
             return Tier.P0, Tier.P0, False
-        heads = [(t, h) for t in AGED_TIERS if (h := sfq.head(t)) is not None]
+        heads = [(t, h) for t in AGED_TIERS if (h := sfq.head_of(t)) is not None]
         levels = {t: self.level(h, now) for t, h in heads}
         promoted = [(h.arrival_time, t) for t, h in heads if levels[t] == Tier.P0]
         if promoted:
@@ -92,13 +92,13 @@ class ArticlePolicy(Policy):
         if fair is not None:
             return fair, levels[fair], True
         # P3 best effort: only while no P0 or P1 request waits (all P1 heads were eligible).
-        if sfq.head(Tier.P3) is not None and not sfq.queues[Tier.P1]:
+        if sfq.head_of(Tier.P3) is not None and not sfq.count(Tier.P1):
             return Tier.P3, Tier.P3, True
         return None
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)
-        return None if choice is None else self._sfq.head(choice[0])
+        return None if choice is None else self._sfq.head_of(choice[0])
 
     def _pop(self, now: float) -> Request:
         choice = self._choose(now)
