@@ -135,15 +135,17 @@ def run_cell(setup: BenchSetup, cell: Cell) -> CellResult:
             cv = 1.0 if cell.pattern == "poisson" else setup.burst_cv
             specs = with_arrivals(specs, rate, cv, cell.seed)
     history: dict[int, tuple[int, int]] = {}
-    result = run_workload(engine, clock, _noting_p0(specs, history), _driver_config(setup, cell, num_measured))
+    result = run_workload(
+        engine, clock, _noting_p0(specs, history), _driver_config(setup, cell, num_measured)
+    )
     idle = IdleTtft(config, executor)
-    p0_idle = {
-        r.index: idle(*history[r.index]) for r in result.records if r.measured and r.tier is Tier.P0
-    }
+    p0_idle = {r.index: idle(*history[r.index]) for r in result.records if r.measured and r.tier is Tier.P0}
     cost: dict[tuple[bool, int], float] = {}
     for p in (p for r in result.records if r.measured for p in r.preemptions):
         # A swap moves the blocks out and (later) back in; a recompute prefills the tokens again.
-        seconds = 2 * executor.estimate_swap_s(p.amount) if p.swapped else executor.estimate_prefill_s(p.amount)
+        seconds = (
+            2 * executor.estimate_swap_s(p.amount) if p.swapped else executor.estimate_prefill_s(p.amount)
+        )
         cost[(p.swapped, p.amount)] = seconds
     return CellResult(cell, result, p0_idle, executor.spec.num_device_blocks, cost, rate)
 

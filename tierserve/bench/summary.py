@@ -8,7 +8,9 @@ Definitions (docs/benchmark.md restates them):
   token counts with its wait until then (a lower bound). TPOT = (finish - first token) /
   (output tokens - 1).
 - SLO attained: TTFT <= the tier's target; a tier without one (P3) attains it by finishing.
-  Goodput = attained requests / window seconds.
+  Goodput = attained requests / the span of the measured arrivals (the rate at which
+  requests that meet their SLO are served). Throughput = tokens generated in the window
+  (first measured arrival to last measured end) / its length.
 - P0 slowdown of a request = its TTFT / its own TTFT alone on an idle engine (`IdleTtft`).
 - A preemption is a reclaim when a request of a more urgent tier was admitted in the same
   step (memory taken back for it), whatever its mode (swap or recompute).
@@ -71,6 +73,7 @@ def _tier(records: Sequence[RequestRecord], target_s: float, span_s: float, seed
         "completed": sum(r.status is RequestStatus.FINISHED for r in records),
         "shed": sum(shed.values()),
         "shed_reasons": dict(sorted(shed.items())),
+        "preempted": sum(len(r.preemptions) for r in records),
         "slo_attainment": _r(attained / len(records)) if records else None,
         "goodput_rps": _r(attained / span_s) if span_s > 0 else None,
         **_percentiles("ttft", ttfts, seed),
@@ -80,7 +83,7 @@ def _tier(records: Sequence[RequestRecord], target_s: float, span_s: float, seed
 
 def _preemptions(results: Sequence[CellResult]) -> dict[str, Any]:
     counts = Counter[str]()
-    cost = Counter[str]()
+    cost: dict[str, float] = {"swap_s": 0.0, "recompute_prefill_s": 0.0}
     for res in results:
         urgent: dict[float, int] = {}  # step time -> most urgent tier admitted in it
         for r in res.run.records:
@@ -99,6 +102,13 @@ def _preemptions(results: Sequence[CellResult]) -> dict[str, Any]:
     }
 
 
+def _arrival_span(result: CellResult) -> float:
+    """From the first measured arrival to the last: goodput's denominator (the window runs
+    on until the slowest measured request ends, which says nothing about the rate served)."""
+    times = [r.arrival_s for r in result.run.records if r.measured]
+    return max(times) - min(times) if times else 0.0
+
+
 def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, Any]:
     """The results.json entry of `results`: one cell, or the same cell over several seeds."""
     first = results[0].cell
@@ -106,10 +116,11 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         raise ValueError("only the same cell over several seeds can be pooled")
     measured = [r for res in results for r in res.run.records if r.measured]
     span = sum(res.run.window.duration_s for res in results)
+    arrivals = sum(_arrival_span(res) for res in results)
     tokens = sum(res.run.window.num_generated_tokens for res in results)
     seed = first.seed
     tiers = {
-        t.name: _tier([r for r in measured if r.tier is t], config.tier(t).ttft_target_s, span, seed)
+        t.name: _tier([r for r in measured if r.tier is t], config.tier(t).ttft_target_s, arrivals, seed)
         for t in ALL_TIERS
     }
     slowdowns, idle_over = [], 0
@@ -152,8 +163,11 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
 
 def add_throughput_vs_fcfs(runs: Sequence[dict[str, Any]], baseline: str = "fcfs") -> None:
     """Set each run's `throughput_vs_fcfs` from the fcfs run of the same cell and seed(s)."""
-    key = lambda run: (run["workload"], run["pattern"], run["load"], str(run["seed"]))  # noqa: E731
-    base: Mapping[tuple[str, str, float, str], Any] = {key(r): r for r in runs if r["policy"] == baseline}
+
+    def key(run: Mapping[str, Any]) -> tuple[str, str, float, str]:
+        return (run["workload"], run["pattern"], run["load"], str(run["seed"]))
+
+    base = {key(r): r for r in runs if r["policy"] == baseline}
     for run in runs:
         ref = base.get(key(run))
         if ref and ref["throughput_tokens_per_s"] and run["throughput_tokens_per_s"] is not None:
