@@ -65,3 +65,30 @@ def test_tier_names_parse_in_every_spelling() -> None:
     assert Tier.parse("1") is Tier.P1
     with pytest.raises(ValueError, match="unknown tier"):
         Tier.parse("urgent")
+
+
+def test_policy_tables_hold_each_policys_own_settings() -> None:
+    from tierserve.scheduling.sglang_priority import SglangOptions
+
+    config = parse_config({"policy": {"sglang-priority": {"preemption_threshold": 25}}})
+    assert config.options("sglang-priority", SglangOptions).preemption_threshold == 25
+    assert EngineConfig().options("sglang-priority", SglangOptions) == SglangOptions()
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"policy": {"lottery": {}}}, "policy.lottery: unknown policy"),
+        ({"policy": {"fcfs": {"x": 1}}}, "policy.fcfs: policy 'fcfs' has no settings"),
+        (
+            {"policy": {"sglang-priority": {"preemption_threshold": -1}}},
+            "policy.sglang-priority.preemption_threshold",
+        ),
+        ({"policy": {"sglang-priority": {"spacing": 3}}}, "policy.sglang-priority.spacing: unknown key"),
+        ({"policy": {"article": {"p3_aging_s": 0}}}, "policy.article.p3_aging_s"),
+        ({"policy": 3}, "policy: expected a table"),
+    ],
+)
+def test_bad_policy_settings_name_the_field(raw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_config(raw)

@@ -11,9 +11,11 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tierserve.tiers import ALL_TIERS, Tier
+
+OptionsT = TypeVar("OptionsT", bound="PolicyOptions")
 
 
 class ConfigError(ValueError):
@@ -61,12 +63,30 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class PolicyOptions:
+    """A policy's own settings: the `[policy.NAME]` table of the config file.
+
+    A policy that has settings names a frozen subclass (its `options_type`); every field
+    has a default, and `check` raises ConfigError naming the field of a bad value.
+    """
+
+    def check(self, path: str) -> None:
+        """Raise ConfigError for a bad value; `path` is e.g. ``policy.hybrid``."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tiers: Mapping[Tier, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    policy_options: Mapping[str, PolicyOptions] = field(default_factory=dict)  # by policy name
 
     def tier(self, tier: Tier) -> TierConfig:
         return self.tiers[tier]
+
+    def options(self, name: str, options_type: type[OptionsT]) -> OptionsT:
+        """Policy `name`'s settings, or the defaults where the config gives none."""
+        found = self.policy_options.get(name)
+        return found if isinstance(found, options_type) else options_type()
 
 
 def _check_number(path: str, value: Any, *, integer: bool = False) -> float:
@@ -142,8 +162,29 @@ def validate(config: EngineConfig) -> EngineConfig:
 FOREIGN_SECTIONS = ("server", "tenants", "limits")
 
 
+def _parse_policy_options(raw: Any) -> dict[str, PolicyOptions]:
+    from tierserve.scheduling.registry import POLICIES  # the registry imports this module
+
+    if not isinstance(raw, Mapping):
+        raise ConfigError("policy: expected a table of [policy.NAME] tables")
+    parsed: dict[str, PolicyOptions] = {}
+    for name, body in raw.items():
+        path = f"policy.{name}"
+        if name not in POLICIES:
+            raise ConfigError(f"{path}: unknown policy (known: {', '.join(POLICIES)})")
+        options_type = POLICIES[name].options_type
+        if options_type is None:
+            raise ConfigError(f"{path}: policy {name!r} has no settings")
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"{path}: expected a table")
+        options = _merge(path, options_type(), body)
+        options.check(path)
+        parsed[name] = options
+    return parsed
+
+
 def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
-    allowed = ("scheduler", "tiers", *FOREIGN_SECTIONS)
+    allowed = ("scheduler", "tiers", "policy", *FOREIGN_SECTIONS)
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(allowed)})")
@@ -160,7 +201,8 @@ def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
         if not isinstance(body, Mapping):
             raise ConfigError(f"tiers.{name}: expected a table")
         tiers[tier] = _merge(f"tiers.{tier.name}", tiers[tier], body)
-    return validate(EngineConfig(scheduler=scheduler, tiers=tiers))
+    options = _parse_policy_options(raw.get("policy", {}))
+    return validate(EngineConfig(scheduler=scheduler, tiers=tiers, policy_options=options))
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_are_the_article_sweep_and_quick_is_smaller() -> None:
     full = sweep_from_args(parse())
-    assert full.policies == ("fcfs", "drr", "wfq", "strict", "vllm-priority", "hybrid")
+    assert full.policies == ("fcfs", "vllm-priority", "sglang-priority", "article", "hybrid")
     assert [ld.concurrency for ld in full.loads] == [32, 64, 128, 256, 512]
     assert full.num_measured * 0.05 >= 100  # enough P0 for a P95
     quick = sweep_from_args(parse("--quick"))

@@ -1,4 +1,4 @@
-"""Tenant-fair queues: forgetting departed tenants changes no order and bounds the memory."""
+"""Tenant-fair queues: bounded state for any pattern of tenant ids, O(log n) work per pop."""
 
 from __future__ import annotations
 
@@ -8,43 +8,77 @@ import pytest
 
 from tests.conftest import make_request
 from tierserve.request import Request
-from tierserve.scheduling import tier_queues
+from tierserve.scheduling import fair_queue
 from tierserve.scheduling.tier_queues import TenantFairQueue
 from tierserve.tiers import Tier
 
 
-def _serve(queue: TenantFairQueue, seed: int, rounds: int) -> tuple[list[Request], int]:
+def _request(tenant: str, serial: int, arrival: float, prompt: int, weight: float = 1.0) -> Request:
+    req = make_request(
+        num_prompt=prompt, max_tokens=10, tier=Tier.P1, arrival=arrival, request_id=f"q{serial}"
+    )
+    req.tenant, req.tenant_weight = tenant, weight
+    return req
+
+
+def _serve(queue: TenantFairQueue, seed: int, rounds: int) -> tuple[list[str], int]:
     """Tenants arrive with a few requests each, among a few steady ones; returns the order of
     service and the most tenant tags the queue held."""
     rng = random.Random(seed)
-    order, most = [], 0
-    serial = 0
+    order, most, serial = [], 0, 0
     for step in range(rounds):
         for _ in range(rng.randint(0, 3)):
             tenant = rng.choice(["steady-a", "steady-b", f"passing-{serial}"])
-            req = make_request(
-                num_prompt=rng.randint(10, 200),
-                max_tokens=10,
-                tier=Tier.P1,
-                arrival=float(step),
-                request_id=f"q{serial}",
-            )
-            req.tenant, req.tenant_weight = tenant, rng.choice([1.0, 2.0])
-            queue.append(req)
+            queue.append(_request(tenant, serial, float(step), rng.randint(10, 200), rng.choice([1.0, 2.0])))
             serial += 1
         if queue and rng.random() < 0.8:
-            order.append(queue.popleft())
-        most = max(most, len(queue._last_finish))
+            order.append(queue.popleft().request_id)
+        most = max(most, queue.num_tags())
     while queue:
-        order.append(queue.popleft())
+        order.append(queue.popleft().request_id)
     return order, most
 
 
-def test_forgetting_departed_tenants_serves_in_the_same_order_in_bounded_memory(
+def test_bounding_the_tags_leaves_the_order_of_a_mixed_workload_unchanged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pruned, most = _serve(TenantFairQueue(), seed=4, rounds=3000)
-    monkeypatch.setattr(tier_queues, "PRUNE_AT", 10**9)
-    kept, most_unpruned = _serve(TenantFairQueue(), seed=4, rounds=3000)
-    assert [r.request_id for r in pruned] == [r.request_id for r in kept]
-    assert most_unpruned > 1000 and most <= 4 * tier_queues.PRUNE_AT
+    bounded, most = _serve(TenantFairQueue(), seed=4, rounds=3000)
+    monkeypatch.setattr(fair_queue, "IDLE_TAGS_FLOOR", 10**9)
+    unbounded, _ = _serve(TenantFairQueue(), seed=4, rounds=3000)
+    assert bounded == unbounded
+    assert most <= 2 * fair_queue.IDLE_TAGS_FLOOR
+
+
+def _one_off_tenants(queue: TenantFairQueue, num_tenants: int) -> tuple[list[int], list[int]]:
+    """A steady tenant keeps a backlog; every other request comes from a tenant never seen
+    again (issue 14's soak). Returns the tags held and the heap operations of each pop."""
+    tags, ops = [], []
+    steady = 0
+    for i in range(num_tenants):
+        while len(queue) < 8:  # the steady tenant's backlog
+            queue.append(_request("steady", -1 - steady, float(i), 100))
+            steady += 1
+        queue.append(_request(f"one-off-{i}", i, float(i), 50))
+        before = queue.ops
+        queue.popleft()
+        ops.append(queue.ops - before)
+        tags.append(queue.num_tags())
+    return tags, ops
+
+
+def test_fifty_thousand_one_off_tenants_leave_flat_state_and_constant_work_per_pop() -> None:
+    n = 50_000
+    tags, ops = _one_off_tenants(TenantFairQueue(), n)
+    bound = fair_queue.IDLE_TAGS_FLOOR + 20
+    assert max(tags) <= bound, "tags grew with the number of tenants ever seen"
+    assert max(tags[-1000:]) <= max(tags[:5000]) + 1, "tags are not flat"
+    first, last = ops[1000:6000], ops[-5000:]
+    assert sum(last) / len(last) <= 1.2 * sum(first) / len(first) + 1, "work per pop grows"
+    assert sum(last) / len(last) < 20
+
+
+def test_without_the_cap_one_off_tenants_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The case the cap exists for: a new tenant starts at V, so V never passes its tag.
+    monkeypatch.setattr(fair_queue, "IDLE_TAGS_FLOOR", 10**9)
+    tags, _ = _one_off_tenants(TenantFairQueue(), 5000)
+    assert tags[-1] > 1000

@@ -19,8 +19,9 @@ from typing import Any
 from tierserve.bench.cell import BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
+from tierserve.scheduling.registry import BENCH_POLICIES
 
-DEFAULT_POLICIES = ("fcfs", "vllm-priority", "sglang-priority", "article", "hybrid")
+DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
 LOAD_FRACTIONS = (0.5, 0.8, 1.0, 1.2, 1.5)
 CLIENTS = (32, 64, 128, 256, 512)
 # The full matrix, sized to run in 30 minutes on two cores (docs/benchmark.md, "Sizing").
@@ -96,10 +97,10 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
 
 def matrix_from_args(args: argparse.Namespace) -> Matrix:
     """Check the arguments and build the matrix; raises ValueError with a readable message."""
-    from tierserve.scheduling import POLICIES
+    from tierserve.scheduling.registry import POLICIES
     from tierserve.workloads import TierMix
 
-    policies = tuple(args.policies or [p for p in DEFAULT_POLICIES if p in POLICIES])
+    policies = tuple(args.policies or DEFAULT_POLICIES)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.bench.output import emit
+from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
 
 
@@ -331,7 +332,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--model", default="llama-3.1-70b")
     p.add_argument("--gpu", default="a100-80gb")
     p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--policy", default="hybrid")
+    p.add_argument("--policy", choices=policy_names(), default=DEFAULT_POLICY, help="(default: %(default)s)")
     p.add_argument("--config", help="server/engine config TOML (default: open server, default tiers)")
     p.add_argument(
         "--out", default="bench-out/serve-bench.json", help="JSON result file (default: %(default)s)"

@@ -126,7 +126,7 @@ class Engine:
         elif req.status is RequestStatus.RUNNING:
             self.scheduler.running.remove(req)
         elif req.status is RequestStatus.SWAPPED:
-            self.scheduler.swapped[req.tier].remove(req)
+            self.scheduler.swapped.remove(req)
         self.memory.free(req)
         now = self.clock.now()
         req.finish_reason = reason

@@ -9,6 +9,7 @@ of state happens here, between steps; nothing leaves the batch while a step runs
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections import deque
@@ -20,7 +21,8 @@ from tierserve.config import EngineConfig
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import EventKind, Request, RequestStatus
-from tierserve.scheduling.base import Policy
+from tierserve.scheduling.base import Policy, RunningPass
+from tierserve.scheduling.errors import PolicyOrderError
 from tierserve.tiers import ALL_TIERS, Tier
 
 # Step shaping (p0_solo_prefill, p3_yields): the work a rule leaves out of a step runs in
@@ -56,7 +58,7 @@ class Scheduler:
         self.executor = executor
         self.clock = clock
         self.running: list[Request] = []
-        self.swapped: tuple[deque[Request], ...] = tuple(deque() for _ in ALL_TIERS)
+        self.swapped: list[Request] = []  # in policy.running_key order: who comes back first
         self._forced: list[Request] = []  # victims named from outside, taken at the next pass
         self._unsorted = False  # requests joined `running` since it was last put in policy order
         # Whether each of the last SHAPING_WINDOW steps was P0-only (p0_solo_prefill), and
@@ -76,7 +78,7 @@ class Scheduler:
         self._forced.append(req)
 
     def num_swapped(self, tier: Tier | None = None) -> int:
-        return sum(map(len, self.swapped)) if tier is None else len(self.swapped[tier])
+        return len(self.swapped) if tier is None else sum(1 for r in self.swapped if r.tier == tier)
 
     # ---- the pass ------------------------------------------------------------------------
 
@@ -98,13 +100,15 @@ class Scheduler:
         self._forced.clear()
 
         running = self.running
-        if self._unsorted:
+        prefilling: list[Request] = []
+        if policy.running_pass is RunningPass.ADMISSION_ORDER:
+            budget = self._walk_in_admission_order(out, decodes, prefills, budget, now)
+            running = []  # walked already
+        elif self._unsorted:
             running.sort(key=policy.running_key)
             self._unsorted = False
-
         # 1. Decodes, most protected first; a request that cannot grow takes blocks from
         #    the least protected requests after it, or yields its own.
-        prefilling: list[Request] = []
         i = 0
         while i < len(running):
             req = running[i]
@@ -135,28 +139,28 @@ class Scheduler:
             i += 1
 
         # 2. Swapped requests come back before anything new of their tier is admitted.
+        running = self.running
         just_preempted = {r for r, _ in out.preempted}
-        for tier in ALL_TIERS:
-            queue = self.swapped[tier]
-            while queue and len(running) < cfg.max_num_seqs:
-                req = queue[0]
-                if req in just_preempted:
-                    break
-                mapping = memory.swap_in(req)
-                if isinstance(mapping, Alloc):
-                    break
-                queue.popleft()
-                out.swap_in.extend(mapping)
-                req.status = RequestStatus.RUNNING
-                req.record(now, EventKind.SWAPPED_IN, f"{len(mapping)} blocks")
-                running.append(req)
-                self._unsorted = True
-                fresh.add(req)
-                if req.is_prefilling:
-                    prefilling.append(req)
-                elif budget >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
-                    decodes[req] = 1
-                    budget -= 1
+        for req in list(self.swapped):
+            if len(running) >= cfg.max_num_seqs or req in just_preempted:
+                break
+            mapping = memory.swap_in(req)
+            if mapping is Alloc.OVER_CEILING:
+                continue  # its tier is full; others may still come back
+            if isinstance(mapping, Alloc):
+                break
+            self.swapped.remove(req)
+            out.swap_in.extend(mapping)
+            req.status = RequestStatus.RUNNING
+            req.record(now, EventKind.SWAPPED_IN, f"{len(mapping)} blocks")
+            running.append(req)
+            self._unsorted = True
+            fresh.add(req)
+            if req.is_prefilling:
+                prefilling.append(req)
+            elif budget >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
+                decodes[req] = 1
+                budget -= 1
 
         # 3. Prefill chunks of running requests, in protection order. While a P0 request
         #    prefills, a policy that protects P0 keeps other tiers' chunks small.
@@ -182,14 +186,17 @@ class Scheduler:
                 others_left -= chunk
 
         # 4. Admissions in policy order.
-        while budget >= 1 and len(running) < cfg.max_num_seqs:
+        admitting = policy.admits_after_preemption or not out.preempted
+        while admitting and budget >= 1:
             head = policy.peek(now)
             if head is None:
                 break
             req = head
-            if any(self.swapped[t] for t in range(req.tier + 1)):
+            if any(policy.returns_first(s, req) for s in self.swapped):
                 break
             if not policy.may_admit(req, memory):
+                break
+            if len(running) >= cfg.max_num_seqs and not self._free_seat_for(req, out, now, fresh):
                 break
             status = memory.admit(req)
             if status is Alloc.NO_SPACE:
@@ -199,7 +206,10 @@ class Scheduler:
             if status is not Alloc.OK:
                 break
             popped = policy.pop(now)
-            assert popped is req, "policy.pop() disagreed with policy.peek()"
+            if popped is not req:
+                raise PolicyOrderError(
+                    f"{policy.name}: pop() returned {popped.request_id}, peek() {req.request_id}"
+                )
             req.status = RequestStatus.RUNNING
             if req.admitted_time is None:
                 req.admitted_time = now
@@ -266,13 +276,68 @@ class Scheduler:
                     del work[req]
 
     def _chunk(self, req: Request, budget: int, others_left: int) -> int:
-        cfg = self.config.scheduler
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if req.tier != Tier.P0:
+        if req.tier != Tier.P0 and self.policy.shapes_steps:
             n = min(n, others_left)
-            if req.num_prompt_tokens > cfg.long_prompt_tokens:
-                n = min(n, cfg.long_prompt_chunk_tokens)
-        return n
+        cap = self.policy.prefill_chunk_cap(req)
+        return n if cap is None else min(n, cap)
+
+    def _walk_in_admission_order(
+        self,
+        out: SchedulerOutput,
+        decodes: dict[Request, int],
+        prefills: dict[Request, int],
+        budget: int,
+        now: float,
+    ) -> int:
+        """vLLM V1's walk over the running list (RunningPass.ADMISSION_ORDER): each request in
+        admission order gets its decode or prefill chunk; one short of blocks preempts the
+        policy's first victim among all running requests, possibly itself, which ends the walk."""
+        running, memory = self.running, self.memory
+        borrowed = [0] * len(ALL_TIERS)
+        i = 0
+        while i < len(running) and budget >= 1:
+            req = running[i]
+            n = self._chunk(req, budget, budget)
+            if n < 1:
+                i += 1
+                continue
+            scheduled = True
+            while memory.grow(req, req.num_computed_tokens + n) is not Alloc.OK:
+                victim = min(running, key=lambda r: self.policy.victim_key(r, borrowed))
+                victim_index = running.index(victim)
+                running.pop(victim_index)
+                given_back = decodes.pop(victim, 0) + prefills.pop(victim, 0)
+                budget += given_back
+                if victim_index < i:
+                    i -= 1
+                self._preempt(victim, out, now)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            is_decode = not req.is_prefilling
+            (decodes if is_decode else prefills)[req] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _free_seat_for(self, req: Request, out: SchedulerOutput, now: float, fresh: set[Request]) -> bool:
+        """All seats (max_num_seqs) are taken: preempt one victim for `req` if the policy allows."""
+        policy, memory = self.policy, self.memory
+        if not policy.preempts_for_seat(req):
+            return False
+        borrowed = memory.partition.borrowed(memory.pool.used_by_tier)
+        candidates = [
+            r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)
+        ]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda r: policy.victim_key(r, borrowed))
+        self.running.remove(victim)
+        self._preempt(victim, out, now)
+        return True
 
     def _decode_victim(self, req: Request, after: list[Request], *, same_tier: bool) -> Request | None:
         candidates: Iterable[Request] = after
@@ -292,6 +357,11 @@ class Scheduler:
             r for r in self.running if r not in fresh and policy.admission_victim_ok(req, r, memory)
         ]
         candidates.sort(key=lambda r: policy.victim_key(r, borrowed), reverse=True)
+        # Check before committing: preempt nobody unless the victims allowed free enough.
+        if memory.num_free_blocks + sum(len(r.block_ids) for r in candidates) < memory.blocks_for(
+            req.num_tokens
+        ):
+            return Alloc.NO_SPACE
         status = Alloc.NO_SPACE
         while status is Alloc.NO_SPACE and candidates:
             victim = candidates.pop()
@@ -307,7 +377,7 @@ class Scheduler:
         if mapping is not None:
             out.swap_out.extend(mapping)
             req.status = RequestStatus.SWAPPED
-            self.swapped[req.tier].append(req)
+            bisect.insort(self.swapped, req, key=self.policy.running_key)
             req.record(now, EventKind.PREEMPTED_SWAP, f"{len(mapping)} blocks")
         else:
             mode = PreemptMode.RECOMPUTE

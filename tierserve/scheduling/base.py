@@ -8,11 +8,12 @@ a policy may reorder the queue (aging) but never changes it.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from tierserve.config import EngineConfig
+from tierserve.config import EngineConfig, PolicyOptions
 from tierserve.request import Request
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -20,10 +21,26 @@ if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
 
+class RunningPass(enum.Enum):
+    """How the scheduler walks the running requests at the start of a pass."""
+
+    # Decodes first, most protected (smallest `running_key`) first; a request short of
+    # blocks takes them from less protected requests after it. Then swapped requests
+    # come back, then prefill chunks.
+    PROTECTED = "protected"
+    # vLLM V1: one walk over the running list in admission order, decode or prefill chunk
+    # alike; a request short of blocks preempts the first victim by `victim_key` among all
+    # running requests (possibly itself, which ends the walk).
+    ADMISSION_ORDER = "admission-order"
+
+
 class Policy(ABC):
     name: ClassVar[str]
     tiered_memory: ClassVar[bool] = True  # apply floors, reserves and ceilings
     allow_swap: ClassVar[bool] = True  # preempt by swap where the cost rule says so
+    running_pass: ClassVar[RunningPass] = RunningPass.PROTECTED
+    admits_after_preemption: ClassVar[bool] = True  # False: a pass that preempted admits nothing
+    options_type: ClassVar[type[PolicyOptions] | None] = None  # its [policy.NAME] settings
     shapes_steps: ClassVar[bool] = False  # p0_step_tokens, p0_solo_prefill and p3_yields apply
 
     def __init__(self, config: EngineConfig) -> None:
@@ -106,3 +123,20 @@ class Policy(ABC):
     def may_admit(self, req: Request, memory: KVCacheManager) -> bool:
         """A last word before admission (best-effort tiers wait for idle capacity)."""
         return True
+
+    def preempts_for_seat(self, req: Request) -> bool:
+        """Whether a waiting request may preempt a running one when `max_num_seqs` are
+        running (victims as for memory: `admission_victim_ok`, `victim_key`)."""
+        return False
+
+    def returns_first(self, swapped: Request, head: Request) -> bool:
+        """Whether a swapped request must come back before `head` is admitted."""
+        return swapped.tier <= head.tier
+
+    def prefill_chunk_cap(self, req: Request) -> int | None:
+        """The most prompt tokens `req` may prefill in one step (None: no cap beyond the
+        step's budget). By default a long P1-or-lower prompt is chunked smaller."""
+        cfg = self.config.scheduler
+        if req.tier != Tier.P0 and req.num_prompt_tokens > cfg.long_prompt_tokens:
+            return cfg.long_prompt_chunk_tokens
+        return None

@@ -13,6 +13,7 @@ from typing import ClassVar
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
+from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.tier_queues import TierQueues
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -57,7 +58,8 @@ class DrrPolicy(Policy):
 
     def _pop(self, now: float) -> Request:
         tier = self._select()
-        assert tier is not None, "pop from an empty queue"
+        if tier is None:
+            raise EmptyQueueError("pop from an empty queue")
         req = self._queues.popleft(tier)
         self._deficit[tier] -= self._cost(req)
         if not self._queues.queues[tier]:

@@ -1,4 +1,9 @@
-"""First come, first served: one queue in arrival order, tiers ignored."""
+"""First come, first served: one queue in arrival order, tiers ignored.
+
+Nothing here or in the engine looks at a request's tier under this policy: one shared
+memory pool, running requests protected oldest first, the newest preempted first,
+swapped requests back in the order they arrived, every long prompt chunked alike.
+"""
 
 from __future__ import annotations
 
@@ -42,3 +47,10 @@ class FcfsPolicy(Policy):
 
     def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
         return (-victim.arrival_time,)  # the newest goes first, as in vLLM
+
+    def returns_first(self, swapped: Request, head: Request) -> bool:
+        return True  # every swapped request comes back before anything new, whatever its tier
+
+    def prefill_chunk_cap(self, req: Request) -> int | None:
+        cfg = self.config.scheduler
+        return cfg.long_prompt_chunk_tokens if req.num_prompt_tokens > cfg.long_prompt_tokens else None

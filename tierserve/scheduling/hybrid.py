@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, ClassVar
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
-from tierserve.scheduling.sfq import StartTimeFairQueues
+from tierserve.scheduling.errors import EmptyQueueError
+from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.scheduling.wfq import expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -43,14 +44,14 @@ class HybridPolicy(Policy):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
-        self._sfq = StartTimeFairQueues(weights, expected_cost)
+        self._sfq = TierFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
 
     def _choose(self, now: float) -> tuple[Tier, bool] | None:
         """(tier to serve, whether in fair order)."""
         sfq = self._sfq
-        if sfq.queues[Tier.P0]:
+        if sfq.count(Tier.P0):
             return Tier.P0, False
         urgent = self._aged(now)
         if urgent is None:
@@ -58,7 +59,7 @@ class HybridPolicy(Policy):
         if urgent is not None:
             return urgent, False
         # P3 is best effort: it competes only while no P1 request waits.
-        eligible = FAIR_TIERS if sfq.queues[Tier.P1] else FAIR_TIERS_WITH_P3
+        eligible = FAIR_TIERS if sfq.count(Tier.P1) else FAIR_TIERS_WITH_P3
         fair = sfq.best(eligible)
         return None if fair is None else (fair, True)
 
@@ -68,7 +69,7 @@ class HybridPolicy(Policy):
         aged: Tier | None = None
         oldest = 0.0
         for tier in FAIR_TIERS_WITH_P3:
-            head = self._sfq.head(tier)
+            head = self._sfq.head_of(tier)
             if head is None or now - head.arrival_time <= self._aging_s[tier]:
                 continue
             if aged is None or head.arrival_time < oldest:
@@ -76,7 +77,7 @@ class HybridPolicy(Policy):
         if aged is None:
             return None
         for tier in FAIR_TIERS[: aged - 1]:
-            head = self._sfq.head(tier)
+            head = self._sfq.head_of(tier)
             if head is not None and head.arrival_time <= oldest:
                 return None
         return aged
@@ -86,7 +87,7 @@ class HybridPolicy(Policy):
         rescue: Tier | None = None
         deadline = 0.0
         for tier in FAIR_TIERS:
-            head = self._sfq.head(tier)
+            head = self._sfq.head_of(tier)
             if head is None or now - head.arrival_time <= RESCUE_FRACTION * self._target_s[tier]:
                 continue
             due = head.arrival_time + self._target_s[tier]
@@ -96,11 +97,12 @@ class HybridPolicy(Policy):
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)
-        return None if choice is None else self._sfq.head(choice[0])
+        return None if choice is None else self._sfq.head_of(choice[0])
 
     def _pop(self, now: float) -> Request:
         choice = self._choose(now)
-        assert choice is not None, "pop from an empty queue"
+        if choice is None:
+            raise EmptyQueueError("pop from an empty queue")
         tier, in_order = choice
         return self._sfq.serve(tier, in_order=in_order)
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
+from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.tier_queues import TierQueues
 from tierserve.tiers import ALL_TIERS
 
@@ -31,7 +32,8 @@ class StrictPolicy(Policy):
 
     def _pop(self, now: float) -> Request:
         req = self.peek(now)
-        assert req is not None, "pop from an empty queue"
+        if req is None:
+            raise EmptyQueueError("pop from an empty queue")
         return self._queues.popleft(req.tier)
 
     def _push(self, req: Request, now: float) -> None:

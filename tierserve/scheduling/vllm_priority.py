@@ -1,57 +1,69 @@
-"""The policy vLLM users get today with `--scheduling-policy priority` (the baseline).
+"""The policy vLLM users get today with `--scheduling-policy priority` (the baseline),
+written after vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py).
 
-A heap on (priority, arrival); when a running request needs a block and none is free,
-the running request with the largest (priority, arrival) is preempted by recompute —
-possibly the requester itself. No aging, no memory reservations, no swap, and a waiting
-request never preempts a running one.
+What it does as vLLM does:
+- the waiting queue is a heap on (priority, arrival); a tier is the priority;
+- the running list stays in admission order and is walked once per pass, decodes and
+  prefill chunks alike, under the step's token budget;
+- when a running request cannot get blocks, the running request with the largest
+  (priority, arrival) is preempted by recompute, possibly the requester itself, which
+  ends the walk; a victim already scheduled in this pass gives its tokens back;
+- a pass that preempted admits nothing; admission stops at the first waiting request
+  that does not fit (no preemption for a waiting request, however urgent);
+- no aging, no memory reservations (one shared pool), no swap, no cap on a long
+  prompt's chunk (vLLM's `long_prefill_token_threshold` is 0 by default).
+
+What still differs from vLLM: the prefix cache and its block accounting are tierserve's
+(vLLM also frees the preempted request's cached blocks at once, tierserve keeps them
+reusable); there is no speculative decoding, no structured-output or LoRA limits, no
+encoder budget and no async scheduling; preempted requests rejoin the waiting queue at
+the end of the pass rather than the moment they are preempted (no admission happens in
+that pass either way); a request that would exceed the model length is rejected at
+submission rather than truncated.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from tierserve.config import EngineConfig
 from tierserve.request import Request
-from tierserve.scheduling.base import Policy
+from tierserve.scheduling.base import Policy, RunningPass
+from tierserve.scheduling.priority_heap import PriorityHeap
 
 
 class VllmPriorityPolicy(Policy):
     name: ClassVar[str] = "vllm-priority"
     tiered_memory: ClassVar[bool] = False
     allow_swap: ClassVar[bool] = False
+    running_pass: ClassVar[RunningPass] = RunningPass.ADMISSION_ORDER
+    admits_after_preemption: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-        self._removed: set[int] = set()  # ids (id()) of requests removed while in the heap
-
-    def _clean_top(self) -> None:
-        while self._heap and id(self._heap[0][3]) in self._removed:
-            self._removed.discard(id(heapq.heappop(self._heap)[3]))
+        self._heap = PriorityHeap()
 
     def peek(self, now: float) -> Request | None:
-        self._clean_top()
-        return self._heap[0][3] if self._heap else None
+        return self._heap.peek()
 
     def _pop(self, now: float) -> Request:
-        self._clean_top()
-        return heapq.heappop(self._heap)[3]
+        return self._heap.pop()
 
     def _push(self, req: Request, now: float) -> None:
-        heapq.heappush(self._heap, (int(req.tier), req.arrival_time, next(self._counter), req))
+        self._heap.push(req)
 
     def _push_front(self, req: Request, now: float) -> None:
-        self._push(req, now)  # the heap order already puts it where it belongs
+        self._heap.push(req)  # the heap order already puts it where it belongs
 
     def _remove(self, req: Request) -> None:
-        self._removed.add(id(req))
+        self._heap.remove(req)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in self._heap if id(entry[3]) not in self._removed)
+        return iter(self._heap)
 
     def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
-        return (-victim.tier, -victim.arrival_time)
+        return (-victim.tier, -victim.arrival_time)  # the largest (priority, arrival) first
+
+    def prefill_chunk_cap(self, req: Request) -> int | None:
+        return None

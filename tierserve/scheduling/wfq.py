@@ -8,7 +8,8 @@ from typing import ClassVar
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
-from tierserve.scheduling.sfq import StartTimeFairQueues
+from tierserve.scheduling.errors import EmptyQueueError
+from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.tiers import ALL_TIERS
 
 
@@ -22,15 +23,16 @@ class WfqPolicy(Policy):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
-        self._sfq = StartTimeFairQueues(weights, expected_cost)
+        self._sfq = TierFairQueues(weights, expected_cost)
 
     def peek(self, now: float) -> Request | None:
         tier = self._sfq.best(ALL_TIERS)
-        return None if tier is None else self._sfq.head(tier)
+        return None if tier is None else self._sfq.head_of(tier)
 
     def _pop(self, now: float) -> Request:
         tier = self._sfq.best(ALL_TIERS)
-        assert tier is not None, "pop from an empty queue"
+        if tier is None:
+            raise EmptyQueueError("pop from an empty queue")
         return self._sfq.serve(tier)
 
     def _push(self, req: Request, now: float) -> None:

@@ -9,8 +9,9 @@ import argparse
 import logging
 import sys
 
+from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
+
 SWITCH_INTERVAL_S = 0.0002
-POLICIES = ("fcfs", "strict", "drr", "drr-tokens", "wfq", "hybrid", "vllm-priority")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -36,7 +37,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--gpu", default=None, help="sim: GPU profile (default A100-80GB)")
     p.add_argument("--tp", type=int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default="cpu", help="torch: cpu or cuda (default cpu)")
-    p.add_argument("--policy", choices=POLICIES, default="hybrid", help="scheduling policy (default hybrid)")
+    p.add_argument(
+        "--policy",
+        choices=policy_names(),
+        default=DEFAULT_POLICY,
+        help="scheduling policy (default %(default)s)",
+    )
     p.add_argument(
         "--config", default=None, help="TOML: [scheduler], [tiers.*], [server], [limits], [tenants.*]"
     )

@@ -1,0 +1,275 @@
+"""Start-time fair queuing over flows (Goyal, Vin & Cheng, SIGCOMM 1996): the one fair
+queue of tierserve, used over tenants inside a tier and over the tiers themselves.
+
+Each flow is a queue of requests with a weight. When a flow becomes backlogged, and
+again each time it is served, its head gets the start tag S = max(V, F), F being the
+flow's last finish tag; serving the head sets F = S + cost / weight and advances the
+virtual time V to S. The head with the smallest start tag is served next (ties: the
+earlier arrival), so under backlog each flow receives service in proportion to its
+weight, and a flow that was idle banks no credit.
+
+Bounded state (issue 14): a finish tag is kept only while it can matter — for a
+backlogged flow, or for an idle flow whose F is still ahead of V (its next request must
+start at F, not at V). Tags at or behind V are dropped as V passes them. Tenants that
+come once and never return would still pile up tags ahead of a V that does not move
+(each new tenant starts at V, so V never passes them), so idle tags are also capped at
+`max(IDLE_TAGS_FLOOR, IDLE_TAGS_PER_FLOW × backlogged flows)`, forgetting the smallest
+first: a forgotten flow that returns starts at V instead of F, ahead by F − V, which is
+the smallest such gap held. Every operation is O(log n) in the flows held (heaps with
+lazy deletion); `ops` counts heap operations, the work a test can bound.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, Protocol, TypeVar
+
+from tierserve.request import Request
+from tierserve.scheduling.errors import EmptyQueueError
+
+K = TypeVar("K", bound=Hashable)
+IDLE_TAGS_FLOOR = 64
+IDLE_TAGS_PER_FLOW = 4
+
+
+class Flow(Protocol):
+    """What a flow must offer: a queue of requests with a head."""
+
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
+    def head(self) -> Request | None: ...
+    def append(self, req: Request) -> None: ...
+    def appendleft(self, req: Request) -> None: ...
+    def popleft(self) -> Request: ...
+    def remove(self, req: Request) -> None: ...
+
+
+class FifoFlow:
+    """A flow whose requests are served in arrival order (one tenant's requests)."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+    def head(self) -> Request | None:
+        return self._q[0] if self._q else None
+
+    def append(self, req: Request) -> None:
+        self._q.append(req)
+
+    def appendleft(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def popleft(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        if self._q[0] is req:
+            self._q.popleft()
+        else:
+            self._q.remove(req)
+
+
+class StartTimeFairQueue(Generic[K]):
+    def __init__(
+        self,
+        flow_of: Callable[[Request], K],
+        new_flow: Callable[[], Flow],
+        weight: Callable[[K, Request], float],
+        cost: Callable[[Request], float],
+    ) -> None:
+        self._flow_of = flow_of
+        self._new_flow = new_flow
+        self._weight = weight
+        self._cost = cost
+        self.virtual_time = 0.0
+        self.flows: dict[K, Flow] = {}  # backlogged flows only
+        self._start: dict[K, float] = {}  # head start tag of each backlogged flow
+        self._finish: dict[K, float] = {}  # last finish tag: backlogged flows, idle ones ahead of V
+        self._heads: list[tuple[float, float, int, K]] = []  # (S, head arrival, version, flow)
+        self._version: dict[K, int] = {}
+        self._idle: list[tuple[float, int, K]] = []  # (F, version, flow) of idle flows
+        self._idle_version: dict[K, int] = {}
+        self._serial = itertools.count()
+        self._len = 0
+        self.ops = 0
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for flow in self.flows.values():
+            yield from flow
+
+    def num_tags(self) -> int:
+        return len(self._finish)
+
+    def flow(self, key: K) -> Flow | None:
+        return self.flows.get(key)
+
+    def head_of(self, key: K) -> Request | None:
+        flow = self.flows.get(key)
+        return None if flow is None else flow.head()
+
+    def start_tag(self, key: K) -> float:
+        return self._start[key]
+
+    def best(self, keys: Iterator[K] | list[K] | tuple[K, ...]) -> K | None:
+        """The backlogged flow among `keys` with the smallest start tag (a linear scan:
+        for a few flows, such as the tiers)."""
+        best: K | None = None
+        best_key: tuple[float, float] = (0.0, 0.0)
+        for key in keys:
+            head = self.head_of(key)
+            if head is None:
+                continue
+            rank = (self._start[key], head.arrival_time)
+            if best is None or rank < best_key:
+                best, best_key = key, rank
+        return best
+
+    def next_flow(self) -> K | None:
+        """The backlogged flow with the smallest start tag, over all flows (O(log n))."""
+        heads = self._heads
+        while heads:
+            _, _, version, key = heads[0]
+            if self._version.get(key) == version and key in self.flows:
+                return key
+            heapq.heappop(heads)
+            self.ops += 1
+        return None
+
+    # ---- changing ------------------------------------------------------------------------
+
+    def append(self, req: Request) -> None:
+        key = self._flow_of(req)
+        flow = self.flows.get(key)
+        if flow is None:
+            flow = self.flows[key] = self._new_flow()
+            flow.append(req)
+            self._len += 1
+            self._backlogged(key)
+            return
+        before = flow.head()
+        flow.append(req)
+        self._len += 1
+        if flow.head() is not before:
+            self._push_head(key)
+
+    def appendleft(self, req: Request) -> None:
+        key = self._flow_of(req)
+        flow = self.flows.get(key)
+        if flow is None:
+            self.append(req)
+            return
+        flow.appendleft(req)
+        self._len += 1
+        self._push_head(key)
+
+    def serve(self, key: K, *, in_order: bool = True, weight: float | None = None) -> Request:
+        """Pop the head of flow `key`. An out-of-order serve (aging, a rescue) is charged to
+        the flow but leaves V alone; `weight` charges at another weight than the flow's."""
+        flow = self.flows.get(key)
+        if flow is None:
+            raise EmptyQueueError(f"flow {key!r} is empty")
+        start = self._start[key]
+        req = flow.popleft()
+        self._len -= 1
+        w = weight if weight is not None else self._weight(key, req)
+        self._finish[key] = start + self._cost(req) / w
+        if in_order and start > self.virtual_time:
+            self.virtual_time = start
+        if flow:
+            self._start[key] = max(self.virtual_time, self._finish[key])
+            self._push_head(key)
+        else:
+            self._went_idle(key)
+        self._forget_behind()
+        return req
+
+    def popleft(self) -> Request:
+        key = self.next_flow()
+        if key is None:
+            raise EmptyQueueError("pop from an empty queue")
+        return self.serve(key)
+
+    def remove(self, req: Request) -> None:
+        key = self._flow_of(req)
+        flow = self.flows[key]
+        was_head = flow.head() is req
+        flow.remove(req)
+        self._len -= 1
+        if not flow:
+            self._went_idle(key)
+        elif was_head:
+            self._push_head(key)
+
+    # ---- tags ----------------------------------------------------------------------------
+
+    def _backlogged(self, key: K) -> None:
+        self._idle_version.pop(key, None)  # its idle-heap entry, if any, is now stale
+        self._start[key] = max(self.virtual_time, self._finish.get(key, self.virtual_time))
+        self._finish.setdefault(key, self._start[key])
+        self._push_head(key)
+
+    def _push_head(self, key: K) -> None:
+        head = self.flows[key].head()
+        if head is None:
+            return
+        version = next(self._serial)
+        self._version[key] = version
+        heapq.heappush(self._heads, (self._start[key], head.arrival_time, version, key))
+        self.ops += 1
+        if len(self._heads) > 2 * len(self.flows) + IDLE_TAGS_FLOOR:  # stale entries: amortized O(1)
+            self._heads = [e for e in self._heads if self._version.get(e[3]) == e[2] and e[3] in self.flows]
+            heapq.heapify(self._heads)
+            self.ops += len(self._heads)
+
+    def _went_idle(self, key: K) -> None:
+        del self.flows[key]
+        del self._start[key]
+        self._version.pop(key, None)
+        finish = self._finish[key]
+        if finish <= self.virtual_time:
+            del self._finish[key]
+            return
+        version = next(self._serial)
+        self._idle_version[key] = version
+        heapq.heappush(self._idle, (finish, version, key))
+        self.ops += 1
+        if len(self._idle) > 2 * len(self._idle_version) + IDLE_TAGS_FLOOR:  # stale entries
+            self._idle = [e for e in self._idle if self._idle_version.get(e[2]) == e[1]]
+            heapq.heapify(self._idle)
+            self.ops += len(self._idle)
+        self._cap_idle()
+
+    def _forget_behind(self) -> None:
+        """Drop idle tags at or behind V: the flow would start at V anyway."""
+        idle = self._idle
+        while idle and idle[0][0] <= self.virtual_time:
+            self._drop_idle_top()
+
+    def _cap_idle(self) -> None:
+        limit = max(IDLE_TAGS_FLOOR, IDLE_TAGS_PER_FLOW * len(self.flows))
+        while len(self._idle_version) > limit:
+            self._drop_idle_top()
+
+    def _drop_idle_top(self) -> None:
+        _, version, key = heapq.heappop(self._idle)
+        self.ops += 1
+        if self._idle_version.get(key) == version:
+            del self._idle_version[key]
+            del self._finish[key]
