@@ -16,7 +16,6 @@ from tierserve.engine import Engine
 from tierserve.request import RequestStatus
 
 CAPACITY_POLICY = "fcfs"
-CAPACITY_REQUESTS = 1500  # measured requests of the saturating run
 CLIENTS_PER_SEQ = 2
 
 
@@ -38,7 +37,7 @@ class Capacity:
 
 
 def measure_capacity(
-    workload: str, bench: BenchSetup, seed: int, num_measured: int = CAPACITY_REQUESTS
+    workload: str, bench: BenchSetup, seed: int, num_measured: int | None = None
 ) -> Capacity:
     """fcfs's saturated throughput on `workload`."""
     config, executor = bench.engine_config(), bench.executor(workload)
@@ -46,7 +45,10 @@ def measure_capacity(
     engine = Engine(config, CAPACITY_POLICY, executor, clock)
     clients = CLIENTS_PER_SEQ * config.scheduler.max_num_seqs
     driver = DriverConfig(
-        num_measured=num_measured, num_warmup=clients, concurrency=clients, drain_timeout_s=3600.0
+        num_measured=num_measured or bench.capacity_requests,
+        num_warmup=clients,
+        concurrency=clients,
+        drain_timeout_s=3600.0,
     )
     result = run_workload(engine, clock, bench.stream(workload, seed, executor.spec.max_model_len), driver)
     window = result.window

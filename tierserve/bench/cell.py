@@ -47,6 +47,7 @@ class BenchSetup:
     data_dir: str = str(DATA_DIR)
     capacity_rps: Mapping[str, float] = field(default_factory=dict)
     max_trace_rows: int | None = None
+    capacity_requests: int = 1500  # measured requests of the saturating run that finds capacity
 
     def engine_config(self) -> EngineConfig:
         base = load_config(self.config_path) if self.config_path else EngineConfig()
