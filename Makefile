@@ -26,7 +26,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(VENV)/bin/tierserve bench reproduce --seed 0 1 2 --out bench-out/reproduce
+	$(VENV)/bin/tierserve bench reproduce --seed 0 1 2 --workers 2 --out bench-out/reproduce
 	$(VENV)/bin/tierserve bench overhead --json > bench-out/overhead.json
 
 bench-quick: $(STAMP)

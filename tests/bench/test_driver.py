@@ -190,3 +190,55 @@ def test_same_workload_same_records() -> None:
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError):
         DriverConfig(num_measured=0)
+
+
+def slow_engine(step_s: float = 1.0) -> tuple[Engine, VirtualClock]:
+    clock = VirtualClock()
+    executor = NullExecutor(num_device_blocks=4096, num_host_blocks=4096, step_s=step_s, per_token_s=0.0)
+    executor.record = False
+    return Engine(EngineConfig(), "fcfs", executor, clock), clock
+
+
+def test_a_request_arriving_mid_step_waits_for_the_step_in_flight_and_counts_from_its_arrival() -> None:
+    engine, clock = slow_engine(step_s=1.0)
+    # A long request makes steps of 1 s from t = 0; the second arrives at 0.25 s, mid-step.
+    specs = [spec(0, max_tokens=10, arrival_s=0.0), spec(1, max_tokens=2, arrival_s=0.25)]
+    result = run_workload(engine, clock, specs, DriverConfig(num_measured=2, concurrency=None))
+    late = next(r for r in result.records if r.index == 1)
+    assert late.arrival_s == 0.25  # its own instant, not the step boundary at 1.0
+    assert late.first_token_s is not None
+    # It waits 0.75 s for the step in flight, then its own 1 s step.
+    assert late.first_token_s - late.arrival_s == pytest.approx(1.75)
+
+
+def arrival_times_of(think_time_s: float, seed: int = 0) -> tuple[list[float], set[float]]:
+    engine, clock = slow_engine(step_s=0.1)
+    boundaries: set[float] = {0.0}
+    step = engine.step
+
+    def noting_step() -> list:  # type: ignore[type-arg]
+        out = step()
+        boundaries.add(clock.now())
+        return out
+
+    engine.step = noting_step  # type: ignore[method-assign]
+    specs = [spec(i, max_tokens=3) for i in range(80)]
+    config = DriverConfig(num_measured=80, concurrency=4, think_time_s=think_time_s, seed=seed)
+    result = run_workload(engine, clock, specs, config)
+    return sorted(r.arrival_s for r in result.records), boundaries
+
+
+def test_think_time_spreads_closed_loop_arrivals_inside_steps() -> None:
+    without, boundaries = arrival_times_of(0.0)
+    assert set(without) <= boundaries  # no think time: every arrival is a step boundary
+    spread, boundaries = arrival_times_of(2.0)
+    inside = [t for t in spread if t not in boundaries]
+    assert len(inside) >= 0.9 * len(spread)
+    # 4 clients, each ~0.3 s of service then ~2 s of thinking: about 4 / 2.3 requests per s.
+    rate = len(spread) / (spread[-1] - spread[0])
+    assert 1.0 < rate < 2.6
+
+
+def test_think_times_follow_the_seed() -> None:
+    assert arrival_times_of(1.0, seed=1)[0] == arrival_times_of(1.0, seed=1)[0]
+    assert arrival_times_of(1.0, seed=1)[0] != arrival_times_of(1.0, seed=2)[0]

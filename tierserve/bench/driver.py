@@ -1,14 +1,17 @@
 """Drive an engine with a workload in virtual time, closed or open loop.
 
 Requests `[num_warmup, num_warmup + num_measured)` of the stream (by `RequestSpec.index`,
-and arriving after `warmup_s`) are measured. Closed loop: `concurrency` clients, each
-submitting its next request the moment its previous one ends (or is rejected). Open loop:
-each spec is submitted at the first step boundary at or after its `arrival_s`; the clock
-jumps to the next arrival while the engine is idle. After the measured requests, the
+and arriving after `warmup_s`) are measured. Closed loop: `concurrency` clients; when a
+client's request ends (or is rejected) it thinks for a random time (exponential with mean
+`think_time_s`; 0: not at all) and then sends its next one. Open loop: each spec arrives at
+its `arrival_s`. Either way a request arrives at its own instant, which may fall inside a
+step: it is handed to the engine at the next step boundary with `arrival_time` = its
+arrival, so its TTFT counts the wait for the step in flight. The clock jumps to the next
+arrival while the engine is idle. After the measured requests, the
 workload keeps flowing (cool-down, not measured) so that the last measured requests see
 the same load; the run ends when every measured request has ended, when the stream runs
 out, or `drain_timeout_s` after the last measured arrival. Whatever is left is aborted,
-and every submitted request must then be final: the driver asserts it.
+and every submitted request must then be final (`UnaccountedError` if not).
 
 A conversation's next turn is sent only once its previous turn has ended: a user cannot
 answer a reply they have not read. Until then the turn is held, and the client sends the
@@ -18,9 +21,12 @@ its conversation is free (open loop: at that moment, which becomes its arrival).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import numpy as np
 
 from tierserve.bench.metrics import BlockSampler, RequestRecord, Window
 from tierserve.clock import VirtualClock
@@ -30,7 +36,12 @@ from tierserve.tiers import ALL_TIERS
 from tierserve.workloads.spec import RequestSpec
 
 MAX_IDLE_STEPS = 1000  # steps in a row that neither take time nor end a request: the engine is stuck
+RUN_ENDED = "still unfinished when the run ended (drain timeout)"
 MAX_HELD = 1000  # turns held for a busy conversation at most; then the clients wait
+
+
+class UnaccountedError(RuntimeError):
+    """A submitted request has no final record when the run ends."""
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,14 @@ class DriverConfig:
     concurrency: int | None = 32  # None: open loop (every spec must carry `arrival_s`)
     drain_timeout_s: float = 600.0
     max_requests: int | None = None  # cap on submissions; default 4 x (warm-up + measured)
+    think_time_s: float = 0.0  # closed loop: mean of a client's exponential think time
+    seed: int = 0  # of the think times
 
     def __post_init__(self) -> None:
         if self.num_measured < 1 or self.num_warmup < 0:
             raise ValueError("need num_measured >= 1 and num_warmup >= 0")
+        if not self.think_time_s >= 0:
+            raise ValueError(f"think_time_s must be >= 0, got {self.think_time_s}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
 
@@ -80,6 +95,22 @@ class _Run:
         self.start: tuple[float, int, float, float] | None = None  # (time, tokens, roofline, busy)
         self.window: Window | None = None
         self.deadline = math.inf
+        self.think_rng = np.random.default_rng([config.seed, 0x7D1C])
+        # Closed loop: the instant each idle client sends its next request (a min-heap);
+        # clients with a request in the engine are not in it.
+        self.ready: list[float] = []
+        if config.concurrency is not None:
+            self.ready = sorted(self._think(0.0) for _ in range(config.concurrency))
+
+    def _think(self, now: float) -> float:
+        mean = self.config.think_time_s
+        return now + float(self.think_rng.exponential(mean)) if mean > 0 else now
+
+    def _next_arrival(self) -> float | None:
+        """When the next request arrives (None: none will until a live one ends)."""
+        if self.config.concurrency is not None:
+            return self.ready[0] if self.ready else None
+        return self.next_spec.arrival_s if self.next_spec is not None else None
 
     # ---- submission ----------------------------------------------------------------------
 
@@ -126,6 +157,12 @@ class _Run:
     def _advance(self) -> None:
         self.next_spec = next(self.specs, None)
 
+    def _answered_s(self, spec: RequestSpec) -> float:
+        previous = self.last_turn.get(spec.conversation_id) if spec.conversation_id else None
+        if previous is None or previous.finish_time is None:
+            return -math.inf
+        return previous.finish_time
+
     def _prompt(self, spec: RequestSpec) -> list[int]:
         """The spec's prompt, with the previous turn's real answer in place of the stand-in."""
         prompt = list(spec.prompt_token_ids)
@@ -143,8 +180,14 @@ class _Run:
 
     def _submit(self, spec: RequestSpec, held: bool) -> None:
         now = self.clock.now()
-        arrival = now if self.config.concurrency is not None or held else spec.arrival_s
-        assert arrival is not None, f"open loop: spec {spec.index} has no arrival time"
+        if self.config.concurrency is not None:
+            # A client idle since before the conversation's previous answer sends the turn
+            # once it has read that answer.
+            arrival: float | None = max(heapq.heappop(self.ready), self._answered_s(spec))
+        else:
+            arrival = now if held else spec.arrival_s
+        if arrival is None:
+            raise ValueError(f"open loop: spec {spec.index} has no arrival time")
         req = Request(
             f"r{spec.index}",
             self._prompt(spec),
@@ -167,11 +210,16 @@ class _Run:
             self.num_measured_live += measured
         else:
             self.records.append(RequestRecord.of(req, spec.index, measured))
+            self._client_free(now)
+
+    def _client_free(self, now: float) -> None:
+        if self.config.concurrency is not None:
+            heapq.heappush(self.ready, self._think(now))
 
     def _submit_due(self) -> None:
-        limit = self.config.concurrency
+        closed = self.config.concurrency is not None
         while self._may_submit():
-            if limit is not None and len(self.live) >= limit:
+            if closed and not (self.ready and self.ready[0] <= self.clock.now()):
                 return
             taken = self._take_next()
             if taken is None:
@@ -180,10 +228,11 @@ class _Run:
 
     # ---- stepping ------------------------------------------------------------------------
 
-    def _end(self, req: Request) -> None:
+    def _end(self, req: Request, reason: str = "") -> None:
         _, index, measured = self.live.pop(req.request_id)
-        self.records.append(RequestRecord.of(req, index, measured))
+        self.records.append(RequestRecord.of(req, index, measured, reason))
         self.num_measured_live -= measured
+        self._client_free(self.clock.now())
 
     def _step(self) -> bool:
         """One engine step; False if it neither took time nor ended a request."""
@@ -216,6 +265,7 @@ class _Run:
             s.roofline_s - roofline0,
             s.busy_s - busy0,
             self.sampler.usage(),
+            self.sampler.peak_total,
         )
 
     def run(self) -> DriverResult:
@@ -233,21 +283,21 @@ class _Run:
                         f"engine made no progress in {MAX_IDLE_STEPS} steps with "
                         f"{len(self.live)} requests live"
                     )
-            elif self.next_spec is not None and self.config.concurrency is None and self._may_submit():
-                assert self.next_spec.arrival_s is not None
-                self.clock.advance_to(self.next_spec.arrival_s)
+            elif self._may_submit() and (arrival := self._next_arrival()) is not None:
+                if arrival <= self.clock.now():
+                    break  # an arrival is due but nothing can be sent: the stream is held up
+                self.clock.advance_to(arrival)
             else:
                 break
         self._close_window()
         for request_id in list(self.live):
             self.engine.abort(request_id)
-            self._end(self.live[request_id][0])
+            self._end(self.live[request_id][0], RUN_ENDED)
         unaccounted = [r.request_id for r in self.records if not r.status.is_final]
-        assert not unaccounted and not self.engine.has_unfinished(), (
-            f"requests not accounted for: {unaccounted}"
-        )
-        assert len(self.records) == self.num_submitted, "a submitted request has no record"
-        assert self.window is not None
+        if unaccounted or self.engine.has_unfinished() or len(self.records) != self.num_submitted:
+            raise UnaccountedError(f"requests not accounted for: {unaccounted}")
+        if self.window is None:
+            raise UnaccountedError("the measurement window never closed")
         return DriverResult(self.records, self.window, self.engine.stats, self.clock.now())
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierserve.config import EngineConfig
-from tierserve.request import EventKind, Request, RequestStatus
+from tierserve.request import EventKind, Request, RequestStatus, TimelineEvent
 from tierserve.tiers import ALL_TIERS, Tier
 
 
@@ -39,11 +39,16 @@ class RequestRecord:
     num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
     num_swaps: int
     num_recomputes: int
+    end_reason: str = ""  # why it ended: the finish reason, or the rejection's message
+    preemptions: tuple[Preemption, ...] = ()
+    admitted_s: tuple[float, ...] = ()  # every admission and readmission
 
     @classmethod
-    def of(cls, req: Request, index: int, measured: bool) -> RequestRecord:
-        assert req.status.is_final and req.finish_time is not None, f"{req.request_id} is not final"
+    def of(cls, req: Request, index: int, measured: bool, end_reason: str = "") -> RequestRecord:
+        if not req.status.is_final or req.finish_time is None:
+            raise ValueError(f"{req.request_id} is not final")
         kinds = [e.kind for e in req.events]
+        reason = end_reason or req.reject_reason or (req.finish_reason.value if req.finish_reason else "")
         return cls(
             req.request_id,
             index,
@@ -58,7 +63,26 @@ class RequestRecord:
             req.num_cached_tokens,
             kinds.count(EventKind.PREEMPTED_SWAP),
             kinds.count(EventKind.PREEMPTED_RECOMPUTE),
+            reason,
+            tuple(Preemption.of(e) for e in req.events if e.kind in _PREEMPTED),
+            tuple(e.time for e in req.events if e.kind in _ADMITTED),
         )
+
+
+_PREEMPTED = (EventKind.PREEMPTED_SWAP, EventKind.PREEMPTED_RECOMPUTE)
+_ADMITTED = (EventKind.ADMITTED, EventKind.READMITTED)
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    time_s: float
+    swapped: bool  # False: recomputed
+    amount: int  # blocks swapped out, or tokens to recompute
+
+    @classmethod
+    def of(cls, event: TimelineEvent) -> Preemption:
+        head = event.detail.split(" ", 1)[0]
+        return cls(event.time, event.kind is EventKind.PREEMPTED_SWAP, int(head) if head.isdigit() else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +102,11 @@ class BlockSampler:
     _borrowed_s: list[float] = field(default_factory=lambda: [0.0] * len(ALL_TIERS))
     _peak_used: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))
     _peak_borrowed: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))
+    peak_total: int = 0  # most blocks in use at once, all tiers together
 
     def add(self, duration_s: float, used: Sequence[int], borrowed: Sequence[int]) -> None:
         self._time_s += duration_s
+        self.peak_total = max(self.peak_total, sum(used))
         for t in range(len(ALL_TIERS)):
             self._used_s[t] += used[t] * duration_s
             self._borrowed_s[t] += borrowed[t] * duration_s
@@ -107,6 +133,7 @@ class Window:
     roofline_s: float
     busy_s: float
     blocks: Mapping[Tier, BlockUsage]
+    peak_used_blocks: int = 0  # all tiers together
 
     @property
     def duration_s(self) -> float:

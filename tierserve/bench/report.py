@@ -1,20 +1,17 @@
-"""Benchmark output: `results.json` entries, `report.md` (tables and target checks), the P95 TTFT plot."""
+"""report.md and the printed summary: what was simulated, the tables, the warnings and the
+targets. Every figure comes from results.json's pooled runs (all seeds together)."""
 
 from __future__ import annotations
 
 import json
-import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierserve.bench.metrics import RunMetrics
-from tierserve.tiers import ALL_TIERS, Tier
+from tierserve.bench.summary import MIN_P0_REQUESTS
+from tierserve.bench.targets import Run, cell_name, judge
 
-Run = Mapping[str, Any]  # one entry of results.json "runs"
-
-# DESIGN.md §7: the article's P0 P95 TTFT (s) and utilization by concurrency.
+# The source article's P0 P95 TTFT (s), measured on 8 x A100-80GB (DESIGN.md §7), by concurrency.
 ARTICLE_P0_P95_S: Mapping[int, tuple[str, str, str]] = {
     32: ("0.8", "0.9", "0.8"),
     64: ("2.1", "1.5", "1.2"),
@@ -22,388 +19,175 @@ ARTICLE_P0_P95_S: Mapping[int, tuple[str, str, str]] = {
     256: ("25+", "8.7", "3.5"),
     512: ("OOM", "18.3", "6.2"),
 }
-ARTICLE_POLICY_P0_P95_S: Mapping[int, float] = {32: 0.8, 64: 1.2, 128: 1.8, 256: 3.5, 512: 6.2}
-# The targets of the reproduction (issue: the GPU simulator and the reproduced benchmark).
-THROUGHPUT_FLOOR = 0.97  # hybrid's throughput against fcfs at the same concurrency
-P0_TARGET_S = 0.5
-P0_SLOWDOWN_LIMIT = 1.5
-P1_SLO_FLOOR = 0.95
-TARGET_POLICY = "hybrid"
+
+DIFFERENCES = """\
+How this differs from the article's measured set-up:
+- Nothing here ran on a GPU. Step times come from tierserve's roofline simulator
+  (docs/simulator.md); the article measured a real deployment on 8 x A100-80GB.
+- The engine limits are the same for every policy and printed above; the article's runs
+  used 8,192 batched tokens and 512 sequences (`--engine-limits article`).
+- The article's clients sent their next request as soon as the previous one ended; here
+  closed-loop clients think for a random time first, and open-loop requests arrive on
+  their own (Poisson, bursty or a trace's timestamps), so a request may arrive in the
+  middle of a step and waits for it.
+- Traffic is synthetic (or a public trace with tiers drawn at random); the article's
+  traffic is not published.
+- The article's figures appear below in a column of their own: they are its measurements
+  on real GPUs, not results of this benchmark."""
 
 
-def _r(x: float | None) -> float | None:
-    return None if x is None or math.isnan(x) else round(x, 6)
-
-
-# results.json per-tier key -> TierMetrics attribute; the first seven are the required ones.
-TIER_FIELDS: Mapping[str, str] = {
-    "ttft_p50_s": "ttft_p50_s",
-    "ttft_p95_s": "ttft_p95_s",
-    "ttft_p99_s": "ttft_p99_s",
-    "slo_attainment": "slo_attainment",
-    "completed": "completed",
-    "rejected": "rejected",
-    "max_wait_s": "max_wait_s",
-    "measured": "num_measured",
-    "aborted": "aborted",
-    "censored": "num_censored",
-    "itl_p50_s": "itl_p50_s",
-    "itl_p95_s": "itl_p95_s",
-    "e2e_p50_s": "e2e_p50_s",
-    "e2e_p95_s": "e2e_p95_s",
-    "e2e_p99_s": "e2e_p99_s",
-    "prefix_hit_rate": "prefix_hit_rate",
-    "swaps": "num_swaps",
-    "recomputes": "num_recomputes",
-}
-
-
-def run_entry(
-    policy: str,
-    load: Mapping[str, Any],
-    m: RunMetrics,
-    baseline_p0_p95_s: float | None,
-    extra: Mapping[str, Any],
-) -> dict[str, Any]:
-    """One `runs` entry; per-tier values are objects keyed "P0".."P3"."""
-
-    def per_tier(attr: str) -> dict[str, Any]:
-        values = {t.name: getattr(m.tiers[t], attr) for t in ALL_TIERS}
-        return {k: _r(v) if isinstance(v, float) else v for k, v in values.items()}
-
-    p0_p95 = m.tiers[Tier.P0].ttft_p95_s
-    slowdown = p0_p95 / baseline_p0_p95_s if p0_p95 is not None and baseline_p0_p95_s else None
-    return {
-        "policy": policy,
-        **load,
-        **{key: per_tier(attr) for key, attr in TIER_FIELDS.items()},
-        "throughput_tokens_per_s": _r(m.throughput_tokens_per_s),
-        "utilization": _r(m.utilization),
-        "preemptions": {"swap": m.num_swaps, "recompute": m.num_recomputes},
-        "prefix_cache_hit_rate": _r(m.prefix_hit_rate),
-        "p0_slowdown": _r(slowdown),
-        "p0_ttft_p95_baseline_s": _r(baseline_p0_p95_s),
-        "busy_fraction": _r(m.busy_fraction),
-        "window_s": _r(m.window_s),
-        "kv_blocks": {
-            t.name: {
-                "used_mean": _r(b.mean_used),
-                "used_peak": b.peak_used,
-                "borrowed_mean": _r(b.mean_borrowed),
-                "borrowed_peak": b.peak_borrowed,
-            }
-            for t, b in m.blocks.items()
-        },
-        **extra,
-    }
-
-
-def write_json(path: Path, results: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-
-
-# ---- several seeds ---------------------------------------------------------------------------
-
-
-# Over several seeds, counts of requests and events are summed (so "every P3 completed"
-# still means every one of them), the longest waits and peaks are the largest, and every
-# other number is the median.
-SUMMED_OVER_SEEDS = frozenset(
-    {
-        "completed",
-        "rejected",
-        "measured",
-        "aborted",
-        "censored",
-        "swaps",
-        "recomputes",
-        "swap",
-        "recompute",
-        "submitted",
-        "engine_steps",
-    }
-)
-MAX_OVER_SEEDS = frozenset({"max_wait_s", "used_peak", "borrowed_peak"})
-
-
-def across_seeds(runs: Sequence[Run]) -> list[Run]:
-    """One run per (policy, load): as it is when one seed ran, else merged over the seeds —
-    counts summed, longest waits and peaks the largest, every other number the median (a
-    P95 is then the median of the seeds' P95s), flags (`accounted`) true only if true in
-    every seed — with `seed` the list of seeds."""
-    groups: dict[tuple[str, str], list[Run]] = {}
-    for run in runs:
-        groups.setdefault((run["policy"], run["load"]), []).append(run)
-    return [group[0] if len(group) == 1 else _median_run(group) for group in groups.values()]
-
-
-def _median_run(group: Sequence[Run]) -> Run:
-    def merge(values: Sequence[Any], how: str = "median") -> Any:
-        first = values[0]
-        if isinstance(first, bool):
-            return all(values)
-        if isinstance(first, Mapping):
-            return {k: merge([v[k] for v in values], _how(k, how)) for k in first}
-        numeric = all(isinstance(v, (int, float)) for v in values)
-        if how == "sum" and numeric:
-            return sum(values)
-        if how == "max" and numeric:
-            return max(values)
-        if all(v == first for v in values):
-            return first
-        if not numeric:
-            return None
-        if all(isinstance(v, int) for v in values):
-            return statistics.median_low(values)
-        return _r(statistics.median(values))
-
-    merged: dict[str, Any] = merge(list(group))
-    merged["seed"] = [run.get("seed") for run in group]
-    return merged
-
-
-def _how(key: str, inherited: str) -> str:
-    if key in SUMMED_OVER_SEEDS:
-        return "sum"
-    return "max" if key in MAX_OVER_SEEDS else inherited
-
-
-# ---- tables ---------------------------------------------------------------------------------
-
-
-def _loads(runs: Sequence[Run]) -> list[str]:
-    return list(dict.fromkeys(r["load"] for r in runs))
-
-
-def _policies(runs: Sequence[Run]) -> list[str]:
-    return list(dict.fromkeys(r["policy"] for r in runs))
-
-
-def _cell(runs: Sequence[Run], policy: str, load: str) -> Run | None:
-    return next((r for r in runs if r["policy"] == policy and r["load"] == load), None)
-
-
-def _fmt(x: Any, kind: str = "s") -> str:
+def _fmt(x: Any, kind: str) -> str:
     if x is None:
         return "–"
     if kind == "%":
         return f"{100 * x:.1f} %"
     if kind == "x":
-        return f"{x:.2f}×"
-    return f"{x:.3g}" if kind == "s" else str(x)
+        return f"{x:.2f}x"
+    if kind == "s":
+        return f"{x:.3g}"
+    return str(x)
 
 
-def table(
-    runs: Sequence[Run],
-    title: str,
-    value: Callable[[Run], Any],
-    kind: str = "s",
-    article: Mapping[int, tuple[str, ...]] | None = None,
-) -> str:
-    """A markdown table: a row per load, a column per policy (as in the article)."""
-    policies = _policies(runs)
-    head = ["load", *policies]
-    if article:
-        head += ["article: no priority", "article: DRR", "article: its policy"]
+def _ci(run: Run, tier: str, name: str = "ttft_p95") -> str:
+    t = run["tiers"][tier]
+    if t[f"{name}_s"] is None:
+        return "–"
+    low, high = t[f"{name}_ci_s"]
+    return f"{t[f'{name}_s']:.3g} [{low:.3g}, {high:.3g}]"
+
+
+def _preempt(run: Run) -> str:
+    p, c = run["preemptions"], run["preemption_gpu_s"]
+    return (
+        f"{p['swap']}/{p['recompute']}/{p['reclaim']} "
+        f"({c['swap_s']:.1f} s swap, {c['recompute_prefill_s']:.1f} s prefill)"
+    )
+
+
+def _p3(run: Run) -> str:
+    reasons = ", ".join(f"{n} {why}" for why, n in run["p3_shed_reasons"].items())
+    return f"{run['p3_completed']} done / {run['p3_shed']} shed" + (f" ({reasons})" if reasons else "")
+
+
+TABLES: Sequence[tuple[str, Callable[[Run], str]]] = (
+    ("P0 SLO attainment (TTFT <= target)", lambda r: _fmt(r["tiers"]["P0"]["slo_attainment"], "%")),
+    ("P0 P95 TTFT, s [95 % CI]", lambda r: _ci(r, "P0")),
+    ("P0 slowdown P95 (each request's TTFT / its TTFT alone)", lambda r: _fmt(r["p0_slowdown_p95"], "x")),
+    ("P1 SLO attainment", lambda r: _fmt(r["tiers"]["P1"]["slo_attainment"], "%")),
+    ("P1 P95 TTFT, s [95 % CI]", lambda r: _ci(r, "P1")),
+    ("P2 SLO attainment", lambda r: _fmt(r["tiers"]["P2"]["slo_attainment"], "%")),
+    ("Goodput, all tiers (requests within SLO per s)", lambda r: _fmt(r["goodput_rps"], "s")),
+    ("Throughput relative to fcfs", lambda r: _fmt(r["throughput_vs_fcfs"], "x")),
+    ("P1 P95 TPOT, s [95 % CI]", lambda r: _ci(r, "P1", "tpot_p95")),
+    ("P3 completed / shed (reason)", _p3),
+    ("Preemptions swap/recompute/reclaim (GPU cost)", _preempt),
+    ("Peak KV cache use", lambda r: _fmt(r["kv_peak_used"], "%")),
+)
+
+
+def _sections(runs: Sequence[Run]) -> list[tuple[str, str]]:
+    return list(dict.fromkeys((r["workload"], r["pattern"]) for r in runs))
+
+
+def table(runs: Sequence[Run], title: str, value: Callable[[Run], str], article: bool = False) -> str:
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    head = ["load", *policies] + (
+        ["article, measured on real GPUs (no priority / DRR / its policy)"] if article else []
+    )
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for load in _loads(runs):
-        cells = [load]
-        for policy in policies:
-            run = _cell(runs, policy, load)
-            cells.append(_fmt(value(run), kind) if run is not None else "–")
+    for load in dict.fromkeys(r["load"] for r in runs):
+        cells = [r for r in runs if r["load"] == load]
+        row = [cell_name(cells[0]).split(" ", 1)[1]]
+        row += [next((value(r) for r in cells if r["policy"] == p), "–") for p in policies]
         if article:
-            first = next(r for r in runs if r["load"] == load)
-            cells += list(article.get(first.get("concurrency") or -1, ("–", "–", "–")))
-        lines.append("| " + " | ".join(cells) + " |")
+            row.append(" / ".join(ARTICLE_P0_P95_S.get(int(load), ("–", "–", "–"))))
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _p3_completion(run: Run) -> str:
-    return f"{run['completed']['P3']}/{run['measured']['P3']}, longest wait {_fmt(run['max_wait_s']['P3'])} s"
-
-
-def _throughput_vs_fcfs(runs: Sequence[Run]) -> Callable[[Run], float | None]:
-    def rel(run: Run) -> float | None:
-        base = _cell(runs, "fcfs", run["load"])
-        if base is None or not base["throughput_tokens_per_s"]:
-            return None
-        return float(run["throughput_tokens_per_s"]) / float(base["throughput_tokens_per_s"])
-
-    return rel
-
-
-def tables(runs: Sequence[Run]) -> str:
-    parts = [
-        table(runs, "P0 P95 TTFT (s)", lambda r: r["ttft_p95_s"]["P0"], article=ARTICLE_P0_P95_S),
-        table(runs, "P0 slowdown (P95 TTFT ÷ P95 TTFT alone)", lambda r: r["p0_slowdown"], "x"),
-        table(runs, "Utilization (roofline time ÷ elapsed time)", lambda r: r["utilization"], "%"),
-        table(runs, "P1 SLO attainment (TTFT ≤ 5 s)", lambda r: r["slo_attainment"]["P1"], "%"),
-        table(runs, "P3 completed / measured, longest wait", _p3_completion, "raw"),
-        table(runs, "Throughput relative to fcfs", _throughput_vs_fcfs(runs), "x"),
-        table(
-            runs,
-            "Preemptions (swap / recompute), measured requests",
-            lambda r: f"{r['preemptions']['swap']} / {r['preemptions']['recompute']}",
-            "raw",
-        ),
-        table(runs, "Prefix-cache hit rate (prompt tokens)", lambda r: r["prefix_cache_hit_rate"], "%"),
-    ]
+def results_tables(runs: Sequence[Run]) -> str:
+    parts = []
+    for workload, pattern in _sections(runs):
+        cells = [r for r in runs if r["workload"] == workload and r["pattern"] == pattern]
+        parts.append(f"### {workload}, {pattern} ({cells[0]['arrival']} loop)\n")
+        for title, value in TABLES:
+            article = workload == "default" and pattern == "closed" and title.startswith("P0 P95 TTFT")
+            parts.append(table(cells, title, value, article))
     return "\n".join(parts)
 
 
-# ---- targets --------------------------------------------------------------------------------
-
-
-def targets(runs: Sequence[Run]) -> list[tuple[str, bool | None, str]]:
-    """The issue's targets for `hybrid`, each as (target, met, the numbers); met is None
-    when the runs needed to judge it were not made."""
-    mine = [r for r in runs if r["policy"] == TARGET_POLICY]
-    if not mine:
-        return [(f"targets apply to {TARGET_POLICY}", None, "not run")]
-
-    def check(
-        name: str, ok: Callable[[Run], bool | None], show: Callable[[Run], str], subset: Sequence[Run] = mine
-    ) -> tuple[str, bool | None, str]:
-        verdicts = [ok(r) for r in subset]
-        detail = "; ".join(f"{r['load']}: {show(r)}" for r in subset) or "no run applies"
-        met = None if not subset or any(v is None for v in verdicts) else all(verdicts)
-        return name, met, detail
-
-    rel = _throughput_vs_fcfs(runs)
-    up_to_256 = [r for r in mine if r.get("concurrency") is not None and r["concurrency"] <= 256]
-    heavy = [r for r in mine if r.get("concurrency") in (256, 512)]
-
-    def p95(run: Run | None, tier: str) -> float | None:
-        return None if run is None else run["ttft_p95_s"][tier]
-
-    def vs_vllm(run: Run) -> bool | None:
-        base = _cell(runs, "vllm-priority", run["load"])
-        if base is None:
-            return None
-        values = [(p95(run, t), p95(base, t)) for t in ("P0", "P1", "P2")]
-        if any(a is None or b is None for a, b in values):
-            return None
-        (p0, b0), (p1, b1), (p2, b2) = values
-        # "Matching" P0: within 10 % of vllm-priority's or under the 0.5 s target anyway.
-        return p1 < b1 and p2 < b2 and (p0 <= 1.1 * b0 or p0 <= P0_TARGET_S)  # type: ignore[operator]
-
-    def show_vs_vllm(run: Run) -> str:
-        base = _cell(runs, "vllm-priority", run["load"])
-        return ", ".join(f"{t} {_fmt(p95(run, t))} vs {_fmt(p95(base, t))} s" for t in ("P0", "P1", "P2"))
-
-    def slowdown_ok(run: Run) -> bool | None:
-        s = run.get("p0_slowdown")
-        return None if s is None else s <= P0_SLOWDOWN_LIMIT
-
+def warnings(runs: Sequence[Run]) -> list[str]:
     return [
-        check(
-            f"P0 P95 TTFT ≤ {P0_TARGET_S} s at every concurrency",
-            lambda r: None if p95(r, "P0") is None else p95(r, "P0") <= P0_TARGET_S,  # type: ignore[operator]
-            lambda r: f"{_fmt(p95(r, 'P0'))} s",
-        ),
-        check(
-            f"P0 slowdown (P95 TTFT under load ÷ alone) ≤ {P0_SLOWDOWN_LIMIT} at every concurrency",
-            slowdown_ok,
-            lambda r: _fmt(r.get("p0_slowdown"), "x"),
-        ),
-        check(
-            f"P1 SLO attainment ≥ {P1_SLO_FLOOR:.0%} up to 256",
-            lambda r: r["slo_attainment"]["P1"] >= P1_SLO_FLOOR,
-            lambda r: _fmt(r["slo_attainment"]["P1"], "%"),
-            up_to_256,
-        ),
-        check(
-            "no starvation: every measured P3 request completes",
-            lambda r: r["completed"]["P3"] == r["measured"]["P3"],
-            _p3_completion,
-        ),
-        check(
-            f"throughput ≥ {THROUGHPUT_FLOOR:.0%} of fcfs at the same concurrency",
-            lambda r: None if rel(r) is None else rel(r) >= THROUGHPUT_FLOOR,  # type: ignore[operator]
-            lambda r: _fmt(rel(r), "x"),
-        ),
-        check(
-            "beats vllm-priority on P1 and P2 P95 TTFT at 256 and 512 while matching its P0",
-            vs_vllm,
-            show_vs_vllm,
-            heavy,
-        ),
-        check(
-            "every submitted request accounted for (finished, rejected or aborted)",
-            lambda r: r["accounted"],
-            lambda r: f"{r['submitted']} submitted",
-        ),
+        f"{cell_name(r)}, {r['policy']}: P0 figures rest on {r['p0_requests']} requests "
+        f"(fewer than {MIN_P0_REQUESTS}); its P95s are close to its maximum"
+        for r in runs
+        if r["low_sample"]
     ]
 
 
 def targets_section(runs: Sequence[Run]) -> str:
-    lines = [f"## Targets ({TARGET_POLICY})", ""]
-    for name, met, detail in targets(runs):
-        verdict = "NOT RUN" if met is None else ("MET" if met else "NOT MET")
-        lines.append(f"- **{verdict}** — {name}: {detail}")
+    lines = ["## Targets (hybrid)", ""]
+    lines += [f"- **{v.label()}**: {v.target}. {v.detail}" for v in judge(runs)]
     return "\n".join(lines) + "\n"
 
 
-# ---- files ----------------------------------------------------------------------------------
+def _setup_lines(results: Mapping[str, Any]) -> list[str]:
+    setup = results["setup"]
+    lines = [f"- **{k}**: {json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in setup.items()]
+    for w, c in results.get("capacity", {}).items():
+        lines.append(f"- **capacity of {w}**: {c['requests_per_s']} requests/s ({c['how']})")
+    return lines
 
 
-def markdown(setup: Mapping[str, Any], runs: Sequence[Run]) -> str:
-    lines = ["# tierserve bench reproduce", "", "## Setup", ""]
-    lines += [f"- **{key}**: {value}" for key, value in setup.items() if not isinstance(value, Mapping)]
-    seeds = setup.get("seed")
-    lines += [
-        "",
-        "Definitions: docs/benchmark.md. Percentiles are over the measured requests (warm-up and "
-        "cool-down excluded); a request without a first token when its run ended counts with its wait "
-        "so far (a lower bound).",
-    ]
-    if isinstance(seeds, list):
+def markdown(results: Mapping[str, Any]) -> str:
+    runs = results["pooled"]
+    seeds = results["setup"]["seeds"]
+    lines = ["# tierserve bench reproduce", ""]
+    if results["setup"].get("quick"):
         lines += [
+            "**Quick run: small samples. P0 figures rest on few requests; read them as a smoke test.**",
             "",
-            f"Each run was made with each workload seed ({', '.join(map(str, seeds))}); every figure below "
-            "is the median over the seeds (results.json has each seed's runs).",
         ]
+    lines += ["## What was simulated", "", *_setup_lines(results), "", DIFFERENCES, ""]
     lines += [
+        f"Every figure is pooled over the seeds {seeds}: their measured requests together, "
+        "percentiles over all of them, goodput and throughput over their summed windows. "
+        "Definitions: docs/benchmark.md.",
         "",
-        "## Results",
-        "",
-        tables(runs),
-        targets_section(runs),
     ]
+    warned = warnings(runs)
+    lines += ["## Sample-size warnings", ""] + ([f"- {w}" for w in warned] or ["- none"]) + [""]
+    lines += [targets_section(runs), "## Results", "", results_tables(runs)]
+    lines += ["![P0 SLO attainment](p0_attainment.png)", "", "![Goodput](goodput.png)", ""]
     return "\n".join(lines)
 
 
-def plot_ttft_p95(path: Path, runs: Sequence[Run], ttft_targets_s: Mapping[str, float | None]) -> None:
-    """P95 TTFT by load, one panel per tier, a line per policy, log y."""
-    import matplotlib
+def summary_text(results: Mapping[str, Any]) -> str:
+    runs = results["pooled"]
+    parts = []
+    for title, value in (TABLES[0], TABLES[6]):
+        for w, p in _sections(runs):
+            cells = [r for r in runs if (r["workload"], r["pattern"]) == (w, p)]
+            parts.append(table(cells, f"{title}: {w}, {p}", value))
+    warned = warnings(runs)
+    if warned:
+        parts.append(
+            f"{len(warned)} cells have fewer than {MIN_P0_REQUESTS} P0 requests (report.md lists them)\n"
+        )
+    return "\n".join(parts) + "\n" + targets_section(runs)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    loads = _loads(runs)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
-    for ax, tier in zip(axes.flat, ALL_TIERS, strict=True):
-        for k, policy in enumerate(_policies(runs)):
-            cells = [_cell(runs, policy, load) for load in loads]
-            ys = [c["ttft_p95_s"][tier.name] if c and c["ttft_p95_s"][tier.name] else math.nan for c in cells]
-            ax.plot(
-                range(len(loads)),
-                ys,
-                label=policy,
-                marker="os^Dvx*"[k % 7],
-                linestyle=("-", "--", ":")[k % 3],
-            )
-        target = ttft_targets_s.get(tier.name)
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
-        ax.set_yscale("log")
-        ax.set_title(f"{tier.name} ({tier.label})")
-        ax.set_ylabel("P95 TTFT (s)")
-        ax.set_xticks(range(len(loads)), loads)
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in axes[1]:
-        ax.set_xlabel("concurrency" if all(r.get("concurrency") for r in runs) else "load")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def write_all(out: Path, results: Mapping[str, Any]) -> list[Path]:
+    from tierserve.bench.plots import plot_against_load
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "report.md", out / "p0_attainment.png", out / "goodput.png"]
+    paths[0].write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    paths[1].write_text(markdown(results))
+    plot_against_load(
+        paths[2], results["pooled"], "P0 SLO attainment", lambda r: r["tiers"]["P0"]["slo_attainment"]
+    )
+    plot_against_load(
+        paths[3], results["pooled"], "goodput (requests within SLO / s)", lambda r: r["goodput_rps"]
+    )
+    return paths

@@ -2,6 +2,7 @@
 
 from tierserve.workloads.arrivals import arrival_times, with_arrivals
 from tierserve.workloads.lengths import DEFAULT_SHAPES, ConversationShape, LengthDist, TierShape
+from tierserve.workloads.presets import PRESETS, WorkloadPreset, get_preset
 from tierserve.workloads.spec import RequestSpec, TierMix, cap_lengths
 from tierserve.workloads.synthetic import synthetic_stream
 from tierserve.workloads.trace_stream import TIER_ASSIGNMENT_RULE, trace_stream
@@ -9,6 +10,7 @@ from tierserve.workloads.traces import TraceFormatError, TraceRecord, load_trace
 
 __all__ = [
     "DEFAULT_SHAPES",
+    "PRESETS",
     "TIER_ASSIGNMENT_RULE",
     "ConversationShape",
     "LengthDist",
@@ -17,8 +19,10 @@ __all__ = [
     "TierShape",
     "TraceFormatError",
     "TraceRecord",
+    "WorkloadPreset",
     "arrival_times",
     "cap_lengths",
+    "get_preset",
     "load_trace",
     "synthetic_stream",
     "trace_stream",

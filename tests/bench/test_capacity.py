@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tierserve.bench.capacity import measure_capacity
+from tierserve.bench.cell import BenchSetup, Cell, run_cell
+from tierserve.bench.idle import IdleTtft
+from tierserve.bench.limits import EngineLimits
+from tierserve.bench.summary import summarize
+
+SMALL = BenchSetup(limits=EngineLimits("small", 2048, 16), num_measured=120, drain_timeout_s=600.0)
+
+
+@pytest.fixture(scope="module")
+def capacity_rps() -> float:
+    return measure_capacity("default", SMALL, seed=0, num_measured=150).requests_per_s
+
+
+def test_fcfs_keeps_up_below_the_measured_capacity_and_falls_behind_above_it(capacity_rps: float) -> None:
+    setup = replace(SMALL, capacity_rps={"default": capacity_rps})
+    light_cell = run_cell(setup, Cell("default", "poisson", 0.5, "fcfs", 0))
+    assert light_cell.rate_rps == pytest.approx(0.5 * capacity_rps)
+    light = summarize([light_cell], setup.engine_config())["tiers"]["P1"]["ttft_p50_s"]
+    heavy_cell = run_cell(setup, Cell("default", "poisson", 2.0, "fcfs", 0))
+    heavy = summarize([heavy_cell], setup.engine_config())["tiers"]["P1"]["ttft_p50_s"]
+    assert light < 1.0  # at half capacity a request hardly queues
+    assert heavy > 5 * light  # past capacity a queue builds
+
+
+def test_capacity_grows_with_the_engine_limits() -> None:
+    small = measure_capacity("default", SMALL, seed=0, num_measured=100).requests_per_s
+    big = replace(SMALL, limits=EngineLimits("bigger", 2048, 64))
+    assert measure_capacity("default", big, seed=0, num_measured=100).requests_per_s > 1.5 * small
+
+
+def test_idle_ttft_is_memoised_by_shape_and_a_cached_history_shortens_it() -> None:
+    executor = SMALL.executor("default")
+    idle = IdleTtft(SMALL.engine_config(), executor)
+    cold = idle(3000)
+    assert cold == pytest.approx(idle(3000))
+    assert len(idle._memo) == 1
+    assert idle(3000, num_history_tokens=2800) < 0.3 * cold
+    assert cold >= executor.estimate_prefill_s(2048)  # 3000 tokens take two 2048-token steps

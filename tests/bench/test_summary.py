@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierserve.bench.cell import Cell, CellResult
+from tierserve.bench.driver import DriverResult
+from tierserve.bench.metrics import Preemption, RequestRecord, Window
+from tierserve.bench.report import warnings
+from tierserve.bench.summary import MIN_P0_REQUESTS, summarize
+from tierserve.config import EngineConfig
+from tierserve.engine import EngineStats
+from tierserve.request import RequestStatus
+from tierserve.tiers import Tier
+
+
+def record(
+    index: int,
+    tier: Tier,
+    arrival: float,
+    ttft: float | None,
+    status: RequestStatus = RequestStatus.FINISHED,
+    reason: str = "length",
+    preemptions: tuple[Preemption, ...] = (),
+    admitted: tuple[float, ...] = (),
+) -> RequestRecord:
+    first = None if ttft is None else arrival + ttft
+    return RequestRecord(
+        f"r{index}", index, tier, True, status, arrival, first, arrival + (ttft or 0) + 1.0,
+        100, 11, 0, 0, 0, reason, preemptions, admitted,
+    )  # fmt: skip
+
+
+def result(
+    records: list[RequestRecord], idle: dict[int, float], seed: int = 0, policy: str = "hybrid"
+) -> CellResult:
+    window = Window(0.0, 100.0, 1000, 50.0, 80.0, {}, 90)
+    run = DriverResult(records, window, EngineStats(), 100.0)
+    cost = {(p.swapped, p.amount): 0.5 for r in records for p in r.preemptions}
+    return CellResult(Cell("default", "poisson", 1.0, policy, seed), run, idle, 100, cost, 2.0)
+
+
+def test_p0_slowdown_is_per_request_not_a_ratio_of_percentiles() -> None:
+    records = [record(0, Tier.P0, 0.0, 1.0), record(1, Tier.P0, 5.0, 0.2), record(2, Tier.P0, 9.0, 0.3)]
+    idle = {0: 1.0, 1: 0.1, 2: 0.3}  # slowdowns 1, 2 and 1
+    out = summarize([result(records, idle)], EngineConfig())
+    assert out["p0_slowdown_p95"] == pytest.approx(float(np.percentile([1.0, 2.0, 1.0], 95)))
+    ratio_of_p95s = np.percentile([1.0, 0.2, 0.3], 95) / np.percentile([1.0, 0.1, 0.3], 95)
+    assert out["p0_slowdown_p95"] != pytest.approx(ratio_of_p95s)
+    assert out["p0_idle_over_slo_share"] == pytest.approx(1 / 3)  # the 1 s prompt alone misses 0.5 s
+
+
+def test_attainment_goodput_and_p3_shed_reasons() -> None:
+    records = [
+        record(0, Tier.P1, 0.0, 1.0),
+        record(1, Tier.P1, 5.0, 9.0),  # misses the 5 s target
+        record(2, Tier.P3, 6.0, 2.0),
+        record(3, Tier.P3, 10.0, None, RequestStatus.ABORTED, "still unfinished when the run ended"),
+        record(4, Tier.P3, 10.0, None, RequestStatus.REJECTED, "too long"),
+    ]
+    out = summarize([result(records, {})], EngineConfig())
+    p1 = out["tiers"]["P1"]
+    assert p1["requests"] == 2 and p1["slo_attainment"] == 0.5
+    assert p1["goodput_rps"] == pytest.approx(1 / 10)  # one within SLO over 10 s of arrivals
+    assert (out["p3_completed"], out["p3_shed"]) == (1, 2)
+    assert out["p3_shed_reasons"] == {"still unfinished when the run ended": 1, "too long": 1}
+    assert out["tiers"]["P3"]["ttft_p95_s"] is not None  # the aborted one counts its wait
+
+
+def test_a_preemption_in_a_step_that_admitted_a_more_urgent_request_is_a_reclaim() -> None:
+    reclaimed = Preemption(5.0, True, 8)
+    grown = Preemption(7.0, False, 300)
+    records = [
+        record(0, Tier.P2, 0.0, 1.0, preemptions=(reclaimed, grown)),
+        record(1, Tier.P0, 4.9, 0.2, admitted=(5.0,)),
+        record(2, Tier.P3, 6.9, 0.2, admitted=(7.0,)),  # less urgent than the victim
+    ]
+    out = summarize([result(records, {1: 0.2})], EngineConfig())
+    assert out["preemptions"] == {"swap": 1, "recompute": 1, "reclaim": 1}
+    assert out["preemption_gpu_s"] == {"swap_s": 0.5, "recompute_prefill_s": 0.5}
+
+
+def test_seeds_pool_their_requests() -> None:
+    a = result([record(0, Tier.P0, 0.0, 0.1), record(1, Tier.P1, 1.0, 0.1)], {0: 0.1}, seed=0)
+    b = result([record(0, Tier.P0, 0.0, 0.9), record(1, Tier.P1, 2.0, 0.1)], {0: 0.1}, seed=1)
+    out = summarize([a, b], EngineConfig())
+    assert out["seed"] == [0, 1] and out["tiers"]["P0"]["requests"] == 2
+    assert out["tiers"]["P0"]["slo_attainment"] == 0.5
+    with pytest.raises(ValueError):
+        summarize([a, result([], {}, policy="fcfs")], EngineConfig())
+
+
+def test_cells_with_too_few_p0_requests_are_warned_about() -> None:
+    few = summarize([result([record(i, Tier.P0, i, 0.1) for i in range(10)], {})], EngineConfig())
+    enough = summarize(
+        [result([record(i, Tier.P0, i, 0.1) for i in range(MIN_P0_REQUESTS)], {})], EngineConfig()
+    )
+    assert few["low_sample"] and not enough["low_sample"]
+    warned = warnings([few, enough])
+    assert len(warned) == 1 and "10 requests" in warned[0]

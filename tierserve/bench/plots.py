@@ -1,0 +1,69 @@
+"""Figures against load: a panel per (workload, arrival pattern), a line per policy, the
+legend below the panels so that it covers no data."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+Run = Mapping[str, Any]
+MARKERS = "os^Dvx*P"
+STYLES = ("-", "--", ":", "-.")
+
+
+def plot_against_load(
+    path: Path,
+    runs: Sequence[Run],
+    ylabel: str,
+    value: Callable[[Run], float | None],
+    fraction: bool = False,
+) -> None:
+    """`fraction`: the values are shares, drawn on a 0-100 % axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = list(dict.fromkeys((r["workload"], r["pattern"]) for r in runs))
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    cols = min(3, len(sections))
+    rows = math.ceil(len(sections) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows + 0.8), squeeze=False)
+    for ax, (workload, pattern) in zip(axes.flat, sections, strict=False):
+        cells = [r for r in runs if r["workload"] == workload and r["pattern"] == pattern]
+        loads = list(dict.fromkeys(r["load"] for r in cells))
+        for k, policy in enumerate(policies):
+            ys = [
+                next((value(r) for r in cells if r["load"] == x and r["policy"] == policy), None)
+                for x in loads
+            ]
+            ax.plot(
+                range(len(loads)),
+                [math.nan if y is None else y for y in ys],
+                label=policy,
+                marker=MARKERS[k % len(MARKERS)],
+                markersize=11 - 1.5 * (k % 4),  # hollow, shrinking: equal points stay visible
+                fillstyle="none",
+                markeredgewidth=1.6,
+                linestyle=STYLES[k % len(STYLES)],
+                alpha=0.85,
+            )
+        closed = cells[0]["arrival"] == "closed"
+        ax.set_xticks(range(len(loads)), [f"{x:g}" for x in loads])
+        ax.set_xlabel(
+            "clients" if closed else ("trace speed-up" if pattern == "trace" else "load (x capacity)")
+        )
+        ax.set_title(f"{workload}, {pattern}")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if fraction:
+            ax.set_ylim(-0.03, 1.03)
+    for ax in list(axes.flat)[len(sections) :]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(policies), frameon=False)
+    fig.tight_layout(rect=(0, 0.8 / (3.6 * rows + 0.8), 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,174 @@
+"""The figures of a cell (one seed) or of a pooled group of cells (several seeds): one
+`runs` entry of results.json.
+
+Pooling concatenates the seeds' measured requests and adds up their windows, so a pooled
+P95 is the P95 of all the requests, and goodput and throughput are totals over total time.
+Definitions (docs/benchmark.md restates them):
+- TTFT = first token - arrival; a request given up at the end of the run without a first
+  token counts with its wait until then (a lower bound). TPOT = (finish - first token) /
+  (output tokens - 1).
+- SLO attained: TTFT <= the tier's target; a tier without one (P3) attains it by finishing.
+  Goodput = attained requests / the span of the measured arrivals (the rate at which
+  requests that meet their SLO are served). Throughput = tokens generated in the window
+  (first measured arrival to last measured end) / its length.
+- P0 slowdown of a request = its TTFT / its own TTFT alone on an idle engine (`IdleTtft`).
+- A preemption is a reclaim when a request of a more urgent tier was admitted in the same
+  step (memory taken back for it), whatever its mode (swap or recompute).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tierserve.bench.bootstrap import percentile_ci
+from tierserve.bench.cell import CellResult
+from tierserve.bench.metrics import RequestRecord
+from tierserve.config import EngineConfig
+from tierserve.request import RequestStatus
+from tierserve.tiers import ALL_TIERS, Tier
+
+MIN_P0_REQUESTS = 300  # below this, P0 percentiles rest on too few samples: the report warns
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def _ttft(r: RequestRecord) -> float | None:
+    if r.status is RequestStatus.REJECTED:
+        return None
+    return (r.first_token_s if r.first_token_s is not None else r.finish_s) - r.arrival_s
+
+
+def _tpot(r: RequestRecord) -> float | None:
+    if r.status is not RequestStatus.FINISHED or r.first_token_s is None or r.num_output_tokens < 2:
+        return None
+    return (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
+
+
+def _attained(r: RequestRecord, target_s: float) -> bool:
+    if target_s == float("inf"):
+        return r.status is RequestStatus.FINISHED
+    return r.first_token_s is not None and r.first_token_s - r.arrival_s <= target_s
+
+
+def _percentiles(name: str, values: Sequence[float], seed: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for q in (50, 95, 99):
+        est = percentile_ci(values, q, seed)
+        out[f"{name}_p{q}_s"] = None if est is None else _r(est.value)
+        out[f"{name}_p{q}_ci_s"] = None if est is None else est.interval()
+    return out
+
+
+def _tier(records: Sequence[RequestRecord], target_s: float, span_s: float, seed: int) -> dict[str, Any]:
+    attained = sum(_attained(r, target_s) for r in records)
+    ttfts = [t for r in records if (t := _ttft(r)) is not None]
+    tpots = [t for r in records if (t := _tpot(r)) is not None]
+    shed = Counter(r.end_reason or r.status.value for r in records if r.status is not RequestStatus.FINISHED)
+    return {
+        "requests": len(records),
+        "completed": sum(r.status is RequestStatus.FINISHED for r in records),
+        "shed": sum(shed.values()),
+        "shed_reasons": dict(sorted(shed.items())),
+        "preempted": sum(len(r.preemptions) for r in records),
+        "slo_attainment": _r(attained / len(records)) if records else None,
+        "goodput_rps": _r(attained / span_s) if span_s > 0 else None,
+        **_percentiles("ttft", ttfts, seed),
+        **_percentiles("tpot", tpots, seed),
+    }
+
+
+def _preemptions(results: Sequence[CellResult]) -> dict[str, Any]:
+    counts = Counter[str]()
+    cost: dict[str, float] = {"swap_s": 0.0, "recompute_prefill_s": 0.0}
+    for res in results:
+        urgent: dict[float, int] = {}  # step time -> most urgent tier admitted in it
+        for r in res.run.records:
+            for t in r.admitted_s:
+                urgent[t] = min(urgent.get(t, len(ALL_TIERS)), int(r.tier))
+        for r in (r for r in res.run.records if r.measured):
+            for p in r.preemptions:
+                counts["swap" if p.swapped else "recompute"] += 1
+                counts["reclaim"] += urgent.get(p.time_s, len(ALL_TIERS)) < int(r.tier)
+                cost["swap_s" if p.swapped else "recompute_prefill_s"] += res.preemption_cost_s[
+                    (p.swapped, p.amount)
+                ]
+    return {
+        "preemptions": {k: counts[k] for k in ("swap", "recompute", "reclaim")},
+        "preemption_gpu_s": {k: round(cost[k], 4) for k in ("swap_s", "recompute_prefill_s")},
+    }
+
+
+def _arrival_span(result: CellResult) -> float:
+    """From the first measured arrival to the last: goodput's denominator (the window runs
+    on until the slowest measured request ends, which says nothing about the rate served)."""
+    times = [r.arrival_s for r in result.run.records if r.measured]
+    return max(times) - min(times) if times else 0.0
+
+
+def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, Any]:
+    """The results.json entry of `results`: one cell, or the same cell over several seeds."""
+    first = results[0].cell
+    if any(res.cell.group != first.group or res.cell.policy != first.policy for res in results):
+        raise ValueError("only the same cell over several seeds can be pooled")
+    measured = [r for res in results for r in res.run.records if r.measured]
+    span = sum(res.run.window.duration_s for res in results)
+    arrivals = sum(_arrival_span(res) for res in results)
+    tokens = sum(res.run.window.num_generated_tokens for res in results)
+    seed = first.seed
+    tiers = {
+        t.name: _tier([r for r in measured if r.tier is t], config.tier(t).ttft_target_s, arrivals, seed)
+        for t in ALL_TIERS
+    }
+    slowdowns, idle_over = [], 0
+    p0_target = config.tier(Tier.P0).ttft_target_s
+    for res in results:
+        for r in res.run.records:
+            idle = res.p0_idle_ttft_s.get(r.index)
+            if not r.measured or r.tier is not Tier.P0 or idle is None or (ttft := _ttft(r)) is None:
+                continue
+            slowdowns.append(ttft / idle)
+            idle_over += idle > p0_target
+    slow = percentile_ci(slowdowns, 95, seed)
+    peak = max(res.run.window.peak_used_blocks / res.num_device_blocks for res in results)
+    seeds = [res.cell.seed for res in results]
+    return {
+        "policy": first.policy,
+        "workload": first.workload,
+        "arrival": first.arrival,
+        "pattern": first.pattern,
+        "load": first.load if first.pattern != "closed" else int(first.load),
+        "seed": seeds[0] if len(seeds) == 1 else seeds,
+        "rate_rps": _r(results[0].rate_rps),
+        "tiers": tiers,
+        "p0_requests": tiers["P0"]["requests"],
+        "low_sample": tiers["P0"]["requests"] < MIN_P0_REQUESTS,
+        "p0_slowdown_p95": None if slow is None else _r(slow.value),
+        "p0_slowdown_p95_ci": None if slow is None else slow.interval(),
+        "p0_idle_over_slo_share": _r(idle_over / len(slowdowns)) if slowdowns else None,
+        "goodput_rps": _r(sum(t["goodput_rps"] or 0.0 for t in tiers.values())),
+        "throughput_tokens_per_s": _r(tokens / span) if span > 0 else None,
+        "throughput_vs_fcfs": None,  # filled in once fcfs's cell is known
+        "p3_completed": tiers["P3"]["completed"],
+        "p3_shed": tiers["P3"]["shed"],
+        "p3_shed_reasons": tiers["P3"]["shed_reasons"],
+        **_preemptions(results),
+        "kv_peak_used": _r(peak),
+        "window_s": _r(span),
+    }
+
+
+def add_throughput_vs_fcfs(runs: Sequence[dict[str, Any]], baseline: str = "fcfs") -> None:
+    """Set each run's `throughput_vs_fcfs` from the fcfs run of the same cell and seed(s)."""
+
+    def key(run: Mapping[str, Any]) -> tuple[str, str, float, str]:
+        return (run["workload"], run["pattern"], run["load"], str(run["seed"]))
+
+    base = {key(r): r for r in runs if r["policy"] == baseline}
+    for run in runs:
+        ref = base.get(key(run))
+        if ref and ref["throughput_tokens_per_s"] and run["throughput_tokens_per_s"] is not None:
+            run["throughput_vs_fcfs"] = _r(run["throughput_tokens_per_s"] / ref["throughput_tokens_per_s"])

@@ -1,0 +1,147 @@
+"""The issue's targets for `hybrid`, judged on the pooled runs: MET / NOT MET / NOT RUN,
+each with the numbers it rests on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Run = Mapping[str, Any]
+
+TARGET_POLICY = "hybrid"
+BASELINES = ("fcfs", "vllm-priority", "sglang-priority", "article")
+P0_ATTAINMENT = 0.99
+P0_SLOWDOWN = 1.5
+LONG_PROMPT_SHARE = 0.05  # a cell where this share of P0 prompts alone miss the SLO is judged by slowdown
+P1_ATTAINMENT = 0.95
+THROUGHPUT_FLOOR = 0.97
+SLO_WORKLOADS = ("default", "memory-pressure")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    met: bool | None  # None: not run, or not judged
+    detail: str
+
+    def label(self) -> str:
+        return "NOT RUN" if self.met is None else ("MET" if self.met else "NOT MET")
+
+
+def cell_name(run: Run) -> str:
+    load = f"{run['load']} clients" if run["arrival"] == "closed" else f"{run['load']}x"
+    return f"{run['workload']}/{run['pattern']} {load}"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def _same_cell(runs: Sequence[Run], run: Run, policy: str) -> Run | None:
+    key = (run["workload"], run["pattern"], run["load"])
+    return next(
+        (r for r in runs if (r["workload"], r["pattern"], r["load"]) == key and r["policy"] == policy), None
+    )
+
+
+def _judge(
+    target: str, cells: Sequence[Run], ok: Callable[[Run], bool | None], show: Callable[[Run], str]
+) -> Verdict:
+    verdicts = [ok(r) for r in cells]
+    detail = "; ".join(f"{cell_name(r)}: {show(r)}" for r in cells) or "no cell applies"
+    met = None if not cells or any(v is None for v in verdicts) else all(verdicts)
+    return Verdict(target, met, detail)
+
+
+def _p0(run: Run) -> tuple[bool | None, str]:
+    if (run.get("p0_idle_over_slo_share") or 0) >= LONG_PROMPT_SHARE:
+        s = run.get("p0_slowdown_p95")
+        return (None if s is None else s <= P0_SLOWDOWN), f"slowdown P95 {s} (long prompts)"
+    a = run["tiers"]["P0"]["slo_attainment"]
+    return (None if a is None else a >= P0_ATTAINMENT), _pct(a)
+
+
+def judge(runs: Sequence[Run]) -> list[Verdict]:
+    mine = [r for r in runs if r["policy"] == TARGET_POLICY]
+    if not mine:
+        return [Verdict(f"targets apply to {TARGET_POLICY}", None, "not run")]
+    slo_cells = [r for r in mine if r["workload"] in SLO_WORKLOADS]
+    up_to_capacity = [r for r in slo_cells if r["arrival"] == "open" and r["load"] <= 1.0]
+    beyond = [r for r in slo_cells if r not in up_to_capacity]
+
+    def p1_vs_vllm(run: Run) -> bool | None:
+        base = _same_cell(runs, run, "vllm-priority")
+        mine_p1, base_p1 = (
+            run["tiers"]["P1"]["slo_attainment"],
+            base and base["tiers"]["P1"]["slo_attainment"],
+        )
+        return None if mine_p1 is None or base_p1 is None else mine_p1 >= base_p1
+
+    def p1_show(run: Run) -> str:
+        base = _same_cell(runs, run, "vllm-priority")
+        theirs = None if base is None else base["tiers"]["P1"]["slo_attainment"]
+        return f"{_pct(run['tiers']['P1']['slo_attainment'])} vs vllm-priority {_pct(theirs)}"
+
+    def goodput_ok(run: Run) -> bool | None:
+        others = [_same_cell(runs, run, b) for b in BASELINES]
+        values = [o["goodput_rps"] for o in others if o is not None]
+        return None if not values else run["goodput_rps"] >= max(values)
+
+    def goodput_show(run: Run) -> str:
+        others = {b: o["goodput_rps"] for b in BASELINES if (o := _same_cell(runs, run, b)) is not None}
+        return f"{run['goodput_rps']} vs best baseline {max(others.values(), default=None)} rps"
+
+    def p3_ok(run: Run) -> bool:
+        p3 = run["tiers"]["P3"]
+        reasons_given = all(reason for reason in run["p3_shed_reasons"])
+        return p3["completed"] + p3["shed"] == p3["requests"] and reasons_given
+
+    return [
+        _judge(
+            f"P0 SLO attainment >= {P0_ATTAINMENT:.0%} at every load and concurrency "
+            f"(slowdown P95 <= {P0_SLOWDOWN} where P0 prompts alone exceed the SLO)",
+            slo_cells,
+            lambda r: _p0(r)[0],
+            lambda r: _p0(r)[1],
+        ),
+        _judge(
+            f"P1 SLO attainment >= {P1_ATTAINMENT:.0%} up to 1.0x capacity",
+            up_to_capacity,
+            lambda r: r["tiers"]["P1"]["slo_attainment"] >= P1_ATTAINMENT,
+            lambda r: _pct(r["tiers"]["P1"]["slo_attainment"]),
+        ),
+        _judge(
+            "beyond capacity (and closed loop), P1 attainment never below vllm-priority's",
+            beyond,
+            p1_vs_vllm,
+            p1_show,
+        ),
+        _judge("goodput >= every baseline's at every load", mine, goodput_ok, goodput_show),
+        _judge(
+            f"throughput >= {THROUGHPUT_FLOOR:.0%} of fcfs's",
+            mine,
+            lambda r: (
+                None if r["throughput_vs_fcfs"] is None else r["throughput_vs_fcfs"] >= THROUGHPUT_FLOOR
+            ),
+            lambda r: f"{r['throughput_vs_fcfs']}x",
+        ),
+        _judge(
+            "every P3 request completes or is shed with a reason",
+            mine,
+            p3_ok,
+            lambda r: (
+                f"{r['p3_completed']} completed, {r['p3_shed']} shed {r['p3_shed_reasons'] or ''}".rstrip()
+            ),
+        ),
+        Verdict(
+            "under memory pressure, P0 never waits for memory held by a lower tier",
+            None,
+            "not judged by the bench (it sees no memory waits); P0 preemptions on memory-pressure cells: "
+            + "; ".join(
+                f"{cell_name(r)}: {r['tiers']['P0']['preempted']}"
+                for r in mine
+                if r["workload"] == "memory-pressure"
+            ),
+        ),
+    ]
