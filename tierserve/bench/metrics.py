@@ -1,23 +1,12 @@
-"""What a benchmark run measured: per-request records, the measurement window, per-tier metrics.
-
-Definitions (docs/benchmark.md restates them):
-- TTFT = first token time - arrival time. A request that never got a token before the run
-  ended counts with its wait so far (a lower bound; `num_censored` says how many).
-- SLO attained: TTFT <= the tier's `ttft_target_s`; a tier with no target (P3) attains it
-  by completing. Rejected requests miss it. Attainment = attained / measured requests.
-- Inter-token latency (ITL) of a request = (finish - first token) / (output tokens - 1).
-- Utilization = sum of the executor's roofline step times / elapsed time, over the window.
-"""
+"""What a benchmark run recorded: per-request records (with their preemptions and
+admissions), KV block use over the window, and the window's engine counters.
+`summary` turns them into figures."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from tierserve.config import EngineConfig
 from tierserve.request import EventKind, Request, RequestStatus, TimelineEvent
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -138,108 +127,3 @@ class Window:
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
-
-
-@dataclass(frozen=True, slots=True)
-class TierMetrics:
-    num_measured: int
-    completed: int
-    rejected: int
-    aborted: int  # still unfinished when the run ended
-    num_censored: int  # no first token when the run ended: TTFT counted as the wait so far
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    ttft_p99_s: float | None
-    itl_p50_s: float | None
-    itl_p95_s: float | None
-    e2e_p50_s: float | None
-    e2e_p95_s: float | None
-    e2e_p99_s: float | None
-    slo_attainment: float | None
-    max_wait_s: float | None  # longest arrival -> first token (or -> run end, if censored)
-    prefix_hit_rate: float | None
-    num_swaps: int
-    num_recomputes: int
-
-
-@dataclass(frozen=True, slots=True)
-class RunMetrics:
-    tiers: Mapping[Tier, TierMetrics]
-    throughput_tokens_per_s: float
-    utilization: float  # roofline time / elapsed time over the window
-    busy_fraction: float  # time inside engine steps and swaps / elapsed time
-    window_s: float
-    num_swaps: int
-    num_recomputes: int
-    prefix_hit_rate: float | None
-    blocks: Mapping[Tier, BlockUsage]
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile; None without samples."""
-    return float(np.percentile(values, q)) if len(values) else None
-
-
-def _hit_rate(records: Sequence[RequestRecord]) -> float | None:
-    asked = sum(r.num_prompt_tokens for r in records if r.status is not RequestStatus.REJECTED)
-    return sum(r.num_cached_tokens for r in records) / asked if asked else None
-
-
-def tier_metrics(records: Sequence[RequestRecord], target_s: float, end_s: float) -> TierMetrics:
-    admitted = [r for r in records if r.status is not RequestStatus.REJECTED]
-    censored = [r for r in admitted if r.first_token_s is None]
-    waits = [(r.first_token_s if r.first_token_s is not None else end_s) - r.arrival_s for r in admitted]
-    done = [r for r in records if r.status is RequestStatus.FINISHED]
-    itls = [
-        (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1)
-        for r in done
-        if r.first_token_s is not None and r.num_output_tokens > 1
-    ]
-    e2e = [r.finish_s - r.arrival_s for r in done]
-    if math.isinf(target_s):
-        attained = len(done)
-    else:
-        attained = sum(
-            1 for r in admitted if r.first_token_s is not None and r.first_token_s - r.arrival_s <= target_s
-        )
-    return TierMetrics(
-        num_measured=len(records),
-        completed=len(done),
-        rejected=len(records) - len(admitted),
-        aborted=sum(r.status is RequestStatus.ABORTED for r in records),
-        num_censored=len(censored),
-        ttft_p50_s=percentile(waits, 50),
-        ttft_p95_s=percentile(waits, 95),
-        ttft_p99_s=percentile(waits, 99),
-        itl_p50_s=percentile(itls, 50),
-        itl_p95_s=percentile(itls, 95),
-        e2e_p50_s=percentile(e2e, 50),
-        e2e_p95_s=percentile(e2e, 95),
-        e2e_p99_s=percentile(e2e, 99),
-        slo_attainment=attained / len(records) if records else None,
-        max_wait_s=max(waits) if waits else None,
-        prefix_hit_rate=_hit_rate(records),
-        num_swaps=sum(r.num_swaps for r in records),
-        num_recomputes=sum(r.num_recomputes for r in records),
-    )
-
-
-def run_metrics(records: Sequence[RequestRecord], window: Window, config: EngineConfig) -> RunMetrics:
-    """Metrics of the measured requests (`record.measured`) and of the engine over the window."""
-    measured = [r for r in records if r.measured]
-    tiers = {
-        t: tier_metrics([r for r in measured if r.tier == t], config.tier(t).ttft_target_s, window.end_s)
-        for t in ALL_TIERS
-    }
-    span = window.duration_s
-    return RunMetrics(
-        tiers=tiers,
-        throughput_tokens_per_s=window.num_generated_tokens / span if span > 0 else 0.0,
-        utilization=window.roofline_s / span if span > 0 else 0.0,
-        busy_fraction=window.busy_s / span if span > 0 else 0.0,
-        window_s=span,
-        num_swaps=sum(m.num_swaps for m in tiers.values()),
-        num_recomputes=sum(m.num_recomputes for m in tiers.values()),
-        prefix_hit_rate=_hit_rate(measured),
-        blocks=window.blocks,
-    )

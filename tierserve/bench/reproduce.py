@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ QUICK_PLAN: tuple[tuple[str, Pattern, tuple[float, ...]], ...] = (
 )
 FULL_REQUESTS = 2000  # measured per seed: 3 seeds pool about 300 P0 requests (5 % of traffic)
 QUICK_REQUESTS = 400
+QUICK_CAPACITY_REQUESTS = 500
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -117,6 +119,8 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
         config_path=args.config,
         max_trace_rows=args.trace_rows,
     )
+    if args.quick:
+        setup = replace(setup, capacity_requests=QUICK_CAPACITY_REQUESTS)
     setup.engine_config()  # a bad config file fails now, not in a worker
     return Matrix(setup, policies, tuple(args.seed), _groups(args))
 
