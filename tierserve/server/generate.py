@@ -7,6 +7,7 @@ known to be valid, and a refusal after the rate limit refunds the reserved token
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from tierserve.request import FinishReason, Request
+from tierserve.server.config import TenantConfig
 from tierserve.server.detokenize import TextStream
 from tierserve.server.errors import ApiError
 from tierserve.server.formatting import DONE, ResponseFormatter, Usage, error_event
@@ -33,9 +35,13 @@ async def generate(
     state: ServerState,
     http: HttpRequest,
     body: ChatCompletionRequest | CompletionRequest,
+    tenant: TenantConfig | None = None,
+    *,
+    offload: bool = False,
 ) -> Response:
     """Serve one generation; the tier comes from `x-request-tier` or the body's `priority`, the
-    tenant from the API key or `x-tenant-id`."""
+    tenant from the API key or `x-tenant-id` (resolved here unless the caller did).
+    `offload`: tokenize and check a large prompt on a worker thread, off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
     metrics = state.metrics
     if state.draining:
@@ -49,11 +55,12 @@ async def generate(
             extra={"retry_after": 1.0},
         )
     asked = http.headers
-    tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+    if tenant is None:
+        tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
     check_model(state, body.model)
     decision = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority))
     tier = decision.effective
-    prepared = prepare(state, body, tier)
+    prepared = await asyncio.to_thread(prepare, state, body, tier) if offload else prepare(state, body, tier)
     num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
     rate = await state.limiter.acquire(tenant, num_reserved)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}

@@ -87,6 +87,15 @@ class ServerMetrics:
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )
+        self.http_refusals = Counter(
+            "tierserve_http_refusals",
+            "Connections the HTTP guard ended before the application answered, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.aborted_uploads = Counter(
+            "tierserve_aborted_uploads", "Clients gone while sending their request body (499)", registry=r
+        )
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
         self._state = StateCollector(model_name, self.sla_attainment)
@@ -116,6 +125,9 @@ class ServerMetrics:
             counts = self._sla.setdefault((tier, entitled), [0, 0])
             counts[0] += met
             counts[1] += 1
+
+    def count_http_refusal(self, reason: str) -> None:
+        self.http_refusals.labels(reason).inc()
 
     def reject(self, reason: str, tier: Tier | None) -> None:
         self.rejections.labels(reason, "none" if tier is None else tier.name).inc()
