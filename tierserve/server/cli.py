@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
-        **uvicorn_options(config.server.http, state.metrics.count_http_refusal),
+        **uvicorn_options(config.server.http, state.metrics.count_http_error),
     )
     DrainingServer(uv_config, state, config.server.drain_timeout_s).run()
     return 0

@@ -53,7 +53,7 @@ def embedded_server(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=2,
-        **uvicorn_options(state.config.server.http, state.metrics.count_http_refusal),
+        **uvicorn_options(state.config.server.http, state.metrics.count_http_error),
     )
     server = DrainingServer(config, state, drain_timeout_s)
     thread = threading.Thread(

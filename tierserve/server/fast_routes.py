@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
-from tierserve.server.http_guard import REFUSED
+from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.state import ServerState
 
@@ -92,9 +92,12 @@ def _validate(model: Model, raw: bytes) -> ChatCompletionRequest | CompletionReq
 
 def aborted_upload(state: ServerState, scope: Scope) -> None:
     """The client went away before its body was complete: count it and log one line."""
-    refused = scope.get(REFUSED)
-    if refused is not None:
-        return  # the HTTP guard ended it, and counted it under its own reason
-    state.metrics.aborted_uploads.inc()
-    client = scope.get("client")
-    log.info("aborted upload: %s %s from %s (client gone mid-body)", scope["method"], scope["path"], client)
+    if scope.get(REFUSED) is not None:
+        return  # the HTTP guard ended it, and counted and logged it
+    state.metrics.count_http_error(ABORTED_UPLOAD)
+    log.info(
+        "aborted upload: %s %s from %s (client gone mid-body)",
+        scope["method"],
+        scope["path"],
+        scope.get("client"),
+    )

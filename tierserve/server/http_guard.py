@@ -32,6 +32,7 @@ from tierserve.server.http_limits import HttpLimits
 log = logging.getLogger("tierserve.server")
 
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
+ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
 HEADER_END = b"\r\n\r\n"
 _REASONS = {
     431: "Request Header Fields Too Large",
@@ -89,7 +90,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def eof_received(self) -> None:
         if self._phase == "body" and not self._refused:
-            self._refuse(400, "incomplete_body", "The request body ended before its declared length.")
+            self._refuse(400, ABORTED_UPLOAD, "The request body ended before its declared length.")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -206,7 +207,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
         if self.settings.report is not None:
             self.settings.report(reason)
-        log.debug("connection from %s refused: %s", self.client, reason)
+        level = logging.DEBUG if reason == "connection_limit" else logging.INFO  # a flood: no log flood
+        log.log(level, "HTTP %d %s from %s: %s", status, reason, self.client, message)
 
 
 def guarded_protocol(limits: HttpLimits, report: Callable[[str], None] | None) -> type[GuardedHttpProtocol]:

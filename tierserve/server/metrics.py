@@ -87,14 +87,12 @@ class ServerMetrics:
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )
-        self.http_refusals = Counter(
-            "tierserve_http_refusals",
-            "Connections the HTTP guard ended before the application answered, by reason",
+        self.http_errors = Counter(
+            "tierserve_http_errors",
+            "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
+            "uploads the client aborted), by reason",
             ["reason"],
             registry=r,
-        )
-        self.aborted_uploads = Counter(
-            "tierserve_aborted_uploads", "Clients gone while sending their request body (499)", registry=r
         )
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
@@ -126,8 +124,8 @@ class ServerMetrics:
             counts[0] += met
             counts[1] += 1
 
-    def count_http_refusal(self, reason: str) -> None:
-        self.http_refusals.labels(reason).inc()
+    def count_http_error(self, reason: str) -> None:
+        self.http_errors.labels(reason).inc()
 
     def reject(self, reason: str, tier: Tier | None) -> None:
         self.rejections.labels(reason, "none" if tier is None else tier.name).inc()
