@@ -4,6 +4,7 @@ clean response, one metric and no 500."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -111,10 +112,9 @@ def test_oversized_headers_get_431_and_are_not_buffered(
     server: LiveServer, headers: bytes, code: str
 ) -> None:
     with connect(server) as sock:
-        try:
+        # The server may stop reading past the limit: the send then fails, the answer stands.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n" + headers + b"\r\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server stopped reading after the limit: also a refusal
         assert status_and_code(read_all(sock)) == (431, code)
 
 

@@ -64,7 +64,8 @@ class GenerationRoutes:
             h = http.headers
             tenant = self._state.tenants.resolve(h.get("authorization"), h.get("x-tenant-id"))
         except ApiError as e:
-            e.headers.setdefault("connection", "close")  # the unread body is not worth reading
+            if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
+                e.headers.setdefault("connection", "close")  # not worth reading; a small one is skipped
             return e.response()
         try:
             raw = await http.body()
@@ -82,6 +83,12 @@ class GenerationRoutes:
             return invalid_body(e.errors()).response()
         except ApiError as e:
             return e.response()
+
+
+def _large_body(length: str | None, encoding: str | None) -> bool:
+    if encoding is not None:
+        return True
+    return length is not None and (not length.isdigit() or int(length) > OFFLOAD_BYTES)
 
 
 def _validate(model: Model, raw: bytes) -> ChatCompletionRequest | CompletionRequest:
