@@ -8,9 +8,9 @@ answers `POST /v1/chat/completions` and `POST /v1/completions` itself.
 Order: the API key, from the headers alone (a 401 goes out before a byte of the body is
 read, with `connection: close`); then the body; then one validation pass with the same
 pydantic models (`model_validate_json`) and the same `generate`. A body larger than
-`OFFLOAD_BYTES` is validated and prepared on a worker thread, so the event loop keeps
-sending tokens meanwhile. A client gone while sending its body is an aborted upload: one
-log line, a metric, nothing answered (499 in the metric's terms). Errors leave as the app's
+`OFFLOAD_BYTES` is validated and prepared on a worker thread through a `BodyGate`
+(body_gate.py), so the event loop keeps sending tokens meanwhile. A client gone while
+sending its body is an aborted upload: one log line, a metric, nothing answered. Errors leave as the app's
 handlers would send them (400 naming the field, 413, the `ApiError` envelope); anything
 unexpected goes up to the app's 500 handler. The FastAPI routes stay declared, so the
 OpenAPI schema documents them.
@@ -18,7 +18,6 @@ OpenAPI schema documents them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from pydantic import ValidationError
@@ -28,6 +27,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tierserve.server.body_gate import BodyGate
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
 from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
@@ -48,6 +48,7 @@ class GenerationRoutes:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self._app = app
         self._state = state
+        self._gate = BodyGate()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
@@ -76,8 +77,8 @@ class GenerationRoutes:
             return http_error(e).response()
         try:
             if len(raw) > OFFLOAD_BYTES:
-                body = await asyncio.to_thread(_validate, model, raw)
-                return await generate(self._state, http, body, tenant, offload=True)
+                body = await self._gate.run(_validate, model, raw)
+                return await generate(self._state, http, body, tenant, offload=self._gate)
             return await generate(self._state, http, _validate(model, raw), tenant)
         except ValidationError as e:
             return invalid_body(e.errors()).response()

@@ -7,7 +7,6 @@ known to be valid, and a refusal after the rate limit refunds the reserved token
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from tierserve.request import FinishReason, Request
+from tierserve.server.body_gate import BodyGate
 from tierserve.server.config import TenantConfig
 from tierserve.server.detokenize import TextStream
 from tierserve.server.errors import ApiError
@@ -37,11 +37,11 @@ async def generate(
     body: ChatCompletionRequest | CompletionRequest,
     tenant: TenantConfig | None = None,
     *,
-    offload: bool = False,
+    offload: BodyGate | None = None,
 ) -> Response:
     """Serve one generation; the tier comes from `x-request-tier` or the body's `priority`, the
     tenant from the API key or `x-tenant-id` (resolved here unless the caller did).
-    `offload`: tokenize and check a large prompt on a worker thread, off the event loop."""
+    `offload`: tokenize and check a large prompt through this gate, off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
     metrics = state.metrics
     if state.draining:
@@ -60,7 +60,9 @@ async def generate(
     check_model(state, body.model)
     decision = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority))
     tier = decision.effective
-    prepared = await asyncio.to_thread(prepare, state, body, tier) if offload else prepare(state, body, tier)
+    prepared = (
+        prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)
+    )
     num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
     rate = await state.limiter.acquire(tenant, num_reserved)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
