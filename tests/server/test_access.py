@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from tests.server.helpers import MODEL, LiveServer, live_server, make_state
-from tierserve.cli import main
+from tierserve.cli import build_parser, main
 from tierserve.server import fast_routes
 from tierserve.server.config import ServeConfig, parse_serve_config
+from tierserve.server.http_limits import http_overrides, parse_http_limits
 from tierserve.server.permissive import log_permissive_settings, permissive_settings
 
 CONFIG = {
@@ -137,3 +138,13 @@ def test_serve_refuses_to_start_with_tenants_but_no_keys(
     assert main(["serve", "--backend", "sim", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "allow_anonymous" in err
+
+
+def test_http_limit_flags_override_the_file_and_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    file_limits = parse_serve_config({"server": {"http": {"max_connections": 64, "body_timeout_s": 5}}})
+    args = build_parser().parse_args(["serve", "--max-connections", "8", "--header-timeout", "2.5"])
+    limits = parse_http_limits(http_overrides(args), file_limits.server.http)
+    assert (limits.max_connections, limits.header_timeout_s, limits.body_timeout_s) == (8, 2.5, 5.0)
+    assert main(["serve", "--backend", "sim", "--header-timeout", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "server.http.header_timeout_s" in err
