@@ -3,6 +3,7 @@ from __future__ import annotations
 from tests.conftest import make_request
 from tierserve.config import DEFAULT_TIERS
 from tierserve.memory.block_pool import BlockPool
+from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.memory.partition import TierPartition
 from tierserve.tiers import Tier
@@ -137,7 +138,7 @@ def test_integrity_check_catches_a_double_free() -> None:
     pool.release(b)
     try:
         pool.release(b)
-    except AssertionError:
+    except KVIntegrityError:
         return
     raise AssertionError("double release went unnoticed")
 
@@ -149,6 +150,6 @@ def test_integrity_check_catches_a_lost_block() -> None:
     req.block_ids.pop()  # the manager still counts a reference nobody holds
     try:
         mem.check_integrity()
-    except AssertionError:
+    except KVIntegrityError:
         return
     raise AssertionError("a leaked block went unnoticed")

@@ -20,6 +20,7 @@ CONFIG = {
         "bronze": {"api_keys": ["sk-bronze"], "max_tier": "batch", "default_tier": "background"},
         "tiny": {
             "api_keys": ["sk-tiny"],
+            "max_tier": "P0",
             "requests_per_s": 0.01,
             "request_burst": 1,
             "tokens_per_s": 1,

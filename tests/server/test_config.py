@@ -28,7 +28,8 @@ def test_no_config_is_open_with_no_limits() -> None:
 
 
 def test_burst_defaults_to_one_second_of_rate() -> None:
-    config = parse_serve_config({"limits": {"tokens_per_s": 500}, "tenants": {"a": {"requests_per_s": 0.5}}})
+    tenants = {"a": {"api_keys": ["k"], "requests_per_s": 0.5}}
+    config = parse_serve_config({"limits": {"tokens_per_s": 500}, "tenants": tenants})
     assert config.limits.global_limit.token_burst == 500
     assert config.tenants["a"].limit.request_burst == 1  # never below one request
 

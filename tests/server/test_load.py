@@ -19,7 +19,7 @@ from tierserve.server.metrics import WAIT_BUCKETS
 
 LOAD_CONFIG = {
     "limits": {"queue_cap": {"P3": 15}},
-    "tenants": {"t": {"requests_per_s": 0.001, "request_burst": 170}},
+    "tenants": {"t": {"api_keys": ["sk-t"], "max_tier": "P0", "requests_per_s": 0.001, "request_burst": 170}},
 }
 NUM_REQUESTS = 200
 
@@ -48,7 +48,7 @@ async def _one(client: openai.AsyncOpenAI, rng: random.Random, i: int) -> tuple[
     kw = {
         "model": MODEL,
         "max_tokens": rng.randint(4, 48),
-        "extra_headers": {"x-request-tier": tier, "x-tenant-id": "t"},
+        "extra_headers": {"x-request-tier": tier},
     }
     prompt = "x" * rng.randint(10, 400)
     try:
@@ -88,7 +88,7 @@ def load() -> Iterator[LoadResult]:
     with live_server(state) as srv:
 
         async def run() -> tuple[list[tuple[str, int]], str]:
-            client = openai.AsyncOpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+            client = openai.AsyncOpenAI(base_url=srv.base_url, api_key="sk-t", max_retries=0, timeout=60)
             rng = random.Random(7)
             tasks = [
                 asyncio.ensure_future(_one(client, random.Random(rng.random()), i))

@@ -1,14 +1,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Sequence
 
 import pytest
 
-from tierserve.server.buckets import Bucket, LocalBuckets, TakeResult
+from tierserve.server.buckets import Bucket, BucketLevel, LocalBuckets, TakeResult
 from tierserve.server.config import RateLimit, TenantConfig
-from tierserve.server.ratelimit import RateLimiter, format_reset
+from tierserve.server.ratelimit import REDIS_RETRY_S, RateLimiter, Reservation, format_reset
 
 
 class FakeTime:
@@ -119,6 +120,39 @@ def test_fail_open_keeps_limiting_on_local_buckets_and_says_so() -> None:
     assert asyncio.run(scenario()) == [True, True, False]
     assert limiter.redis_up is False and limiter.num_fallbacks == 3
     assert backend.calls == 1  # then it waits before trying Redis again
+
+
+class FlakyBackend(BrokenBackend):
+    """Down until `up` is set; then every take is allowed."""
+
+    up = False
+
+    async def take(self, buckets: Sequence[Bucket], costs: Sequence[float]) -> TakeResult:
+        if not self.up:
+            return await super().take(buckets, costs)
+        return TakeResult(True, tuple(BucketLevel(b.capacity, 0.0) for b in buckets))
+
+
+def test_a_redis_outage_and_its_recovery_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    now = FakeTime()
+    backend = FlakyBackend()
+    limiter = RateLimiter(RateLimit(requests_per_s=1000.0), remote=backend, fail_open=True, now=now)
+
+    async def requests(n: int) -> None:
+        for _ in range(n):
+            await limiter.acquire(_tenant(), 1)
+            now.t += REDIS_RETRY_S  # every request retries Redis
+        await limiter.settle(Reservation(backend, (Bucket("x", 1.0, 1.0),), 5), 1)
+
+    caplog.set_level(logging.INFO, logger="tierserve.server")
+    asyncio.run(requests(20))
+    backend.up = True
+    asyncio.run(requests(20))
+    lines = [r.getMessage() for r in caplog.records]
+    assert backend.calls >= 20
+    assert sum("unreachable" in line for line in lines) == 2  # the outage, and the failed settle after
+    assert sum("reachable again" in line for line in lines) == 1
+    assert all(not r.exc_info for r in caplog.records)
 
 
 def test_fail_closed_refuses_while_the_backend_is_down() -> None:

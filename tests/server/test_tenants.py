@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from tierserve.config import ConfigError
 from tierserve.server.config import parse_serve_config
 from tierserve.server.errors import ApiError
 from tierserve.server.tenants import TenantResolver, decide_tier, parse_declared_tier
@@ -51,10 +52,50 @@ def test_open_server_accepts_any_key_and_labels_tenants_by_header() -> None:
     assert tenant.name == "team-a" and tenant.max_tier is Tier.P0
 
 
-def test_open_server_with_declared_tenants_puts_strangers_in_the_default_tenant() -> None:
-    resolver = TenantResolver(parse_serve_config({"tenants": {"a": {"max_tier": "P2"}}}))
-    assert resolver.resolve(None, "a").max_tier is Tier.P2
-    assert resolver.resolve(None, "b").name == "default"
+def test_declared_tenants_without_keys_are_refused_unless_anonymous_is_allowed() -> None:
+    with pytest.raises(ConfigError, match="allow_anonymous"):
+        parse_serve_config({"tenants": {"a": {"max_tier": "P2"}}})
+    parse_serve_config({"server": {"allow_anonymous": True}, "tenants": {"a": {"max_tier": "P2"}}})
+
+
+def test_anonymous_requests_run_as_the_default_tenant_at_its_default_tier_at_most() -> None:
+    config = parse_serve_config(
+        {"server": {"allow_anonymous": True}, "tenants": {"a": {"max_tier": "P0", "default_tier": "P0"}}}
+    )
+    resolver = TenantResolver(config)
+    for header in (None, "a", "b"):  # x-tenant-id cannot pick a declared tenant without its key
+        tenant = resolver.resolve(None, header)
+        assert tenant.name == "default"
+        assert decide_tier(tenant, Tier.P0).effective is Tier.P3
+    assert decide_tier(resolver.resolve(None, None), None).effective is Tier.P3
+
+
+def test_anonymous_requests_beside_keys_get_the_declared_default_tenant_capped_at_its_default_tier() -> None:
+    config = parse_serve_config(
+        {
+            "server": {"allow_anonymous": True, "default_tenant": "public"},
+            "tenants": {
+                "public": {"max_tier": "P0", "default_tier": "P2"},
+                "gold": {"api_keys": ["sk-gold"], "max_tier": "P0"},
+            },
+        }
+    )
+    resolver = TenantResolver(config)
+    assert resolver.resolve("Bearer sk-gold", None).name == "gold"
+    with pytest.raises(ApiError) as e:  # a wrong key is not anonymous
+        resolver.resolve("Bearer sk-nope", None)
+    assert e.value.status == 401
+    anonymous = resolver.resolve(None, "gold")
+    assert anonymous.name == "public"
+    assert decide_tier(anonymous, Tier.P0).effective is Tier.P2
+    assert decide_tier(anonymous, Tier.P3).effective is Tier.P3  # lowering stays allowed
+
+
+def test_a_tenant_without_max_tier_gets_the_lowest_tier() -> None:
+    config = parse_serve_config({"tenants": {"a": {"api_keys": ["k"]}}})
+    tenant = TenantResolver(config).resolve("Bearer k", None)
+    assert tenant.max_tier is Tier.P3
+    assert decide_tier(tenant, Tier.P0).effective is Tier.P3
 
 
 def test_tenant_header_must_be_printable_and_short() -> None:

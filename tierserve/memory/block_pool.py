@@ -6,21 +6,33 @@ Invariant: every block is in exactly one of three states —
                  kept in its tier's LRU until evicted (lowest tier first);
   * free:        ref_count == 0, no hash, on the free list.
 `num_free` counts cached-free and free blocks: both can be handed out.
+
+Prefix-cache keys are SHA-256 digests chained through the parent's key (as vLLM's): equal
+keys mean equal prefixes unless SHA-256 is broken. A hit is also checked against the block's
+own tokens and its parent's key, so a key shared by blocks of different contents (a weak
+`hash_fn`, as tests inject) costs a miss, never those tokens' KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from tierserve.memory.errors import KVIntegrityError
 from tierserve.tiers import ALL_TIERS, Tier
 
 NO_TIER = -1
+BlockKey = bytes
+HashFn = Callable[[BlockKey | None, Sequence[int]], BlockKey]
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block, chained with its parent's so equal hashes mean equal prefixes."""
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block(parent_key: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
+    """SHA-256 over the parent's key (none for a first block) and the block's token ids."""
+    digest = hashlib.sha256(parent_key or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
@@ -33,10 +45,13 @@ class BlockPool:
         self.block_size = block_size
         self.ref_count = [0] * num_blocks
         self.charged_tier = [NO_TIER] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[BlockKey | None] = [None] * num_blocks
+        # What each cached block holds, to check a hit: (parent's key, its own token ids).
+        self._content: list[tuple[BlockKey | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self.num_key_collisions = 0  # lookups whose key matched a block holding something else
         self.used_by_tier = [0] * len(ALL_TIERS)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields low ids first
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[BlockKey, int] = {}
         # Cached-free blocks per tier that last held them, least recently used first.
         self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in ALL_TIERS]
         self._num_evictable = 0
@@ -49,8 +64,15 @@ class BlockPool:
     def num_cached_free(self) -> int:
         return self._num_evictable
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self._hash_to_block.get(block_hash)
+    def lookup(self, block_hash: BlockKey, parent: BlockKey | None, token_ids: Sequence[int]) -> int | None:
+        """The cached block with this key, if it holds exactly `token_ids` after `parent`."""
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is None:
+            return None
+        if self._content[block_id] != (parent, tuple(token_ids)):
+            self.num_key_collisions += 1
+            return None
+        return block_id
 
     def take(self, block_id: int, tier: Tier) -> None:
         """Add a reference to a cached block (a prefix-cache hit)."""
@@ -73,7 +95,7 @@ class BlockPool:
         """Drop one reference; at zero the block becomes cached-free (if hashed) or free."""
         count = self.ref_count[block_id] - 1
         if count < 0:
-            raise AssertionError(f"block {block_id} released more often than taken")
+            raise KVIntegrityError(f"block {block_id} released more often than taken")
         self.ref_count[block_id] = count
         if count:
             return
@@ -86,11 +108,15 @@ class BlockPool:
             self._evictable[tier][block_id] = None  # most recently used at the end
             self._num_evictable += 1
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Record that `block_id` now holds the full block `block_hash` (first writer wins)."""
+    def register(
+        self, block_id: int, block_hash: BlockKey, parent: BlockKey | None, token_ids: Sequence[int]
+    ) -> None:
+        """Record that `block_id` now holds `token_ids` after `parent`, under `block_hash`
+        (first writer wins)."""
         if self.block_hash[block_id] is not None or block_hash in self._hash_to_block:
             return
         self.block_hash[block_id] = block_hash
+        self._content[block_id] = (parent, tuple(token_ids))
         self._hash_to_block[block_hash] = block_id
 
     def _evict_one(self) -> int:
@@ -99,40 +125,56 @@ class BlockPool:
                 block_id, _ = lru.popitem(last=False)
                 self._num_evictable -= 1
                 block_hash = self.block_hash[block_id]
-                assert block_hash is not None, "an evictable block always has a hash"
+                if block_hash is None:
+                    raise KVIntegrityError(f"evictable block {block_id} has no hash")
                 del self._hash_to_block[block_hash]
                 self.block_hash[block_id] = None
+                self._content[block_id] = None
                 self.charged_tier[block_id] = NO_TIER
                 return block_id
-        raise AssertionError("allocate() called with no free block")
+        raise KVIntegrityError("allocate() called with no free block")
 
     def check_integrity(self) -> None:
+        """Raises `KVIntegrityError` naming the first broken invariant."""
         free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        if len(free) != len(self._free):
+            raise KVIntegrityError("a block is on the free list twice")
         evictable: set[int] = set()
         for tier, lru in enumerate(self._evictable):
             for b in lru:
-                assert b not in evictable, f"block {b} is evictable twice"
-                assert self.charged_tier[b] == tier, f"evictable block {b} filed under the wrong tier"
+                if b in evictable:
+                    raise KVIntegrityError(f"block {b} is evictable twice")
+                if self.charged_tier[b] != tier:
+                    raise KVIntegrityError(f"evictable block {b} filed under the wrong tier")
                 evictable.add(b)
-        assert len(evictable) == self._num_evictable, "evictable count drifted"
-        assert not free & evictable, "a block is both free and cached-free"
+        if len(evictable) != self._num_evictable:
+            raise KVIntegrityError("evictable count drifted")
+        if free & evictable:
+            raise KVIntegrityError("a block is both free and cached-free")
         used = [0] * len(ALL_TIERS)
         for b in range(self.num_blocks):
-            refs = self.ref_count[b]
-            if refs > 0:
-                assert b not in free and b not in evictable, f"block {b} is in use and free"
-                assert self.charged_tier[b] != NO_TIER, f"block {b} is in use but charged to no tier"
+            self._check_block(b, free, evictable)
+            if self.ref_count[b] > 0:
                 used[self.charged_tier[b]] += 1
-            else:
-                assert refs == 0, f"block {b} has a negative reference count"
-                assert (b in free) != (b in evictable), f"block {b} is lost"
-                if b in free:
-                    assert self.block_hash[b] is None, f"free block {b} still has a hash"
-                else:
-                    assert self.block_hash[b] is not None, f"cached block {b} has no hash"
-            h = self.block_hash[b]
-            if h is not None:
-                assert self._hash_to_block.get(h) == b, f"block {b}'s hash is not indexed"
-        assert len(self._hash_to_block) == sum(h is not None for h in self.block_hash), "stale hashes"
-        assert used == self.used_by_tier, f"per-tier usage drifted: {used} != {self.used_by_tier}"
+        if len(self._hash_to_block) != sum(h is not None for h in self.block_hash):
+            raise KVIntegrityError("stale hashes")
+        if used != self.used_by_tier:
+            raise KVIntegrityError(f"per-tier usage drifted: {used} != {self.used_by_tier}")
+
+    def _check_block(self, b: int, free: set[int], evictable: set[int]) -> None:
+        refs, h = self.ref_count[b], self.block_hash[b]
+        if refs > 0:
+            if b in free or b in evictable:
+                raise KVIntegrityError(f"block {b} is in use and free")
+            if self.charged_tier[b] == NO_TIER:
+                raise KVIntegrityError(f"block {b} is in use but charged to no tier")
+        elif refs < 0:
+            raise KVIntegrityError(f"block {b} has a negative reference count")
+        elif (b in free) == (b in evictable):
+            raise KVIntegrityError(f"block {b} is lost")
+        elif (b in free) != (h is None):
+            raise KVIntegrityError(f"block {b}: free blocks have no hash, cached-free ones have one")
+        if (h is None) != (self._content[b] is None):
+            raise KVIntegrityError(f"block {b}: its hash and its recorded content disagree")
+        if h is not None and self._hash_to_block.get(h) != b:
+            raise KVIntegrityError(f"block {b}'s hash is not indexed")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tierserve.memory.errors import KVIntegrityError
+
 
 class HostPool:
     def __init__(self, num_blocks: int) -> None:
@@ -24,4 +26,5 @@ class HostPool:
 
     def check_integrity(self, held: list[int]) -> None:
         every = self._free + held
-        assert len(every) == len(set(every)) == self.num_blocks, "host swap blocks leaked or doubled"
+        if not len(every) == len(set(every)) == self.num_blocks:
+            raise KVIntegrityError("host swap blocks leaked or doubled")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 from collections import Counter
 
-from tierserve.memory.block_pool import BlockPool, hash_block
+from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block
+from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.host_pool import HostPool
 from tierserve.memory.partition import TierPartition
 from tierserve.request import Request
@@ -29,7 +30,9 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         partition: TierPartition | None = None,
         enable_prefix_caching: bool = True,
+        hash_fn: HashFn = hash_block,
     ) -> None:
+        """`hash_fn`: the prefix-cache key of a block (tests inject a weak one to force collisions)."""
         self.pool = BlockPool(num_blocks, block_size)
         self.host = HostPool(num_host_blocks)
         self.partition = partition or TierPartition.flat(num_blocks)
@@ -37,9 +40,10 @@ class KVCacheManager:
             raise ValueError("partition was built for a different number of blocks")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn
         self._holders: dict[str, Request] = {}  # requests holding device blocks
         self._swapped: dict[str, Request] = {}  # requests holding host blocks
-        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        self._hashes: dict[str, list[BlockKey]] = {}  # chained keys of each request's full blocks
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
         self._prefix_queried = [0] * len(ALL_TIERS)
         self._prefix_hit = [0] * len(ALL_TIERS)
@@ -87,7 +91,8 @@ class KVCacheManager:
 
     def admit(self, req: Request) -> Alloc:
         """Give a waiting request blocks for every known token, reusing cached prefix blocks."""
-        assert not req.block_ids, f"{req.request_id} already holds blocks"
+        if req.block_ids:
+            raise KVIntegrityError(f"{req.request_id} already holds blocks")
         hits = self._match_prefix(req)
         num_revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
         num_new = self.blocks_for(req.num_tokens) - len(hits)
@@ -139,8 +144,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
+        tokens, size = req.token_ids, self.block_size
         for i in range(start, num_full):
-            self.pool.register(req.block_ids[i], hashes[i])
+            parent = hashes[i - 1] if i else None
+            self.pool.register(req.block_ids[i], hashes[i], parent, tokens[i * size : (i + 1) * size])
         self._num_registered[req.request_id] = num_full
 
     # ---- swap ----------------------------------------------------------------------------
@@ -176,12 +183,12 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[BlockKey]:
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens, size = req.token_ids, self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tokens[i * size : (i + 1) * size])
+            parent = self._hash_fn(parent, tokens[i * size : (i + 1) * size])
             hashes.append(parent)
         return hashes
 
@@ -191,31 +198,36 @@ class KVCacheManager:
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for h in self._block_hashes(req, max_blocks):
-            block = self.pool.lookup(h)
+        tokens, size = req.token_ids, self.block_size
+        parent: BlockKey | None = None
+        for i, key in enumerate(self._block_hashes(req, max_blocks)):
+            block = self.pool.lookup(key, parent, tokens[i * size : (i + 1) * size])
             if block is None:
                 break
             hits.append(block)
+            parent = key
         return hits
 
     # ---- integrity -----------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Every block is free, cached or owned, exactly once; raises AssertionError if not."""
+        """Every block is free, cached or owned, exactly once; raises KVIntegrityError if not."""
         self.pool.check_integrity()
         refs: Counter[int] = Counter()
         for rid, req in self._holders.items():
-            assert req.request_id == rid and not req.host_block_ids, f"{rid} is half swapped"
+            if req.request_id != rid or req.host_block_ids:
+                raise KVIntegrityError(f"{rid} is half swapped")
             refs.update(req.block_ids)
         for b in range(self.pool.num_blocks):
-            assert refs[b] == self.pool.ref_count[b], (
-                f"block {b}: {refs[b]} holders but ref_count {self.pool.ref_count[b]}"
-            )
+            if refs[b] != self.pool.ref_count[b]:
+                raise KVIntegrityError(f"block {b}: {refs[b]} holders but ref_count {self.pool.ref_count[b]}")
         held: list[int] = []
         for rid, req in self._swapped.items():
-            assert not req.block_ids, f"swapped request {rid} still holds device blocks"
+            if req.block_ids:
+                raise KVIntegrityError(f"swapped request {rid} still holds device blocks")
             held.extend(req.host_block_ids)
         self.host.check_integrity(held)
         used = self.pool.used_by_tier
         for t in ALL_TIERS:
-            assert used[t] <= self.partition.ceiling[t], f"{t.name} is above its ceiling"
+            if used[t] > self.partition.ceiling[t]:
+                raise KVIntegrityError(f"{t.name} is above its ceiling")

@@ -17,13 +17,14 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from tierserve import __version__
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error, invalid_body
-from tierserve.server.fast_routes import GenerationRoutes
+from tierserve.server.fast_routes import GenerationRoutes, aborted_upload
 from tierserve.server.generate import generate
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.state import ServerState
@@ -96,6 +97,11 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def starlette_error(_: HttpRequest, exc: HTTPException) -> Response:
         return http_error(exc).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(http: HttpRequest, _: ClientDisconnect) -> Response:
+        aborted_upload(state, http.scope)
+        return Response(status_code=499)  # never sent: the client is gone
 
     @app.exception_handler(Exception)
     async def internal_error(_: HttpRequest, exc: Exception) -> Response:

@@ -6,10 +6,12 @@ Import cost stays low: FastAPI, uvicorn and torch are imported inside `run`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
+from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
 SWITCH_INTERVAL_S = 0.0002
 
@@ -47,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--config", default=None, help="TOML: [scheduler], [tiers.*], [server], [limits], [tenants.*]"
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_http_flags(p)
     p.set_defaults(func=run)
 
 
@@ -58,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.server.backends import BackendError, build_backend
     from tierserve.server.config import load_serve_config
     from tierserve.server.drain import DrainingServer
+    from tierserve.server.http_guard import uvicorn_options
+    from tierserve.server.permissive import log_permissive_settings
     from tierserve.server.state import build_state
 
     # The engine thread and the event loop share the interpreter lock: a shorter switch
@@ -69,12 +74,13 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("tierserve.server")
     try:
         config = load_serve_config(args.config)
+        http = parse_http_limits(http_overrides(args), config.server.http)
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, http=http))
         backend = build_backend(args.backend, args.model, gpu=args.gpu, tp=args.tp, device=args.device)
     except (ConfigError, BackendError) as e:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
-    if config.source is None:
-        log.warning("no --config: the server is OPEN (no API keys, no rate limits, default tiers)")
+    log_permissive_settings(config, log)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     state = build_state(
@@ -88,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
     )
     app = create_app(state, freeze_heap=True)
     uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        **uvicorn_options(config.server.http, state.metrics.count_http_error),
     )
     DrainingServer(uv_config, state, config.server.drain_timeout_s).run()
     return 0

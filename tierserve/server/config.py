@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
+from tierserve.server.http_limits import HttpLimits, parse_http_limits
 from tierserve.tiers import Tier
 
 
@@ -31,7 +32,7 @@ class RateLimit:
 class TenantConfig:
     name: str
     api_keys: tuple[str, ...] = ()
-    max_tier: Tier = Tier.P0  # the most urgent tier this tenant may use
+    max_tier: Tier = Tier.P3  # the most urgent tier this tenant may use (deny by default: the lowest)
     default_tier: Tier = Tier.P1  # used when a request declares no tier (then capped by max_tier)
     weight: float = 1.0  # fair-share weight among tenants
     limit: RateLimit = field(default_factory=RateLimit)
@@ -53,9 +54,13 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 512  # when a request gives none (capped by the context left)
     tenant_header: bool = False  # accept `x-tenant-id` to name a tenant without an API key
-    default_tenant: str = "default"  # tenant of requests that name none, when keys are not required
+    default_tenant: str = "default"  # tenant of requests without a key, where those are allowed
+    # Requests without a key on a server with declared tenants: refused at start-up unless true;
+    # then they run as the default tenant, at its default tier at most.
+    allow_anonymous: bool = False
     drain_timeout_s: float = 30.0
     ratelimit: RateLimitBackendConfig = field(default_factory=RateLimitBackendConfig)
+    http: HttpLimits = field(default_factory=HttpLimits)
 
 
 DEFAULT_QUEUE_CAPS: dict[Tier, int] = {Tier.P0: 256, Tier.P1: 2048, Tier.P2: 8192, Tier.P3: 8192}
@@ -76,9 +81,14 @@ class ServeConfig:
     source: str | None = None  # the file it came from; None = built-in defaults (open server)
 
     @property
-    def requires_key(self) -> bool:
-        """True when any tenant has API keys: then a request without a known key gets 401."""
+    def has_keys(self) -> bool:
+        """True when any tenant has API keys: then an unknown key gets 401."""
         return any(t.api_keys for t in self.tenants.values())
+
+    @property
+    def requires_key(self) -> bool:
+        """True when a request without a key gets 401 (keys declared, anonymous not allowed)."""
+        return self.has_keys and not self.server.allow_anonymous
 
 
 def _table(path: str, value: Any) -> Mapping[str, Any]:
@@ -178,8 +188,10 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "default_max_tokens",
         "tenant_header",
         "default_tenant",
+        "allow_anonymous",
         "drain_timeout_s",
         "ratelimit",
+        "http",
     )
     _reject_unknown("server", raw, known)
     base = ServerSettings()
@@ -207,12 +219,14 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         ),
         tenant_header=_bool("server.tenant_header", raw.get("tenant_header", base.tenant_header)),
         default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
+        allow_anonymous=_bool("server.allow_anonymous", raw.get("allow_anonymous", base.allow_anonymous)),
         drain_timeout_s=_number(
             "server.drain_timeout_s", raw.get("drain_timeout_s", base.drain_timeout_s), minimum=0.0
         ),
         ratelimit=_ratelimit_backend(
             "server.ratelimit", _table("server.ratelimit", raw.get("ratelimit", {}))
         ),
+        http=parse_http_limits(_table("server.http", raw.get("http", {}))),
     )
 
 
@@ -235,7 +249,7 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
         if key in seen_keys:
             raise ConfigError(f"{path}.api_keys: key {key[:6]}... is also given to tenant {seen_keys[key]!r}")
         seen_keys[key] = name
-    max_tier = _tier(f"{path}.max_tier", raw.get("max_tier", "P0"))
+    max_tier = _tier(f"{path}.max_tier", raw.get("max_tier", "P3"))
     default_tier = _tier(f"{path}.default_tier", raw.get("default_tier", "P1"))
     return TenantConfig(
         name=name,
@@ -256,9 +270,12 @@ def parse_serve_config(raw: Mapping[str, Any], source: str | None = None) -> Ser
     seen_keys: dict[str, str] = {}
     for name, body in _table("tenants", raw.get("tenants", {})).items():
         tenants[name] = _tenant(name, _table(f"tenants.{name}", body), seen_keys)
-    if tenants and server.default_tenant not in tenants and not any(t.api_keys for t in tenants.values()):
-        # Open server with declared tenants: anonymous requests need a tenant to land in.
-        tenants[server.default_tenant] = TenantConfig(name=server.default_tenant)
+    if tenants and not any(t.api_keys for t in tenants.values()) and not server.allow_anonymous:
+        raise ConfigError(
+            "tenants: declared, but none has api_keys: anyone could pick any tenant. Give tenants "
+            "api_keys, or set server.allow_anonymous = true to serve requests without a key "
+            "(they run as the default tenant, at its default tier at most)"
+        )
     return ServeConfig(server=server, limits=limits, tenants=tenants, engine=engine, source=source)
 
 

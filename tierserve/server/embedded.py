@@ -13,6 +13,7 @@ import uvicorn
 
 from tierserve.server.app import create_app
 from tierserve.server.drain import DrainingServer
+from tierserve.server.http_guard import uvicorn_options
 from tierserve.server.state import ServerState
 
 
@@ -52,6 +53,7 @@ def embedded_server(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=2,
+        **uvicorn_options(state.config.server.http, state.metrics.count_http_error),
     )
     server = DrainingServer(config, state, drain_timeout_s)
     thread = threading.Thread(

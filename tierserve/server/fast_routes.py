@@ -3,36 +3,52 @@
 A FastAPI route resolves its parameters through the dependency machinery and wraps the
 handler in several layers on every request: ~0.2 ms on this machine before `generate`
 starts, on the event loop that also sends every token of every stream. This middleware
-answers `POST /v1/chat/completions` and `POST /v1/completions` itself: it reads the body,
-validates it with the same pydantic models in one pass (`model_validate_json`) and calls
-the same `generate`. Errors leave as the app's handlers would send them (400 naming the
-field, 413, the `ApiError` envelope); anything unexpected goes up to the app's 500
-handler. The FastAPI routes stay declared, so the OpenAPI schema documents them.
+answers `POST /v1/chat/completions` and `POST /v1/completions` itself.
+
+Order: the API key, from the headers alone (a 401 goes out before a byte of the body is
+read, with `connection: close`); then the body; then one validation pass with the same
+pydantic models (`model_validate_json`) and the same `generate`. A body larger than
+`OFFLOAD_BYTES` is validated and prepared on a worker thread through a `BodyGate`
+(body_gate.py), so the event loop keeps sending tokens meanwhile. A client gone while
+sending its body is an aborted upload: one log line, a metric, nothing answered. Errors leave as the app's
+handlers would send them (400 naming the field, 413, the `ApiError` envelope); anything
+unexpected goes up to the app's 500 handler. The FastAPI routes stay declared, so the
+OpenAPI schema documents them.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ValidationError
+import logging
+
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tierserve.server.body_gate import BodyGate
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
+from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.state import ServerState
 
-ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+log = logging.getLogger("tierserve.server")
+
+Model = type[ChatCompletionRequest] | type[CompletionRequest]
+ROUTES: dict[str, Model] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
+OFFLOAD_BYTES = 64 * 1024  # bodies above this are validated off the event loop
 
 
 class GenerationRoutes:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self._app = app
         self._state = state
+        self._gate = BodyGate()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
@@ -41,16 +57,55 @@ class GenerationRoutes:
             return
         http = HttpRequest(scope, receive)
         response = await self._respond(http, model)
-        await response(scope, receive, send)
+        if response is not None:
+            await response(scope, receive, send)
 
-    async def _respond(self, http: HttpRequest, model: type[BaseModel]) -> Response:
+    async def _respond(self, http: HttpRequest, model: Model) -> Response | None:
         try:
-            body = model.model_validate_json(await http.body())
-            assert isinstance(body, ChatCompletionRequest | CompletionRequest)
-            return await generate(self._state, http, body)
+            h = http.headers
+            tenant = self._state.tenants.resolve(h.get("authorization"), h.get("x-tenant-id"))
+        except ApiError as e:
+            if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
+                e.headers.setdefault("connection", "close")  # not worth reading; a small one is skipped
+            return e.response()
+        try:
+            raw = await http.body()
+        except ClientDisconnect:
+            aborted_upload(self._state, http.scope)
+            return None
+        except HTTPException as e:  # the body limit, while reading a chunked body
+            return http_error(e).response()
+        try:
+            if len(raw) > OFFLOAD_BYTES:
+                body = await self._gate.run(_validate, model, raw)
+                return await generate(self._state, http, body, tenant, offload=self._gate)
+            return await generate(self._state, http, _validate(model, raw), tenant)
         except ValidationError as e:
             return invalid_body(e.errors()).response()
         except ApiError as e:
             return e.response()
-        except HTTPException as e:  # the body limit, while reading a chunked body
-            return http_error(e).response()
+
+
+def _large_body(length: str | None, encoding: str | None) -> bool:
+    if encoding is not None:
+        return True
+    return length is not None and (not length.isdigit() or int(length) > OFFLOAD_BYTES)
+
+
+def _validate(model: Model, raw: bytes) -> ChatCompletionRequest | CompletionRequest:
+    if model is ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate_json(raw)
+    return CompletionRequest.model_validate_json(raw)
+
+
+def aborted_upload(state: ServerState, scope: Scope) -> None:
+    """The client went away before its body was complete: count it and log one line."""
+    if scope.get(REFUSED) is not None:
+        return  # the HTTP guard ended it, and counted and logged it
+    state.metrics.count_http_error(ABORTED_UPLOAD)
+    log.info(
+        "aborted upload: %s %s from %s (client gone mid-body)",
+        scope["method"],
+        scope["path"],
+        scope.get("client"),
+    )

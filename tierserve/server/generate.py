@@ -16,6 +16,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from tierserve.request import FinishReason, Request
+from tierserve.server.body_gate import BodyGate
+from tierserve.server.config import TenantConfig
 from tierserve.server.detokenize import TextStream
 from tierserve.server.errors import ApiError
 from tierserve.server.formatting import DONE, ResponseFormatter, Usage, error_event
@@ -33,9 +35,13 @@ async def generate(
     state: ServerState,
     http: HttpRequest,
     body: ChatCompletionRequest | CompletionRequest,
+    tenant: TenantConfig | None = None,
+    *,
+    offload: BodyGate | None = None,
 ) -> Response:
     """Serve one generation; the tier comes from `x-request-tier` or the body's `priority`, the
-    tenant from the API key or `x-tenant-id`."""
+    tenant from the API key or `x-tenant-id` (resolved here unless the caller did).
+    `offload`: tokenize and check a large prompt through this gate, off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
     metrics = state.metrics
     if state.draining:
@@ -49,11 +55,14 @@ async def generate(
             extra={"retry_after": 1.0},
         )
     asked = http.headers
-    tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+    if tenant is None:
+        tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
     check_model(state, body.model)
     decision = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority))
     tier = decision.effective
-    prepared = prepare(state, body, tier)
+    prepared = (
+        prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)
+    )
     num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
     rate = await state.limiter.acquire(tenant, num_reserved)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}

@@ -87,6 +87,13 @@ class ServerMetrics:
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )
+        self.http_errors = Counter(
+            "tierserve_http_errors",
+            "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
+            "uploads the client aborted), by reason",
+            ["reason"],
+            registry=r,
+        )
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
         self._state = StateCollector(model_name, self.sla_attainment)
@@ -116,6 +123,9 @@ class ServerMetrics:
             counts = self._sla.setdefault((tier, entitled), [0, 0])
             counts[0] += met
             counts[1] += 1
+
+    def count_http_error(self, reason: str) -> None:
+        self.http_errors.labels(reason).inc()
 
     def reject(self, reason: str, tier: Tier | None) -> None:
         self.rejections.labels(reason, "none" if tier is None else tier.name).inc()

@@ -95,9 +95,9 @@ def _prompt_ids(state: ServerState, body: ChatCompletionRequest | CompletionRequ
             return tok.encode(first)
         ids = list(first)
     else:
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        ids = list(prompt)  # type: ignore[arg-type]  # ints: the body's validation made them so
     vocab = state.model.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
         raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids
 

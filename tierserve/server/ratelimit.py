@@ -4,11 +4,13 @@ A request reserves ``prompt tokens + max_tokens`` up front; `settle` corrects th
 buckets with the real count when it ends. When a Redis backend is configured and
 unreachable, the limiter falls back by rule: fail-open keeps serving on in-process
 buckets, fail-closed refuses; it retries Redis after `REDIS_RETRY_S`. Both are visible
-through `redis_up` and `num_fallbacks` (exported as metrics).
+through `redis_up` and `num_fallbacks` (exported as metrics), and each outage and each
+recovery is logged once (WARNING), however many requests meet it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 from tierserve.server.buckets import Bucket, BucketBackend, LocalBuckets, TakeResult
 from tierserve.server.config import RateLimit, TenantConfig
+
+log = logging.getLogger("tierserve.server")
 
 REDIS_RETRY_S = 1.0
 
@@ -98,10 +102,10 @@ class RateLimiter:
         if remote is not None and self._now() >= self._remote_down_until:
             try:
                 result = await remote.take(buckets, costs)
-                self.redis_up = True
+                self._redis_state(True)
                 return result, remote
-            except (TimeoutError, OSError, ConnectionError, _redis_error()):
-                self.redis_up = False
+            except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
+                self._redis_state(False, e)
                 self._remote_down_until = self._now() + REDIS_RETRY_S
         if remote is not None:
             self.num_fallbacks += 1
@@ -150,9 +154,24 @@ class RateLimiter:
         for bucket in reservation.token_buckets:
             try:
                 await reservation.backend.give(bucket, delta)
-            except (TimeoutError, OSError, ConnectionError, _redis_error()):
+            except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
                 self.num_fallbacks += 1
-                self.redis_up = False
+                self._redis_state(False, e)
+
+    def _redis_state(self, up: bool, error: BaseException | None = None) -> None:
+        """Record whether Redis answered; log only the changes."""
+        if up == self.redis_up:
+            return
+        self.redis_up = up
+        if up:
+            log.warning("rate-limit Redis reachable again: limits are shared by the replicas again")
+            return
+        rule = (
+            "serving on this replica's own buckets (fail-open)"
+            if self._fail_open
+            else "refusing (fail-closed)"
+        )
+        log.warning("rate-limit Redis unreachable (%s: %s): %s", type(error).__name__, error, rule)
 
 
 def _redis_error() -> type[Exception]:

@@ -5,7 +5,7 @@ A declared tier more urgent than the tenant's entitlement is lowered to it, neve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierserve.server.config import ServeConfig, TenantConfig
 from tierserve.server.errors import bad_request, unauthorized
@@ -26,46 +26,57 @@ class TierDecision:
 
 
 class TenantResolver:
-    """Maps credentials to a `TenantConfig`; raises `ApiError` (401/400) when it cannot."""
+    """Maps credentials to a `TenantConfig`; raises `ApiError` (401/400) when it cannot.
+
+    A known API key names its tenant; an unknown one is a 401. Without a key: `x-tenant-id`
+    names a declared tenant only where `server.tenant_header` trusts it; otherwise the request
+    is anonymous: a 401 where keys are required, the default tenant capped at its default tier
+    where `allow_anonymous` is set, and an ad-hoc tenant named by `x-tenant-id` on an open
+    server (one that declares no tenants).
+    """
 
     def __init__(self, config: ServeConfig) -> None:
         self._config = config
         self._by_key = {key: t for t in config.tenants.values() for key in t.api_keys}
         self._requires_key = config.requires_key
-        self._default = config.tenants.get(config.server.default_tenant) or TenantConfig(
-            name=config.server.default_tenant
-        )
+        self._open = not config.tenants
+        name = config.server.default_tenant
+        if self._open:
+            self._anonymous = TenantConfig(name=name, max_tier=Tier.P0)
+        else:
+            declared = config.tenants.get(name)
+            base = declared or TenantConfig(name=name, default_tier=Tier.P3)
+            self._anonymous = replace(base, max_tier=max(base.max_tier, base.default_tier))
 
     @property
     def requires_key(self) -> bool:
         return self._requires_key
 
+    @property
+    def anonymous(self) -> TenantConfig:
+        return self._anonymous
+
     def resolve(self, authorization: str | None, tenant_header: str | None) -> TenantConfig:
         if tenant_header is not None:
             _check_tenant_name(tenant_header)
-        if self._requires_key:
-            key = _bearer(authorization)
-            if key:
-                tenant = self._by_key.get(key)
-                if tenant is None:
-                    raise unauthorized("Incorrect API key provided.")
-                return tenant
-            if self._config.server.tenant_header and tenant_header is not None:
-                named = self._config.tenants.get(tenant_header)
-                if named is not None:
-                    return named
+        key = _bearer(authorization)
+        if key and self._by_key:
+            tenant = self._by_key.get(key)
+            if tenant is None:
+                raise unauthorized("Incorrect API key provided.")
+            return tenant
+        if tenant_header is not None and self._config.server.tenant_header and not self._open:
+            named = self._config.tenants.get(tenant_header)
+            if named is not None:
+                return named
+            if self._requires_key:
                 raise unauthorized(f"Unknown tenant {tenant_header!r} in x-tenant-id.")
+        if self._requires_key:
             raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
-        # Open server: any key is accepted; x-tenant-id picks a declared tenant, or labels an
-        # ad-hoc one when none are declared.
-        if tenant_header is None:
-            return self._default
-        named = self._config.tenants.get(tenant_header)
-        if named is not None:
-            return named
-        if self._config.tenants:
-            return self._default
-        return TenantConfig(name=tenant_header)
+        if self._open and tenant_header is not None:
+            # Open server: x-tenant-id labels an ad-hoc tenant (for fair sharing only).
+            return TenantConfig(name=tenant_header, max_tier=Tier.P0)
+        return self._anonymous
 
 
 def _bearer(authorization: str | None) -> str:

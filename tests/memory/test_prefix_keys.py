@@ -1,0 +1,65 @@
+"""Prefix-cache keys: SHA-256 chained through the parent, and a hit checked against the
+block's tokens, so that a key collision costs a miss rather than serving another prompt's KV."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tests.conftest import make_request
+from tierserve.memory.block_pool import BlockKey, hash_block
+from tierserve.memory.manager import KVCacheManager
+from tierserve.request import Request
+
+BLOCK = 4
+
+
+def _computed(mem: KVCacheManager, tokens: list[int]) -> Request:
+    """Admit a request for `tokens`, mark all of it computed, enter it into the cache, free it."""
+    req = make_request(tokens=tokens)
+    mem.admit(req)
+    req.num_computed_tokens = req.num_tokens
+    mem.cache_computed_blocks(req)
+    mem.free(req)
+    mem.check_integrity()
+    return req
+
+
+def _reused(mem: KVCacheManager, tokens: list[int]) -> int:
+    req = make_request(tokens=tokens)
+    mem.admit(req)
+    num = req.num_computed_tokens
+    mem.free(req)
+    mem.check_integrity()
+    return num
+
+
+def colliding(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
+    """The worst cheap hash: every block has the same key."""
+    return b"collide"
+
+
+def test_keys_are_sha256_chained_through_the_parent() -> None:
+    first = hash_block(None, [1, 2, 3, 4])
+    assert len(first) == 32
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4]) == first
+    # Python's integer hash is not randomised: hash(-1) == hash(-2). SHA-256 keys tell them apart.
+    assert hash((None, (-1,))) == hash((None, (-2,)))
+    assert hash_block(None, [-1]) != hash_block(None, [-2])
+
+
+def test_a_forced_key_collision_reuses_no_kv_across_different_prompts() -> None:
+    mem = KVCacheManager(32, BLOCK, hash_fn=colliding)
+    _computed(mem, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert _reused(mem, [10, 20, 30, 40, 50, 60, 70, 80, 90]) == 0  # same key, other tokens
+    assert _reused(mem, [1, 2, 3, 4, 50, 60, 70, 80, 90]) == BLOCK  # the shared first block only
+    assert mem.pool.num_key_collisions >= 2
+    assert _reused(mem, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == BLOCK  # one key: one block indexed, and it hits
+
+
+def test_the_default_keys_reuse_identical_prefixes() -> None:
+    mem = KVCacheManager(32, BLOCK)
+    _computed(mem, list(range(9)))
+    assert _reused(mem, list(range(9))) == 2 * BLOCK
+    assert _reused(mem, [0, 1, 2, 3, 99, 5, 6, 7, 8]) == BLOCK
+    assert mem.pool.num_key_collisions == 0

@@ -1,0 +1,150 @@
+"""Deny by default, and the key checked before the body: through a live server, the config
+loader, the start-up warnings and `tierserve serve` itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.server.helpers import MODEL, LiveServer, live_server, make_state
+from tierserve.cli import build_parser, main
+from tierserve.server import fast_routes
+from tierserve.server.config import ServeConfig, parse_serve_config
+from tierserve.server.http_limits import http_overrides, parse_http_limits
+from tierserve.server.permissive import log_permissive_settings, permissive_settings
+
+CONFIG = {
+    "server": {"allow_anonymous": True, "default_tenant": "public"},
+    "tenants": {
+        "gold": {"api_keys": ["sk-gold"], "max_tier": "P0", "default_tier": "P0"},
+        "public": {"max_tier": "P0", "default_tier": "P2"},
+    },
+}
+ONE_MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    config = parse_serve_config({**CONFIG, "server": {**CONFIG["server"], "max_body_bytes": 2 * ONE_MIB}})
+    with live_server(make_state(config)) as srv:
+        yield srv
+
+
+def _tier(server: LiveServer, headers: dict[str, str]) -> str:
+    r = httpx.post(
+        server.base_url + "/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+        headers=headers,
+    )
+    assert r.status_code == 200, r.text
+    return r.headers["x-tierserve-tier"]
+
+
+def test_anonymous_traffic_runs_at_the_default_tier_whatever_it_asks(server: LiveServer) -> None:
+    assert _tier(server, {"authorization": "Bearer sk-gold", "x-request-tier": "P0"}) == "P0"
+    assert _tier(server, {"x-request-tier": "P0"}) == "P2"
+    assert _tier(server, {"x-request-tier": "P0", "x-tenant-id": "gold"}) == "P2"  # no key, no gold
+    assert _tier(server, {}) == "P2"
+
+
+def _raw(server: LiveServer, request: bytes) -> bytes:
+    parts = urlsplit(server.url)
+    with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=10) as sock:
+        sock.sendall(request)
+        out = b""
+        while b"\r\n\r\n" not in out or len(out.partition(b"\r\n\r\n")[2]) < _length(out):
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {out!r}"
+            out += chunk
+        return out
+
+
+def _length(response: bytes) -> int:
+    for line in response.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 1 << 30
+
+
+def _head(key: str, length: int) -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nhost: t\r\nauthorization: Bearer {key}\r\n"
+        f"content-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+    ).encode()
+
+
+def test_a_wrong_key_is_refused_before_the_body_is_read_or_parsed(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[int] = []
+    real = fast_routes._validate
+
+    def counting(model: fast_routes.Model, raw: bytes) -> object:
+        parsed.append(len(raw))
+        return real(model, raw)
+
+    monkeypatch.setattr(fast_routes, "_validate", counting)
+    # Headers only: the 401 comes without a byte of the declared 1 MiB body, and the connection closes.
+    reply = _raw(server, _head("sk-wrong", ONE_MIB))
+    assert reply.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in reply
+    assert b"connection: close" in reply.lower()
+    # A whole body that is not even JSON: still a 401, so it was never parsed.
+    body = b"[" * 30_000
+    reply = _raw(server, _head("sk-wrong", len(body)) + body)
+    assert reply.startswith(b"HTTP/1.1 401")
+    assert parsed == []
+    good = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    assert _raw(server, _head("sk-gold", len(good)) + good).startswith(b"HTTP/1.1 200")
+    assert parsed == [len(good)]  # the probe sees the bodies that are parsed
+
+
+def test_permissive_settings_are_each_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    locked = parse_serve_config(
+        {"limits": {"requests_per_s": 10}, "tenants": {"a": {"api_keys": ["k"], "max_tier": "P0"}}},
+        source="locked.toml",
+    )
+    assert permissive_settings(locked) == []
+    loose = parse_serve_config(
+        {
+            "server": {
+                "allow_anonymous": True,
+                "tenant_header": True,
+                "ratelimit": {"backend": "redis", "fail_mode": "open"},
+            },
+            "tenants": {"a": {"max_tier": "P0"}},
+        },
+        source="loose.toml",
+    )
+    caplog.set_level(logging.WARNING)
+    log_permissive_settings(loose, logging.getLogger("test.permissive"))
+    text = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for setting in ("allow_anonymous", "tenant_header", "fail_mode", "no rate limits"):
+        assert sum(setting in line for line in text) == 1, (setting, text)
+    assert any("OPEN" in line for line in permissive_settings(ServeConfig()))
+
+
+def test_serve_refuses_to_start_with_tenants_but_no_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "open.toml"
+    path.write_text('[tenants.a]\nmax_tier = "P0"\n')
+    assert main(["serve", "--backend", "sim", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "allow_anonymous" in err
+
+
+def test_http_limit_flags_override_the_file_and_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    file_limits = parse_serve_config({"server": {"http": {"max_connections": 64, "body_timeout_s": 5}}})
+    args = build_parser().parse_args(["serve", "--max-connections", "8", "--header-timeout", "2.5"])
+    limits = parse_http_limits(http_overrides(args), file_limits.server.http)
+    assert (limits.max_connections, limits.header_timeout_s, limits.body_timeout_s) == (8, 2.5, 5.0)
+    assert main(["serve", "--backend", "sim", "--header-timeout", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "server.http.header_timeout_s" in err

@@ -1,0 +1,227 @@
+"""The HTTP guard against a live server on 127.0.0.1, through raw sockets: what a hostile or
+broken client can hold (headers, bodies, connections) is bounded, and each refusal is one
+clean response, one metric and no 500."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.server.helpers import MODEL, LiveServer, live_server, make_state
+from tierserve.server.config import parse_serve_config
+
+LIMITS = {
+    "max_header_bytes": 4096,
+    "max_headers": 20,
+    "header_timeout_s": 0.5,
+    "body_timeout_s": 0.5,
+    "keep_alive_timeout_s": 5,
+    "max_connections": 12,
+}
+WAIT_S = 10.0  # how long a test waits for the server before calling it a hang
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    config = parse_serve_config({"server": {"http": LIMITS}})
+    with live_server(make_state(config)) as srv:
+        yield srv
+
+
+def connect(server: LiveServer) -> socket.socket:
+    parts = urlsplit(server.url)
+    sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=WAIT_S)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by WAIT_S)."""
+    out = b""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:  # closed with our bytes unread: a reset, after the response
+            return out
+        if not chunk:
+            return out
+        out += chunk
+    raise AssertionError(f"the server did not close the connection; got {out[:200]!r}")
+
+
+def status_and_code(response: bytes) -> tuple[int, str | None]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    code = json.loads(body)["error"]["code"] if body.startswith(b"{") else None
+    return status, code
+
+
+def errors(server: LiveServer, reason: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(f'tierserve_http_errors_total{{reason="{reason}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def completion_head(length: int, extra: str = "") -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        f"content-length: {length}\r\n{extra}\r\n"
+    ).encode()
+
+
+def test_a_connection_that_never_finishes_its_headers_gets_408_and_is_closed(server: LiveServer) -> None:
+    before = errors(server, "header_timeout")
+    with connect(server) as idle, connect(server) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
+        assert status_and_code(read_all(slow)) == (408, "header_timeout")
+        assert status_and_code(read_all(idle)) == (408, "header_timeout")  # sent nothing at all
+    assert errors(server, "header_timeout") == before + 2
+
+
+def test_a_slowloris_trickling_header_bytes_is_cut_off_at_the_header_timeout(server: LiveServer) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
+        for i in range(100):  # one byte per 50 ms would last 5 s; the timeout is 0.5 s
+            try:
+                sock.sendall(b"x-a%d: 1\r\n" % i)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+            time.sleep(0.05)
+        raise AssertionError("a trickle of header bytes kept the connection open")
+
+
+@pytest.mark.parametrize(
+    ("headers", "code"),
+    [
+        (b"x-big: " + b"a" * 1_000_000 + b"\r\n", "header_too_large"),
+        (b"".join(b"x-h%d: 1\r\n" % i for i in range(200)), "too_many_headers"),
+    ],
+)
+def test_oversized_headers_get_431_and_are_not_buffered(
+    server: LiveServer, headers: bytes, code: str
+) -> None:
+    with connect(server) as sock:
+        # The server may stop reading past the limit: the send then fails, the answer stands.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n" + headers + b"\r\n")
+        assert status_and_code(read_all(sock)) == (431, code)
+
+
+def test_headers_within_the_limit_are_served(server: LiveServer) -> None:
+    r = httpx.get(server.url + "/health", headers={"x-big": "a" * 3000, **{f"x-{i}": "1" for i in range(10)}})
+    assert r.status_code == 200
+
+
+def test_a_body_shorter_than_its_content_length_gets_400_at_the_body_timeout(server: LiveServer) -> None:
+    before = errors(server, "body_timeout")
+    with connect(server) as sock:
+        sock.sendall(completion_head(1000) + b'{"model": "')
+        assert status_and_code(read_all(sock)) == (400, "body_timeout")
+    assert errors(server, "body_timeout") == before + 1
+    server.wait_engine_idle()
+
+
+def test_a_chunked_body_without_its_end_gets_400_at_the_body_timeout(server: LiveServer) -> None:
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+    with connect(server) as sock:
+        sock.sendall(head + b'5\r\n{"mod\r\n')
+        assert status_and_code(read_all(sock)) == (400, "body_timeout")
+
+
+def test_an_upload_the_client_ends_early_is_a_400_counted_once_without_a_500(
+    server: LiveServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    before = errors(server, "aborted_upload")
+    with connect(server) as sock:
+        sock.sendall(completion_head(1000) + b'{"model": "')
+        sock.shutdown(socket.SHUT_WR)  # the client's stream ends mid-body
+        assert status_and_code(read_all(sock)) == (400, "aborted_upload")
+    with connect(server) as sock:  # and one that resets the connection outright
+        sock.sendall(completion_head(1000) + b'{"model": "')
+        time.sleep(0.05)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    deadline = time.monotonic() + WAIT_S
+    while errors(server, "aborted_upload") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert errors(server, "aborted_upload") == before + 2
+    lines = [r for r in caplog.records if "aborted" in r.getMessage() or r.exc_info]
+    assert len(lines) == 2 and not any(r.exc_info for r in lines)  # one line each, no traceback
+
+
+def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServer) -> None:
+    with ExitStack() as stack:
+        held = [stack.enter_context(connect(server)) for _ in range(LIMITS["max_connections"])]
+        for sock in held:  # each is accepted before the next is opened
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        with connect(server) as extra:
+            assert status_and_code(read_all(extra)) == (503, "connection_limit")
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the server did not accept connections again once the others closed")
+
+
+def test_pipelined_requests_are_answered_in_order(server: LiveServer) -> None:
+    with connect(server) as sock:
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n" * 3 + b"GET /nope HTTP/1.1\r\nhost: t\r\n\r\n"
+        )
+        got = b""
+        deadline = time.monotonic() + WAIT_S
+        while got.count(b"HTTP/1.1 ") < 4 and time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {got!r}"
+            got += chunk
+    statuses = [int(s) for s in re.findall(rb"HTTP/1.1 (\d{3})", got)]
+    assert statuses == [200, 200, 200, 404]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe bad utf-8"}',
+        b"\xff" * 2000,
+        b'{"model": "' + MODEL.encode() + b'", "prompt": [' + b"1," * 100_000 + b"1]",  # off the loop
+    ],
+)
+def test_bodies_that_are_not_valid_utf8_or_json_are_400s(server: LiveServer, body: bytes) -> None:
+    r = httpx.post(
+        server.base_url + "/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_large_valid_body_is_served(server: LiveServer) -> None:
+    ids = [255] * 5000
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "user": "u" * 70_000}  # validated off the loop
+    r = httpx.post(server.base_url + "/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_header_bytes_that_are_not_utf8_are_a_400_not_a_500(server: LiveServer) -> None:
+    with connect(server) as sock:
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+        odd = "x-tenant-id: \xff\xfe\r\nconnection: close\r\n".encode("latin-1")
+        sock.sendall(completion_head(len(body), odd) + body)
+        status, _ = status_and_code(read_all(sock))
+    assert status in (200, 400)

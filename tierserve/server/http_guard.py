@@ -1,0 +1,221 @@
+"""uvicorn's HTTP/1.1 protocol with bounded work per connection (the limits of http_limits.py).
+
+uvicorn bounds neither the size of a request's headers nor the time to send them or the
+body, nor the number of open connections. This protocol does, before any application code
+runs, and answers in OpenAI's error envelope with `connection: close`:
+
+* headers larger than `max_header_bytes` (counted on the raw bytes, before the parser
+  buffers them) or more than `max_headers` fields: 431;
+* headers not complete `header_timeout_s` after the connection opened, or after the first
+  byte of a later request on it: 408;
+* a body not complete `body_timeout_s` after its headers, or cut short by the client's
+  end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
+* a connection beyond `max_connections`: 503.
+
+A refusal closes the connection; an application task still reading that body sees the
+client gone (`http.disconnect`), and `scope[REFUSED]` says the guard ended it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from tierserve.server.http_limits import HttpLimits
+
+log = logging.getLogger("tierserve.server")
+
+REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
+ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
+HEADER_END = b"\r\n\r\n"
+_REASONS = {
+    431: "Request Header Fields Too Large",
+    408: "Request Timeout",
+    400: "Bad Request",
+    503: "Service Unavailable",
+}
+
+
+def error_bytes(status: int, message: str, code: str) -> bytes:
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    limits: HttpLimits
+    report: Callable[[str], None] | None  # counts a refusal, by reason
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """Bind its settings with `guarded_protocol` (uvicorn builds one instance per connection)."""
+
+    settings: ClassVar[GuardSettings] = GuardSettings(HttpLimits(), None)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase = "headers"  # "headers" (awaiting or reading them), "body", "idle"
+        self._header_bytes = 0
+        self._num_headers = 0
+        self._tail = b""  # last bytes seen in the header phase: a terminator may straddle reads
+        self._timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    # ---- connection ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        too_many = len(self.connections) >= self.settings.limits.max_connections
+        super().connection_made(transport)
+        if too_many:
+            limit = self.settings.limits.max_connections
+            self._refuse(503, "connection_limit", f"More than {limit} open connections.")
+            return
+        self._arm(self.settings.limits.header_timeout_s, self._header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def eof_received(self) -> None:
+        if self._phase == "body" and not self._refused:
+            self._refuse(400, ABORTED_UPLOAD, "The request body ended before its declared length.")
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._phase == "idle":
+            self._start_headers()
+        if self._phase == "headers" and not self._headers_fit(data):
+            limit = self.settings.limits.max_header_bytes
+            self._refuse(431, "header_too_large", f"Request headers exceed {limit} bytes.")
+            return
+        super().data_received(data)
+
+    def _headers_fit(self, data: bytes) -> bool:
+        room = self.settings.limits.max_header_bytes - self._header_bytes
+        if len(data) > room and HEADER_END not in self._tail + data[: max(room, 0) + len(HEADER_END)]:
+            return False
+        self._header_bytes += len(data)
+        self._tail = data[-(len(HEADER_END) - 1) :]
+        return True
+
+    # ---- parser callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        if self._phase == "idle":  # a pipelined request, begun inside one read
+            self._start_headers()
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._refused:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
+        self._num_headers += 1
+        if self._num_headers > self.settings.limits.max_headers:
+            self._refuse(
+                431, "too_many_headers", f"More than {self.settings.limits.max_headers} header fields."
+            )
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._phase = "body"
+        self._arm(self.settings.limits.body_timeout_s, self._body_timeout)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        self._phase = "idle"
+        self._header_bytes = self._num_headers = 0
+        self._tail = b""
+        self._disarm()
+        super().on_message_complete()
+
+    # ---- timers and refusals -------------------------------------------------------------
+
+    def _start_headers(self) -> None:
+        self._phase = "headers"
+        self._arm(self.settings.limits.header_timeout_s, self._header_timeout)
+
+    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay_s, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        if self._phase != "headers":
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request is slow while the previous one is answered: stop reading and
+            # close once that answer is complete.
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        wait = self.settings.limits.header_timeout_s
+        self._refuse(408, "header_timeout", f"Request headers not received within {wait:g} s.")
+
+    def _body_timeout(self) -> None:
+        self._timer = None
+        if self._phase == "body":
+            wait = self.settings.limits.body_timeout_s
+            self._refuse(400, "body_timeout", f"Request body not received within {wait:g} s.")
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer `status` (unless a response has begun) and close the connection."""
+        if self._refused:
+            return
+        self._refused = True
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and self._phase == "body":
+            cycle.scope[REFUSED] = reason  # type: ignore[literal-required]
+        if self._phase == "headers":
+            answer = cycle is None or cycle.response_complete  # nothing else is being written
+        else:
+            answer = cycle is not None and not cycle.response_started
+        if answer and not self.transport.is_closing():
+            self.transport.write(error_bytes(status, message, reason))
+        self.transport.close()
+        if self.settings.report is not None:
+            self.settings.report(reason)
+        level = logging.DEBUG if reason == "connection_limit" else logging.INFO  # a flood: no log flood
+        log.log(level, "HTTP %d %s from %s: %s", status, reason, self.client, message)
+
+
+def guarded_protocol(limits: HttpLimits, report: Callable[[str], None] | None) -> type[GuardedHttpProtocol]:
+    """A protocol class with these limits, for `uvicorn.Config(http=...)`."""
+    settings = GuardSettings(limits, report)
+    return type("BoundGuardedHttpProtocol", (GuardedHttpProtocol,), {"settings": settings})
+
+
+def uvicorn_options(limits: HttpLimits, report: Callable[[str], None] | None) -> dict[str, Any]:
+    return {"http": guarded_protocol(limits, report), "timeout_keep_alive": limits.keep_alive_timeout_s}

@@ -1,0 +1,54 @@
+"""The settings that open a server up, each named in a WARNING line at start-up."""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+from tierserve.server.config import ServeConfig
+from tierserve.server.tenants import TenantResolver
+
+FD_HEADROOM = 64  # descriptors kept for the listening socket, logs, Redis, the model files
+
+
+def permissive_settings(config: ServeConfig) -> list[str]:
+    """One line per permissive setting of `config` (empty for a locked-down server)."""
+    s = config.server
+    lines: list[str] = []
+    if config.source is None:
+        lines.append("no --config: the server is OPEN (no API keys, no rate limits, any tier for anyone)")
+    elif not config.tenants:
+        lines.append(f"no [tenants.*] in {config.source}: the server is OPEN (no API keys, any tier)")
+    if s.allow_anonymous:
+        anon = TenantResolver(config).anonymous
+        lines.append(
+            f"server.allow_anonymous = true: requests without an API key run as tenant {anon.name!r} "
+            f"at tier {anon.max_tier.name} or lower"
+        )
+    if s.tenant_header and config.tenants:
+        lines.append(
+            "server.tenant_header = true: x-tenant-id selects a tenant without its API key "
+            "(safe only behind a proxy that sets the header itself)"
+        )
+    if s.ratelimit.backend == "redis" and s.ratelimit.fail_mode == "open":
+        lines.append(
+            "server.ratelimit.fail_mode = open: while Redis is unreachable each replica "
+            "enforces the limits on its own"
+        )
+    limited = config.limits.global_limit != type(config.limits.global_limit)() or any(
+        t.limit != type(t.limit)() for t in config.tenants.values()
+    )
+    if config.source is not None and not limited:
+        lines.append("no rate limits: neither [limits] nor any tenant sets requests_per_s or tokens_per_s")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and s.http.max_connections > soft - FD_HEADROOM:
+        lines.append(
+            f"server.http.max_connections = {s.http.max_connections} but the file-descriptor limit is "
+            f"{soft}: raise it (ulimit -n) or lower max_connections, or connections fail at accept"
+        )
+    return lines
+
+
+def log_permissive_settings(config: ServeConfig, log: logging.Logger) -> None:
+    for line in permissive_settings(config):
+        log.warning("%s", line)
