@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-SWITCH_INTERVAL_S = 0.0002
+SWITCH_INTERVAL_S = 0.0002  # for an engine on a thread of the server's process (in-process mode)
 POLICIES = ("fcfs", "strict", "drr", "drr-tokens", "wfq", "hybrid", "vllm-priority")
 
 
@@ -49,40 +49,38 @@ def run(args: argparse.Namespace) -> int:
 
     from tierserve.config import ConfigError
     from tierserve.server.app import create_app
-    from tierserve.server.backends import BackendError, build_backend
+    from tierserve.server.backends import BackendSpec
     from tierserve.server.config import load_serve_config
     from tierserve.server.drain import DrainingServer
-    from tierserve.server.state import build_state
+    from tierserve.server.engine_client import EngineStartError
+    from tierserve.server.state import spawn_state
 
-    # The engine thread and the event loop share the interpreter lock: a shorter switch
-    # interval bounds how long a CPU-bound engine step can hold a waiting handler (5 ms -> 0.2 ms).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("tierserve.server")
     try:
         config = load_serve_config(args.config)
-        backend = build_backend(args.backend, args.model, gpu=args.gpu, tp=args.tp, device=args.device)
-    except (ConfigError, BackendError) as e:
+    except ConfigError as e:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
     if config.source is None:
         log.warning("no --config: the server is OPEN (no API keys, no rate limits, default tiers)")
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
-    state = build_state(
-        config,
-        backend.executor,
-        backend.tokenizer,
-        model_name=backend.model_name,
-        vocab_size=backend.vocab_size,
-        policy=args.policy,
-        pace=backend.pace,
-    )
+    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device)
+    try:  # the engine, and the model, are built in a process of their own
+        state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())
+    except EngineStartError as e:
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 2
     app = create_app(state, freeze_heap=True)
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5
     )
-    DrainingServer(uv_config, state, config.server.drain_timeout_s).run()
-    return 0
+    server = DrainingServer(uv_config, state, config.server.drain_timeout_s)
+    try:
+        server.run()
+    finally:
+        state.engine.kill()  # only if uvicorn never started it, or never stopped it
+    return server.exit_code
