@@ -160,8 +160,17 @@ def engine_pid(engine: Engine) -> int:
 
 @contextmanager
 def live_server(
-    state: ServerState, *, drain_timeout_s: float = 5.0, freeze_heap: bool = False
+    state: ServerState,
+    *,
+    drain_timeout_s: float = 5.0,
+    freeze_heap: bool = False,
+    engine_lost_linger_s: float = 1.0,
 ) -> Iterator[LiveServer]:
     """Run the app under uvicorn in a thread on a free loopback port."""
-    with embedded_server(state, drain_timeout_s=drain_timeout_s, freeze_heap=freeze_heap) as srv:
+    with embedded_server(
+        state,
+        drain_timeout_s=drain_timeout_s,
+        freeze_heap=freeze_heap,
+        engine_lost_linger_s=engine_lost_linger_s,
+    ) as srv:
         yield LiveServer(srv.url, srv.state, srv.server, srv.thread)

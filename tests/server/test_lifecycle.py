@@ -49,7 +49,7 @@ def test_a_disconnected_non_streaming_request_is_aborted_too() -> None:
 
 def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
     with live_server(make_state(), drain_timeout_s=20) as srv:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 600, "stream": True}
         with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
             lines = r.iter_lines()
             next(lines)

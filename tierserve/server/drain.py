@@ -7,9 +7,10 @@ uvicorn's own handling would close the listening socket at once (new clients get
 and then lets uvicorn shut down normally, so the process exits with status 0.
 A second signal forces an immediate exit.
 
-If the engine process dies, the server cannot serve: requests in flight have already
-ended with an error (503 or a stream's error event) and new ones get 503; the server
-gives their handlers `ENGINE_LOST_GRACE_S` to answer, then exits with `exit_code` 1.
+If the engine process dies, the server cannot serve: requests in flight end with an error
+(503, or a stream's error event) and new ones get 503 for `engine_lost_linger_s` (so a
+load balancer sees the failure as an answer, not a refused connection); then the server
+exits with `exit_code` 1.
 """
 
 from __future__ import annotations
@@ -24,14 +25,21 @@ import uvicorn
 from tierserve.server.state import ServerState
 
 log = logging.getLogger("tierserve.server")
-ENGINE_LOST_GRACE_S = 2.0
+ENGINE_LOST_LINGER_S = 1.0
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        drain_timeout_s: float,
+        engine_lost_linger_s: float = ENGINE_LOST_LINGER_S,
+    ) -> None:
         super().__init__(config)
         self._state = state
         self._drain_timeout_s = drain_timeout_s
+        self._linger_s = engine_lost_linger_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self.exit_code = 0  # what the process should exit with once `run` returns
@@ -50,7 +58,8 @@ class DrainingServer(uvicorn.Server):
             self._lost_task = self._loop.create_task(self._exit_after_lost())
 
     async def _exit_after_lost(self) -> None:
-        await self._state.engine.wait_idle(ENGINE_LOST_GRACE_S)
+        await asyncio.sleep(self._linger_s)
+        await self._state.engine.wait_idle(self._linger_s)
         log.error("the engine process is gone: shutting down (exit status 1)")
         self.should_exit = True
 

@@ -99,13 +99,16 @@ class EngineClient:
             if not process.is_alive() or time.monotonic() > deadline:
                 _end_process(process, 1.0)
                 raise EngineStartError(f"the engine process did not start (exit status {process.exitcode})")
-        first = ours.recv()
+        try:
+            first = ours.recv()
+        except (EOFError, OSError):
+            first = None
         if isinstance(first, EngineFailed):
             _end_process(process, 5.0)
             raise EngineStartError(first.message)
         if not isinstance(first, EngineReady):
             _end_process(process, 1.0)
-            raise EngineStartError(f"unexpected first message from the engine: {type(first).__name__}")
+            raise EngineStartError(f"the engine process did not start (exit status {process.exitcode})")
         log.info("engine process started (pid %d)", first.pid)
         return cls(process, ours, first, meter)
 
