@@ -185,3 +185,29 @@ def test_serve_exits_non_zero_when_its_engine_process_is_killed(
     assert proc.wait(timeout=30) != 0  # bounded: the server does not hang on a dead engine
     log = proc.stdout.read() if proc.stdout else ""
     assert "the engine process died" in log
+
+
+def test_state_gauges_from_the_engine_process_reach_metrics() -> None:
+    with live_server(make_state()) as srv:
+        r = httpx.post(srv.base_url + "/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200
+        metrics = httpx.get(srv.url + "/metrics").text
+        total = re.search(r"^tierserve_kv_blocks_total (\S+)$", metrics, re.M)
+        assert total is not None and float(total.group(1)) == srv.inspect(pool_free_and_total)[1] > 0
+        assert re.search(r'^llm_kv_cache_hit_rate\{priority="P0"\} ', metrics, re.M)
+
+
+def test_commands_and_outputs_larger_than_the_pipe_buffer_cross_intact() -> None:
+    """A long prompt (a command of several hundred KB) and a burst of streams: the pipe
+    stays blocking under the event loop, so big messages are never cut."""
+    state = make_state(max_model_len=200_000, num_device_blocks=16_384, per_token_s=1e-7)
+    with live_server(state) as srv:
+        prompt = [i % 500 for i in range(180_000)]  # ~0.9 MB of JSON, ~0.36 MB pickled
+        big = httpx.post(
+            srv.base_url + "/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+            timeout=60,
+        )
+        assert big.status_code == 200, big.text
+        assert big.json()["usage"]["prompt_tokens"] == len(prompt)
+        assert srv.state.engine.running

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -121,7 +122,11 @@ class EngineClient:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._dispatcher = Dispatcher(self._loop, threading.Event())
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        fd = self._conn.fileno()
+        self._loop.add_reader(fd, self._on_readable)
+        # uvloop (libuv) makes a watched fd non-blocking; `Connection` needs it blocking, or a
+        # message half-sent or half-arrived raises BlockingIOError and breaks the framing.
+        os.set_blocking(fd, True)
         self._reading = True
 
     @property
@@ -316,7 +321,7 @@ class EngineClient:
         if self._died or self._stopping:
             return  # reported already, or the exit asked for
         self._died = True
-        self.process.join(1.0)
+        _end_process(self.process, 1.0)  # a broken pipe to a live engine: it is no use either
         log.error(
             "the engine process died (exit status %s); failing %d requests",
             self.process.exitcode,
