@@ -17,8 +17,15 @@ class Clock(Protocol):
 
 
 class WallClock:
-    def __init__(self) -> None:
-        self._origin = time.monotonic()
+    """`time.monotonic()` from `origin` (default: now). Processes given the same origin tell the
+    same time: the monotonic clock is system-wide."""
+
+    def __init__(self, origin: float | None = None) -> None:
+        self._origin = time.monotonic() if origin is None else origin
+
+    @property
+    def origin(self) -> float:
+        return self._origin
 
     def now(self) -> float:
         return time.monotonic() - self._origin

@@ -110,6 +110,8 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
             "llama-3.1-8b",
             "--tp",
             "1",
+            "--flood-clients",
+            "1",
             "--out",
             str(out),
             "--json",
@@ -134,6 +136,23 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
         assert 0.0 <= printed["server_cpu_steal_pct"] <= 100.0
     assert sum(t["sent"] for t in printed["tiers"].values()) == 16
     assert printed["output_tokens_per_s"] > 0
+    # The same requests again beside a flood of large bodies, every one of them refused.
+    assert printed["flood"] is None
+    flooded = printed["with_flood"]
+    assert flooded["num_sent"] == 16 and flooded["api_overhead_p99_ms"] is not None
+    flood = flooded["flood"]
+    assert flood["clients"] == 1 and flood["num_sent"] > 0 and set(flood["statuses"]) == {"400"}
+
+
+def test_the_flood_sends_valid_and_invalid_bodies_of_about_one_mib() -> None:
+    from tierserve.bench.flood import BODY_BYTES, bodies
+
+    valid, invalid = bodies("m")
+    assert BODY_BYTES - 16 <= len(valid) <= BODY_BYTES and len(invalid) == len(valid)
+    body = json.loads(valid)
+    assert body["model"] == "m" and len(body["prompt"]) > 100_000
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(invalid)
 
 
 def test_the_load_generator_times_the_first_chunk_that_carries_text() -> None:

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from tierserve.engine import Engine
 from tierserve.executors.base import StepBatch, StepResult
 from tierserve.executors.null import NullExecutor
+from tierserve.server.backends import Backend
 from tierserve.server.config import ServeConfig
 from tierserve.server.drain import DrainingServer
 from tierserve.server.embedded import embedded_server, loopback_socket
-from tierserve.server.state import ServerState, build_state
+from tierserve.server.state import ServerState, build_state, spawn_state
 
 T = TypeVar("T")
 MODEL = "stand-in"
@@ -83,7 +86,8 @@ class LiveServer:
         loop.call_soon_threadsafe(self.server.begin_drain)
 
     def inspect(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the engine thread, between steps."""
+        """Run `fn(engine)` in the engine process (or thread), between steps. In the engine
+        process `fn` must pickle by name: a module-level function, not a lambda."""
         loop = self.server._loop
         assert loop is not None
         future = asyncio.run_coroutine_threadsafe(self.state.engine.inspect(fn), loop)
@@ -92,15 +96,29 @@ class LiveServer:
 
     def wait_engine_idle(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.inspect(lambda e: e.has_unfinished()):
+        while self.inspect(has_unfinished):
             if time.monotonic() > deadline:
                 raise AssertionError("engine still has unfinished requests")
             time.sleep(0.02)
 
 
+def text_backend(**executor_kw: object) -> Backend:
+    """The stand-in backend (`TextExecutor`, `ByteTokenizer`), built where it is called: pass
+    `partial(text_backend, ...)` to the engine process."""
+    return Backend(TextExecutor(**executor_kw), ByteTokenizer(), MODEL, 512, pace=True)
+
+
 def make_state(
-    config: ServeConfig | None = None, *, policy: str = "hybrid", **executor_kw: object
+    config: ServeConfig | None = None,
+    *,
+    policy: str = "hybrid",
+    in_process: bool = False,
+    **executor_kw: object,
 ) -> ServerState:
+    """A server's state over the stand-in executor: the engine in a process of its own, as
+    `tierserve serve` runs it, or (`in_process`) on a thread, for tests that reach into it."""
+    if not in_process:
+        return spawn_state(config or ServeConfig(), partial(text_backend, **executor_kw), policy=policy)
     executor = TextExecutor(**executor_kw)
     return build_state(
         config or ServeConfig(),
@@ -113,10 +131,46 @@ def make_state(
     )
 
 
+# Probes for `LiveServer.inspect` (module-level, so that they reach the engine process).
+
+
+def has_unfinished(engine: Engine) -> bool:
+    return engine.has_unfinished()
+
+
+def pool_free_and_total(engine: Engine) -> tuple[int, int]:
+    """Free blocks (cached ones included) and the pool's size, after an integrity check."""
+    memory = engine.memory
+    memory.check_integrity()
+    return memory.num_free_blocks, memory.num_blocks
+
+
+def pool_in_use(engine: Engine) -> bool:
+    return engine.memory.num_free_blocks < engine.memory.num_blocks
+
+
+def end_counts(engine: Engine) -> tuple[int, int, int]:
+    """Requests finished, aborted and rejected so far."""
+    return engine.stats.num_finished, engine.stats.num_aborted, engine.stats.num_rejected
+
+
+def engine_pid(engine: Engine) -> int:
+    return os.getpid()
+
+
 @contextmanager
 def live_server(
-    state: ServerState, *, drain_timeout_s: float = 5.0, freeze_heap: bool = False
+    state: ServerState,
+    *,
+    drain_timeout_s: float = 5.0,
+    freeze_heap: bool = False,
+    engine_lost_linger_s: float = 1.0,
 ) -> Iterator[LiveServer]:
     """Run the app under uvicorn in a thread on a free loopback port."""
-    with embedded_server(state, drain_timeout_s=drain_timeout_s, freeze_heap=freeze_heap) as srv:
+    with embedded_server(
+        state,
+        drain_timeout_s=drain_timeout_s,
+        freeze_heap=freeze_heap,
+        engine_lost_linger_s=engine_lost_linger_s,
+    ) as srv:
         yield LiveServer(srv.url, srv.state, srv.server, srv.thread)

@@ -30,7 +30,7 @@ def test_a_handler_hears_that_the_engine_accepted_its_request_before_any_token()
     """So that a stream's status line is sent while the engine prefills, not with the token."""
     import threading
 
-    state = make_state()
+    state = make_state(in_process=True)
     engine = state.engine.engine
     real_step, go = engine.step, threading.Event()
 
@@ -60,7 +60,7 @@ def test_a_handler_hears_that_the_engine_accepted_its_request_before_any_token()
 
 
 def test_every_stream_gets_its_tokens_in_order_when_delivery_is_sliced() -> None:
-    state = make_state(step_s=0.0005)
+    state = make_state(in_process=True, step_s=0.0005)
     engine = state.engine
     n = DISPATCH_SLICE * 6
 
@@ -90,7 +90,7 @@ def test_every_stream_gets_its_tokens_in_order_when_delivery_is_sliced() -> None
 
 
 def test_inspect_runs_on_the_engine_thread_and_propagates_errors() -> None:
-    state = make_state()
+    state = make_state(in_process=True)
 
     async def run() -> tuple[int, str]:
         state.engine.start()
@@ -108,7 +108,7 @@ def test_inspect_runs_on_the_engine_thread_and_propagates_errors() -> None:
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
-    state = make_state()
+    state = make_state(in_process=True)
     engine = state.engine.engine
     real_step = engine.step
     calls = {"n": 0}
@@ -142,7 +142,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
 
 
 def test_a_request_the_engine_refuses_ends_with_its_reason() -> None:
-    state = make_state(max_model_len=64)
+    state = make_state(in_process=True, max_model_len=64)
 
     async def run() -> Delta:
         state.engine.start()
@@ -212,7 +212,7 @@ def test_first_tokens_go_ahead_of_queued_deltas_and_signal_when_handled() -> Non
 def test_first_tokens_are_posted_before_the_rest_of_the_step() -> None:
     """One step gives some requests their first token and others a later one: the first
     tokens are handed to the event loop in a post of their own, ahead of the rest."""
-    state = make_state(step_s=0.0005)
+    state = make_state(in_process=True, step_s=0.0005)
     engine = state.engine
     posts: list[tuple[list[str], list[str]]] = []
 
@@ -264,12 +264,12 @@ def test_freeze_heap_moves_start_up_objects_out_of_the_collector() -> None:
 
     gc.unfreeze()
     try:
-        with live_server(make_state(), freeze_heap=True):
+        with live_server(make_state(in_process=True), freeze_heap=True):
             frozen = gc.get_freeze_count()
         assert frozen > 1000
     finally:
         gc.unfreeze()
-    with live_server(make_state()):
+    with live_server(make_state(in_process=True)):
         assert gc.get_freeze_count() == 0
 
 

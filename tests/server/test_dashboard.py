@@ -42,7 +42,7 @@ def _exported() -> set[str]:
     config = parse_serve_config(
         {"server": {"ratelimit": {"backend": "redis", "redis_url": "redis://127.0.0.1:1"}}}
     )
-    state = make_state(config)
+    state = make_state(config, in_process=True)  # the names are the same in both modes
     state.metrics.reject("queue_full", None)  # labelled families appear once they have a sample
     return {family.name for family in text_string_to_metric_families(state.metrics.render().decode())}
 

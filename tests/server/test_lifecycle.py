@@ -9,15 +9,14 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.server.helpers import MODEL, live_server, make_state
+from tests.server.helpers import MODEL, end_counts, live_server, make_state, pool_free_and_total, pool_in_use
+from tierserve.engine import Engine
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
-def _free_and_total(engine: object) -> tuple[int, int]:
-    memory = engine.memory  # type: ignore[attr-defined]
-    memory.check_integrity()
-    return memory.num_free_blocks, memory.num_blocks
+def _aborted_and_generated(engine: Engine) -> tuple[int, int]:
+    return engine.stats.num_aborted, engine.stats.num_generated_tokens
 
 
 def test_a_disconnected_stream_is_aborted_and_frees_its_blocks() -> None:
@@ -27,11 +26,11 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks() -> None:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert srv.inspect(lambda e: e.memory.num_free_blocks < e.memory.num_blocks)
+            assert srv.inspect(pool_in_use)
         srv.wait_engine_idle(timeout_s=5)
-        free, total = srv.inspect(_free_and_total)
+        free, total = srv.inspect(pool_free_and_total)
         assert free == total
-        stats = srv.inspect(lambda e: (e.stats.num_aborted, e.stats.num_generated_tokens))
+        stats = srv.inspect(_aborted_and_generated)
         assert stats[0] == 1 and stats[1] < 3000
         assert "tierserve_client_disconnects_total 1.0" in httpx.get(srv.url + "/metrics").text
 
@@ -45,12 +44,12 @@ def test_a_disconnected_non_streaming_request_is_aborted_too() -> None:
                 json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000},
             )
         srv.wait_engine_idle(timeout_s=5)
-        assert srv.inspect(lambda e: e.stats.num_aborted) == 1
+        assert srv.inspect(end_counts)[1] == 1
 
 
 def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
     with live_server(make_state(), drain_timeout_s=20) as srv:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 600, "stream": True}
         with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
             lines = r.iter_lines()
             next(lines)

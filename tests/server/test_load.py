@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.helpers import MODEL, live_server, make_state
+from tests.server.helpers import MODEL, end_counts, live_server, make_state, pool_free_and_total
 from tierserve.server.config import parse_serve_config
 from tierserve.server.metrics import WAIT_BUCKETS
 
@@ -109,14 +109,8 @@ def load() -> Iterator[LoadResult]:
 
         outcomes, during = asyncio.run(run())
         srv.wait_engine_idle(timeout_s=20)
-
-        def pool(engine: object) -> tuple[int, int]:
-            memory = engine.memory  # type: ignore[attr-defined]
-            memory.check_integrity()
-            return memory.num_free_blocks, memory.num_blocks
-
-        free, total = srv.inspect(pool)
-        ends = srv.inspect(lambda e: (e.stats.num_finished, e.stats.num_aborted, e.stats.num_rejected))
+        free, total = srv.inspect(pool_free_and_total)
+        ends = srv.inspect(end_counts)
         after = httpx.get(srv.url + "/metrics").text
         yield LoadResult(
             Counter(o for o, _ in outcomes),

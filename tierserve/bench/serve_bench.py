@@ -39,11 +39,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tierserve.bench.flood import FloodReport
 from tierserve.bench.output import emit
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
-from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
+from tierserve.server.loadgen import TIERS, Outcome, Spec, drive_in_child, make_specs
+
+if TYPE_CHECKING:
+    from tierserve.server.config import ServeConfig
 
 
 @dataclass
@@ -71,6 +75,8 @@ class BenchResult:
     # Share of the server CPUs' time that the hypervisor gave to other machines during the run
     # (Linux `steal`): on a shared host, the stalls behind a bad P99 may not be the server's.
     server_cpu_steal_pct: float | None = None
+    flood: FloodReport | None = None  # the flood of large bodies sent during this run, if any
+    with_flood: BenchResult | None = None  # the same requests again, beside a flood
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -197,49 +203,57 @@ def _cpu_for_the_load_generator() -> Iterator[set[int] | None]:
 
 
 def run_bench(args: argparse.Namespace) -> BenchResult:
-    from tierserve.server.backends import build_backend
+    """One run without the flood of large bodies and, with `--flood-clients`, one with it,
+    each against a fresh server (its engine in a process of its own) and the same requests."""
     from tierserve.server.config import load_serve_config
-    from tierserve.server.embedded import embedded_server
-    from tierserve.server.state import build_state
-    from tierserve.server.tracing import ServeTrace
 
     mix = [float(x) for x in args.tier_mix.split("/")]
     specs = make_specs(args.requests, args.seed, mix, tuple(args.prompt_tokens), tuple(args.max_tokens))
     config = load_serve_config(args.config)
-    backend = build_backend("sim", args.model, gpu=args.gpu, tp=args.tp)
-    state = build_state(
-        config,
-        backend.executor,
-        backend.tokenizer,
-        model_name=backend.model_name,
-        vocab_size=backend.vocab_size,
-        policy=args.policy,
-        pace=True,
-    )
-    from tierserve.server.cli import SWITCH_INTERVAL_S
+    result = _run_once(args, specs, config, flood_clients=0)
+    if args.flood_clients:
+        result.with_flood = _run_once(args, specs, config, flood_clients=args.flood_clients)
+    return result
+
+
+def _run_once(
+    args: argparse.Namespace, specs: list[Spec], config: ServeConfig, flood_clients: int
+) -> BenchResult:
+    from tierserve.bench.flood import Flood
+    from tierserve.server.backends import BackendSpec
+    from tierserve.server.embedded import embedded_server
+    from tierserve.server.state import spawn_state
+    from tierserve.server.tracing import ServeTrace
 
     engine_trace: dict[str, tuple[float, float]] = {}
-    state.engine.ttft_trace = engine_trace
-    state.trace = ServeTrace()
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `tierserve serve` runs
-    try:
-        # The server's threads start inside this block, so they inherit its CPUs.
-        with _cpu_for_the_load_generator() as client_cpus, embedded_server(state, freeze_heap=True) as srv:
+    flood_report = None
+    # The server and its engine process start inside this block, so they inherit its CPUs.
+    with _cpu_for_the_load_generator() as client_cpus:
+        backend = BackendSpec("sim", args.model, args.gpu, args.tp)
+        state = spawn_state(config, backend, policy=args.policy, log_level="WARNING")
+        state.engine.ttft_trace = engine_trace
+        state.trace = ServeTrace()
+        with embedded_server(state, freeze_heap=True) as srv:
+            flood = Flood(srv.url, state.model.name, flood_clients, args.duration_s + 60, client_cpus)
+            if flood_clients:
+                flood.start()
             server_cpus = _server_cpus(client_cpus)
             times_before = _read_cpu_times()
             start = time.perf_counter()
-            outcomes = drive_in_child(
-                srv.url, backend.model_name, specs, args.concurrency, args.duration_s, client_cpus
-            )
-            wall = time.perf_counter() - start
-            times_after = _read_cpu_times()
-    finally:
-        sys.setswitchinterval(previous)
+            try:
+                outcomes = drive_in_child(
+                    srv.url, state.model.name, specs, args.concurrency, args.duration_s, client_cpus
+                )
+            finally:
+                wall = time.perf_counter() - start
+                times_after = _read_cpu_times()
+                if flood_clients:
+                    flood_report = flood.stop()
     http_trace = {rid: (r.received_at, r.first_sent_at) for rid, r in state.trace.records.items()}
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "out")}
     warmup = args.warmup if args.warmup is not None else min(args.concurrency, args.requests // 3)
     result = summarize(outcomes, engine_trace, http_trace, wall, settings, warmup)
+    result.flood = flood_report
     if times_before is not None and times_after is not None and server_cpus:
         result.server_cpu_steal_pct = steal_pct(times_before, times_after, server_cpus)
     return result
@@ -254,6 +268,14 @@ def _server_cpus(client_cpus: set[int] | None) -> set[int]:
 
 def _ms(v: float | int | None) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+def _print_all(r: BenchResult) -> None:
+    print_table(r)
+    if r.with_flood is not None:
+        print("\nthe same requests, with the flood:")
+        print_table(r.with_flood)
+        print_flood_comparison(r, r.with_flood)
 
 
 def print_table(r: BenchResult) -> None:
@@ -299,6 +321,37 @@ def print_table(r: BenchResult) -> None:
         )
 
 
+def print_flood_comparison(quiet: BenchResult, flooded: BenchResult) -> None:
+    """The run without the flood beside the run with it."""
+    f = flooded.flood
+    sent = "-" if f is None else f"{f.num_sent} bodies sent, answers {f.statuses or 'none'}"
+    clients = 0 if f is None else f.clients
+    print(f"\nbeside a flood of ~1 MiB JSON bodies from {clients} clients ({sent}):")
+    print(f"{'':<34}{'without flood':>16}{'with flood':>16}")
+
+    def row(label: str, a: float | int | None, b: float | int | None, unit: str = " ms") -> None:
+        print(f"{label:<34}{_ms(a) + unit:>16}{_ms(b) + unit:>16}")
+
+    row("API overhead P50", quiet.api_overhead_p50_ms, flooded.api_overhead_p50_ms)
+    row("API overhead P99", quiet.api_overhead_p99_ms, flooded.api_overhead_p99_ms)
+    for tier in quiet.tiers:
+        row(f"{tier} TTFT P50 (client)", quiet.tiers[tier]["ttft_p50_ms"], flooded.tiers[tier]["ttft_p50_ms"])
+        row(f"{tier} TTFT P95 (client)", quiet.tiers[tier]["ttft_p95_ms"], flooded.tiers[tier]["ttft_p95_ms"])
+    print(f"{'refused':<34}{sum(quiet.rejections.values()):>16}{sum(flooded.rejections.values()):>16}")
+    a, b = quiet.tiers["P0"]["ttft_p95_ms"], flooded.tiers["P0"]["ttft_p95_ms"]
+    if a and b:
+        change = 100.0 * (b - a) / a
+        verdict = "within" if change <= 10.0 else "NOT within"
+        print(f"P0 TTFT P95 with the flood: {change:+.1f} % ({verdict} the 10 % target)")
+    for name, r in (("without", quiet), ("with", flooded)):
+        p99 = r.api_overhead_p99_ms
+        if p99 is not None:
+            print(
+                f"API overhead P99 {name} the flood: {p99:.2f} ms "
+                f"({'under' if p99 < 2.0 else 'NOT under'} the 2 ms target)"
+            )
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     a, b = int(lo), int(hi or lo)
@@ -329,6 +382,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=_range, default=(64, 1024), help="LO-HI (default: 64-1024)")
     p.add_argument("--max-tokens", type=_range, default=(16, 128), help="LO-HI (default: 16-128)")
+    p.add_argument(
+        "--flood-clients",
+        type=int,
+        default=3,
+        help="clients sending ~1 MiB JSON bodies (valid and invalid) during a second run of the same "
+        "requests, reported beside the first; 0: no second run (default: %(default)s)",
+    )
     p.add_argument("--model", default="llama-3.1-70b")
     p.add_argument("--gpu", default="a100-80gb")
     p.add_argument("--tp", type=int, default=8)
@@ -348,6 +408,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if not 0 <= args.flood_clients <= 16:
+        print("bench serve: need 0 <= --flood-clients <= 16", file=sys.stderr)
+        return 2
     if args.warmup is not None and not 0 <= args.warmup < args.requests:
         print("bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
         return 2
@@ -359,5 +422,5 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     result = run_bench(args)
-    emit(asdict(result), args.out, args.json, lambda: print_table(result))
+    emit(asdict(result), args.out, args.json, lambda: _print_all(result))
     return 0

@@ -148,6 +148,7 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        families = await state.engine.metric_families()  # the engine process's, if it has its own
+        return Response(state.metrics.render(families), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,4 +1,6 @@
-"""The engine loop in its own thread, and per-request streams for the asyncio handlers.
+"""The engine loop on a thread of the server's process (the in-process mode, for tests).
+
+`tierserve serve` runs the same loop in a process of its own (engine_core.py). Here:
 
 The event loop never calls the engine. Handlers put commands (add, abort, finish) in a
 thread-safe inbox; the engine thread applies them between steps, so an abort frees the
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import Metric
 
 from tierserve.engine import Engine, RequestOutput
 from tierserve.request import FinishReason, Request
@@ -83,6 +88,7 @@ class AsyncEngine:
         # `Engine.step()` that produced the first token: what a caller of the engine sees) and
         # the `time.monotonic()` of that return. The serve benchmark compares them with HTTP.
         self.ttft_trace: dict[str, tuple[float, float]] | None = None
+        self.on_lost: Callable[[], None] | None = None  # a thread of this process is never lost alone
 
     # ---- lifecycle (event loop) -----------------------------------------------------------
 
@@ -92,6 +98,17 @@ class AsyncEngine:
         self._take_snapshot()
         self._thread = threading.Thread(target=self._run, name="tierserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def kill(self) -> None:
+        """Nothing to end: the thread is a daemon and `stop` ends it."""
+
+    async def metric_families(self) -> list[Metric]:
+        """None: this engine records into the server's own registry."""
+        return []
 
     @property
     def running(self) -> bool:
@@ -276,7 +293,7 @@ class AsyncEngine:
         items: list[tuple[RequestHandle, Delta]] = []
         for out, live in seen:
             if out.finished:
-                items.append((live.handle, _final_delta(out.request, out.new_token_ids)))
+                items.append((live.handle, final_delta(out.request, out.new_token_ids)))
             elif out.new_token_ids and out.request.request_id not in firsts:
                 items.append((live.handle, Delta(tuple(out.new_token_ids))))
         items.sort(key=tier_of)
@@ -317,7 +334,7 @@ class AsyncEngine:
     def _end(self, live: _Live, req: Request) -> None:
         """The engine ended `req` outside a step (abort, finish): account for it and tell its handler."""
         self._account_end(live, req)
-        self._post([(live.handle, _final_delta(req, []))])
+        self._post([(live.handle, final_delta(req, []))])
 
     def _account_end(self, live: _Live, req: Request) -> None:
         del self._live[req.request_id]
@@ -349,7 +366,7 @@ class AsyncEngine:
         self.snapshot = snapshot_of(self.engine)
 
 
-def _final_delta(req: Request, new_token_ids: list[int]) -> Delta:
+def final_delta(req: Request, new_token_ids: list[int]) -> Delta:
     return Delta(
         tuple(new_token_ids),
         True,

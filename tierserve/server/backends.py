@@ -32,6 +32,20 @@ class BackendError(Exception):
     """The backend cannot be built; the message says why."""
 
 
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend to build later, in the engine process (picklable: names, not objects)."""
+
+    kind: str
+    model: str | None = None
+    gpu: str | None = None
+    tp: int | None = None
+    device: str = "cpu"
+
+    def __call__(self) -> Backend:
+        return build_backend(self.kind, self.model, gpu=self.gpu, tp=self.tp, device=self.device)
+
+
 def build_backend(
     kind: str, model: str | None, *, gpu: str | None = None, tp: int | None = None, device: str = "cpu"
 ) -> Backend:

@@ -13,7 +13,7 @@ import sys
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
-SWITCH_INTERVAL_S = 0.0002
+SWITCH_INTERVAL_S = 0.0002  # for an engine on a thread of the server's process (in-process mode)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,16 +58,14 @@ def run(args: argparse.Namespace) -> int:
 
     from tierserve.config import ConfigError
     from tierserve.server.app import create_app
-    from tierserve.server.backends import BackendError, build_backend
+    from tierserve.server.backends import BackendSpec
     from tierserve.server.config import load_serve_config
     from tierserve.server.drain import DrainingServer
+    from tierserve.server.engine_client import EngineStartError
     from tierserve.server.http_guard import uvicorn_options
     from tierserve.server.permissive import log_permissive_settings
-    from tierserve.server.state import build_state
+    from tierserve.server.state import spawn_state
 
-    # The engine thread and the event loop share the interpreter lock: a shorter switch
-    # interval bounds how long a CPU-bound engine step can hold a waiting handler (5 ms -> 0.2 ms).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -76,22 +74,18 @@ def run(args: argparse.Namespace) -> int:
         config = load_serve_config(args.config)
         http = parse_http_limits(http_overrides(args), config.server.http)
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, http=http))
-        backend = build_backend(args.backend, args.model, gpu=args.gpu, tp=args.tp, device=args.device)
-    except (ConfigError, BackendError) as e:
+    except ConfigError as e:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
     log_permissive_settings(config, log)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
-    state = build_state(
-        config,
-        backend.executor,
-        backend.tokenizer,
-        model_name=backend.model_name,
-        vocab_size=backend.vocab_size,
-        policy=args.policy,
-        pace=backend.pace,
-    )
+    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device)
+    try:  # the engine, and the model, are built in a process of their own
+        state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())
+    except EngineStartError as e:
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 2
     app = create_app(state, freeze_heap=True)
     uv_config = uvicorn.Config(
         app,
@@ -102,5 +96,9 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         **uvicorn_options(config.server.http, state.metrics.count_http_error),
     )
-    DrainingServer(uv_config, state, config.server.drain_timeout_s).run()
-    return 0
+    server = DrainingServer(uv_config, state, config.server.drain_timeout_s)
+    try:
+        server.run()
+    finally:
+        state.engine.kill()  # only if uvicorn never started it, or never stopped it
+    return server.exit_code

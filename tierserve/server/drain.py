@@ -6,6 +6,11 @@ uvicorn's own handling would close the listening socket at once (new clients get
 503), waits up to the drain timeout for in-flight requests, aborts whatever is left,
 and then lets uvicorn shut down normally, so the process exits with status 0.
 A second signal forces an immediate exit.
+
+If the engine process dies, the server cannot serve: requests in flight end with an error
+(503, or a stream's error event) and new ones get 503 for `engine_lost_linger_s` (so a
+load balancer sees the failure as an answer, not a refused connection); then the server
+exits with `exit_code` 1.
 """
 
 from __future__ import annotations
@@ -20,19 +25,43 @@ import uvicorn
 from tierserve.server.state import ServerState
 
 log = logging.getLogger("tierserve.server")
+ENGINE_LOST_LINGER_S = 1.0
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        drain_timeout_s: float,
+        engine_lost_linger_s: float = ENGINE_LOST_LINGER_S,
+    ) -> None:
         super().__init__(config)
         self._state = state
         self._drain_timeout_s = drain_timeout_s
+        self._linger_s = engine_lost_linger_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = 0  # what the process should exit with once `run` returns
+        self._lost_task: asyncio.Task[None] | None = None
+        state.engine.on_lost = self._engine_lost
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+
+    def _engine_lost(self) -> None:
+        """Called on the event loop when the engine process has died."""
+        self.exit_code = 1
+        self._state.draining = True
+        if self._loop is not None and self._lost_task is None:
+            self._lost_task = self._loop.create_task(self._exit_after_lost())
+
+    async def _exit_after_lost(self) -> None:
+        await asyncio.sleep(self._linger_s)
+        await self._state.engine.wait_idle(self._linger_s)
+        log.error("the engine process is gone: shutting down (exit status 1)")
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self._loop is None:

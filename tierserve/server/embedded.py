@@ -44,6 +44,7 @@ def embedded_server(
     drain_timeout_s: float = 5.0,
     start_timeout_s: float = 30.0,
     freeze_heap: bool = False,
+    engine_lost_linger_s: float = 1.0,
 ) -> Iterator[EmbeddedServer]:
     sock = loopback_socket()
     port = sock.getsockname()[1]
@@ -55,7 +56,7 @@ def embedded_server(
         timeout_graceful_shutdown=2,
         **uvicorn_options(state.config.server.http, state.metrics.count_http_error),
     )
-    server = DrainingServer(config, state, drain_timeout_s)
+    server = DrainingServer(config, state, drain_timeout_s, engine_lost_linger_s)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="tierserve-http", daemon=True
     )

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Metric, generate_latest
 
 from tierserve.server.state_metrics import EngineSnapshot, LimiterState, StateCollector
 from tierserve.tiers import Tier
@@ -100,11 +100,13 @@ class ServerMetrics:
         r.register(self._state)
 
     def bind(
-        self, snapshot: Callable[[], EngineSnapshot], limiter: Callable[[], LimiterState] | None
+        self, snapshot: Callable[[], EngineSnapshot] | None, limiter: Callable[[], LimiterState] | None
     ) -> None:
-        """Where scrape-time state comes from."""
-        self._state.snapshot = snapshot
-        self._state.limiter = limiter
+        """Where scrape-time state comes from (None: leave as it is)."""
+        if snapshot is not None:
+            self._state.snapshot = snapshot
+        if limiter is not None:
+            self._state.limiter = limiter
 
     def observe_first_token(self, tier: Tier, wait_s: float, num_prompt_tokens: int) -> None:
         self.wait.labels(tier.name).observe(wait_s)
@@ -134,5 +136,44 @@ class ServerMetrics:
         with self._sla_lock:
             return {k: met / total for k, (met, total) in self._sla.items() if total}
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, engine_families: Sequence[Metric] = ()) -> bytes:
+        """The exposition text; `engine_families`: the engine process's, merged in (its
+        counters and histograms add to this registry's, which hold zero for them)."""
+        if not engine_families:
+            return generate_latest(self.registry)
+        return generate_latest(_Merged(merge_families(list(self.registry.collect()), engine_families)))
+
+
+def merge_families(ours: Sequence[Metric], theirs: Sequence[Metric]) -> list[Metric]:
+    """Families of the same name merged sample by sample: values add up, except `_created`
+    timestamps (the earlier is kept). A family only one side has is kept as it is."""
+    merged: dict[str, Metric] = {}
+    for family in (*ours, *theirs):
+        have = merged.get(family.name)
+        if have is None:
+            copy = Metric(family.name, family.documentation, family.type, family.unit)
+            copy.samples = list(family.samples)
+            merged[family.name] = copy
+            continue
+        index = {(s.name, tuple(sorted(s.labels.items()))): i for i, s in enumerate(have.samples)}
+        for sample in family.samples:
+            i = index.get((sample.name, tuple(sorted(sample.labels.items()))))
+            if i is None:
+                have.samples.append(sample)
+                continue
+            old = have.samples[i]
+            value = (
+                min(old.value, sample.value) if sample.name.endswith("_created") else old.value + sample.value
+            )
+            have.samples[i] = old._replace(value=value)
+    return list(merged.values())
+
+
+class _Merged:
+    """A collector of fixed families, for `generate_latest`."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families

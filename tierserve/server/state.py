@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,12 @@ from tierserve.engine import Engine
 from tierserve.executors.base import Executor
 from tierserve.server.admission import AdmissionController, ThroughputMeter
 from tierserve.server.async_engine import AsyncEngine
+from tierserve.server.backends import Backend
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.config import ServeConfig
+from tierserve.server.engine_client import EngineClient
+from tierserve.server.engine_messages import EngineRecipe
+from tierserve.server.engine_service import EngineService
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.ratelimit import RateLimiter
 from tierserve.server.served_executor import ServedExecutor
@@ -43,7 +47,7 @@ class ServerState:
     config: ServeConfig
     model: ModelInfo
     tokenizer: Tokenizer
-    engine: AsyncEngine
+    engine: EngineService
     limiter: RateLimiter
     admission: AdmissionController
     tenants: TenantResolver
@@ -78,6 +82,77 @@ class ServerState:
         return f"model {self.model.name!r} (context {self.model.max_model_len}); access: {access}"
 
 
+def spawn_state(
+    config: ServeConfig,
+    backend: Callable[[], Backend],
+    *,
+    policy: str = "hybrid",
+    remote_buckets: BucketBackend | None = None,
+    log_level: str = "INFO",
+) -> ServerState:
+    """Start the engine in a process of its own and wire the HTTP side to it.
+
+    `backend` is called in the engine process (it must pickle by name: a `BackendSpec`, or a
+    module-level function); the model is loaded there, and its tokenizer comes back."""
+    clock = WallClock()
+    engine_config = config.engine
+    targets = {t: engine_config.tiers[t].ttft_target_s for t in ALL_TIERS}
+    recipe = EngineRecipe(engine_config, policy, backend, targets, clock.origin, log_level)
+    meter = ThroughputMeter()
+    client = EngineClient.spawn(recipe, meter)
+    ready = client.ready
+    metrics = ServerMetrics(ready.model_name, targets)
+    # The engine's state gauges come from the engine process's families (merged at scrape).
+    return _assemble(
+        config,
+        client,
+        metrics,
+        meter,
+        ModelInfo(ready.model_name, ready.max_model_len, ready.vocab_size),
+        ready.tokenizer,
+        clock,
+        ready.block_size,
+        dict(ready.ceiling_blocks),
+        remote_buckets,
+    )
+
+
+def _assemble(
+    config: ServeConfig,
+    engine: EngineService,
+    metrics: ServerMetrics,
+    meter: ThroughputMeter,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    clock: Clock,
+    block_size: int,
+    ceiling_blocks: dict[Tier, int],
+    remote_buckets: BucketBackend | None,
+) -> ServerState:
+    """The HTTP side's parts around an engine: limits, admission, tenants, metrics."""
+    rl = config.server.ratelimit
+    if remote_buckets is None and rl.backend == "redis":
+        from tierserve.server.redis_buckets import RedisBuckets
+
+        remote_buckets = RedisBuckets(rl.redis_url, timeout_s=rl.redis_timeout_s, key_prefix=rl.key_prefix)
+    limiter = RateLimiter(config.limits.global_limit, remote=remote_buckets, fail_open=rl.fail_mode == "open")
+    metrics.bind(None, lambda: LimiterState(limiter.redis_up, limiter.num_fallbacks))
+    return ServerState(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        engine=engine,
+        limiter=limiter,
+        admission=AdmissionController(config.engine.tiers, config.limits.queue_caps, meter),
+        tenants=TenantResolver(config),
+        metrics=metrics,
+        clock=clock,
+        block_size=block_size,
+        ceiling_blocks=ceiling_blocks,
+        remote_buckets=remote_buckets,
+    )
+
+
 def build_state(
     config: ServeConfig,
     executor: Executor,
@@ -90,7 +165,8 @@ def build_state(
     clock: Clock | None = None,
     remote_buckets: BucketBackend | None = None,
 ) -> ServerState:
-    """Wire engine, limits, admission and metrics. `pace`: sleep the executor's predicted durations."""
+    """The in-process mode: the engine on a thread of this process (tests that reach into it).
+    `pace`: sleep the executor's predicted durations."""
     clock = clock or WallClock()
     engine_config = config.engine
     metrics = ServerMetrics(model_name, {t: engine_config.tiers[t].ttft_target_s for t in ALL_TIERS})
@@ -98,25 +174,18 @@ def build_state(
     engine = Engine(engine_config, policy, served, clock)
     meter = ThroughputMeter()
     async_engine = AsyncEngine(engine, metrics=metrics, meter=meter)
-    rl = config.server.ratelimit
-    if remote_buckets is None and rl.backend == "redis":
-        from tierserve.server.redis_buckets import RedisBuckets
-
-        remote_buckets = RedisBuckets(rl.redis_url, timeout_s=rl.redis_timeout_s, key_prefix=rl.key_prefix)
-    limiter = RateLimiter(config.limits.global_limit, remote=remote_buckets, fail_open=rl.fail_mode == "open")
-    metrics.bind(lambda: async_engine.snapshot, lambda: LimiterState(limiter.redis_up, limiter.num_fallbacks))
     spec = executor.spec
-    return ServerState(
-        config=config,
-        model=ModelInfo(model_name, spec.max_model_len, vocab_size),
-        tokenizer=tokenizer,
-        engine=async_engine,
-        limiter=limiter,
-        admission=AdmissionController(engine_config.tiers, config.limits.queue_caps, meter),
-        tenants=TenantResolver(config),
-        metrics=metrics,
-        clock=clock,
-        block_size=spec.block_size,
-        ceiling_blocks={t: engine.memory.partition.ceiling[t] for t in ALL_TIERS},
-        remote_buckets=remote_buckets,
+    state = _assemble(
+        config,
+        async_engine,
+        metrics,
+        meter,
+        ModelInfo(model_name, spec.max_model_len, vocab_size),
+        tokenizer,
+        clock,
+        spec.block_size,
+        {t: engine.memory.partition.ceiling[t] for t in ALL_TIERS},
+        remote_buckets,
     )
+    metrics.bind(lambda: async_engine.snapshot, None)
+    return state
