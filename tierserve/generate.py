@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierserve.cli_args import positive_int
+
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
     from tierserve.executors.pytorch.tokenizer import Tokenizer
@@ -100,7 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "directory with config.json, *.safetensors and tokenizer.json (default: demo)",
     )
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="tokens to generate at most (default: 64)"
+    )
     p.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)"
     )

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierserve.cli_args import non_negative_int, positive_int
+
 if TYPE_CHECKING:
     from tierserve.config import EngineConfig
     from tierserve.executors.pytorch.executor import TorchExecutor
@@ -310,17 +312,33 @@ _ROWS = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("engine", help="real engine on the demo model vs Hugging Face generate()")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p = subparsers.add_parser(
+        "engine",
+        help="real engine on the demo model vs Hugging Face generate()",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=32, help="requests in the workload (default: 32)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the workload's lengths and tokens (default: 0)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        nargs=2,
+        default=[16, 256],
+        metavar=("MIN", "MAX"),
+        help="each prompt's length in tokens, drawn in this range (default: 16 256)",
+    )
     p.add_argument(
         "--output-tokens",
-        type=int,
+        type=positive_int,
         nargs=2,
         default=[16, 128],
         metavar=("MIN", "MAX"),
-        help="each request's max_tokens, drawn in this range",
+        help="each request's max_tokens, drawn in this range (default: 16 128)",
     )
     p.add_argument(
         "--lengths-from",
@@ -328,14 +346,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="draw the prompts' and outputs' lengths from a request trace (Azure .csv or Mooncake "
         ".jsonl), scaled so the longest are --prompt-tokens MAX and --output-tokens MAX",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--flood", type=int, default=64, help="P2 requests submitted before the P0 ones")
-    p.add_argument("--num-p0", type=int, default=5, help="P0 requests measured per scenario")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="step token budget")
-    p.add_argument("--p0-step-tokens", type=int, default=128, help="other tiers' prefill tokens per P0 step")
+    p.add_argument(
+        "--device", default="cpu", help="cpu or cuda; cuda needs a CUDA build of torch (default: cpu)"
+    )
+    p.add_argument(
+        "--flood",
+        type=positive_int,
+        default=64,
+        help="P2 requests submitted before the P0 ones (default: 64)",
+    )
+    p.add_argument(
+        "--num-p0", type=positive_int, default=5, help="P0 requests measured per scenario (default: 5)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=2048,
+        help="tokens one engine step may process at most (default: 2048)",
+    )
+    p.add_argument(
+        "--p0-step-tokens",
+        type=positive_int,
+        default=128,
+        help="prefill tokens of other tiers a step that serves P0 may take (default: 128)",
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=1,
         help="torch CPU threads for every contender (0 = torch's default); 1 is steadiest on a shared box",
     )
@@ -347,19 +384,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=5,
         help="runs of the engine and of HF's padded batch, taking turns; the speed-up is the median "
         "of the pairs' ratios, tokens/s the median of each side's runs",
     )
-    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--skip-hf", action="store_true", help="skip the Hugging Face transformers baselines (faster)"
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from tierserve.workloads.traces import TraceFormatError
 
+    for name in ("prompt_tokens", "output_tokens"):
+        low, high = getattr(args, name)
+        if low > high:
+            flag = "--" + name.replace("_", "-")
+            print(
+                f"tierserve bench engine: {flag} MIN MAX needs MIN <= MAX, got {low} {high}", file=sys.stderr
+            )
+            return 2
     lengths = None
     if args.lengths_from:
         try:

@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.bench.output import emit
+from tierserve.cli_args import positive_int
+from tierserve.scheduling import POLICIES
 from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
 
 
@@ -318,7 +320,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--duration-s", type=float, default=120.0, help="stop sending after this long (default: 120)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests' tiers and lengths (default: 0)")
     p.add_argument(
         "--warmup",
         type=int,
@@ -328,10 +330,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=_range, default=(64, 1024), help="LO-HI (default: 64-1024)")
     p.add_argument("--max-tokens", type=_range, default=(16, 128), help="LO-HI (default: 16-128)")
-    p.add_argument("--model", default="llama-3.1-70b")
-    p.add_argument("--gpu", default="a100-80gb")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--policy", default="hybrid")
+    p.add_argument("--model", default="llama-3.1-70b", help="simulated model (default: %(default)s)")
+    p.add_argument("--gpu", default="a100-80gb", help="simulated GPU (default: %(default)s)")
+    p.add_argument("--tp", type=positive_int, default=8, help="simulated tensor-parallel GPUs (default: 8)")
+    p.add_argument(
+        "--policy", choices=list(POLICIES), default="hybrid", help="scheduling policy (default: %(default)s)"
+    )
     p.add_argument("--config", help="server/engine config TOML (default: open server, default tiers)")
     p.add_argument(
         "--out", default="bench-out/serve-bench.json", help="JSON result file (default: %(default)s)"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.output import emit
+from tierserve.cli_args import non_negative_int
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
 from tierserve.executors.sim.gpus import GiB, get_gpu
@@ -328,7 +329,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--gpu", default="h200", help="GPU profile the simulator predicts for (default: %(default)s)"
     )
     p.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per shape after one warm-up; the median counts"
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed runs per shape after one warm-up; the median counts (default: 5)",
     )
     p.add_argument(
         "--shape",
@@ -339,7 +343,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help=f"one step, repeatable (default: {' '.join(DEFAULT_SHAPES)}); {SHAPE_FORMAT}",
     )
     p.add_argument("--seed", type=int, default=0, help="token ids of the steps' requests")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0 = torch's default)"
+    )
     p.add_argument(
         "--out", default="bench-out/sim-check.json", help="JSON result file (default: %(default)s)"
     )

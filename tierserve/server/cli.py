@@ -9,8 +9,10 @@ import argparse
 import logging
 import sys
 
+from tierserve.cli_args import port, positive_int
+from tierserve.scheduling import POLICIES
+
 SWITCH_INTERVAL_S = 0.0002
-POLICIES = ("fcfs", "strict", "drr", "drr-tokens", "wfq", "hybrid", "vllm-priority")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "With no --config the server is open (no keys, no rate limits).",
     )
     p.add_argument("--host", default=None, help="bind address (default: [server].host or 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: [server].port or 8000)")
+    p.add_argument("--port", type=port, default=None, help="port (default: [server].port or 8000)")
     p.add_argument(
         "--backend",
         choices=("torch", "sim"),
@@ -34,13 +36,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="torch: 'demo' or a Hugging Face directory; sim: a model name such as llama-3.1-70b",
     )
     p.add_argument("--gpu", default=None, help="sim: GPU profile (default A100-80GB)")
-    p.add_argument("--tp", type=int, default=None, help="sim: tensor-parallel GPUs (default 8)")
+    p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default="cpu", help="torch: cpu or cuda (default cpu)")
-    p.add_argument("--policy", choices=POLICIES, default="hybrid", help="scheduling policy (default hybrid)")
+    p.add_argument(
+        "--policy", choices=list(POLICIES), default="hybrid", help="scheduling policy (default hybrid)"
+    )
     p.add_argument(
         "--config", default=None, help="TOML: [scheduler], [tiers.*], [server], [limits], [tenants.*]"
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe log lines printed (default: info)",
+    )
     p.set_defaults(func=run)
 
 
