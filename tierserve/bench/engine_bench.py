@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierserve.bench.host import HostMonitor
 from tierserve.cli_args import non_negative_int, positive_int
 
 if TYPE_CHECKING:
@@ -416,7 +417,10 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, TraceFormatError, ValueError) as e:
             print(f"bench engine: --lengths-from: {e}", file=sys.stderr)
             return 2
+    monitor = HostMonitor()
     res = bench(args, lengths)
+    host = monitor.finish()
+    res["host"] = host.as_dict()
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -432,4 +436,7 @@ def run(args: argparse.Namespace) -> int:
     if "speedup_vs_hf_batched_runs" in res:
         pairs = ", ".join(f"{r:.2f}" for r in res["speedup_vs_hf_batched_runs"])
         print(f"  (speed-up of each engine / padded-batch pair, in turn: {pairs})")
+    warning = host.warning()
+    if warning:
+        print(warning)
     return 0

@@ -14,6 +14,7 @@ import statistics
 import sys
 from typing import Any
 
+from tierserve.bench.host import HostMonitor
 from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, SchedulerConfig
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"tierserve bench overhead: unknown policy {name!r}; choose from {known}", file=sys.stderr)
             return 2
     results = {}
+    monitor = HostMonitor()
     for name in policies:
         results[name] = measure(name, args.running, args.waiting, args.passes)
         if not args.json:
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 f"running {r['running']:4d}  waiting {r['waiting']:6d}  preemptions {r['preemptions']}",
                 flush=True,
             )
+    host = monitor.finish()
     if args.json:
         print(
             json.dumps(
@@ -109,10 +112,13 @@ def run(args: argparse.Namespace) -> int:
                     "waiting": args.waiting,
                     "passes": args.passes,
                     "policies": results,
+                    "host": host.as_dict(),
                 },
                 indent=2,
             )
         )
+    elif host.warning():
+        print(host.warning())
     return 0
 
 

@@ -38,9 +38,9 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
 from tierserve.bench.output import emit
 from tierserve.cli_args import positive_int
 from tierserve.scheduling import POLICIES
@@ -72,6 +72,8 @@ class BenchResult:
     # Share of the server CPUs' time that the hypervisor gave to other machines during the run
     # (Linux `steal`): on a shared host, the stalls behind a bad P99 may not be the server's.
     server_cpu_steal_pct: float | None = None
+    host: dict[str, Any] | None = None  # how busy the whole host was (tierserve.bench.host.HostLoad)
+    host_warning: str | None = None  # one line naming the host's load when it is high
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -149,37 +151,6 @@ def summarize(
     return result
 
 
-def cpu_times(stat_text: str) -> dict[int, list[int]]:
-    """Per-CPU time counters from the text of `/proc/stat` (user, nice, system, idle, iowait,
-    irq, softirq, steal, ...), by CPU number."""
-    out: dict[int, list[int]] = {}
-    for line in stat_text.splitlines():
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit():
-            out[int(name[3:])] = [int(f) for f in fields]
-    return out
-
-
-def steal_pct(before: dict[int, list[int]], after: dict[int, list[int]], cpus: set[int]) -> float | None:
-    """Percentage of `cpus`' time between two `cpu_times` that was stolen (field 8); None if
-    the counters do not say."""
-    total = stolen = 0
-    for cpu in cpus:
-        if cpu not in before or cpu not in after or len(after[cpu]) < 8:
-            return None
-        delta = [a - b for a, b in zip(after[cpu][:8], before[cpu][:8], strict=True)]
-        total += sum(delta)
-        stolen += delta[7]
-    return 100.0 * stolen / total if total > 0 else None
-
-
-def _read_cpu_times() -> dict[int, list[int]] | None:
-    try:
-        return cpu_times(Path("/proc/stat").read_text())
-    except OSError:
-        return None
-
-
 @contextmanager
 def _cpu_for_the_load_generator() -> Iterator[set[int] | None]:
     """Keep this process (and the threads it starts inside the block) off one CPU, and
@@ -228,19 +199,23 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
         # The server's threads start inside this block, so they inherit its CPUs.
         with _cpu_for_the_load_generator() as client_cpus, embedded_server(state, freeze_heap=True) as srv:
             server_cpus = _server_cpus(client_cpus)
-            times_before = _read_cpu_times()
+            monitor = HostMonitor()
+            times_before = read_cpu_times()
             start = time.perf_counter()
             outcomes = drive_in_child(
                 srv.url, backend.model_name, specs, args.concurrency, args.duration_s, client_cpus
             )
             wall = time.perf_counter() - start
-            times_after = _read_cpu_times()
+            times_after = read_cpu_times()
+            host = monitor.finish()
     finally:
         sys.setswitchinterval(previous)
     http_trace = {rid: (r.received_at, r.first_sent_at) for rid, r in state.trace.records.items()}
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "json", "out")}
     warmup = args.warmup if args.warmup is not None else min(args.concurrency, args.requests // 3)
     result = summarize(outcomes, engine_trace, http_trace, wall, settings, warmup)
+    result.host = host.as_dict()
+    result.host_warning = host.warning()
     if times_before is not None and times_after is not None and server_cpus:
         result.server_cpu_steal_pct = steal_pct(times_before, times_after, server_cpus)
     return result
@@ -298,6 +273,8 @@ def print_table(r: BenchResult) -> None:
             f"host: {r.server_cpu_steal_pct:.2f} % of the server CPU's time went to other machines "
             "(steal); on a shared host, some stalls behind the P99 may be those"
         )
+    if r.host_warning:
+        print(r.host_warning)
 
 
 def _range(text: str) -> tuple[int, int]:
