@@ -126,7 +126,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = subparsers.add_parser(
         "overhead",
         help="CPU time of one scheduling pass, per policy",
-        description=__doc__,
+        description="Measure the CPU time one scheduling pass takes with --running requests running and "
+        "--waiting queued over the four tiers, for each policy. The engine runs on a virtual clock with a "
+        "model that does no work, and memory is the binding limit, so only the scheduler is timed "
+        "(admission, reclaim and aging included). The report says when the host was busy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--running", type=positive_int, default=512, help="running requests (default 512)")

@@ -46,6 +46,22 @@ from tierserve.cli_args import positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
 
+DESCRIPTION = """\
+Load-test the real HTTP server, started in this process over a simulated GPU deployment
+(by default Llama-3.1-70B on 8 x A100-80GB), and measure what the API layer adds.
+
+--concurrency clients stream --requests completions over loopback, with tiers drawn from
+--tier-mix. Because the deployment is simulated, each request takes the time the GPUs
+would take, and the run needs no GPU. The report gives, per tier, TTFT P50/P95 over HTTP
+and inside the engine, refusals by reason, throughput, and the API overhead: the HTTP
+time to first token minus the engine's own, on the server (split into the request and
+the response path) and as the clients see it. The first --warmup requests (the burst when
+every client starts at once) are left out of the percentiles.
+
+The load generator runs in a child process, on a CPU of its own where there are two or
+more. On a busy host the overhead figures rise; the report says when the host was busy.
+The JSON result goes to --out."""
+
 
 @dataclass
 class BenchResult:
@@ -289,7 +305,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = subparsers.add_parser(
         "serve",
         help="HTTP load against the API server on the sim backend",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--requests", type=int, default=600, help="requests to send (default: %(default)s)")

@@ -315,11 +315,22 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"note: {note}")
 
 
+DESCRIPTION = """\
+Time real engine steps of the PyTorch executor and compare them with what the GPU
+simulator predicts for the same steps, to check the simulator on a GPU you have.
+
+Each --shape is one engine step: prefill chunks, decodes, or both. The model has the
+named model's shape with random weights made on the device (nothing is downloaded). The
+prediction is the simulator's for --gpu with one GPU, at the precision that ran. On a CPU
+the prediction is still the GPU's, so the ratio only says how far the CPU is from it.
+The JSON result goes to --out."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "sim-check",
         help="torch executor step times vs the simulator's prediction for the same shapes",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="demo", help="a known model name (default: %(default)s)")

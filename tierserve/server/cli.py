@@ -20,10 +20,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "serve",
         help="serve an OpenAI-compatible API with priority tiers",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /metrics, /health and /ready. "
-        "With no --config the server is open (no keys, no rate limits).",
+        "With no --config the server is open (no keys, no rate limits). docs/serving.md describes the API, "
+        "the tiers, tenants and keys, and the config file.",
     )
-    p.add_argument("--host", default=None, help="bind address (default: [server].host or 127.0.0.1)")
-    p.add_argument("--port", type=port, default=None, help="port (default: [server].port or 8000)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on; 0.0.0.0 is every interface (default: [server].host, else 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port", type=port, default=None, help="port to listen on (default: [server].port, else 8000)"
+    )
     p.add_argument(
         "--backend",
         choices=("torch", "sim"),
@@ -35,14 +42,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="torch: 'demo' or a Hugging Face directory; sim: a model name such as llama-3.1-70b",
     )
-    p.add_argument("--gpu", default=None, help="sim: GPU profile (default A100-80GB)")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="sim: the GPU to simulate: a100-80gb, h100-80gb or h200 (default a100-80gb)",
+    )
     p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default="cpu", help="torch: cpu or cuda (default cpu)")
     p.add_argument(
         "--policy", choices=list(POLICIES), default="hybrid", help="scheduling policy (default hybrid)"
     )
     p.add_argument(
-        "--config", default=None, help="TOML: [scheduler], [tiers.*], [server], [limits], [tenants.*]"
+        "--config",
+        default=None,
+        help="a TOML file: tiers, tenants and their API keys, rate limits, engine and server settings "
+        "(deploy/example-config.toml is an annotated example; default: none, an open server)",
     )
     p.add_argument(
         "--log-level",
