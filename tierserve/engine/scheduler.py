@@ -319,7 +319,7 @@ class Scheduler:
 
     def _preempt_mode(self, req: Request) -> PreemptMode:
         """Swap when moving the blocks over the host link costs less than `swap_factor`
-        times prefilling them again (DESIGN.md §4); otherwise recompute."""
+        times prefilling them again (docs/design.md §4); otherwise recompute."""
         if not self.policy.allow_swap or req.num_computed_tokens == 0 or not req.block_ids:
             return PreemptMode.RECOMPUTE
         num_blocks = len(req.block_ids)
