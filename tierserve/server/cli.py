@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.server.backends import BackendError, build_backend
     from tierserve.server.config import load_serve_config
     from tierserve.server.drain import DrainingServer
+    from tierserve.server.listen_check import cannot_listen
     from tierserve.server.state import build_state
 
     # The engine thread and the event loop share the interpreter lock: a shorter switch
@@ -86,14 +87,22 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("tierserve.server")
     try:
         config = load_serve_config(args.config)
+    except ConfigError as e:
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 2
+    host = args.host or config.server.host
+    port = config.server.port if args.port is None else args.port
+    problem = cannot_listen(host, port)  # asked before the model loads, which may take minutes
+    if problem is not None:
+        print(f"tierserve serve: {problem}", file=sys.stderr)
+        return 2
+    try:
         backend = build_backend(args.backend, args.model, gpu=args.gpu, tp=args.tp, device=args.device)
-    except (ConfigError, BackendError) as e:
+    except BackendError as e:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
     if config.source is None:
         log.warning("no --config: the server is OPEN (no API keys, no rate limits, default tiers)")
-    host = args.host or config.server.host
-    port = config.server.port if args.port is None else args.port
     state = build_state(
         config,
         backend.executor,
