@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if os.environ.get(DEBUG_ENV):
             raise
+        if isinstance(e, OSError) and e.filename is not None and e.strerror:
+            return fail(prog, f"{e.filename}: {e.strerror}", EXIT_USAGE)
         if isinstance(e, _user_errors()):
             return fail(prog, str(e) or type(e).__name__, EXIT_USAGE)
         return fail(prog, f"failed: {type(e).__name__}: {e} ({DEBUG_ENV}=1 shows the traceback)", EXIT_FAILED)

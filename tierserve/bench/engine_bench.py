@@ -427,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
                 args.lengths_from, args.num_prompts, args.seed, args.prompt_tokens[1], args.output_tokens[1]
             )
         except (OSError, TraceFormatError, ValueError) as e:
-            print(f"bench engine: --lengths-from: {e}", file=sys.stderr)
+            print(f"tierserve bench engine: --lengths-from: {e}", file=sys.stderr)
             return 2
     monitor = HostMonitor()
     res = bench(args, lengths)

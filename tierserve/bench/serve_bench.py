@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
-from tierserve.bench.output import emit
+from tierserve.bench.output import emit, make_out_folder
 from tierserve.cli_args import positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.server.loadgen import TIERS, Outcome, drive_in_child, make_specs
@@ -340,20 +340,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.requests <= 100_000 or not 1 <= args.concurrency <= 2000 or args.duration_s <= 0:
         print(
-            "bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, --duration-s > 0",
+            "tierserve bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, "
+            "--duration-s > 0",
             file=sys.stderr,
         )
         return 2
     if args.warmup is not None and not 0 <= args.warmup < args.requests:
-        print("bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
+        print("tierserve bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
         return 2
     mix = args.tier_mix.split("/")
     if len(mix) != 4 or not all(x.replace(".", "", 1).isdigit() for x in mix) or sum(map(float, mix)) <= 0:
         print(
-            f"bench serve: --tier-mix must be four shares like 5/60/30/5, got {args.tier_mix!r}",
+            f"tierserve bench serve: --tier-mix must be four shares like 5/60/30/5, got {args.tier_mix!r}",
             file=sys.stderr,
         )
         return 2
+    make_out_folder(args.out)
     result = run_bench(args)
     emit(asdict(result), args.out, args.json, lambda: print_table(result))
     return 0

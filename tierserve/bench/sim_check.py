@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierserve.bench.output import emit
+from tierserve.bench.output import emit, make_out_folder
 from tierserve.cli_args import non_negative_int
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
@@ -369,10 +369,11 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    make_out_folder(args.out)
     try:
         res = sim_check(args.model, args.device, args.dtype, args.gpu, args.shapes, args.repeats, args.seed)
     except ValueError as e:
-        print(f"bench sim-check: {e}", file=sys.stderr)
+        print(f"tierserve bench sim-check: {e}", file=sys.stderr)
         return 2
     emit(res, args.out, args.json, lambda: print_table(res))
     return 0
