@@ -3,20 +3,26 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where `make run` serves: `make run PORT=8080 HOST=0.0.0.0`.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: install run test lint bench bench-quick clean
 
 $(STAMP): pyproject.toml
+	@echo "tierserve: installing into $(VENV) (torch, then tierserve and its dev tools)."
+	@echo "tierserve: the first install downloads torch and takes a few minutes; pip's progress follows."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
+	@echo "tierserve: $(VENV) is ready; later runs skip this step until pyproject.toml changes."
 
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/tierserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/tierserve serve --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tierserve tests

@@ -12,10 +12,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+from tierserve.data_dir import HOW_TO_GET, find_data_dir
 from tierserve.request import Request, SamplingParams
 from tierserve.tiers import Tier
 
 _ids = itertools.count()
+
+# The Redis tests use db 15 of a server on 127.0.0.1:6379 and are skipped, with this line, without one.
+NO_REDIS = (
+    "no Redis server on 127.0.0.1:6379: start one with `redis-server --daemonize yes` "
+    "(Debian/Ubuntu: apt-get install redis-server) or `docker run -d -p 6379:6379 redis`"
+)
 
 
 def make_request(
@@ -37,18 +44,11 @@ def make_request(
     )
 
 
-def shared_data_dir() -> Path | None:
-    """../shared/data next to the repository (CI lays it there), if present."""
-    here = Path(__file__).resolve().parents[1]
-    for candidate in (here.parent / "shared" / "data", Path("/work/shared/data")):
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
 @pytest.fixture
 def shared_data() -> Path:
-    path = shared_data_dir()
+    """The data folder ($TIERSERVE_DATA, else shared/data beside the repository); the test is
+    skipped, saying how to get the data, when it is not there."""
+    path = find_data_dir()
     if path is None:
-        pytest.skip("../shared/data is not present")
+        pytest.skip(HOW_TO_GET)
     return path

@@ -17,4 +17,4 @@ def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main([])
-    assert e.value.code == 2 and "required: command" in capsys.readouterr().err
+    assert e.value.code == 2 and "required: COMMAND" in capsys.readouterr().err

@@ -90,3 +90,19 @@ def test_cli_penalties_stop_the_demo_repeating_itself(capsys: pytest.CaptureFixt
     assert len(set(penalised)) > len(set(plain))  # the random demo model loves one token
     assert cli([*argv, "--presence-penalty", "3"]) == 2
     assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err
+
+
+def test_visible_escapes_control_characters_but_keeps_lines_and_text() -> None:
+    assert gen.visible("a\bb\x1b[2J\x7f\r") == "a\\x08b\\x1b[2J\\x7f\\r"
+    assert gen.visible("line\n\ttab é 中 \ufffd") == "line\n\ttab é 中 \ufffd"
+
+
+def test_cli_text_shows_the_demos_control_characters_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--prompt", "hi", "--max-tokens", "48", "--temperature", "1", "--seed", "3", "--ignore-eos"]
+    assert cli([*argv, "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert any(ord(ch) < 32 and ch not in "\n\t" for ch in text)  # the demo does emit them
+    assert cli(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == gen.visible(text) + "\n"
+    assert "random weights" in captured.err

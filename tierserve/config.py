@@ -35,8 +35,8 @@ class TierConfig:
 
 
 DEFAULT_TIERS: dict[Tier, TierConfig] = {
-    # Targets and shares: DESIGN.md §1. Weights: the source article (WFQ 16/8/4/2, DRR
-    # 8/4/2/1). Floors/reserves/ceilings: DESIGN.md §4. Aging: only P3 ages by default (the
+    # Targets and shares: docs/design.md §1. Weights: the source article (WFQ 16/8/4/2, DRR
+    # 8/4/2/1). Floors/reserves/ceilings: docs/design.md §4. Aging: only P3 ages by default (the
     # article's 5 s). P1-P2 are served by fair queuing, which already bounds their wait; the
     # article's 30 s / 15 s thresholds would, under overload, turn the order into
     # first-come-first-served across tiers, and the P1 target into P2's.

@@ -8,15 +8,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from tierserve.cli_args import positive_int
 
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
     from tierserve.executors.pytorch.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees for context (leading spaces)
+_KEPT_CONTROLS = "\n\t"
+DEMO_NOTICE = (
+    "the demo model has random weights and a byte-level tokenizer: its text is gibberish by design; "
+    "control characters are shown as escapes such as \\x08"
+)
+
+
+def visible(text: str) -> str:
+    """`text` with its control characters (newline and tab aside) written as escapes such as
+    `\\x08`, so that a terminal shows them instead of acting on them (a backspace erases)."""
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii")
+        if ch not in _KEPT_CONTROLS and unicodedata.category(ch) == "Cc"
+        else ch
+        for ch in text
+    )
 
 
 @dataclass(frozen=True)
@@ -68,25 +87,49 @@ def generate(
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("generate", help="generate text from one prompt with the PyTorch executor")
-    p.add_argument(
-        "--model", default="demo", help='"demo" (random weights, byte tokenizer) or a local HF directory'
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text from one prompt with the PyTorch executor",
+        description="Run one prompt through tierserve's engine on a real PyTorch model and print the "
+        "text as it comes. The built-in 'demo' model has random weights and a byte-level tokenizer, "
+        "so its text is gibberish: it shows that the engine runs, not what a model says. Control "
+        "characters in the text are printed as escapes such as \\x08.",
     )
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, as OpenAI's")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, as OpenAI's")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (random weights made at start-up, nothing downloaded) or a local Hugging Face model "
+        "directory with config.json, *.safetensors and tokenizer.json (default: demo)",
+    )
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="tokens to generate at most (default: 64)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: probability mass kept (default: 1)"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = all (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling, for a repeatable run")
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="-2..2, as in OpenAI's API (default: 0)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="-2..2, as in OpenAI's API (default: 0)"
+    )
     p.add_argument(
         "--stop", nargs="+", default=[], metavar="STR", help="stop strings (not included in the text)"
     )
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print prompt_token_ids, token_ids, text and finish_reason as one JSON object",
+    )
     p.set_defaults(func=run)
 
 
@@ -96,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         executor, tokenizer = build_torch_executor(args.model, args.device)
-        stream = None if args.json else (lambda text: print(text, end="", flush=True))
+        if args.model == "demo" and not args.json:
+            print(f"tierserve generate: {DEMO_NOTICE}", file=sys.stderr, flush=True)
+        stream = None if args.json else (lambda text: print(visible(text), end="", flush=True))
         result = generate(
             executor,
             tokenizer,
@@ -114,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             on_text=stream,
         )
     except (ModelLoadError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"tierserve generate: {e}", file=sys.stderr)
         return 2
     if args.json:
         out = asdict(result)

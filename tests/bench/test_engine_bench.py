@@ -61,6 +61,7 @@ def test_small_bench_reports_every_figure_as_json(capsys: pytest.CaptureFixture[
         assert res[key] > 0, key
     assert res["greedy_agreement_with_hf"] == 1.0  # the same weights give the same tokens
     assert res["num_prompts"] == 3 and 12 <= res["num_output_tokens"] <= 24
+    assert res["host"]["num_cpus"] >= 1 and isinstance(res["host"]["busy"], bool)  # how busy the host was
     # The speed-up is the median of the three engine / padded-batch pairs' ratios.
     ratios = res["speedup_vs_hf_batched_runs"]
     assert len(ratios) == 3 and res["speedup_vs_hf_batched"] == sorted(ratios)[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.bench import serve_bench
+from tierserve.bench import host, serve_bench
 from tierserve.bench.serve_bench import summarize
 from tierserve.server.loadgen import Outcome, make_specs
 
@@ -134,6 +134,7 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
     assert printed["api_overhead_p50_ms"] <= printed["client_overhead_p50_ms"]
     if sys.platform == "linux":  # the host's steal time over the run, from /proc/stat
         assert 0.0 <= printed["server_cpu_steal_pct"] <= 100.0
+        assert printed["host"]["num_cpus"] >= 1 and 0.0 <= printed["host"]["others_cpu_pct"] <= 100.0
     assert sum(t["sent"] for t in printed["tiers"].values()) == 16
     assert printed["output_tokens_per_s"] > 0
     # The same requests again beside a flood of large bodies, every one of them refused.
@@ -174,16 +175,16 @@ intr 12345
 
 
 def test_steal_is_the_stolen_share_of_the_server_cpus_time() -> None:
-    before = serve_bench.cpu_times(STAT.format(100, 50, 800, 50))
-    after = serve_bench.cpu_times(STAT.format(150, 60, 970, 70))
+    before = host.cpu_times(STAT.format(100, 50, 800, 50))
+    after = host.cpu_times(STAT.format(150, 60, 970, 70))
     assert sorted(before) == [0, 1] and before[0][:4] == [100, 0, 50, 800]
     # CPU 0: 50 user + 10 system + 170 idle + 20 stolen = 250 ticks, 20 of them stolen.
-    assert serve_bench.steal_pct(before, after, {0}) == pytest.approx(8.0)
+    assert host.steal_pct(before, after, {0}) == pytest.approx(8.0)
     # CPU 1's counters did not move: alone it has no time to share out; with CPU 0, only
     # CPU 0's ticks count.
-    assert serve_bench.steal_pct(before, before, {1}) is None
-    assert serve_bench.steal_pct(before, after, {0, 1}) == pytest.approx(8.0)
-    assert serve_bench.steal_pct(before, after, {2}) is None  # a CPU the counters do not list
+    assert host.steal_pct(before, before, {1}) is None
+    assert host.steal_pct(before, after, {0, 1}) == pytest.approx(8.0)
+    assert host.steal_pct(before, after, {2}) is None  # a CPU the counters do not list
 
 
 def test_the_load_generator_draws_its_progress_where_asked() -> None:

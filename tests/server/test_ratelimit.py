@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from tests.conftest import NO_REDIS
 from tierserve.server.buckets import Bucket, BucketLevel, LocalBuckets, TakeResult
 from tierserve.server.config import RateLimit, TenantConfig
 from tierserve.server.ratelimit import REDIS_RETRY_S, RateLimiter, Reservation, format_reset
@@ -171,7 +172,7 @@ def _redis_or_skip() -> None:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
     except (redis.RedisError, OSError):
-        pytest.skip("no Redis server on 127.0.0.1:6379")
+        pytest.skip(NO_REDIS)
 
 
 def test_redis_buckets_are_shared_by_replicas_and_atomic() -> None:

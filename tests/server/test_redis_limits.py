@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import NO_REDIS
 from tests.server.helpers import MODEL, live_server, make_state
 from tierserve.server.config import parse_serve_config
 
@@ -32,7 +33,7 @@ def test_two_replicas_share_one_tenant_bucket_through_redis() -> None:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
     except (redis.RedisError, OSError):
-        pytest.skip("no Redis server on 127.0.0.1:6379")
+        pytest.skip(NO_REDIS)
     prefix = f"tierserve-test-{uuid.uuid4().hex}"
     with (
         live_server(make_state(_config(REDIS_URL, prefix, "closed"))) as a,

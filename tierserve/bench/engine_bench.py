@@ -17,9 +17,24 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierserve.bench.host import HostMonitor
+from tierserve.cli_args import non_negative_int, positive_int
+
 if TYPE_CHECKING:
     from tierserve.config import EngineConfig
     from tierserve.executors.pytorch.executor import TorchExecutor
+
+
+DESCRIPTION = """\
+Run tierserve's engine on the demo model (random weights, made at start-up; nothing is
+downloaded) and compare its throughput with Hugging Face transformers' generate() on the
+same weights: one request at a time, and one left-padded batch. Decoding is greedy and
+ignores end-of-sequence, so every request produces its own max_tokens. Then it measures
+P0's time to first token alone and behind a flood of P2 requests.
+
+The engine and the padded batch take turns --repeats times; the speed-up is the median of
+the pairs' ratios. On a busy host the figures drop and scatter; the report says when the
+host was busy."""
 
 
 @dataclass(frozen=True)
@@ -309,17 +324,33 @@ _ROWS = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("engine", help="real engine on the demo model vs Hugging Face generate()")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p = subparsers.add_parser(
+        "engine",
+        help="real engine on the demo model vs Hugging Face generate()",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=32, help="requests in the workload (default: 32)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the workload's lengths and tokens (default: 0)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        nargs=2,
+        default=[16, 256],
+        metavar=("MIN", "MAX"),
+        help="each prompt's length in tokens, drawn in this range (default: 16 256)",
+    )
     p.add_argument(
         "--output-tokens",
-        type=int,
+        type=positive_int,
         nargs=2,
         default=[16, 128],
         metavar=("MIN", "MAX"),
-        help="each request's max_tokens, drawn in this range",
+        help="each request's max_tokens, drawn in this range (default: 16 128)",
     )
     p.add_argument(
         "--lengths-from",
@@ -327,14 +358,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="draw the prompts' and outputs' lengths from a request trace (Azure .csv or Mooncake "
         ".jsonl), scaled so the longest are --prompt-tokens MAX and --output-tokens MAX",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--flood", type=int, default=64, help="P2 requests submitted before the P0 ones")
-    p.add_argument("--num-p0", type=int, default=5, help="P0 requests measured per scenario")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="step token budget")
-    p.add_argument("--p0-step-tokens", type=int, default=128, help="other tiers' prefill tokens per P0 step")
+    p.add_argument(
+        "--device", default="cpu", help="cpu or cuda; cuda needs a CUDA build of torch (default: cpu)"
+    )
+    p.add_argument(
+        "--flood",
+        type=positive_int,
+        default=64,
+        help="P2 requests submitted before the P0 ones (default: 64)",
+    )
+    p.add_argument(
+        "--num-p0", type=positive_int, default=5, help="P0 requests measured per scenario (default: 5)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=2048,
+        help="tokens one engine step may process at most (default: 2048)",
+    )
+    p.add_argument(
+        "--p0-step-tokens",
+        type=positive_int,
+        default=128,
+        help="prefill tokens of other tiers a step that serves P0 may take (default: 128)",
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=1,
         help="torch CPU threads for every contender (0 = torch's default); 1 is steadiest on a shared box",
     )
@@ -346,19 +396,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=5,
         help="runs of the engine and of HF's padded batch, taking turns; the speed-up is the median "
         "of the pairs' ratios, tokens/s the median of each side's runs",
     )
-    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--skip-hf", action="store_true", help="skip the Hugging Face transformers baselines (faster)"
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from tierserve.workloads.traces import TraceFormatError
 
+    for name in ("prompt_tokens", "output_tokens"):
+        low, high = getattr(args, name)
+        if low > high:
+            flag = "--" + name.replace("_", "-")
+            print(
+                f"tierserve bench engine: {flag} MIN MAX needs MIN <= MAX, got {low} {high}", file=sys.stderr
+            )
+            return 2
     lengths = None
     if args.lengths_from:
         try:
@@ -366,9 +426,12 @@ def run(args: argparse.Namespace) -> int:
                 args.lengths_from, args.num_prompts, args.seed, args.prompt_tokens[1], args.output_tokens[1]
             )
         except (OSError, TraceFormatError, ValueError) as e:
-            print(f"bench engine: --lengths-from: {e}", file=sys.stderr)
+            print(f"tierserve bench engine: --lengths-from: {e}", file=sys.stderr)
             return 2
+    monitor = HostMonitor()
     res = bench(args, lengths)
+    host = monitor.finish()
+    res["host"] = host.as_dict()
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -384,4 +447,7 @@ def run(args: argparse.Namespace) -> int:
     if "speedup_vs_hf_batched_runs" in res:
         pairs = ", ".join(f"{r:.2f}" for r in res["speedup_vs_hf_batched_runs"])
         print(f"  (speed-up of each engine / padded-batch pair, in turn: {pairs})")
+    warning = host.warning()
+    if warning:
+        print(warning)
     return 0

@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 
+def make_out_folder(out: str | None) -> None:
+    """Make `out`'s folder now, so that a path that cannot be written fails before the
+    benchmark runs rather than after (OSError)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+
+
 def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Callable[[], None]) -> None:
     """Write `result` as JSON to `out` (if given; its folder is made), then print the JSON
     (`as_json`) or the table, and where the file went."""

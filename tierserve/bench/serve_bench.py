@@ -42,12 +42,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.flood import FloodReport
-from tierserve.bench.output import emit
+from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
+from tierserve.bench.output import emit, make_out_folder
+from tierserve.cli_args import positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.loadgen import TIERS, Outcome, Spec, drive_in_child, make_specs
 
 if TYPE_CHECKING:
     from tierserve.server.config import ServeConfig
+
+DESCRIPTION = """\
+Load-test the real HTTP server, started in this process over a simulated GPU deployment
+(by default Llama-3.1-70B on 8 x A100-80GB), and measure what the API layer adds.
+
+--concurrency clients stream --requests completions over loopback, with tiers drawn from
+--tier-mix. Because the deployment is simulated, each request takes the time the GPUs
+would take, and the run needs no GPU. The report gives, per tier, TTFT P50/P95 over HTTP
+and inside the engine, refusals by reason, throughput, and the API overhead: the HTTP
+time to first token minus the engine's own, on the server (split into the request and
+the response path) and as the clients see it. The first --warmup requests (the burst when
+every client starts at once) are left out of the percentiles.
+
+The load generator runs in a child process, on a CPU of its own where there are two or
+more. On a busy host the overhead figures rise; the report says when the host was busy.
+The JSON result goes to --out."""
 
 
 @dataclass
@@ -77,6 +95,8 @@ class BenchResult:
     server_cpu_steal_pct: float | None = None
     flood: FloodReport | None = None  # the flood of large bodies sent during this run, if any
     with_flood: BenchResult | None = None  # the same requests again, beside a flood
+    host: dict[str, Any] | None = None  # how busy the whole host was (tierserve.bench.host.HostLoad)
+    host_warning: str | None = None  # one line naming the host's load when it is high
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -154,37 +174,6 @@ def summarize(
     return result
 
 
-def cpu_times(stat_text: str) -> dict[int, list[int]]:
-    """Per-CPU time counters from the text of `/proc/stat` (user, nice, system, idle, iowait,
-    irq, softirq, steal, ...), by CPU number."""
-    out: dict[int, list[int]] = {}
-    for line in stat_text.splitlines():
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit():
-            out[int(name[3:])] = [int(f) for f in fields]
-    return out
-
-
-def steal_pct(before: dict[int, list[int]], after: dict[int, list[int]], cpus: set[int]) -> float | None:
-    """Percentage of `cpus`' time between two `cpu_times` that was stolen (field 8); None if
-    the counters do not say."""
-    total = stolen = 0
-    for cpu in cpus:
-        if cpu not in before or cpu not in after or len(after[cpu]) < 8:
-            return None
-        delta = [a - b for a, b in zip(after[cpu][:8], before[cpu][:8], strict=True)]
-        total += sum(delta)
-        stolen += delta[7]
-    return 100.0 * stolen / total if total > 0 else None
-
-
-def _read_cpu_times() -> dict[int, list[int]] | None:
-    try:
-        return cpu_times(Path("/proc/stat").read_text())
-    except OSError:
-        return None
-
-
 @contextmanager
 def _cpu_for_the_load_generator() -> Iterator[set[int] | None]:
     """Keep this process (and the threads it starts inside the block) off one CPU, and
@@ -238,7 +227,8 @@ def _run_once(
             if flood_clients:
                 flood.start()
             server_cpus = _server_cpus(client_cpus)
-            times_before = _read_cpu_times()
+            monitor = HostMonitor()
+            times_before = read_cpu_times()
             start = time.perf_counter()
             try:
                 outcomes = drive_in_child(
@@ -246,7 +236,8 @@ def _run_once(
                 )
             finally:
                 wall = time.perf_counter() - start
-                times_after = _read_cpu_times()
+                times_after = read_cpu_times()
+                host = monitor.finish()
                 if flood_clients:
                     flood_report = flood.stop()
     http_trace = {rid: (r.received_at, r.first_sent_at) for rid, r in state.trace.records.items()}
@@ -254,6 +245,8 @@ def _run_once(
     warmup = args.warmup if args.warmup is not None else min(args.concurrency, args.requests // 3)
     result = summarize(outcomes, engine_trace, http_trace, wall, settings, warmup)
     result.flood = flood_report
+    result.host = host.as_dict()
+    result.host_warning = host.warning()
     if times_before is not None and times_after is not None and server_cpus:
         result.server_cpu_steal_pct = steal_pct(times_before, times_after, server_cpus)
     return result
@@ -319,6 +312,8 @@ def print_table(r: BenchResult) -> None:
             f"host: {r.server_cpu_steal_pct:.2f} % of the server CPU's time went to other machines "
             "(steal); on a shared host, some stalls behind the P99 may be those"
         )
+    if r.host_warning:
+        print(r.host_warning)
 
 
 def print_flood_comparison(quiet: BenchResult, flooded: BenchResult) -> None:
@@ -364,7 +359,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = subparsers.add_parser(
         "serve",
         help="HTTP load against the API server on the sim backend",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--requests", type=int, default=600, help="requests to send (default: %(default)s)")
@@ -372,7 +367,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--duration-s", type=float, default=120.0, help="stop sending after this long (default: 120)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests' tiers and lengths (default: 0)")
     p.add_argument(
         "--warmup",
         type=int,
@@ -389,10 +384,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="clients sending ~1 MiB JSON bodies (valid and invalid) during a second run of the same "
         "requests, reported beside the first; 0: no second run (default: %(default)s)",
     )
-    p.add_argument("--model", default="llama-3.1-70b")
-    p.add_argument("--gpu", default="a100-80gb")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--policy", choices=policy_names(), default=DEFAULT_POLICY, help="(default: %(default)s)")
+    p.add_argument("--model", default="llama-3.1-70b", help="simulated model (default: %(default)s)")
+    p.add_argument("--gpu", default="a100-80gb", help="simulated GPU (default: %(default)s)")
+    p.add_argument("--tp", type=positive_int, default=8, help="simulated tensor-parallel GPUs (default: 8)")
+    p.add_argument(
+        "--policy", choices=policy_names(), default=DEFAULT_POLICY, help="scheduling policy (default: %(default)s)"
+    )
     p.add_argument("--config", help="server/engine config TOML (default: open server, default tiers)")
     p.add_argument(
         "--out", default="bench-out/serve-bench.json", help="JSON result file (default: %(default)s)"
@@ -404,7 +401,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.requests <= 100_000 or not 1 <= args.concurrency <= 2000 or args.duration_s <= 0:
         print(
-            "bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, --duration-s > 0",
+            "tierserve bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, "
+            "--duration-s > 0",
             file=sys.stderr,
         )
         return 2
@@ -412,15 +410,16 @@ def run(args: argparse.Namespace) -> int:
         print("bench serve: need 0 <= --flood-clients <= 16", file=sys.stderr)
         return 2
     if args.warmup is not None and not 0 <= args.warmup < args.requests:
-        print("bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
+        print("tierserve bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
         return 2
     mix = args.tier_mix.split("/")
     if len(mix) != 4 or not all(x.replace(".", "", 1).isdigit() for x in mix) or sum(map(float, mix)) <= 0:
         print(
-            f"bench serve: --tier-mix must be four shares like 5/60/30/5, got {args.tier_mix!r}",
+            f"tierserve bench serve: --tier-mix must be four shares like 5/60/30/5, got {args.tier_mix!r}",
             file=sys.stderr,
         )
         return 2
+    make_out_folder(args.out)
     result = run_bench(args)
     emit(asdict(result), args.out, args.json, lambda: _print_all(result))
     return 0

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierserve.bench.output import emit
+from tierserve.bench.output import emit, make_out_folder
+from tierserve.cli_args import non_negative_int
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
 from tierserve.executors.sim.gpus import GiB, get_gpu
@@ -314,11 +315,22 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"note: {note}")
 
 
+DESCRIPTION = """\
+Time real engine steps of the PyTorch executor and compare them with what the GPU
+simulator predicts for the same steps, to check the simulator on a GPU you have.
+
+Each --shape is one engine step: prefill chunks, decodes, or both. The model has the
+named model's shape with random weights made on the device (nothing is downloaded). The
+prediction is the simulator's for --gpu with one GPU, at the precision that ran. On a CPU
+the prediction is still the GPU's, so the ratio only says how far the CPU is from it.
+The JSON result goes to --out."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "sim-check",
         help="torch executor step times vs the simulator's prediction for the same shapes",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="demo", help="a known model name (default: %(default)s)")
@@ -328,7 +340,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--gpu", default="h200", help="GPU profile the simulator predicts for (default: %(default)s)"
     )
     p.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per shape after one warm-up; the median counts"
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed runs per shape after one warm-up; the median counts (default: 5)",
     )
     p.add_argument(
         "--shape",
@@ -339,7 +354,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help=f"one step, repeatable (default: {' '.join(DEFAULT_SHAPES)}); {SHAPE_FORMAT}",
     )
     p.add_argument("--seed", type=int, default=0, help="token ids of the steps' requests")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0 = torch's default)"
+    )
     p.add_argument(
         "--out", default="bench-out/sim-check.json", help="JSON result file (default: %(default)s)"
     )
@@ -352,10 +369,11 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    make_out_folder(args.out)
     try:
         res = sim_check(args.model, args.device, args.dtype, args.gpu, args.shapes, args.repeats, args.seed)
     except ValueError as e:
-        print(f"bench sim-check: {e}", file=sys.stderr)
+        print(f"tierserve bench sim-check: {e}", file=sys.stderr)
         return 2
     emit(res, args.out, args.json, lambda: print_table(res))
     return 0

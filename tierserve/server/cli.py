@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sys
 
+from tierserve.cli_args import port, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
@@ -21,10 +22,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "serve",
         help="serve an OpenAI-compatible API with priority tiers",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /metrics, /health and /ready. "
-        "With no --config the server is open (no keys, no rate limits).",
+        "With no --config the server is open (no keys, no rate limits). docs/serving.md describes the API, "
+        "the tiers, tenants and keys, and the config file.",
     )
-    p.add_argument("--host", default=None, help="bind address (default: [server].host or 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default: [server].port or 8000)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on; 0.0.0.0 is every interface (default: [server].host, else 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port", type=port, default=None, help="port to listen on (default: [server].port, else 8000)"
+    )
     p.add_argument(
         "--backend",
         choices=("torch", "sim"),
@@ -36,19 +44,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="torch: 'demo' or a Hugging Face directory; sim: a model name such as llama-3.1-70b",
     )
-    p.add_argument("--gpu", default=None, help="sim: GPU profile (default A100-80GB)")
-    p.add_argument("--tp", type=int, default=None, help="sim: tensor-parallel GPUs (default 8)")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="sim: the GPU to simulate: a100-80gb, h100-80gb or h200 (default a100-80gb)",
+    )
+    p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default="cpu", help="torch: cpu or cuda (default cpu)")
     p.add_argument(
-        "--policy",
-        choices=policy_names(),
-        default=DEFAULT_POLICY,
-        help="scheduling policy (default %(default)s)",
+        "--policy", choices=policy_names(), default=DEFAULT_POLICY, help="scheduling policy (default %(default)s)"
     )
     p.add_argument(
-        "--config", default=None, help="TOML: [scheduler], [tiers.*], [server], [limits], [tenants.*]"
+        "--config",
+        default=None,
+        help="a TOML file: tiers, tenants and their API keys, rate limits, engine and server settings "
+        "(deploy/example-config.toml is an annotated example; default: none, an open server)",
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe log lines printed (default: info)",
+    )
     add_http_flags(p)
     p.set_defaults(func=run)
 
@@ -63,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.server.drain import DrainingServer
     from tierserve.server.engine_client import EngineStartError
     from tierserve.server.http_guard import uvicorn_options
+    from tierserve.server.listen_check import cannot_listen
     from tierserve.server.permissive import log_permissive_settings
     from tierserve.server.state import spawn_state
 
@@ -80,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     log_permissive_settings(config, log)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
+    problem = cannot_listen(host, port)  # asked before the model loads, which may take minutes
+    if problem is not None:
+        print(f"tierserve serve: {problem}", file=sys.stderr)
+        return 2
     backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device)
     try:  # the engine, and the model, are built in a process of their own
         state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())

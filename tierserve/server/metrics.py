@@ -4,7 +4,7 @@ Event metrics (histograms, counters of things that happen) are observed as they 
 from the engine thread or a handler; prometheus_client's metrics are thread-safe.
 State metrics (queue depth, KV blocks, cumulative engine counters) are read from the
 latest engine snapshot when Prometheus scrapes. Names: the source article's `llm_*`
-(DESIGN.md §6), vLLM's `vllm:*` where they overlap (so vLLM dashboards keep working)
+(docs/design.md §6), vLLM's `vllm:*` where they overlap (so vLLM dashboards keep working)
 and `tierserve_*` for the rest.
 """
 

@@ -1,4 +1,4 @@
-"""Token buckets in Redis, shared by every server replica (DESIGN.md §8).
+"""Token buckets in Redis, shared by every server replica (docs/design.md §8).
 
 Each operation is one Lua script, so it is atomic, and it reads the Redis server's
 clock (`TIME`), so replicas with skewed clocks agree. A bucket is a hash

@@ -65,4 +65,16 @@ def test_bad_arguments_exit_2_with_a_reason(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run(["profile", *argv]) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_that_does_not_fit_says_so_and_names_a_tp_that_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no "capacity 0 tokens" figures
+    [line] = captured.err.splitlines()
+    assert "does not fit on 1 x" in line and "try --tp 2" in line
+    assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_capacity_tokens"] > 0

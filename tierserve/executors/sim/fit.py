@@ -24,6 +24,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from tierserve.data_dir import DATA_ENV
 from tierserve.executors.sim.cost_model import GEMMS_PER_LAYER, CostModel, SeqChunk, gemm_s
 from tierserve.executors.sim.gpus import H200, GpuEfficiency, GpuProfile, get_gpu
 from tierserve.executors.sim.nelder_mead import nelder_mead
@@ -183,11 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=default_data_dir(), help="shared/data/gpu-profiles")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=default_data_dir(),
+        help="the gpu-profiles folder (default: gpu-profiles/ in $TIERSERVE_DATA or shared/data beside "
+        "the repository; docs/data.md)",
+    )
     parser.add_argument("--plot", type=Path, help="write a predicted-vs-measured PNG here")
     args = parser.parse_args(argv)
     if args.data is None or not args.data.is_dir():
-        parser.error("no gpu-profiles directory found; pass --data")
+        parser.error(f"no gpu-profiles folder found; pass --data or set {DATA_ENV} (docs/data.md)")
     fits: dict[str, tuple[GpuProfile, list[LinearPoint]]] = {}
     for folder, gpu_name in GPU_DIRS.items():
         gpu = get_gpu(gpu_name)

@@ -2,6 +2,9 @@
 
 tierserve profile --model llama-3.1-70b --gpu a100-80gb --tp 8 [--prefill-tokens 2048]
                   [--batch 1 --context 2048] [--mem-util 0.9] [--json]
+
+A model whose weights leave no room for the K/V cache does not fit: one line on stderr
+that says so and names the smallest --tp that fits, and exit status 1 (bad arguments: 2).
 """
 
 from __future__ import annotations
@@ -9,16 +12,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 
-from tierserve.executors.sim.cost_model import CostModel, SeqChunk
+from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
 from tierserve.executors.sim.executor import get_model
 from tierserve.executors.sim.gpus import KNOWN_GPUS, get_gpu
 from tierserve.model_config import KNOWN_MODELS
 
+EXIT_DOES_NOT_FIT = 1
+EXIT_BAD_ARGUMENTS = 2
+_GIB = 1 << 30
+_TP_TRIED = (1, 2, 4, 8, 16, 32, 64)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("profile", help="predicted step times and K/V capacity for a model on a GPU")
+    p = subparsers.add_parser(
+        "profile",
+        help="predicted step times and K/V capacity for a model on a GPU",
+        description="What the simulator predicts for one model on --tp GPUs of one kind: the time of a "
+        "prefill and of a decode step, the K/V bytes per token, and how many tokens of K/V fit. "
+        "When the weights leave no room for the K/V cache, it says the model does not fit, names the "
+        "smallest --tp that fits, and exits with status 1 (bad arguments: status 2).",
+    )
     p.add_argument("--model", required=True, help=f"one of: {', '.join(sorted(KNOWN_MODELS))}")
     p.add_argument("--gpu", required=True, help=f"one of: {', '.join(sorted(KNOWN_GPUS))}")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
@@ -29,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--context", type=int, default=2048, help="tokens each decoding sequence holds (default 2048)"
     )
-    p.add_argument("--mem-util", type=float, default=0.9, help="fraction of GPU memory to use (default 0.9)")
+    p.add_argument(
+        "--mem-util", type=float, default=0.9, help="fraction of GPU memory to use, in (0, 1] (default 0.9)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -109,13 +127,40 @@ def profile(
     )
 
 
+def does_not_fit(figures: Profile) -> str | None:
+    """Why the model does not fit (its weights leave no K/V room), or None when it fits."""
+    if figures.kv_capacity_tokens > 0:
+        return None
+    usable = figures.mem_util * get_gpu(figures.gpu).memory_bytes
+    fitting = [tp for tp in _TP_TRIED if tp > figures.tp and _fits(figures, tp)]
+    hint = f"try --tp {fitting[0]}" if fitting else "no --tp up to 64 fits"
+    return (
+        f"{figures.model} does not fit on {figures.tp} x {figures.gpu}: its weights take "
+        f"{figures.weight_bytes_per_gpu / _GIB:.1f} GiB per GPU, {figures.mem_util:.0%} of one GPU's "
+        f"memory is {usable / _GIB:.1f} GiB (2 GiB of it kept for activations), so no K/V cache is left; "
+        f"{hint}"
+    )
+
+
+def _fits(figures: Profile, tp: int) -> bool:
+    try:
+        cm = CostModel(get_gpu(figures.gpu), get_model(figures.model), tp)
+    except ValueError:  # tp does not divide the model's heads
+        return False
+    return cm.kv_capacity_tokens(figures.mem_util, DEFAULT_ACTIVATION_RESERVE_BYTES) > 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         figures = profile(
             args.model, args.gpu, args.tp, args.prefill_tokens, args.batch, args.context, args.mem_util
         )
     except ValueError as err:
-        print(f"tierserve profile: {err}")
-        return 2
+        print(f"tierserve profile: {err}", file=sys.stderr)
+        return EXIT_BAD_ARGUMENTS
+    reason = does_not_fit(figures)
+    if reason is not None:
+        print(f"tierserve profile: {reason}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     print(json.dumps(dataclasses.asdict(figures), indent=2) if args.json else figures.text())
     return 0

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierserve.data_dir import find_data_dir
 from tierserve.model_config import ModelConfig
 
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -36,13 +37,10 @@ class AllReducePoint:
 
 
 def default_data_dir() -> Path | None:
-    """shared/data/gpu-profiles beside the repository (where CI lays it), if present."""
-    repo = Path(__file__).resolve().parents[3]
-    for candidate in (repo.parent / "shared", Path("/work/shared")):
-        path = candidate / "data" / "gpu-profiles"
-        if path.is_dir():
-            return path
-    return None
+    """gpu-profiles/ in the data folder ($TIERSERVE_DATA or shared/data beside the repository)."""
+    root = find_data_dir()
+    path = None if root is None else root / "gpu-profiles"
+    return path if path is not None and path.is_dir() else None
 
 
 def _model_from_row(name: str, row: dict[str, str]) -> ModelConfig:

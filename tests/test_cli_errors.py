@@ -1,0 +1,111 @@
+"""Every `tierserve` command fails with one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierserve import cli
+from tierserve.executors.sim import profile_cli
+
+try:
+    import torch
+
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a dependency
+    HAS_CUDA = False
+
+MISSING = "/nonexistent/tierserve-test/file"
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="this torch build sees a CUDA device")
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "words"),
+    [
+        ([], 2, "required: COMMAND"),
+        (["frob"], 2, "invalid choice: 'frob'"),
+        (["serve", "--port", "99999"], 2, "port number 0-65535"),
+        (["serve", "--policy", "lottery"], 2, "invalid choice: 'lottery'"),
+        (["serve", "--config", MISSING], 2, "no such config file"),
+        (["serve", "--backend", "sim", "--model", "gpt-9"], 2, "unknown model 'gpt-9'"),
+        (["generate", "--prompt", "x", "--max-tokens", "0"], 2, "--max-tokens: expected an integer >= 1"),
+        (["generate", "--model", MISSING, "--prompt", "x"], 2, "not a directory"),
+        pytest.param(["generate", "--device", "cuda", "--prompt", "x"], 2, "no CUDA device", marks=cpu_only),
+        (["profile", "--model", "gpt-9", "--gpu", "h200"], 2, "known models"),
+        (["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb"], 1, "does not fit"),
+        (["profile", "--model", "demo", "--gpu", "h200", "--mem-util", "2"], 2, "mem_util"),
+        (["bench", "frob"], 2, "invalid choice: 'frob'"),
+        (["bench", "serve", "--policy", "lottery"], 2, "invalid choice: 'lottery'"),
+        (["bench", "serve", "--requests", "2", "--config", MISSING], 2, "no such config file"),
+        (["bench", "serve", "--requests", "2", "--gpu", "tpu"], 2, "unknown GPU 'tpu'"),
+        (["bench", "serve", "--tier-mix", "1/2"], 2, "--tier-mix"),
+        (["bench", "serve", "--requests", "0"], 2, "--requests"),
+        (["bench", "serve", "--prompt-tokens", "9-3"], 2, "LO-HI"),
+        pytest.param(
+            ["bench", "engine", "--device", "cuda", "--skip-hf"], 2, "no CUDA device", marks=cpu_only
+        ),
+        (["bench", "engine", "--prompt-tokens", "300", "20"], 2, "MIN <= MAX"),
+        (["bench", "engine", "--num-prompts", "many"], 2, "--num-prompts: expected an integer >= 1"),
+        (["bench", "engine", "--lengths-from", MISSING], 2, "--lengths-from"),
+        (["bench", "overhead", "--running", "0"], 2, "--running: expected an integer >= 1"),
+        (["bench", "overhead", "--policies", "lottery"], 2, "unknown policy 'lottery'"),
+        (["bench", "reproduce", "--policies", "lottery"], 2, "unknown policies lottery"),
+        (["bench", "reproduce", "--trace", MISSING], 2, "no such trace file"),
+        (["bench", "reproduce", "--seed", "x"], 2, "--seed"),
+        (["bench", "sim-check", "--shape", "zz"], 2, "shape 'zz'"),
+        (["bench", "serve", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
+        (["bench", "sim-check", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
+        (["serve", "--config", "/"], 2, "/: Is a directory"),
+        (["bench", "sim-check", "--model", "gpt-9"], 2, "gpt-9"),
+        pytest.param(["bench", "sim-check", "--device", "cuda"], 2, "no CUDA device", marks=cpu_only),
+    ],
+)
+def test_a_bad_command_line_is_one_line_and_a_non_zero_exit(
+    argv: list[str], status: int, words: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = [a.replace(MISSING, str(tmp_path / "missing")) for a in argv]
+    code, err = run_cli(argv, capsys)
+    assert code == status
+    assert len(err.strip().splitlines()) == 1, err
+    assert words in err and "Traceback" not in err
+
+
+def test_an_unexpected_failure_is_one_line_with_a_way_to_see_the_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(_args: argparse.Namespace) -> int:
+        raise RuntimeError("the engine\nfell over")
+
+    monkeypatch.setattr(profile_cli, "run", broken)  # `register` reads it when the parser is built
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    code, err = run_cli(["profile", "--model", "demo", "--gpu", "h200"], capsys)
+    assert code == 1
+    hint = f"({cli.DEBUG_ENV}=1 shows the traceback)"
+    assert err == f"tierserve profile: failed: RuntimeError: the engine fell over {hint}\n"
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(RuntimeError):
+        cli.main(["profile", "--model", "demo", "--gpu", "h200"])
+
+
+def test_the_installed_command_prints_no_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierserve.cli", "bench", "serve", "--requests", "2", "--model", "gpt-9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "unknown model 'gpt-9'" in proc.stderr

@@ -1,0 +1,53 @@
+"""Finding the data folder: $TIERSERVE_DATA, else shared/data beside the repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierserve import data_dir
+from tierserve.executors.sim.vidur_data import default_data_dir
+
+
+@pytest.fixture
+def beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in for shared/data beside the repository, with no $TIERSERVE_DATA."""
+    folder = tmp_path / "shared" / "data"
+    monkeypatch.setattr(data_dir, "BESIDE_REPO", folder)
+    monkeypatch.delenv(data_dir.DATA_ENV, raising=False)
+    return folder
+
+
+def test_the_folder_beside_the_repository_is_found(beside: Path) -> None:
+    assert data_dir.find_data_dir() is None
+    (beside / "gpu-profiles").mkdir(parents=True)
+    (beside / "trace.csv").write_text("x\n")
+    assert data_dir.find_data_dir() == beside
+    assert data_dir.data_path("trace.csv") == beside / "trace.csv"
+    assert default_data_dir() == beside / "gpu-profiles"
+
+
+def test_the_environment_variable_wins_even_over_a_folder_beside(
+    beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    beside.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setenv(data_dir.DATA_ENV, str(elsewhere))
+    assert data_dir.find_data_dir() is None  # a mistyped $TIERSERVE_DATA is not hidden
+    elsewhere.mkdir()
+    assert data_dir.find_data_dir() == elsewhere
+    assert default_data_dir() is None  # no gpu-profiles/ there
+
+
+def test_missing_data_says_how_to_get_it(beside: Path) -> None:
+    with pytest.raises(data_dir.DataNotFoundError, match=f"set {data_dir.DATA_ENV}.*docs/data.md"):
+        data_dir.data_path("trace.csv")
+    beside.mkdir(parents=True)
+    with pytest.raises(data_dir.DataNotFoundError, match=r"trace\.csv is missing"):
+        data_dir.data_path("trace.csv")
+
+
+def test_the_repositorys_tests_read_data_from_the_folder_found(shared_data: Path) -> None:
+    assert shared_data == data_dir.find_data_dir()
+    assert (shared_data / "gpu-profiles").is_dir()

@@ -1,0 +1,64 @@
+"""Argument types and the parser every `tierserve` command uses, so that a bad argument is
+one line on stderr and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line that points at --help (subcommands' parsers
+    are made by `add_subparsers`, which builds them with the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _bounded_int(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+positive_int = _bounded_int(1, "an integer >= 1")
+non_negative_int = _bounded_int(0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _bounded_int(0, "a port number 0-65535")(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value}")
+    return value
+
+
+def fail(prog: str, message: str, status: int = EXIT_USAGE) -> int:
+    """Print `prog: message` as one line on stderr; return `status` for the command to exit with."""
+    print(f"{prog}: {one_line(message)}", file=sys.stderr)
+    return status
