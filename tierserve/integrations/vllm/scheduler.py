@@ -133,6 +133,8 @@ class TierScheduler(Scheduler):
         self.waiting.tick(now)
         self._recount()
         self._make_room(now)
+        # vLLM hands the token budget to running requests in list order: most urgent first.
+        self.running.sort(key=lambda r: r.priority)
         output = super().schedule(*args, **kwargs)
         self.tier_metrics.publish_state(
             [self.tier_policy.num_waiting(t) for t in ALL_TIERS], self.ledger.used, self.ledger.borrowed()
