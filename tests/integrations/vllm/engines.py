@@ -14,9 +14,9 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import LLM, SamplingParams
 
-from tierserve.integrations.vllm.checkpoint import write_tiny_llama  # noqa: E402
+from tierserve.integrations.vllm.checkpoint import write_tiny_llama
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 64  # vLLM keeps one as its null block
@@ -29,7 +29,9 @@ def checkpoint(root: Path) -> Path:
     return write_tiny_llama(root / "tiny-llama")
 
 
-def make_llm(model: Path, *, scheduler_cls: str | None, policy: str = "fcfs", prefix_caching: bool = True) -> LLM:
+def make_llm(
+    model: Path, *, scheduler_cls: str | None, policy: str = "fcfs", prefix_caching: bool = True
+) -> LLM:
     kw: dict[str, Any] = {}
     if scheduler_cls is not None:
         kw["scheduler_cls"] = scheduler_cls

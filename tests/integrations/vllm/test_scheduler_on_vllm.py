@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integrations.vllm.engines import (  # noqa: E402
+from tests.integrations.vllm.engines import (
     MAX_NUM_SEQS,
     PLUGIN,
     Driver,
@@ -23,7 +23,7 @@ from tests.integrations.vllm.engines import (  # noqa: E402
     prompt,
     scheduler_of,
 )
-from tierserve.tiers import Tier  # noqa: E402
+from tierserve.tiers import Tier
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -57,7 +57,9 @@ def vanilla(vanilla_llm: Any) -> Iterator[Driver]:
     driver.run(2000)
 
 
-def _fill_with_p3(d: Driver, tag: str, n: int = MAX_NUM_SEQS, prompt_len: int = 100, max_tokens: int = 200) -> None:
+def _fill_with_p3(
+    d: Driver, tag: str, n: int = MAX_NUM_SEQS, prompt_len: int = 100, max_tokens: int = 200
+) -> None:
     for i in range(n):
         d.submit(f"{tag}-p3-{i}", prompt(100 + i, prompt_len), max_tokens, Tier.P3)
 

@@ -60,10 +60,10 @@ def write_tiny_llama(path: Path, *, seed: int = 0, max_position_embeddings: int 
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         initializer_range=0.2,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     (path / "tokenizer.json").write_text(_tokenizer_json())

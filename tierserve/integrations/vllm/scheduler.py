@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 
 class TierScheduler(Scheduler):
+    kv_cache_manager: Any  # vLLM's manager, wrapped in a TierGuardedKVCacheManager
+
     def __new__(cls, *args: Any, **kwargs: Any) -> TierScheduler:
         # vLLM turns async scheduling on by default; it needs AsyncScheduler's bookkeeping.
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
@@ -65,7 +67,7 @@ class TierScheduler(Scheduler):
         self.policy = SchedulingPolicy.PRIORITY
         self.waiting: PolicyRequestQueue = PolicyRequestQueue(self.tier_policy, self.book)
         self.kv_holding_waiting = create_request_queue(SchedulingPolicy.PRIORITY)
-        inner: Any = self.kv_cache_manager
+        inner = self.kv_cache_manager
         self.num_pool_blocks = inner.block_pool.num_gpu_blocks - 1  # less vLLM's null block
         partition = (
             TierPartition.from_tiers(self.num_pool_blocks, self.tier_config.engine.tiers)
@@ -73,7 +75,7 @@ class TierScheduler(Scheduler):
             else TierPartition.flat(self.num_pool_blocks)
         )
         self.ledger = TierLedger(partition)
-        self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)  # type: ignore[assignment]
+        self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)
         self.tier_metrics = TierMetrics()
         if not on_vllm_endpoint():
             logger.warning(
@@ -199,9 +201,9 @@ class TierScheduler(Scheduler):
             self._preempt_request(victim, now)
 
     def _blocks_to_admit(self, request: Request) -> int:
-        num_tokens = request.num_tokens + self.num_lookahead_tokens
-        watermark: int = self.kv_cache_manager.inner.watermark_blocks
-        return -(-num_tokens // self.block_size) + watermark
+        num_tokens = int(request.num_tokens) + int(self.num_lookahead_tokens)
+        watermark = int(self.kv_cache_manager.inner.watermark_blocks)
+        return -(-num_tokens // int(self.block_size)) + watermark
 
     def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int) -> bool:
         seats = len(self.running) - seats_freed < self.max_num_running_reqs
