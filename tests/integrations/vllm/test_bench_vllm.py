@@ -1,0 +1,106 @@
+"""`tierserve bench vllm`'s workload, open-loop driver and summary, on a fake contender
+(the real contenders run in vLLM's virtualenv; see test_scheduler_on_vllm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierserve.bench.vllm_bench import (
+    RUN_NAMES,
+    BenchRequest,
+    compare,
+    load_workload,
+    make_workload,
+    run_open_loop,
+    save_workload,
+    summarize,
+)
+from tierserve.cli import build_parser
+
+
+class FakeContender:
+    """Serves one request at a time, most urgent tier first, one token per step."""
+
+    def __init__(self) -> None:
+        self.queue: list[BenchRequest] = []
+        self.done: dict[str, int] = {}
+
+    def submit(self, req: BenchRequest, arrival: float) -> None:
+        self.queue.append(req)
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        self.queue.sort(key=lambda r: r.tier)
+        req = self.queue[0]
+        n = self.done.get(req.request_id, 0) + 1
+        self.done[req.request_id] = n
+        if n == req.max_tokens:
+            self.queue.pop(0)
+        return [(req.request_id, n, n == req.max_tokens)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+
+def test_workload_round_trips_and_mixes_tiers(tmp_path: Path) -> None:
+    w = make_workload(seed=3, num_flood=20, num_p0=3, flood_s=0.05)
+    save_workload(w, tmp_path / "w.json")
+    assert load_workload(tmp_path / "w.json") == w
+    assert {r.tier for r in w.flood} >= {0, 1}
+    assert [r.tier for r in w.alone] == [0, 0, 0]
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.flood, w.flood[1:], strict=False))
+
+
+def test_open_loop_records_every_request_and_the_summary_has_the_issue_keys() -> None:
+    w = make_workload(seed=0, num_flood=6, num_p0=2, flood_s=0.02)
+    result = run_open_loop(FakeContender(), w)
+    recs = result["requests"]
+    assert len(recs) == len(w.alone) + len(w.flood)
+    assert all(r["ttft_s"] is not None and r["tokens"] > 0 for r in recs.values())
+    summary = summarize(result)
+    for key in ("p0_ttft_p95_alone_s", "p0_ttft_p95_flood_s", "throughput_tokens_per_s", "slo_attainment"):
+        assert summary[key] is not None, key
+    assert set(summary["slo_attainment"]) <= {"P0", "P1", "P2", "P3"}
+    assert summary["throughput_tokens_per_s"] == pytest.approx(
+        sum(r["tokens"] for r in recs.values() if r["phase"] == "flood") / result["flood_makespan_s"]
+    )
+
+
+def test_slo_attainment_counts_requests_within_their_tier_target() -> None:
+    result = {
+        "requests": {
+            "a": {"tier": 0, "phase": "flood", "ttft_s": 0.1, "tokens": 4},
+            "b": {"tier": 0, "phase": "flood", "ttft_s": 0.9, "tokens": 4},
+            "c": {"tier": 1, "phase": "flood", "ttft_s": 4.0, "tokens": 4},
+            "d": {"tier": 3, "phase": "flood", "ttft_s": 99.0, "tokens": 4},
+        },
+        "flood_makespan_s": 2.0,
+    }
+    s = summarize(result)
+    assert s["slo_attainment"] == {"P0": 0.5, "P1": 1.0, "P3": 1.0}
+    assert s["throughput_tokens_per_s"] == 8.0
+
+
+def test_comparisons_are_ratios_of_the_runs() -> None:
+    runs = {
+        "vllm-fcfs": {"throughput_tokens_per_s": 100.0},
+        "vllm-priority": {"p0_ttft_p95_flood_s": 2.0},
+        "tierserve-plugin": {
+            "p0_ttft_p95_flood_s": 0.5,
+            "p0_ttft_p95_alone_s": 0.25,
+            "throughput_tokens_per_s": 98.0,
+        },
+        "tierserve-engine": {"throughput_tokens_per_s": 50.0},
+    }
+    c = compare(runs)
+    assert c["plugin_p0_flood_over_alone"] == 2.0
+    assert c["plugin_p0_flood_over_vllm_priority"] == 0.25
+    assert c["plugin_throughput_over_vllm_fcfs"] == 0.98
+    assert c["engine_throughput_over_vllm_fcfs"] == 0.5
+    assert set(runs) == set(RUN_NAMES)
+
+
+def test_cli_has_bench_vllm() -> None:
+    args = build_parser().parse_args(["bench", "vllm", "--json", "--num-flood", "4"])
+    assert args.json and args.num_flood == 4

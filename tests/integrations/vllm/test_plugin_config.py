@@ -1,0 +1,150 @@
+"""The plug-in's vLLM-free parts: version check, config, tier labels, the block ledger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierserve.config import ConfigError
+from tierserve.integrations.vllm.ledger import LedgerError, TierLedger
+from tierserve.integrations.vllm.plugin_config import (
+    CONFIG_ENV,
+    PluginConfig,
+    load_plugin_config,
+    parse_plugin_config,
+)
+from tierserve.integrations.vllm.request_tier import TierArgsError, label_request
+from tierserve.integrations.vllm.versions import (
+    SUPPORTED_VLLM_VERSIONS,
+    UnsupportedVllmError,
+    check_vllm_version,
+)
+from tierserve.memory.partition import TierPartition
+from tierserve.tiers import Tier
+
+
+def test_supported_version_passes_and_local_builds_count() -> None:
+    assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0]) == SUPPORTED_VLLM_VERSIONS[0]
+    assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + "+cpu")
+
+
+def test_unsupported_version_names_installed_and_supported() -> None:
+    with pytest.raises(UnsupportedVllmError) as e:
+        check_vllm_version("0.11.2")
+    assert "0.11.2" in str(e.value) and SUPPORTED_VLLM_VERSIONS[0] in str(e.value)
+
+
+def test_missing_vllm_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierserve.integrations.vllm import versions
+
+    monkeypatch.setattr(versions, "VLLM_DISTRIBUTIONS", ("no-such-distribution-xyz",))
+    with pytest.raises(ImportError, match="not installed"):
+        versions.check_vllm_version()
+
+
+def test_defaults_are_hybrid_with_identity_priorities() -> None:
+    config = load_plugin_config(None, environ={})
+    assert config.policy == "hybrid"
+    assert [config.tier_for_priority(p) for p in range(4)] == list(Tier)
+    assert config.tier_for_priority(17) == Tier.P1
+
+
+def test_toml_file_from_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        '[vllm]\npolicy = "wfq"\ndefault_tier = "batch"\n[vllm.priority]\n-1 = "P0"\n10 = "P3"\n'
+        "[tiers.P0]\nfloor = 0.25\n"
+    )
+    config = load_plugin_config(None, environ={CONFIG_ENV: str(path)})
+    assert config.policy == "wfq"
+    assert config.tier_for_priority(-1) == Tier.P0 and config.tier_for_priority(10) == Tier.P3
+    assert config.tier_for_priority(0) == Tier.P2
+    assert config.engine.tiers[Tier.P0].floor == 0.25
+
+
+def test_additional_config_inline() -> None:
+    config = load_plugin_config({"tierserve": {"vllm": {"policy": "strict"}}}, environ={})
+    assert config.policy == "strict"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"vllm": {"policy": "lottery"}}, "vllm.policy"),
+        ({"vllm": {"colour": 1}}, "vllm.colour"),
+        ({"vllm": {"priority": {"high": "P0"}}}, "vllm.priority.high"),
+        ({"vllm": {"priority": {"1": "P7"}}}, "vllm.priority.1"),
+        ({"vllm": {"default_tier": True}}, "vllm.default_tier"),
+        ({"tiers": {"P0": {"floor": 2.0}}}, "tiers.P0.floor"),
+    ],
+)
+def test_bad_config_names_the_field(raw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_plugin_config(raw)
+
+
+def test_both_sources_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text("")
+    with pytest.raises(ConfigError, match="use one"):
+        load_plugin_config({"tierserve": {}}, environ={CONFIG_ENV: str(path)})
+
+
+def test_tier_from_xargs_wins_over_priority() -> None:
+    config = PluginConfig()
+    label = label_request(3, {"tier": "realtime", "tenant": "acme"}, config)
+    assert (label.tier, label.tenant) == (Tier.P0, "acme")
+    assert label_request(2, None, config).tier == Tier.P2
+    assert label_request(0, {"tier": 3}, config).tier == Tier.P3
+
+
+@pytest.mark.parametrize(
+    "xargs",
+    [
+        {"tier": "P9"},
+        {"tier": "gold"},
+        {"tier": 1.5},
+        {"tier": True},
+        {"tier": ["P0"]},
+        {"tenant": 5},
+        {"tenant": ""},
+    ],
+)
+def test_malformed_xargs_raise_a_clear_error(xargs: dict[str, object]) -> None:
+    with pytest.raises(TierArgsError, match="vllm_xargs"):
+        label_request(0, xargs, PluginConfig())
+
+
+def _ledger() -> TierLedger:
+    # 100 blocks: P0 floor 15, P1 reserve 30, P0 ceiling 40.
+    return TierLedger(TierPartition(100, (15, 0, 0, 0), (0, 30, 0, 0), (40, 100, 100, 100)))
+
+
+def test_lower_tiers_must_leave_an_unfilled_floor_free() -> None:
+    ledger = _ledger()
+    ledger.reset([0, 0, 0, 80])
+    assert ledger.reserved_blocks(Tier.P3, num_free=20) == 15
+    assert ledger.fits(Tier.P3, 5, num_free=20) and not ledger.fits(Tier.P3, 6, num_free=20)
+    assert ledger.fits(Tier.P0, 20, num_free=20)
+    ledger.reset([15, 0, 0, 80])  # the floor is filled: nothing is held back any more
+    assert ledger.reserved_blocks(Tier.P3, num_free=5) == 0
+
+
+def test_ceiling_caps_a_tier() -> None:
+    ledger = _ledger()
+    ledger.reset([38, 0, 0, 0])
+    assert ledger.fits(Tier.P0, 2, num_free=62) and not ledger.fits(Tier.P0, 3, num_free=62)
+
+
+def test_borrowing_and_entitlement() -> None:
+    ledger = _ledger()
+    ledger.reset([0, 0, 0, 80])  # shared is 55 blocks: P3 borrows 25 of P1's reserve
+    assert ledger.is_borrowing(Tier.P3) and not ledger.is_borrowing(Tier.P1)
+    assert ledger.within_entitlement(Tier.P1, 30) and not ledger.within_entitlement(Tier.P1, 31)
+
+
+def test_ledger_refuses_negative_counts() -> None:
+    ledger = _ledger()
+    with pytest.raises(LedgerError):
+        ledger.add(Tier.P2, -1)

@@ -1,0 +1,72 @@
+"""vLLM's waiting queue ordered by a tierserve policy (needs vLLM for its RequestQueue base)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tierserve.config import EngineConfig
+from tierserve.integrations.vllm.book import BookError, RequestBook
+from tierserve.integrations.vllm.queue import PolicyRequestQueue
+from tierserve.scheduling import create_policy
+from tierserve.tiers import Tier
+
+
+def _req(rid: str, arrival: float) -> Any:
+    return SimpleNamespace(request_id=rid, max_tokens=8, prompt_token_ids=[5, 6, 7], arrival_time=arrival)
+
+
+def _queue() -> tuple[PolicyRequestQueue, RequestBook]:
+    book = RequestBook()
+    return PolicyRequestQueue(create_policy("hybrid", EngineConfig()), book), book
+
+
+def test_hybrid_order_and_peek_agrees_with_pop() -> None:
+    q, book = _queue()
+    q.tick(100.0)
+    for rid, tier, t in (("p2", Tier.P2, 1.0), ("p1", Tier.P1, 2.0), ("p0", Tier.P0, 3.0)):
+        req = _req(rid, t)
+        book.add(req, tier, "default")
+        q.add_request(req)
+    assert len(q) == 3 and {r.request_id for r in q} == {"p0", "p1", "p2"}
+    order = []
+    while q:
+        head = q.peek_request()
+        assert q.pop_request() is head
+        order.append(head.request_id)
+    assert order[0] == "p0"
+    with pytest.raises(IndexError):
+        q.peek_request()
+
+
+def test_prepend_puts_a_preempted_request_back_first_in_its_tier() -> None:
+    q, book = _queue()
+    a, b = _req("a", 1.0), _req("b", 2.0)
+    for r in (a, b):
+        book.add(r, Tier.P1, "default")
+    q.add_request(b)
+    q.prepend_request(a)
+    assert q.pop_request() is a
+
+
+def test_removing_a_request_not_queued_here_is_a_no_op() -> None:
+    q, book = _queue()
+    a, other = _req("a", 1.0), _req("other", 1.0)
+    book.add(a, Tier.P1, "default")
+    book.add(other, Tier.P3, "default")  # e.g. in vLLM's kv_holding_waiting queue
+    q.add_request(a)
+    q.remove_requests([a, other])
+    assert len(q) == 0
+
+
+def test_a_request_ends_exactly_once() -> None:
+    book = RequestBook()
+    book.add(_req("x", 0.0), Tier.P0, "t")
+    book.end("x")
+    with pytest.raises(BookError):
+        book.end("x")
+    assert (book.num_added, book.num_ended, len(book)) == (1, 1, 0)

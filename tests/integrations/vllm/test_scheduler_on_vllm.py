@@ -1,0 +1,145 @@
+"""TierScheduler on a real vLLM engine (the CPU build), against vanilla vLLM in the same test.
+
+Two engines for the whole module, built once: vLLM with the plug-in, and vanilla vLLM with
+`--scheduling-policy priority`. Times are counted in engine steps, never wall time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.integrations.vllm.engines import (
+    MAX_NUM_SEQS,
+    PLUGIN,
+    Driver,
+    checkpoint,
+    make_llm,
+    prompt,
+    scheduler_of,
+)
+from tierserve.tiers import Tier
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpoint(tmp_path_factory.mktemp("vllm-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def plugin_llm(model: Path) -> Iterator[Any]:
+    yield make_llm(model, scheduler_cls=PLUGIN)
+
+
+@pytest.fixture(scope="module")
+def vanilla_llm(model: Path) -> Iterator[Any]:
+    yield make_llm(model, scheduler_cls=None, policy="priority")
+
+
+@pytest.fixture
+def plugin(plugin_llm: Any) -> Iterator[Driver]:
+    driver = Driver(plugin_llm, plugin=True)
+    yield driver
+    driver.run(2000)  # leave the shared engine idle for the next test
+
+
+@pytest.fixture
+def vanilla(vanilla_llm: Any) -> Iterator[Driver]:
+    driver = Driver(vanilla_llm, plugin=False)
+    yield driver
+    driver.run(2000)
+
+
+def _fill_with_p3(
+    d: Driver, tag: str, n: int = MAX_NUM_SEQS, prompt_len: int = 100, max_tokens: int = 200
+) -> None:
+    for i in range(n):
+        d.submit(f"{tag}-p3-{i}", prompt(100 + i, prompt_len), max_tokens, Tier.P3)
+
+
+def test_greedy_outputs_match_vanilla_vllm(plugin: Driver, vanilla: Driver) -> None:
+    for d in (plugin, vanilla):
+        for i in range(6):
+            d.submit(f"greedy-{i}", prompt(i, 20 + 9 * i), 12, Tier.P1)
+        d.run(500)
+    assert set(plugin.tokens) == {f"greedy-{i}" for i in range(6)}
+    for rid, ids in vanilla.tokens.items():
+        assert len(ids) == 12
+        assert plugin.tokens[rid] == ids, rid
+
+
+def test_p0_preempts_a_full_batch_and_beats_vanilla_priority(plugin: Driver, vanilla: Driver) -> None:
+    sched = scheduler_of(plugin.llm)
+    before = sched.tier_metrics.preemptions.labels("P3", "recompute")._value.get()
+    for d in (plugin, vanilla):
+        _fill_with_p3(d, "ttft")
+        # every seat taken and decoding before P0 arrives
+        d.run(50, until=lambda d=d: all(f"ttft-p3-{i}" in d.first_token_step for i in range(MAX_NUM_SEQS)))
+        d.submit("ttft-p0", prompt(7, 40), 4, Tier.P0)
+        d.run(400, until=lambda d=d: "ttft-p0" in d.first_token_step)
+    assert plugin.ttft_steps("ttft-p0") <= 2
+    assert plugin.ttft_steps("ttft-p0") < vanilla.ttft_steps("ttft-p0")
+    assert sched.tier_metrics.preemptions.labels("P3", "recompute")._value.get() > before
+
+
+def test_p3_flood_never_takes_p0_floor(plugin: Driver) -> None:
+    sched = scheduler_of(plugin.llm)
+    pool = sched.kv_cache_manager.block_pool
+    floor = sched.ledger.partition.floor[Tier.P0]
+    assert floor > 0
+    _fill_with_p3(plugin, "flood", prompt_len=200, max_tokens=280)
+    lowest_free = pool.get_num_free_blocks()
+    peak_p3 = 0
+    for _ in range(300):
+        plugin.step()
+        lowest_free = min(lowest_free, pool.get_num_free_blocks())
+        peak_p3 = max(peak_p3, sched.ledger.used[Tier.P3])
+        if not plugin.llm.llm_engine.has_unfinished_requests():
+            break
+    # The flood wanted more than the pool (8 x 15 blocks); it got all but P0's floor.
+    assert peak_p3 == sched.num_pool_blocks - floor
+    assert lowest_free >= floor
+
+
+def test_borrowed_blocks_come_back_to_their_owner(plugin: Driver) -> None:
+    sched = scheduler_of(plugin.llm)
+    part = sched.ledger.partition
+    assert part.reserve[Tier.P1] > 0
+    _fill_with_p3(plugin, "borrow", prompt_len=200, max_tokens=280)
+    plugin.run(300, until=lambda: sched.ledger.borrowed()[Tier.P3] > 0)
+    for i in range(3):
+        plugin.submit(f"borrow-p1-{i}", prompt(50 + i, 150), 8, Tier.P1)
+    plugin.run(20, until=lambda: all(f"borrow-p1-{i}" in plugin.first_token_step for i in range(3)))
+    # The owner got its reserve back by preempting the borrower, within a couple of steps.
+    assert max(plugin.ttft_steps(f"borrow-p1-{i}") for i in range(3)) <= 3
+    assert sched.ledger.used[Tier.P1] <= part.entitlement(Tier.P1)
+
+
+def test_pool_is_whole_and_every_request_ends_once(plugin: Driver) -> None:
+    sched = scheduler_of(plugin.llm)
+    pool = sched.kv_cache_manager.block_pool
+    start_free = pool.get_num_free_blocks()
+    added, ended = sched.book.num_added, sched.book.num_ended
+    rids = []
+    for i in range(16):
+        rid = f"mix-{i}"
+        plugin.submit(rid, prompt(200 + i, 60 + 10 * i), 40 + 5 * i, Tier(i % 4))
+        rids.append(rid)
+    plugin.steps(6)
+    aborted = ["mix-1", "mix-6", "mix-11"]
+    plugin.abort(aborted)
+    plugin.submit("mix-late-p0", prompt(300, 50), 10, Tier.P0)
+    plugin.run(2000)
+    done = [r for r in [*rids, "mix-late-p0"] if r not in aborted]
+    assert all(plugin.finished[r] == 1 for r in done)
+    assert all(plugin.finished[r] == 0 for r in aborted)
+    assert sched.book.num_added - added == sched.book.num_ended - ended == len(rids) + 1
+    assert len(sched.book) == 0 and not sched.running and not sched.waiting
+    assert pool.get_num_free_blocks() == start_free == sched.num_pool_blocks

@@ -1,0 +1,330 @@
+"""`tierserve bench vllm`: one tiered workload, open-loop, on vanilla vLLM (fcfs, then
+`--scheduling-policy priority`), on vLLM with the tierserve plug-in, and on tierserve's
+own torch engine, all on the same locally written checkpoint.
+
+Each vLLM contender runs in vLLM's virtualenv (`--vllm-python`, default `.venv-vllm`) as a
+subprocess (`tierserve.integrations.vllm.bench_worker`); tierserve's engine runs here.
+Phases: P0 requests alone, one at a time; then a lower-tier flood (P1/P2/P3 60/30/10 %)
+arriving open-loop with P0 requests arriving through it. TTFT counts from each request's
+scheduled arrival. Importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+RUN_NAMES = ("vllm-fcfs", "vllm-priority", "tierserve-plugin", "tierserve-engine")
+VLLM_KINDS = RUN_NAMES[:3]
+TTFT_TARGETS_S = (0.5, 5.0, 60.0, math.inf)  # DESIGN.md §1, P0..P3
+
+
+class BenchTimeout(RuntimeError):
+    """A contender did not finish the workload within the time limit."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    request_id: str
+    phase: str  # "alone" | "flood"
+    arrival_s: float  # from the start of the flood phase (alone: unused)
+    tier: int
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    block_size: int = 32
+    num_blocks: int = 96
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    alone: list[BenchRequest]
+    flood: list[BenchRequest]
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    time_limit_s: float = 300.0
+
+
+def make_workload(seed: int, num_flood: int, num_p0: int, flood_s: float) -> Workload:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(2, 300) for _ in range(n)]
+
+    alone = [BenchRequest(f"alone-p0-{i}", "alone", 0.0, 0, prompt(48), 8) for i in range(num_p0)]
+    flood = [
+        BenchRequest(
+            f"flood-{i}", "flood", rng.uniform(0, flood_s), rng.choices((1, 2, 3), (6, 3, 1))[0],
+            prompt(rng.randint(96, 256)), rng.randint(32, 96),
+        )
+        for i in range(num_flood)
+    ]  # fmt: skip
+    step = flood_s / max(1, num_p0)
+    flood += [BenchRequest(f"flood-p0-{i}", "flood", 0.2 + i * step, 0, prompt(48), 8) for i in range(num_p0)]
+    return Workload(alone, sorted(flood, key=lambda r: r.arrival_s))
+
+
+def save_workload(w: Workload, path: Path) -> None:
+    path.write_text(json.dumps(asdict(w)))
+
+
+def load_workload(path: Path) -> Workload:
+    raw = json.loads(path.read_text())
+    return Workload(
+        [BenchRequest(**r) for r in raw["alone"]],
+        [BenchRequest(**r) for r in raw["flood"]],
+        EngineSettings(**raw["settings"]),
+        raw["time_limit_s"],
+    )
+
+
+class Contender(Protocol):
+    def submit(self, req: BenchRequest, arrival: float) -> None: ...
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        """(request id, output tokens so far, finished) for requests that moved."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+def _drive(c: Contender, arrivals: dict[str, float], records: dict[str, dict[str, Any]]) -> float:
+    t = time.time()
+    for rid, num_tokens, finished in c.step():
+        t = time.time()
+        rec = records[rid]
+        if num_tokens and rec["ttft_s"] is None:
+            rec["ttft_s"] = t - arrivals[rid]
+        rec["tokens"] = num_tokens
+        if finished:
+            rec["finish_s"] = t
+    return t
+
+
+def run_open_loop(c: Contender, w: Workload) -> dict[str, Any]:
+    records: dict[str, dict[str, Any]] = {}
+    arrivals: dict[str, float] = {}
+    deadline = time.time() + w.time_limit_s
+    for req in w.alone:
+        records[req.request_id] = {"tier": req.tier, "phase": "alone", "ttft_s": None, "tokens": 0}
+        arrivals[req.request_id] = time.time()
+        c.submit(req, arrivals[req.request_id])
+        while c.has_unfinished():
+            if time.time() > deadline:
+                raise BenchTimeout(f"not done in {w.time_limit_s} s")
+            _drive(c, arrivals, records)
+    start = time.time()
+    pending = list(w.flood)
+    last = start
+    while pending or c.has_unfinished():
+        now = time.time()
+        if now > deadline:
+            raise BenchTimeout(f"not done in {w.time_limit_s} s")
+        while pending and start + pending[0].arrival_s <= now:
+            req = pending.pop(0)
+            records[req.request_id] = {"tier": req.tier, "phase": "flood", "ttft_s": None, "tokens": 0}
+            arrivals[req.request_id] = start + req.arrival_s
+            c.submit(req, arrivals[req.request_id])
+        if not c.has_unfinished():
+            time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - now)))
+            continue
+        last = _drive(c, arrivals, records)
+    return {"requests": records, "flood_makespan_s": last - start}
+
+
+class TierserveEngineContender:
+    """tierserve's own engine (hybrid) on the torch executor, same checkpoint and memory."""
+
+    def __init__(self, model: Path, s: EngineSettings) -> None:
+        from tierserve.clock import WallClock
+        from tierserve.config import EngineConfig, SchedulerConfig
+        from tierserve.engine import Engine
+        from tierserve.executors.pytorch.executor import build_torch_executor
+
+        executor, _ = build_torch_executor(model, "cpu", num_device_blocks=s.num_blocks * s.block_size // 16)
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs
+        )
+        self.engine = Engine(EngineConfig(scheduler=scheduler), "hybrid", executor, WallClock())
+        self._reqs: dict[str, Any] = {}
+
+    def submit(self, req: BenchRequest, arrival: float) -> None:
+        from tierserve.request import Request, SamplingParams
+        from tierserve.tiers import Tier
+
+        engine_arrival = self.engine.clock.now() - (time.time() - arrival)
+        params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True)
+        r = Request(
+            req.request_id, list(req.prompt), params, tier=Tier(req.tier), arrival_time=engine_arrival
+        )
+        self._reqs[req.request_id] = r
+        self.engine.add_request(r)
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        outs = self.engine.step()
+        return [(o.request.request_id, o.request.num_output_tokens, o.finished) for o in outs]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished())
+
+    def num_preemptions(self) -> int:
+        return sum(self.engine.stats.preemptions.values())
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    recs = list(result["requests"].values())
+
+    def p0(phase: str) -> list[float]:
+        return [
+            r["ttft_s"] for r in recs if r["phase"] == phase and r["tier"] == 0 and r["ttft_s"] is not None
+        ]
+
+    flood = [r for r in recs if r["phase"] == "flood"]
+    slo: dict[str, float] = {}
+    for tier, target in enumerate(TTFT_TARGETS_S):
+        mine = [r for r in flood if r["tier"] == tier]
+        if mine:
+            met = sum(1 for r in mine if r["ttft_s"] is not None and r["ttft_s"] <= target)
+            slo[f"P{tier}"] = met / len(mine)
+    makespan = result["flood_makespan_s"]
+    tokens = sum(r["tokens"] for r in flood)
+    return {
+        "p0_ttft_p50_alone_s": _quantile(p0("alone"), 0.5),
+        "p0_ttft_p95_alone_s": _quantile(p0("alone"), 0.95),
+        "p0_ttft_p50_flood_s": _quantile(p0("flood"), 0.5),
+        "p0_ttft_p95_flood_s": _quantile(p0("flood"), 0.95),
+        "throughput_tokens_per_s": tokens / makespan if makespan > 0 else None,
+        "slo_attainment": slo,
+        "preemptions": result.get("preemptions"),
+        "num_requests": len(recs),
+    }
+
+
+def default_vllm_python() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    venv = root / ".venv-vllm" / "bin" / "python"
+    return venv if venv.exists() else Path(sys.executable)
+
+
+def run_vllm_contender(
+    python: Path, kind: str, model: Path, workload_path: Path, timeout_s: float
+) -> dict[str, Any]:
+    cmd = [str(python), "-m", "tierserve.integrations.vllm.bench_worker", "--kind", kind,
+           "--model", str(model), "--workload", str(workload_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH-RESULT "):
+            parsed: dict[str, Any] = json.loads(line.removeprefix("BENCH-RESULT "))
+            return parsed
+    tail = (proc.stderr or proc.stdout)[-2000:]
+    raise RuntimeError(f"{kind}: the vLLM worker failed (exit {proc.returncode}):\n{tail}")
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tierserve.integrations.vllm.checkpoint import write_tiny_llama
+
+    out = Path(args.out)
+    model = write_tiny_llama(out / "tiny-llama")
+    workload = make_workload(args.seed, args.num_flood, args.num_p0, args.flood_s)
+    workload_path = out / "workload.json"
+    save_workload(workload, workload_path)
+    runs: dict[str, Any] = {}
+    for kind in VLLM_KINDS:
+        print(f"[bench vllm] {kind} ...", file=sys.stderr, flush=True)
+        runs[kind] = summarize(
+            run_vllm_contender(args.vllm_python, kind, model, workload_path, args.timeout_s)
+        )
+    if not args.skip_engine:
+        print("[bench vllm] tierserve-engine ...", file=sys.stderr, flush=True)
+        engine = TierserveEngineContender(model, workload.settings)
+        result = run_open_loop(engine, workload)
+        result["preemptions"] = engine.num_preemptions()
+        runs["tierserve-engine"] = summarize(result)
+    return {"runs": runs, "comparisons": compare(runs), "workload": {
+        "seed": args.seed, "num_flood": args.num_flood, "num_p0": args.num_p0, "flood_s": args.flood_s,
+        **asdict(workload.settings)}}  # fmt: skip
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare(runs: dict[str, Any]) -> dict[str, Any]:
+    plugin, fcfs = runs.get("tierserve-plugin", {}), runs.get("vllm-fcfs", {})
+    prio, engine = runs.get("vllm-priority", {}), runs.get("tierserve-engine", {})
+    return {
+        "plugin_p0_flood_over_alone": _ratio(
+            plugin.get("p0_ttft_p95_flood_s"), plugin.get("p0_ttft_p95_alone_s")
+        ),
+        "plugin_p0_flood_over_vllm_priority": _ratio(
+            plugin.get("p0_ttft_p95_flood_s"), prio.get("p0_ttft_p95_flood_s")
+        ),
+        "plugin_throughput_over_vllm_fcfs": _ratio(
+            plugin.get("throughput_tokens_per_s"), fcfs.get("throughput_tokens_per_s")
+        ),
+        "engine_throughput_over_vllm_fcfs": _ratio(
+            engine.get("throughput_tokens_per_s"), fcfs.get("throughput_tokens_per_s")
+        ),
+    }
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = ["run                 p0 p95 alone  p0 p95 flood  tokens/s  preempt  slo"]
+    for name, r in res["runs"].items():
+        slo = " ".join(f"{t}={v:.2f}" for t, v in r["slo_attainment"].items())
+        lines.append(
+            f"{name:<19} {_fmt(r['p0_ttft_p95_alone_s']):>12}  {_fmt(r['p0_ttft_p95_flood_s']):>12}  "
+            f"{_fmt(r['throughput_tokens_per_s']):>8}  {_fmt(r['preemptions']):>7}  {slo}"
+        )
+    lines += [f"{k}: {_fmt(v)}" for k, v in res["comparisons"].items()]
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "vllm", help="the tiered workload on vLLM (fcfs, priority, plug-in) and tierserve"
+    )
+    p.add_argument("--json", action="store_true", help='print {"runs": {NAME: {...}}, ...} as JSON')
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-flood", type=int, default=32, help="lower-tier requests in the flood")
+    p.add_argument("--num-p0", type=int, default=4, help="P0 requests alone, and again during the flood")
+    p.add_argument("--flood-s", type=float, default=2.0, help="the flood arrives over this many seconds")
+    p.add_argument("--vllm-python", type=Path, default=default_vllm_python(), help="python of vLLM's venv")
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"))
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per contender")
+    p.add_argument("--skip-engine", action="store_true", help="leave out tierserve's own engine")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    res = bench(args)
+    print(json.dumps(res, indent=2) if args.json else render(res))
+    return 0

@@ -1,0 +1,1 @@
+"""tierserve's scheduling inside other serving engines (vLLM)."""

@@ -1,0 +1,48 @@
+"""vLLM's `KVCacheManager`, with every allocation held to the tier partition.
+
+`allocate_slots` is vLLM's only way into the block pool during a step. The guard asks the
+ledger how many free blocks the request's tier must leave alone (more urgent tiers'
+unfilled floors; whatever is past the tier's ceiling) and passes that as vLLM's own
+`reserved_blocks`, so an allocation that would break a floor or a ceiling fails the way
+any allocation fails when memory is short: vLLM then preempts the lowest-priority running
+request (the plug-in sets `priority` to the tier) or leaves the waiting one queued.
+Everything else is vLLM's manager, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.request import Request
+
+from tierserve.integrations.vllm.book import RequestBook
+from tierserve.integrations.vllm.ledger import TierLedger
+
+
+def blocks_held(manager: KVCacheManager, request_id: str) -> int:
+    """Blocks the request holds in vLLM's pool, over all KV cache groups."""
+    return sum(len(ids) for ids in manager.get_block_ids(request_id))
+
+
+class TierGuardedKVCacheManager:
+    def __init__(self, inner: KVCacheManager, ledger: TierLedger, book: RequestBook) -> None:
+        self.inner = inner
+        self._ledger = ledger
+        self._book = book
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, *args: Any, reserved_blocks: int = 0, **kwargs: Any
+    ) -> KVCacheBlocks | None:
+        tier = self._book.tier(request.request_id)
+        num_free = self.inner.block_pool.get_num_free_blocks()
+        reserve = max(reserved_blocks, self._ledger.reserved_blocks(tier, num_free))
+        before = blocks_held(self.inner, request.request_id)
+        blocks = self.inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=reserve, **kwargs)
+        if blocks is not None:
+            self._ledger.add(tier, blocks_held(self.inner, request.request_id) - before)
+        return blocks
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes the guard does not define: vLLM's manager answers.
+        return getattr(self.inner, name)

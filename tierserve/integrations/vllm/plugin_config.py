@@ -1,0 +1,100 @@
+"""The plug-in's configuration: tierserve's own TOML (tiers, scheduler) plus a `[vllm]` table.
+
+    [vllm]
+    policy = "hybrid"          # any tierserve policy name
+    default_tier = "P1"        # requests that name no tier and whose priority is unmapped
+    [vllm.priority]            # vLLM request priority -> tier
+    0 = "P0"
+    1 = "P1"
+
+It comes from the TOML file named by $TIERSERVE_CONFIG, or from vLLM's extra config
+(`--additional-config '{"tierserve": {...}}'`, the same tables as JSON); naming both is an
+error. Every value is checked here, before the engine starts; errors name the field.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
+from tierserve.scheduling import POLICIES
+from tierserve.tiers import ALL_TIERS, Tier
+
+CONFIG_ENV = "TIERSERVE_CONFIG"
+ADDITIONAL_CONFIG_KEY = "tierserve"
+_VLLM_KEYS = ("policy", "default_tier", "priority")
+
+
+def _identity_priorities() -> dict[int, Tier]:
+    return {int(t): t for t in ALL_TIERS}
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    policy: str = "hybrid"
+    priority_tiers: Mapping[int, Tier] = field(default_factory=_identity_priorities)
+    default_tier: Tier = Tier.P1
+
+    def tier_for_priority(self, priority: int) -> Tier:
+        return self.priority_tiers.get(priority, self.default_tier)
+
+
+def _parse_tier(path: str, value: Any) -> Tier:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"{path}: expected a tier name or number, got {value!r}")
+    try:
+        return Tier.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _parse_priorities(raw: Any) -> dict[int, Tier]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("vllm.priority: expected a table of priority = tier")
+    out: dict[int, Tier] = {}
+    for key, value in raw.items():
+        try:
+            priority = int(key)
+        except ValueError:
+            raise ConfigError(f"vllm.priority.{key}: the key must be an integer priority") from None
+        out[priority] = _parse_tier(f"vllm.priority.{key}", value)
+    return out
+
+
+def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
+    body = dict(raw)
+    vllm = body.pop("vllm", {})
+    if not isinstance(vllm, Mapping):
+        raise ConfigError("vllm: expected a table")
+    for key in vllm:
+        if key not in _VLLM_KEYS:
+            raise ConfigError(f"vllm.{key}: unknown key (known: {', '.join(_VLLM_KEYS)})")
+    policy = vllm.get("policy", "hybrid")
+    if policy not in POLICIES:
+        raise ConfigError(f"vllm.policy: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    priorities = _parse_priorities(vllm["priority"]) if "priority" in vllm else _identity_priorities()
+    default_tier = _parse_tier("vllm.default_tier", vllm.get("default_tier", "P1"))
+    return PluginConfig(parse_config(body), policy, priorities, default_tier)
+
+
+def load_plugin_config(
+    additional_config: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
+) -> PluginConfig:
+    """The configuration from $TIERSERVE_CONFIG or vLLM's additional config, else the defaults."""
+    path = environ.get(CONFIG_ENV)
+    inline = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if path and inline is not None:
+        raise ConfigError(
+            f"both ${CONFIG_ENV} ({path}) and --additional-config {ADDITIONAL_CONFIG_KEY!r} are set; use one"
+        )
+    if path:
+        return parse_plugin_config(load_raw(path))
+    if inline is not None:
+        if not isinstance(inline, Mapping):
+            raise ConfigError(f"additional_config.{ADDITIONAL_CONFIG_KEY}: expected a JSON object")
+        return parse_plugin_config(inline)
+    return PluginConfig()

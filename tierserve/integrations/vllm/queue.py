@@ -1,0 +1,77 @@
+"""vLLM's waiting queue, ordered by a tierserve policy.
+
+Implements vLLM's `RequestQueue` on top of `tierserve.scheduling.Policy`: the same policy
+objects (hybrid with aging by default) that order tierserve's own engine. The policy's
+clock is frozen for a whole scheduling pass (`tick`), so a `peek` and the `pop` that
+follows it always agree. Removing a request that is not queued here is a no-op, as in
+vLLM's own queues (vLLM removes finished requests from every waiting queue at once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.request import Request
+
+from tierserve.integrations.vllm.book import RequestBook
+from tierserve.scheduling import Policy
+
+
+class PolicyRequestQueue(RequestQueue):
+    def __init__(self, policy: Policy, book: RequestBook) -> None:
+        self.policy = policy
+        self._book = book
+        self._now = time.time()
+        self._queued: set[str] = set()
+
+    def tick(self, now: float) -> None:
+        """Set the time the policy sees until the next tick (aging is evaluated against it)."""
+        self._now = now
+
+    def add_request(self, request: Request) -> None:
+        self.policy.add(self._book.get(request.request_id).shadow, self._now)
+        self._queued.add(request.request_id)
+
+    def pop_request(self) -> Request:
+        if not len(self.policy):
+            raise IndexError("pop from an empty queue")
+        rid = self.policy.pop(self._now).request_id
+        self._queued.discard(rid)
+        return self._book.get(rid).vllm
+
+    def peek_request(self) -> Request:
+        shadow = self.policy.peek(self._now)
+        if shadow is None:
+            raise IndexError("peek from an empty queue")
+        return self._book.get(shadow.request_id).vllm
+
+    def prepend_request(self, request: Request) -> None:
+        self.policy.prepend(self._book.get(request.request_id).shadow, self._now)
+        self._queued.add(request.request_id)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        # Each goes to the head of its tier: the last of `requests` ends up first, as with
+        # vLLM's own deque.extendleft.
+        for request in requests:
+            self.prepend_request(request)
+
+    def remove_request(self, request: Request) -> None:
+        if request.request_id in self._queued:
+            self.policy.remove(self._book.get(request.request_id).shadow)
+            self._queued.discard(request.request_id)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.remove_request(request)
+
+    def __bool__(self) -> bool:
+        return len(self.policy) > 0
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def __iter__(self) -> Iterator[Request]:
+        for shadow in self.policy:
+            yield self._book.get(shadow.request_id).vllm

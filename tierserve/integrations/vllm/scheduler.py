@@ -1,0 +1,215 @@
+"""`TierScheduler`: vLLM V1's scheduler with tierserve's tiers.
+
+    vllm serve MODEL --scheduler-cls tierserve.integrations.vllm.TierScheduler
+
+What it changes, and nothing else (vLLM's `schedule()` still builds every step):
+  * the waiting queue is ordered by a tierserve policy (hybrid, with aging, by default);
+  * at the step boundary, before vLLM schedules, a waiting request that does not fit
+    preempts running requests the policy lets it take from (P0: any lower tier; others:
+    borrowers of their reserve), lowest tier and least work lost first;
+  * every block allocation is held to the tier partition (see `kv_guard.py`), and a
+    request's vLLM `priority` is set to its tier, so vLLM's own preemption on a failed
+    allocation picks the lowest tier;
+  * per-tier metrics (see `tier_metrics.py`).
+A step already running is never interrupted: preemption happens between steps.
+"""
+
+from __future__ import annotations
+
+from tierserve.integrations.vllm.versions import check_vllm_version
+
+VLLM_VERSION = check_vllm_version()  # before any vLLM internal is imported
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+from tierserve.integrations.vllm.book import RequestBook
+from tierserve.integrations.vllm.kv_guard import TierGuardedKVCacheManager, blocks_held
+from tierserve.integrations.vllm.ledger import TierLedger
+from tierserve.integrations.vllm.plugin_config import PluginConfig, load_plugin_config
+from tierserve.integrations.vllm.queue import PolicyRequestQueue
+from tierserve.integrations.vllm.request_tier import TierArgsError, TierLabel, label_request
+from tierserve.integrations.vllm.tier_metrics import TierMetrics, on_vllm_endpoint
+from tierserve.memory.partition import TierPartition
+from tierserve.scheduling import create_policy
+from tierserve.tiers import ALL_TIERS, Tier
+
+if TYPE_CHECKING:
+    from tierserve.memory.manager import KVCacheManager as TierserveKVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+class TierScheduler(Scheduler):
+    kv_cache_manager: Any  # vLLM's manager, wrapped in a TierGuardedKVCacheManager
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TierScheduler:
+        # vLLM turns async scheduling on by default; it needs AsyncScheduler's bookkeeping.
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is TierScheduler and vllm_config is not None and vllm_config.scheduler_config.async_scheduling:
+            cls = AsyncTierScheduler
+        return cast(TierScheduler, super().__new__(cls))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tier_config: PluginConfig = load_plugin_config(self.vllm_config.additional_config)
+        self.book = RequestBook()
+        self.tier_policy = create_policy(self.tier_config.policy, self.tier_config.engine)
+        # vLLM's own victim choice on a failed allocation: highest (priority, arrival).
+        self.policy = SchedulingPolicy.PRIORITY
+        self.waiting: PolicyRequestQueue = PolicyRequestQueue(self.tier_policy, self.book)
+        self.kv_holding_waiting = create_request_queue(SchedulingPolicy.PRIORITY)
+        inner = self.kv_cache_manager
+        self.num_pool_blocks = inner.block_pool.num_gpu_blocks - 1  # less vLLM's null block
+        partition = (
+            TierPartition.from_tiers(self.num_pool_blocks, self.tier_config.engine.tiers)
+            if self.tier_policy.tiered_memory
+            else TierPartition.flat(self.num_pool_blocks)
+        )
+        self.ledger = TierLedger(partition)
+        self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)
+        self.tier_metrics = TierMetrics()
+        if not on_vllm_endpoint():
+            logger.warning(
+                "tierserve: PROMETHEUS_MULTIPROC_DIR is not set, so the per-tier metrics are not on "
+                "vLLM's /metrics (set it to an empty directory before `vllm serve` to export them)"
+            )
+        logger.info(
+            "tierserve: policy %s, %d KV blocks, floors %s, ceilings %s",
+            self.tier_config.policy,
+            self.num_pool_blocks,
+            partition.floor,
+            partition.ceiling,
+        )
+
+    # ---- arrival and end -----------------------------------------------------------------
+
+    def _label(self, request: Request) -> TierLabel:
+        try:
+            params = request.sampling_params
+            return label_request(request.priority, params.extra_args if params else None, self.tier_config)
+        except TierArgsError as e:
+            # The API server rejects these with a 400 when the validator is loaded (see
+            # validator.py); a request that slips through runs at the least urgent tier.
+            logger.warning("tierserve: request %s: %s; running it as %s", request.request_id, e, Tier.P3.name)
+            return TierLabel(Tier.P3, "default")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            label = self._label(request)
+            self.book.add(request, label.tier, label.tenant)
+            request.priority = int(label.tier)
+        super().add_request(request)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        entry = self.book.end(request.request_id)
+        if not entry.first_token_seen and request.num_output_tokens > 0:
+            self.tier_metrics.observe_first_token(entry.shadow.tier, time.time() - request.arrival_time)
+        self._release(request)
+        return super()._free_request(request, delay_free_blocks)
+
+    def _release(self, request: Request) -> None:
+        """Take the request's blocks off its tier's count (they are about to be freed)."""
+        entry = self.book.find(request.request_id)
+        tier = entry.shadow.tier if entry is not None else Tier(min(max(request.priority, 0), Tier.P3))
+        held = blocks_held(self.kv_cache_manager.inner, request.request_id)
+        self.ledger.used[tier] = max(0, self.ledger.used[tier] - held)
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        self._release(request)
+        self.tier_metrics.preempted(self.book.tier(request.request_id), "recompute")
+        super()._preempt_request(request, timestamp, drop_stale_output)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        now = time.time()
+        self.waiting.tick(now)
+        self._recount()
+        self._make_room(now)
+        # vLLM hands the token budget to running requests in list order: most urgent first.
+        self.running.sort(key=lambda r: r.priority)
+        output = super().schedule(*args, **kwargs)
+        self.tier_metrics.publish_state(
+            [self.tier_policy.num_waiting(t) for t in ALL_TIERS], self.ledger.used, self.ledger.borrowed()
+        )
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.time()
+        for rid in scheduler_output.num_scheduled_tokens:
+            entry = self.book.find(rid)
+            if entry is not None and not entry.first_token_seen and entry.vllm.num_output_tokens > 0:
+                entry.first_token_seen = True
+                self.tier_metrics.observe_first_token(entry.shadow.tier, now - entry.vllm.arrival_time)
+        return outputs
+
+    def _holders(self) -> list[Request]:
+        return [*self.running, *self.kv_holding_waiting]
+
+    def _recount(self) -> None:
+        used = [0] * len(ALL_TIERS)
+        inner = self.kv_cache_manager.inner
+        for req in self._holders():
+            entry = self.book.find(req.request_id)
+            if entry is not None:
+                used[entry.shadow.tier] += blocks_held(inner, req.request_id)
+        self.ledger.reset(used)
+
+    def _make_room(self, now: float) -> None:
+        """Preempt, between steps, the running requests the waiting head may take from."""
+        if not self.waiting:
+            return
+        head = self.book.get(self.waiting.peek_request().request_id)
+        need = self._blocks_to_admit(head.vllm)
+        if self._fits(head.shadow.tier, need, 0, 0):
+            return
+        memory = cast("TierserveKVCacheManager", self.ledger)  # the policies ask only what the ledger answers
+        if not self.tier_policy.preempts_for_admission(head.shadow, memory, need):
+            return
+        borrowed = self.ledger.borrowed()
+        inner = self.kv_cache_manager.inner
+        candidates = [
+            r
+            for r in self.running
+            if self.tier_policy.admission_victim_ok(head.shadow, self.book.get(r.request_id).shadow, memory)
+        ]
+        policy = self.tier_policy
+        candidates.sort(key=lambda r: policy.victim_key(self.book.get(r.request_id).shadow, borrowed))
+        chosen: list[Request] = []
+        freed = 0
+        for victim in candidates:
+            chosen.append(victim)
+            freed += blocks_held(inner, victim.request_id)
+            if self._fits(head.shadow.tier, need, freed, len(chosen)):
+                break
+        else:
+            return  # even every allowed victim would not make room: preempt nobody
+        for victim in chosen:
+            self.running.remove(victim)
+            self._preempt_request(victim, now)
+
+    def _blocks_to_admit(self, request: Request) -> int:
+        num_tokens = int(request.num_tokens) + int(self.num_lookahead_tokens)
+        watermark = int(self.kv_cache_manager.inner.watermark_blocks)
+        return -(-num_tokens // int(self.block_size)) + watermark
+
+    def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int) -> bool:
+        seats = len(self.running) - seats_freed < self.max_num_running_reqs
+        num_free = self.kv_cache_manager.inner.block_pool.get_num_free_blocks() + freed
+        return seats and self.ledger.fits(tier, need, num_free)
+
+
+class AsyncTierScheduler(TierScheduler, AsyncScheduler):
+    """`TierScheduler` for engines with async scheduling (vLLM's default where supported)."""
