@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "tierserve.executors.sim.profile_cli",
     "tierserve.generate",
     "tierserve.server.cli",
+    "tierserve.gateway.cli",
 )
 
 
