@@ -97,12 +97,14 @@ def start_gateway(tmp: Path, name: str, config: str) -> Proc:
     return proc
 
 
-def start_redis(tmp: Path, port: int | None = None) -> Proc:
+def start_redis(tmp: Path, port: int | None = None, dump_dir: Path | None = None) -> Proc:
+    """A private redis-server; with `dump_dir` it saves its data there on SIGTERM and loads it at start."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise FileNotFoundError("redis-server")
     port = port or free_port()
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "no"]
+    args += ["--save", "3600 1", "--dir", str(dump_dir)] if dump_dir is not None else ["--save", ""]
     proc = _spawn(args, tmp / f"redis-{port}.log", port)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
