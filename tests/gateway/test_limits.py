@@ -60,8 +60,10 @@ def test_on_redis_loss_open_tiers_get_one_nth_and_closed_tiers_are_refused_then_
         now=lambda: clock[0],
     )
     remote.down = True
+    refused = asyncio.run(limiter.acquire(TENANT, 1, Tier.P2))
+    assert not refused.allowed and refused.reason == "unavailable"  # fail closed, whatever is left
     assert _admitted(limiter, Tier.P1, 40) == 10  # 40 / 4 gateways
-    assert _admitted(limiter, Tier.P2, 5) == 0
+    assert _admitted(limiter, Tier.P2, 4) == 0
     assert limiter.redis_up is False and limiter.num_redis_errors >= 1 and limiter.num_fallbacks == 45
     remote.down = False
     clock[0] += 5.0  # past the retry delay
