@@ -123,15 +123,19 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     tried: list[str] = []
     last_error = "no upstream tried"
     for _ in range(settings.max_attempts):
-        decision = await gw.dispatcher.acquire(
-            call.tier,
-            call.tenant.name,
-            str(call.body.get("model", "")),
-            prefix,
-            num_tokens=call.reservation.num_tokens if call.reservation else 1,
-            tenant_weight=call.tenant.weight,
-            exclude=tried,
-        )
+        try:
+            decision = await gw.dispatcher.acquire(
+                call.tier,
+                call.tenant.name,
+                str(call.body.get("model", "")),
+                prefix,
+                num_tokens=call.reservation.num_tokens if call.reservation else 1,
+                tenant_weight=call.tenant.weight,
+                exclude=tried,
+            )
+        except ApiError as e:
+            e.headers = {**call.headers, **e.headers}  # the tier and rate-limit headers, as the server sends
+            raise
         try:
             return await _try(gw, call, decision)
         except _Retry as e:
