@@ -20,11 +20,13 @@ COMMAND_MODULES = (
     "tierserve.bench.reproduce",
     "tierserve.bench.engine_bench",
     "tierserve.bench.serve_bench",
+    "tierserve.bench.gateway_bench",
     "tierserve.bench.sim_check",
     "tierserve.bench.vllm_bench",
     "tierserve.executors.sim.profile_cli",
     "tierserve.generate",
     "tierserve.server.cli",
+    "tierserve.gateway.cli",
 )
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
