@@ -38,7 +38,6 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.flood import FloodReport
@@ -388,7 +387,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--gpu", default="a100-80gb", help="simulated GPU (default: %(default)s)")
     p.add_argument("--tp", type=positive_int, default=8, help="simulated tensor-parallel GPUs (default: 8)")
     p.add_argument(
-        "--policy", choices=policy_names(), default=DEFAULT_POLICY, help="scheduling policy (default: %(default)s)"
+        "--policy",
+        choices=policy_names(),
+        default=DEFAULT_POLICY,
+        help="scheduling policy (default: %(default)s)",
     )
     p.add_argument("--config", help="server/engine config TOML (default: open server, default tiers)")
     p.add_argument(

@@ -52,7 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default="cpu", help="torch: cpu or cuda (default cpu)")
     p.add_argument(
-        "--policy", choices=policy_names(), default=DEFAULT_POLICY, help="scheduling policy (default %(default)s)"
+        "--policy",
+        choices=policy_names(),
+        default=DEFAULT_POLICY,
+        help="scheduling policy (default %(default)s)",
     )
     p.add_argument(
         "--config",
