@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -148,3 +149,45 @@ def test_http_limit_flags_override_the_file_and_are_checked(capsys: pytest.Captu
     assert main(["serve", "--backend", "sim", "--header-timeout", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "server.http.header_timeout_s" in err
+
+
+def test_a_large_body_is_validated_off_the_event_loop(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a large body's validation is held up, the event loop still answers others."""
+    release = threading.Event()
+    entered = threading.Event()
+    real = fast_routes._validate
+
+    def held(model: fast_routes.Model, raw: bytes) -> object:
+        entered.set()
+        release.wait(timeout=10)  # on the event loop, this would stall every other client
+        return real(model, raw)
+
+    monkeypatch.setattr(fast_routes, "_validate", held)
+    body = {
+        "model": MODEL,
+        "prompt": [65] * 1000,
+        "max_tokens": 1,
+        "user": "u" * (fast_routes.OFFLOAD_BYTES + 1),
+    }
+    result: list[int] = []
+    post = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(
+                server.base_url + "/completions",
+                json=body,
+                headers={"authorization": "Bearer sk-gold"},
+                timeout=30,
+            ).status_code
+        )
+    )
+    post.start()
+    try:
+        assert entered.wait(timeout=10)
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        assert not release.is_set() and post.is_alive()  # answered while the validation was held
+    finally:
+        release.set()
+        post.join(timeout=30)
+    assert result == [200]

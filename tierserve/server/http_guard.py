@@ -218,4 +218,10 @@ def guarded_protocol(limits: HttpLimits, report: Callable[[str], None] | None) -
 
 
 def uvicorn_options(limits: HttpLimits, report: Callable[[str], None] | None) -> dict[str, Any]:
-    return {"http": guarded_protocol(limits, report), "timeout_keep_alive": limits.keep_alive_timeout_s}
+    """uvicorn settings: this protocol, the keep-alive timeout, and no WebSocket upgrades (the
+    API has no WebSocket route; an upgraded connection would leave the guard's reach)."""
+    return {
+        "http": guarded_protocol(limits, report),
+        "timeout_keep_alive": limits.keep_alive_timeout_s,
+        "ws": "none",
+    }
