@@ -53,12 +53,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at most
     long_prompt_tokens: int = 8192  # a P1-or-lower prompt longer than this is chunked to...
     long_prompt_chunk_tokens: int = 4096  # ...at most this many tokens per step
-    swap_factor: float = 0.3  # swap when swap time < factor * prefill time, else recompute
+    # Swap when one-way swap time < factor * prefill time, else recompute. 0.5: whichever
+    # costs less, counting the blocks' way out and back in against prefilling them again.
+    swap_factor: float = 0.5
     drr_quantum_tokens: int = 2048  # token-cost DRR: tokens per unit of weight per round
-    p0_step_tokens: int = 2048  # hybrid: prefill tokens of other tiers per step while P0 prefills
-    p0_guard_s: float = 0.0  # hybrid: keep p0_step_tokens this long after each P0 arrival (0: off)
-    p0_solo_prefill: bool = True  # hybrid: a step that prefills P0 runs P0 work only (≤ half the steps)
-    p3_yields: bool = True  # hybrid: a P0-P2 prefill step leaves P3 out (prompts ≤ 1/2, decodes ≤ 1/4)
     enable_prefix_caching: bool = True
 
 
@@ -126,14 +124,11 @@ def validate(config: EngineConfig) -> EngineConfig:
         "long_prompt_tokens",
         "long_prompt_chunk_tokens",
         "drr_quantum_tokens",
-        "p0_step_tokens",
     ):
         if getattr(s, name) < 1:
             raise ConfigError(f"scheduler.{name}: must be >= 1, got {getattr(s, name)}")
     if s.swap_factor < 0:
         raise ConfigError(f"scheduler.swap_factor: must be >= 0, got {s.swap_factor}")
-    if not s.p0_guard_s >= 0:
-        raise ConfigError(f"scheduler.p0_guard_s: must be >= 0, got {s.p0_guard_s}")
     for tier in ALL_TIERS:
         if tier not in config.tiers:
             raise ConfigError(f"tiers.{tier.name}: missing")
@@ -183,11 +178,26 @@ def _parse_policy_options(raw: Any) -> dict[str, PolicyOptions]:
     return parsed
 
 
+# Settings that moved from [scheduler] to the hybrid policy's own table.
+MOVED_TO_HYBRID = {
+    "p0_step_tokens": "p0_step_tokens",
+    "p0_solo_prefill": "p0_solo_prefill",
+    "p3_yields": "p3_yields",
+    "p0_guard_s": "p0_likely_s",
+}
+
+
 def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
     allowed = ("scheduler", "tiers", "policy", *FOREIGN_SECTIONS)
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(allowed)})")
+    for key in raw.get("scheduler", {}) if isinstance(raw.get("scheduler"), Mapping) else ():
+        if key in MOVED_TO_HYBRID:
+            raise ConfigError(
+                f"scheduler.{key}: moved to the hybrid policy's own table; write it as "
+                f"[policy.hybrid] {MOVED_TO_HYBRID[key]} = ... (see deploy/tiers.example.toml)"
+            )
     scheduler = _merge("scheduler", SchedulerConfig(), raw.get("scheduler", {}))
     tiers = dict(DEFAULT_TIERS)
     raw_tiers = raw.get("tiers", {})

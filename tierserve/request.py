@@ -15,10 +15,16 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
     REJECTED = "rejected"
     ABORTED = "aborted"
+    SHED = "shed"  # dropped by the policy under overload; `reject_reason` says why
 
     @property
     def is_final(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+        return self in _FINAL
+
+
+_FINAL = frozenset(
+    {RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED, RequestStatus.SHED}
+)
 
 
 class FinishReason(enum.Enum):
@@ -26,6 +32,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     REJECTED = "rejected"
     ABORTED = "abort"
+    SHED = "shed"  # the policy dropped it under overload (best-effort tiers only)
 
 
 class EventKind(enum.Enum):
@@ -39,6 +46,7 @@ class EventKind(enum.Enum):
     FINISHED = "finished"
     REJECTED = "rejected"
     ABORTED = "aborted"
+    SHED = "shed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ from tests.conftest import make_request
 from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, SchedulerConfig
 from tierserve.engine import Engine
-from tierserve.engine.scheduler import SHAPING_WINDOW
 from tierserve.executors.null import NullExecutor
 from tierserve.request import EventKind, FinishReason, Request, RequestStatus
 from tierserve.scheduling import POLICIES
@@ -198,94 +197,3 @@ def test_every_request_ends_exactly_once(policy: str, seed: int, blocks: int, sw
     stats = eng.stats
     assert stats.num_finished + stats.num_rejected + stats.num_aborted == len(reqs)
     assert eng.memory.num_free_blocks == eng.memory.num_blocks
-
-
-def test_p0_solo_prefill_runs_p0_only_steps_at_most_half_the_time() -> None:
-    eng = engine("hybrid", blocks=4000, max_num_batched_tokens=64)  # p0_solo_prefill is the default
-    others = [make_request(num_prompt=20, max_tokens=400, tier=t) for t in (Tier.P1, Tier.P2, Tier.P2)]
-    for r in others:
-        eng.add_request(r)
-    eng.step()
-    eng.step()
-    p0 = make_request(num_prompt=1000, max_tokens=2, tier=Tier.P0)  # 16 chunks of 64 tokens
-    eng.add_request(p0)
-    executor = eng.executor
-    assert isinstance(executor, NullExecutor)
-    seen = len(executor.batches)
-    while p0.first_token_time is None:
-        eng.step()
-    p0_steps = executor.batches[seen:]
-    solo = [all(s.request.tier is Tier.P0 for s in b.seqs) for b in p0_steps]
-    assert solo[0] and solo[1], "P0's first prefill steps carry no other tier's work"
-    window = SHAPING_WINDOW
-    for start in range(len(solo) - window + 1):
-        assert sum(solo[start : start + window]) <= window // 2, "the others run in half of any window"
-    assert not all(solo), "the other tiers' decodes still ran while P0 prefilled"
-
-
-def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
-    eng = engine("hybrid", blocks=4000, max_num_batched_tokens=64, p0_solo_prefill=False)
-    other = make_request(num_prompt=20, max_tokens=400, tier=Tier.P2)
-    eng.add_request(other)
-    eng.step()
-    p0 = make_request(num_prompt=200, max_tokens=2, tier=Tier.P0)
-    eng.add_request(p0)
-    eng.step()
-    executor = eng.executor
-    assert isinstance(executor, NullExecutor)
-    assert {s.request.tier for s in executor.batches[-1].seqs} == {Tier.P0, Tier.P2}
-
-
-def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> None:
-    eng = engine("hybrid", blocks=8000, max_num_batched_tokens=4096)
-    background = [make_request(num_prompt=16, max_tokens=1000, tier=Tier.P3) for _ in range(2)]
-    for r in background:
-        eng.add_request(r)
-    eng.step()  # both P3 prompts prefilled: from now on they decode
-    long_p3 = make_request(num_prompt=3000, max_tokens=1, tier=Tier.P3)
-    eng.add_request(long_p3)
-    executor = eng.executor
-    assert isinstance(executor, NullExecutor)
-    seen = len(executor.batches)
-    for _ in range(40):  # a stream of P1 prompts: every step prefills P1
-        eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
-        eng.step()
-        eng.memory.check_integrity()
-    steps = executor.batches[seen:]
-    p3_prefill = [any(s.request is long_p3 for s in b.prefills) for b in steps]
-    p3_decode = [any(s.request in background for s in b.decodes) for b in steps]
-    assert not p3_prefill[0], "the long P3 prompt yields to the P1 prompt of the same step"
-    assert long_p3.first_token_time is not None, "it still runs: in half of the steps at least"
-    window = SHAPING_WINDOW
-    for start in range(len(steps) - window + 1):
-        assert sum(p3_decode[start : start + window]) >= window - window // 4, "P3 decodes in 3/4 of steps"
-    assert not all(p3_decode), "P3 decodes yielded to P1 prefills some of the time"
-
-
-def test_p3_yields_off_and_other_policies_leave_p3_in() -> None:
-    for policy, yields in (("hybrid", False), ("vllm-priority", True)):
-        eng = engine(policy, blocks=8000, max_num_batched_tokens=4096, p3_yields=yields)
-        p3 = make_request(num_prompt=16, max_tokens=50, tier=Tier.P3)
-        eng.add_request(p3)
-        eng.step()
-        executor = eng.executor
-        assert isinstance(executor, NullExecutor)
-        for _ in range(10):
-            eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
-            eng.step()
-            assert any(s.request is p3 for s in executor.batches[-1].decodes), policy
-
-
-@pytest.mark.parametrize("guard_s", [0.0, 1000.0])
-def test_p0_guard_keeps_other_chunks_small_for_a_while_after_p0(guard_s: float) -> None:
-    eng = engine("hybrid", blocks=8000, max_num_batched_tokens=4096, p0_step_tokens=64, p0_guard_s=guard_s)
-    p0 = make_request(num_prompt=16, max_tokens=1, tier=Tier.P0)
-    eng.add_request(p0)
-    run(eng)
-    p1 = make_request(num_prompt=1000, max_tokens=1, tier=Tier.P1)
-    eng.add_request(p1)
-    eng.step()
-    executor = eng.executor
-    assert isinstance(executor, NullExecutor)
-    (chunk,) = executor.batches[-1].prefills
-    assert chunk.num_tokens == (64 if guard_s else 1000)

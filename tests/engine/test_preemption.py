@@ -11,6 +11,7 @@ from tierserve.engine import Engine
 from tierserve.executors.base import StepBatch
 from tierserve.executors.null import NullExecutor
 from tierserve.request import EventKind, Request, RequestStatus
+from tierserve.scheduling.hybrid import HybridOptions
 from tierserve.tiers import Tier
 
 
@@ -28,7 +29,10 @@ def make_engine(
         **executor_kw,  # type: ignore[arg-type]
     )
     # p3_yields off: these tests start requests of several tiers in one step.
-    config = EngineConfig(scheduler=SchedulerConfig(swap_factor=swap_factor, p3_yields=False))
+    config = EngineConfig(
+        scheduler=SchedulerConfig(swap_factor=swap_factor),
+        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    )
     return Engine(config, policy, executor, VirtualClock())
 
 

@@ -225,17 +225,16 @@ def bench(args: argparse.Namespace, lengths: list[tuple[int, int]] | None = None
 
     from tierserve.config import EngineConfig, SchedulerConfig
     from tierserve.executors.pytorch.executor import build_torch_executor
+    from tierserve.scheduling.hybrid import HybridOptions
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # the same for the engine and the HF baselines
     begin = time.perf_counter()
     executor, _ = build_torch_executor("demo", args.device)
+    hybrid = HybridOptions(p0_step_tokens=args.p0_step_tokens, p0_solo_prefill=args.p0_solo_prefill)
     config = EngineConfig(
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            p0_step_tokens=args.p0_step_tokens,
-            p0_solo_prefill=args.p0_solo_prefill,
-        )
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
+        policy_options={"hybrid": hybrid},
     )
     w = make_workload(
         args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens), lengths

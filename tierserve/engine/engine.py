@@ -7,25 +7,18 @@ The executor and the clock are passed in, so the same engine runs in simulation
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
+from tierserve.engine.lifecycle import Lifecycle, RequestOutput
 from tierserve.engine.scheduler import Scheduler, SchedulerOutput
 from tierserve.engine.stats import EngineStats
-from tierserve.executors.base import Executor, StepBatch, StepResult
+from tierserve.executors.base import Executor, StepResult
 from tierserve.memory.manager import KVCacheManager
 from tierserve.memory.partition import TierPartition
 from tierserve.request import EventKind, FinishReason, Request, RequestStatus
 from tierserve.scheduling import Policy, create_policy
 from tierserve.tiers import Tier
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
 
 
 class Engine:
@@ -47,9 +40,9 @@ class Engine:
             partition,
             config.scheduler.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config, self.policy, self.memory, executor, clock)
         self.stats = EngineStats()
-        self._requests: dict[str, Request] = {}
+        self.lifecycle = Lifecycle(self.policy, self.memory, clock, self.stats)
+        self.scheduler = Scheduler(config, self.policy, self.memory, executor, clock, self.lifecycle)
         self._in_step = False
         self._deferred: list[tuple[str, FinishReason]] = []  # ends asked for during a step
 
@@ -58,7 +51,7 @@ class Engine:
     def add_request(self, req: Request) -> bool:
         """Queue a request, or reject it now (returns False) if it can never fit."""
         now = self.clock.now()
-        if req.request_id in self._requests:
+        if self.lifecycle.get(req.request_id) is not None:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.record(now, EventKind.ARRIVED, req.tier.name)
         reason = self._never_fits(req)
@@ -70,8 +63,7 @@ class Engine:
             req.record(now, EventKind.REJECTED, reason)
             self.stats.num_rejected += 1
             return False
-        self._requests[req.request_id] = req
-        self.scheduler.add(req)
+        self.lifecycle.submit(req)
         return True
 
     def _never_fits(self, req: Request) -> str:
@@ -91,7 +83,7 @@ class Engine:
         return ""
 
     def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+        return self.lifecycle.get(request_id)
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state; its blocks go back to the pool (at the step boundary)."""
@@ -103,58 +95,35 @@ class Engine:
 
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request at the next step boundary (e.g. to drain a replica)."""
-        req = self._requests.get(request_id)
+        req = self.lifecycle.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             return False
         self.scheduler.request_preemption(req)
         return True
 
     def _end_early(self, request_id: str, reason: FinishReason) -> bool:
-        if request_id not in self._requests:
+        req = self.lifecycle.get(request_id)
+        if req is None:
             return False
         if self._in_step:
             self._deferred.append((request_id, reason))
-            return True
-        self._end(self._requests[request_id], reason)
-        return True
-
-    def _end(self, req: Request, reason: FinishReason) -> None:
-        if req.status.is_final:
-            return
-        if req.status is RequestStatus.WAITING:
-            self.policy.remove(req)
-        elif req.status is RequestStatus.RUNNING:
-            self.scheduler.running.remove(req)
-        elif req.status is RequestStatus.SWAPPED:
-            self.scheduler.swapped.remove(req)
-        self.memory.free(req)
-        now = self.clock.now()
-        req.finish_reason = reason
-        req.finish_time = now
-        if reason is FinishReason.ABORTED:
-            req.status = RequestStatus.ABORTED
-            req.record(now, EventKind.ABORTED)
-            self.stats.num_aborted += 1
         else:
-            req.status = RequestStatus.FINISHED
-            req.record(now, EventKind.FINISHED, reason.value)
-            self.stats.num_finished += 1
-        del self._requests[req.request_id]
+            self.lifecycle.end(req, reason)
+        return True
 
     # ---- state ---------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self.lifecycle.requests)
 
     def num_waiting(self, tier: Tier | None = None) -> int:
         return self.policy.num_waiting(tier)
 
     def num_running(self, tier: Tier | None = None) -> int:
-        running = self.scheduler.running
-        return len(running) if tier is None else sum(1 for r in running if r.tier == tier)
+        return self.lifecycle.num_running(tier)
 
     def num_swapped(self, tier: Tier | None = None) -> int:
-        return self.scheduler.num_swapped(tier)
+        return self.lifecycle.num_swapped(tier)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -168,6 +137,7 @@ class Engine:
             self.stats.last_schedule_cpu_s = time.thread_time() - started
             for victim, mode in out.preempted:
                 self.stats.preemptions[(victim.tier, mode.value)] += 1
+            outputs.extend(RequestOutput(r, [], True) for r in out.shed)
             duration = self._swap(out)
             result: StepResult | None = None
             if len(out.batch):
@@ -178,7 +148,7 @@ class Engine:
                 self.clock.elapse(duration)
             self.stats.busy_s += duration
             if result is not None:
-                outputs = self._update(out.batch, result)
+                outputs.extend(self.lifecycle.apply(out.batch, result, self.spec.eos_token_ids))
             self.stats.num_steps += bool(result)
             self.stats.last_step_tokens = out.batch.num_tokens
             self.stats.last_step_seqs = len(out.batch)
@@ -186,9 +156,9 @@ class Engine:
         finally:
             self._in_step = False
         for request_id, reason in self._deferred:
-            req = self._requests.get(request_id)
+            req = self.lifecycle.get(request_id)
             if req is not None:
-                self._end(req, reason)
+                self.lifecycle.end(req, reason)
                 outputs.append(RequestOutput(req, [], True))
         self._deferred.clear()
         return outputs
@@ -206,53 +176,10 @@ class Engine:
             seconds += t
         return seconds
 
-    def _update(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
-        now = self.clock.now()
-        eos = self.spec.eos_token_ids
-        outputs: list[RequestOutput] = []
-        finished: list[Request] = []
-        sampled = result.sampled_token_ids
-        for seq in batch.prefills:
-            self.stats.num_computed_prompt_tokens += seq.num_tokens
-        for seq in batch.seqs:
-            req = seq.request
-            samples = seq.samples
-            req.num_computed_tokens += seq.num_tokens
-            self.memory.cache_computed_blocks(req)
-            if not samples:
-                continue
-            token = sampled[req.request_id]
-            req.token_ids.append(token)
-            self.stats.num_generated_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-                req.record(now, EventKind.FIRST_TOKEN)
-            params = req.sampling
-            reason: FinishReason | None = None
-            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
-                reason = FinishReason.STOP
-            elif req.num_output_tokens >= params.max_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                self.memory.free(req)
-                req.status = RequestStatus.FINISHED
-                req.finish_reason = reason
-                req.finish_time = now
-                req.record(now, EventKind.FINISHED, reason.value)
-                finished.append(req)
-            outputs.append(RequestOutput(req, [token], reason is not None))
-        if finished:
-            self.stats.num_finished += len(finished)
-            done = set(finished)
-            self.scheduler.running = [r for r in self.scheduler.running if r not in done]
-            for req in finished:
-                del self._requests[req.request_id]
-        return outputs
-
     def run_until_done(self, max_steps: int = 10_000_000) -> None:
         """Step until every request has ended (for tests and offline use)."""
         for _ in range(max_steps):
-            if not self._requests:
+            if not self.lifecycle.requests:
                 return
             self.step()
         raise RuntimeError(f"requests still unfinished after {max_steps} steps")

@@ -21,6 +21,7 @@ class EngineStats:
     num_finished: int = 0
     num_rejected: int = 0
     num_aborted: int = 0
+    num_shed: Counter[Tier] = field(default_factory=Counter)  # by tier; reasons are on the requests
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     last_step_s: float = 0.0

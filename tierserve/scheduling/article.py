@@ -16,7 +16,7 @@ as DESIGN.md §3 requires and nothing added.
   waits. A promotion reorders the queue only: memory stays charged to the tier the tenant
   is entitled to, so a P1 aged to P0 never uses P0's reserved floor.
 - Preemption per victim by the article's rule: swap when its swap time is under 30 % of
-  its prefill time (the engine's `swap_factor`), else recompute.
+  its prefill time, else recompute.
 
 No step shaping, no SLO rescue, no seat preemption: those are `hybrid`'s additions.
 """
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
 FAIR_TIERS = (Tier.P1, Tier.P2)
+ARTICLE_SWAP_FACTOR = 0.3  # swap when swapping out takes under 30 % of the prefill time
 AGED_TIERS = (Tier.P1, Tier.P2, Tier.P3)
 
 
@@ -124,3 +125,6 @@ class ArticlePolicy(Policy):
 
     def admission_victim_ok(self, req: Request, victim: Request, memory: KVCacheManager) -> bool:
         return victim.tier >= Tier.P2  # P3 first, then P2 (victim_key orders by tier)
+
+    def prefers_swap(self, swap_s: float, prefill_s: float) -> bool:
+        return swap_s < ARTICLE_SWAP_FACTOR * prefill_s

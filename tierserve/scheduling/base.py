@@ -19,6 +19,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
+    from tierserve.scheduling.step import StepBudget
 
 
 class RunningPass(enum.Enum):
@@ -41,7 +42,6 @@ class Policy(ABC):
     running_pass: ClassVar[RunningPass] = RunningPass.PROTECTED
     admits_after_preemption: ClassVar[bool] = True  # False: a pass that preempted admits nothing
     options_type: ClassVar[type[PolicyOptions] | None] = None  # its [policy.NAME] settings
-    shapes_steps: ClassVar[bool] = False  # p0_step_tokens, p0_solo_prefill and p3_yields apply
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -132,6 +132,25 @@ class Policy(ABC):
     def returns_first(self, swapped: Request, head: Request) -> bool:
         """Whether a swapped request must come back before `head` is admitted."""
         return swapped.tier <= head.tier
+
+    # ---- shaping the step (hooks every policy may use; the defaults do nothing) -----------
+
+    def to_shed(self, now: float) -> list[tuple[Request, str]]:
+        """Waiting requests to drop now, each with the reason recorded on it (overload)."""
+        return []
+
+    def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
+        """Called before a pass fills `step`; may cap some tiers' prefill (`step.cap_prefill`)."""
+        return None
+
+    def end_step(self, step: StepBudget, now: float) -> None:
+        """Called once the pass has filled `step`; may leave work out of it (`step.drop_where`)."""
+        return None
+
+    def prefers_swap(self, swap_s: float, prefill_s: float) -> bool:
+        """Preempt by swap (else recompute), given the one-way swap time of the victim's
+        blocks and the time to prefill them again: the article's rule, `swap_factor`."""
+        return swap_s < self.config.scheduler.swap_factor * prefill_s
 
     def prefill_chunk_cap(self, req: Request) -> int | None:
         """The most prompt tokens `req` may prefill in one step (None: no cap beyond the

@@ -7,6 +7,13 @@ its TTFT target, earliest deadline (arrival + target) first — under overload t
 P1's 5 s target ahead of P2's 60 s one instead of sharing the delay by weight; then the
 fair order (P3 joins it only while no P1 request waits).
 
+Beyond the queue, hybrid shapes each step (`hybrid_step.py`: a step-time bound while a
+P0 is likely, P0-only prefill steps, background yields), lets P0 take a seat or memory
+from lower tiers, sheds P3 requests that have waited `p3_shed_after_s` while more urgent
+tiers are backlogged (with the reason on the request), and preempts each victim by
+whichever of swap and recompute costs less (the engine's cost rule, `swap_factor`).
+Its settings are `[policy.hybrid]`.
+
 Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): the
 head of a tier that has waited longer than the tier's `aging_s` is served ahead of the
 fair order, oldest first, right after P0 — unless a more urgent tier's head has waited
@@ -18,14 +25,17 @@ tenant is entitled to, so an aged P1 never holds P0's floor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from tierserve.config import EngineConfig
+from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
 from tierserve.scheduling.errors import EmptyQueueError
+from tierserve.scheduling.hybrid_step import StepShaper
 from tierserve.scheduling.sfq import TierFairQueues
+from tierserve.scheduling.step import StepBudget
 from tierserve.scheduling.wfq import expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -37,12 +47,32 @@ FAIR_TIERS = (Tier.P1, Tier.P2)
 FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
 
 
+@dataclass(frozen=True)
+class HybridOptions(PolicyOptions):
+    step_bound_s: float = 0.15  # predicted step duration P1-P3 prefill may fill while a P0 is likely
+    p0_step_tokens: int = 2048  # ... and at most this many tokens of it
+    p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
+    p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
+    p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4)
+    p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
+
+    def check(self, path: str) -> None:
+        for name in ("step_bound_s", "p0_likely_s", "p3_shed_after_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ConfigError(f"{path}.{name}: must be >= 0, got {value}")
+        if self.p0_step_tokens < 1:
+            raise ConfigError(f"{path}.p0_step_tokens: must be >= 1, got {self.p0_step_tokens}")
+
+
 class HybridPolicy(Policy):
     name: ClassVar[str] = "hybrid"
-    shapes_steps: ClassVar[bool] = True
+    options_type: ClassVar[type[PolicyOptions] | None] = HybridOptions
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        self.options = config.options(self.name, HybridOptions)
+        self._shaper = StepShaper(self.options, config.scheduler.max_num_batched_tokens)
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
         self._sfq = TierFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
@@ -107,6 +137,8 @@ class HybridPolicy(Policy):
         return self._sfq.serve(tier, in_order=in_order)
 
     def _push(self, req: Request, now: float) -> None:
+        if req.tier == Tier.P0:
+            self._shaper.last_p0_arrival = now
         self._sfq.append(req)
 
     def _push_front(self, req: Request, now: float) -> None:
@@ -126,3 +158,25 @@ class HybridPolicy(Policy):
         if victim.tier <= req.tier:
             return False
         return req.tier == Tier.P0 or memory.is_borrowing(victim.tier)
+
+    def preempts_for_seat(self, req: Request) -> bool:
+        return req.tier == Tier.P0  # P0 never waits for a seat held by a lower tier
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def to_shed(self, now: float) -> list[tuple[Request, str]]:
+        """P3 requests that have waited over `p3_shed_after_s` while P1 or P2 requests wait
+        too: the engine is full, and the loss falls on the background tier first."""
+        limit = self.options.p3_shed_after_s
+        sfq = self._sfq
+        head = sfq.head_of(Tier.P3)
+        if head is None or now - head.arrival_time <= limit or not (sfq.count(Tier.P1) or sfq.count(Tier.P2)):
+            return []
+        reason = f"overload: waited over {limit:g} s while P1/P2 requests waited"
+        return [(r, reason) for r in self if r.tier == Tier.P3 and now - r.arrival_time > limit]
+
+    def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
+        self._shaper.begin(step, self.num_waiting(Tier.P0), running, now)
+
+    def end_step(self, step: StepBudget, now: float) -> None:
+        self._shaper.end(step)

@@ -1,0 +1,234 @@
+"""Hybrid's mechanisms, each pinned by a test that fails when the mechanism is removed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import make_request
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig, SchedulerConfig, parse_config
+from tierserve.engine import Engine
+from tierserve.executors.null import NullExecutor
+from tierserve.request import EventKind, FinishReason, RequestStatus
+from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
+from tierserve.tiers import Tier
+
+
+def engine(
+    blocks: int = 256,
+    host: int = 256,
+    hybrid: dict[str, Any] | None = None,
+    policy: str = "hybrid",
+    **sched: Any,
+) -> Engine:
+    base = parse_config({"policy": {"hybrid": hybrid or {}}})
+    config = EngineConfig(
+        scheduler=SchedulerConfig(**sched), tiers=base.tiers, policy_options=base.policy_options
+    )
+    executor = NullExecutor(num_device_blocks=blocks, num_host_blocks=host, block_size=16)
+    return Engine(config, policy, executor, VirtualClock())
+
+
+def run(eng: Engine, limit: int = 100_000) -> None:
+    for _ in range(limit):
+        if not eng.has_unfinished():
+            return
+        eng.step()
+        eng.memory.check_integrity()
+    raise AssertionError("engine did not finish")
+
+
+def test_p0_solo_prefill_runs_p0_only_steps_at_most_half_the_time() -> None:
+    eng = engine(blocks=4000, max_num_batched_tokens=64)  # p0_solo_prefill is the default
+    others = [make_request(num_prompt=20, max_tokens=400, tier=t) for t in (Tier.P1, Tier.P2, Tier.P2)]
+    for r in others:
+        eng.add_request(r)
+    eng.step()
+    eng.step()
+    p0 = make_request(num_prompt=1000, max_tokens=2, tier=Tier.P0)  # 16 chunks of 64 tokens
+    eng.add_request(p0)
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    seen = len(executor.batches)
+    while p0.first_token_time is None:
+        eng.step()
+    p0_steps = executor.batches[seen:]
+    solo = [all(s.request.tier is Tier.P0 for s in b.seqs) for b in p0_steps]
+    assert solo[0] and solo[1], "P0's first prefill steps carry no other tier's work"
+    window = SHAPING_WINDOW
+    for start in range(len(solo) - window + 1):
+        assert sum(solo[start : start + window]) <= window // 2, "the others run in half of any window"
+    assert not all(solo), "the other tiers' decodes still ran while P0 prefilled"
+
+
+def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
+    eng = engine(blocks=4000, max_num_batched_tokens=64, hybrid={"p0_solo_prefill": False})
+    other = make_request(num_prompt=20, max_tokens=400, tier=Tier.P2)
+    eng.add_request(other)
+    eng.step()
+    p0 = make_request(num_prompt=200, max_tokens=2, tier=Tier.P0)
+    eng.add_request(p0)
+    eng.step()
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    assert {s.request.tier for s in executor.batches[-1].seqs} == {Tier.P0, Tier.P2}
+
+
+def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> None:
+    eng = engine(blocks=8000, max_num_batched_tokens=4096)
+    background = [make_request(num_prompt=16, max_tokens=1000, tier=Tier.P3) for _ in range(2)]
+    for r in background:
+        eng.add_request(r)
+    eng.step()  # both P3 prompts prefilled: from now on they decode
+    long_p3 = make_request(num_prompt=3000, max_tokens=1, tier=Tier.P3)
+    eng.add_request(long_p3)
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    seen = len(executor.batches)
+    for _ in range(40):  # a stream of P1 prompts: every step prefills P1
+        eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
+        eng.step()
+        eng.memory.check_integrity()
+    steps = executor.batches[seen:]
+    p3_prefill = [any(s.request is long_p3 for s in b.prefills) for b in steps]
+    p3_decode = [any(s.request in background for s in b.decodes) for b in steps]
+    assert not p3_prefill[0], "the long P3 prompt yields to the P1 prompt of the same step"
+    assert long_p3.first_token_time is not None, "it still runs: in half of the steps at least"
+    window = SHAPING_WINDOW
+    for start in range(len(steps) - window + 1):
+        assert sum(p3_decode[start : start + window]) >= window - window // 4, "P3 decodes in 3/4 of steps"
+    assert not all(p3_decode), "P3 decodes yielded to P1 prefills some of the time"
+
+
+def test_p3_yields_off_and_other_policies_leave_p3_in() -> None:
+    for policy in ("hybrid", "vllm-priority"):
+        eng = engine(blocks=8000, max_num_batched_tokens=4096, hybrid={"p3_yields": False}, policy=policy)
+        p3 = make_request(num_prompt=16, max_tokens=50, tier=Tier.P3)
+        eng.add_request(p3)
+        eng.step()
+        executor = eng.executor
+        assert isinstance(executor, NullExecutor)
+        for _ in range(10):
+            eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
+            eng.step()
+            assert any(s.request is p3 for s in executor.batches[-1].decodes), policy
+
+
+@pytest.mark.parametrize("likely_s", [0.0, 1000.0])
+def test_other_chunks_stay_small_while_a_p0_is_likely(likely_s: float) -> None:
+    eng = engine(
+        blocks=8000, max_num_batched_tokens=4096, hybrid={"p0_step_tokens": 64, "p0_likely_s": likely_s}
+    )
+    p0 = make_request(num_prompt=16, max_tokens=1, tier=Tier.P0)
+    eng.add_request(p0)
+    run(eng)
+    p1 = make_request(num_prompt=1000, max_tokens=1, tier=Tier.P1)
+    eng.add_request(p1)
+    eng.step()
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    (chunk,) = executor.batches[-1].prefills
+    assert chunk.num_tokens == (64 if likely_s else 1000)
+
+
+def _first_p1_chunk(likely_s: float, bound_s: float) -> int:
+    eng = engine(
+        blocks=8000,
+        max_num_batched_tokens=4096,
+        hybrid={"step_bound_s": bound_s, "p0_step_tokens": 4096, "p0_likely_s": likely_s},
+    )
+    eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))
+    run(eng)
+    eng.add_request(make_request(num_prompt=3000, max_tokens=1, tier=Tier.P1))
+    eng.step()
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    (chunk,) = executor.batches[-1].prefills
+    return chunk.num_tokens
+
+
+def test_the_step_time_bound_comes_from_the_executors_cost_model() -> None:
+    # NullExecutor predicts 0.01 s + 1e-5 s per token: 0.015 s holds 500 tokens, 0.02 s 1,000.
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.015) == 500
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.02) == 1000
+    assert _first_p1_chunk(likely_s=0.0, bound_s=0.015) == 3000, "no P0 in sight: the full budget"
+
+
+def test_p0_takes_a_seat_from_a_lower_tier() -> None:
+    eng = engine(blocks=2000, max_num_seqs=2, hybrid={"p0_likely_s": 0.0})
+    lows = [make_request(num_prompt=32, max_tokens=500, tier=t) for t in (Tier.P2, Tier.P3)]
+    for r in lows:
+        eng.add_request(r)
+    eng.step()
+    p0 = make_request(num_prompt=32, max_tokens=2, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p0.status is RequestStatus.RUNNING, "P0 waited for a seat held by a lower tier"
+    assert lows[1].status is not RequestStatus.RUNNING and lows[0].status is RequestStatus.RUNNING
+    assert eng.num_running() == 2
+    run(eng)
+
+
+def test_p1_does_not_take_seats() -> None:
+    eng = engine(blocks=2000, max_num_seqs=1, hybrid={"p0_likely_s": 0.0})
+    low = make_request(num_prompt=32, max_tokens=50, tier=Tier.P3)
+    eng.add_request(low)
+    eng.step()
+    p1 = make_request(num_prompt=32, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(p1)
+    eng.step()
+    assert p1.status is RequestStatus.WAITING and eng.stats.num_preemptions() == 0
+    run(eng)
+
+
+def _overloaded(shed_after_s: float, with_p1_backlog: bool) -> tuple[Engine, list[Any]]:
+    eng = engine(blocks=2000, max_num_seqs=1, hybrid={"p3_shed_after_s": shed_after_s, "p0_likely_s": 0.0})
+    eng.add_request(make_request(num_prompt=32, max_tokens=2000, tier=Tier.P1))  # holds the one seat
+    eng.step()
+    p3s = [make_request(num_prompt=32, max_tokens=4, tier=Tier.P3, arrival=eng.clock.now()) for _ in range(3)]
+    for r in p3s:
+        eng.add_request(r)
+    if with_p1_backlog:
+        eng.add_request(make_request(num_prompt=32, max_tokens=4, tier=Tier.P1, arrival=eng.clock.now()))
+    outputs = []
+    while eng.clock.now() < 2 * shed_after_s + 1:
+        outputs.extend(eng.step())
+    return eng, [o.request for o in outputs if o.finished]
+
+
+def test_p3_is_shed_with_a_reason_when_it_waits_too_long_behind_p1() -> None:
+    eng, ended = _overloaded(shed_after_s=2.0, with_p1_backlog=True)
+    shed = [r for r in ended if r.tier == Tier.P3]
+    assert len(shed) == 3 and eng.stats.num_shed[Tier.P3] == 3
+    for r in shed:
+        assert r.status is RequestStatus.SHED and r.finish_reason is FinishReason.SHED
+        assert "overload" in r.reject_reason and r.events[-1].kind is EventKind.SHED
+        assert r.finish_time is not None and r.finish_time - r.arrival_time >= 2.0
+    assert not eng.memory.check_integrity()
+
+
+def test_p3_is_not_shed_when_nothing_more_urgent_waits() -> None:
+    eng, ended = _overloaded(shed_after_s=2.0, with_p1_backlog=False)
+    assert not ended and eng.stats.num_shed[Tier.P3] == 0
+    assert eng.num_waiting(Tier.P3) == 3
+
+
+@pytest.mark.parametrize(("swap_block_s", "expected"), [(1.4e-4, "swap"), (1.6e-4, "recompute")])
+def test_each_victim_is_preempted_by_the_cheaper_of_swap_and_recompute(
+    swap_block_s: float, expected: str
+) -> None:
+    # 70 blocks of P3: prefill again 0.01 + 1,119e-5 s = 21.2 ms; swap out and back in
+    # 2 x 70 x swap_block_s = 19.6 ms (cheaper) or 22.4 ms (dearer).
+    executor = NullExecutor(
+        num_device_blocks=100, num_host_blocks=200, block_size=16, swap_block_s=swap_block_s
+    )
+    eng = Engine(EngineConfig(), "hybrid", executor, VirtualClock())
+    p3 = make_request(num_prompt=16 * 70 - 1, max_tokens=50, tier=Tier.P3)
+    eng.add_request(p3)
+    eng.step()
+    eng.add_request(make_request(num_prompt=16 * 35 - 1, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now()))
+    eng.step()
+    assert dict(eng.stats.preemptions) == {(Tier.P3, expected): 1}
+    run(eng)

@@ -1,0 +1,103 @@
+"""Preemption: choosing victims as the policy orders them, and taking each out by swap
+or recompute, whichever the cost rule picks for it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from tierserve.config import EngineConfig
+from tierserve.engine.lifecycle import Lifecycle
+from tierserve.executors.base import Executor
+from tierserve.memory.manager import Alloc, KVCacheManager
+from tierserve.request import Request
+from tierserve.scheduling.base import Policy
+from tierserve.scheduling.step import PreemptMode, StepBudget
+
+
+class Preemptor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: Policy,
+        memory: KVCacheManager,
+        executor: Executor,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.memory = memory
+        self.executor = executor
+        self.lifecycle = lifecycle
+
+    def _borrowed(self) -> Sequence[int]:
+        return self.memory.partition.borrowed(self.memory.pool.used_by_tier)
+
+    def preempt(self, req: Request, step: StepBudget, now: float) -> None:
+        """Take `req` out of the running set and out of this step's work."""
+        step.give_back(req)
+        mode, mapping = self.lifecycle.preempt(req, self.mode_for(req), now)
+        step.swap_out.extend(mapping)
+        step.preempted.append((req, mode))
+
+    def mode_for(self, req: Request) -> PreemptMode:
+        """Swap or recompute, by the policy's cost rule over the executor's estimates."""
+        if not self.policy.allow_swap or req.num_computed_tokens == 0 or not req.block_ids:
+            return PreemptMode.RECOMPUTE
+        num_blocks = len(req.block_ids)
+        if self.memory.host.num_free < num_blocks:
+            return PreemptMode.RECOMPUTE
+        swap_s = self.executor.estimate_swap_s(num_blocks)
+        prefill_s = self.executor.estimate_prefill_s(req.num_computed_tokens)
+        return PreemptMode.SWAP if self.policy.prefers_swap(swap_s, prefill_s) else PreemptMode.RECOMPUTE
+
+    def decode_victim(self, req: Request, after: list[Request], *, same_tier: bool) -> Request | None:
+        candidates: Iterable[Request] = after
+        if same_tier:
+            candidates = [r for r in after if r.tier == req.tier]
+        key, borrowed = self.policy.victim_key, self._borrowed()
+        return min(candidates, key=lambda r: key(r, borrowed), default=None)
+
+    def any_victim(self, running: list[Request]) -> Request:
+        """The policy's first victim among all running requests (vLLM's rule)."""
+        key, borrowed = self.policy.victim_key, self._borrowed()
+        return min(running, key=lambda r: key(r, borrowed))
+
+    def _admission_candidates(self, req: Request, step: StepBudget) -> list[Request]:
+        policy, memory = self.policy, self.memory
+        borrowed = self._borrowed()
+        candidates = [
+            r
+            for r in self.lifecycle.running
+            if r not in step.fresh and policy.admission_victim_ok(req, r, memory)
+        ]
+        candidates.sort(key=lambda r: policy.victim_key(r, borrowed))
+        return candidates
+
+    def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
+        """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
+        if not self.policy.preempts_for_seat(req):
+            return False
+        candidates = self._admission_candidates(req, step)
+        if not candidates:
+            return False
+        self.preempt(candidates[0], step, now)
+        return True
+
+    def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:
+        """Preempt running requests, as the policy allows, until `req` can be admitted.
+        Nobody is preempted unless the victims allowed could free enough blocks."""
+        memory = self.memory
+        if not self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
+            return Alloc.NO_SPACE
+        candidates = self._admission_candidates(req, step)
+        if memory.num_free_blocks + sum(len(r.block_ids) for r in candidates) < memory.blocks_for(
+            req.num_tokens
+        ):
+            return Alloc.NO_SPACE
+        status = Alloc.NO_SPACE
+        for victim in candidates:
+            self.preempt(victim, step, now)
+            status = memory.admit(req)
+            if status is not Alloc.NO_SPACE:
+                break
+        return status

@@ -1,0 +1,97 @@
+"""How `hybrid` shapes each step so that a first token waits for little else.
+
+- Step-time bound: while a P0 request is likely (one waits or prefills, or one arrived
+  within `p0_likely_s`), the prefill chunks of P1-P3 in a step are capped so that the
+  step's predicted duration (the executor's cost model) stays under `step_bound_s` and
+  within `p0_step_tokens`. A P0 arriving at the worst moment then waits for at most one
+  such step before its own. With no P0 in sight the full step budget is used.
+- P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
+  only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
+  stopped.
+- Background yields (`p3_yields`): a step that prefills P0-P2 leaves P3's prompt chunks
+  out (in at most half of any window) and P3's decodes (in at most a quarter).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tierserve.request import Request
+from tierserve.scheduling.step import StepBudget
+from tierserve.tiers import Tier
+
+if TYPE_CHECKING:
+    from tierserve.scheduling.hybrid import HybridOptions
+
+SHAPING_WINDOW = 8
+OTHER_TIERS = (Tier.P1, Tier.P2, Tier.P3)
+
+
+def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int) -> int:
+    """The largest token count whose predicted step time is within `bound_s` (binary search;
+    `estimate_s` grows with the tokens)."""
+    if estimate_s(1) > bound_s:
+        return 1
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_s(mid) <= bound_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class StepShaper:
+    def __init__(self, options: HybridOptions, max_step_tokens: int) -> None:
+        self.options = options
+        self.max_step_tokens = max_step_tokens
+        self.last_p0_arrival = -math.inf
+        self._bound_tokens: int | None = None  # from the cost model, found once
+        self._solo: deque[bool] = deque(maxlen=SHAPING_WINDOW)
+        self._yield_prompts: deque[bool] = deque(maxlen=SHAPING_WINDOW)
+        self._yield_decodes: deque[bool] = deque(maxlen=SHAPING_WINDOW)
+
+    def p0_likely(self, num_p0_waiting: int, running: Sequence[Request], now: float) -> bool:
+        if num_p0_waiting or now - self.last_p0_arrival < self.options.p0_likely_s:
+            return True
+        return any(r.tier == Tier.P0 and r.is_prefilling for r in running)
+
+    def bound_tokens(self, estimate_s: Callable[[int], float] | None) -> int:
+        """Tokens of one step within `step_bound_s`, capped by `p0_step_tokens`."""
+        if self._bound_tokens is None:
+            most = self.max_step_tokens
+            by_time = (
+                most if estimate_s is None else tokens_within(estimate_s, self.options.step_bound_s, most)
+            )
+            self._bound_tokens = min(by_time, self.options.p0_step_tokens)
+        return self._bound_tokens
+
+    def begin(self, step: StepBudget, num_p0_waiting: int, running: Sequence[Request], now: float) -> None:
+        if self.p0_likely(num_p0_waiting, running, now):
+            num_decodes = sum(1 for r in running if not r.is_prefilling)
+            step.cap_prefill(OTHER_TIERS, self.bound_tokens(step.estimate_s) - num_decodes)
+
+    def end(self, step: StepBudget) -> None:
+        if self.options.p0_solo_prefill:
+            solo = sum(self._solo) < SHAPING_WINDOW // 2 and Tier.P0 in step.tiers_prefilling()
+            self._solo.append(solo)
+            if solo:
+                step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
+        if self.options.p3_yields:
+            self._p3_yields(step)
+
+    def _p3_yields(self, step: StepBudget) -> None:
+        urgent = step.tiers_prefilling() - {Tier.P3}
+        for history, limit, decodes in (
+            (self._yield_prompts, SHAPING_WINDOW // 2, False),
+            (self._yield_decodes, SHAPING_WINDOW // 4, True),
+        ):
+            yields = bool(urgent) and sum(history) < limit
+            yields = yields and step.has_work(Tier.P3, decodes=decodes, prefills=not decodes)
+            history.append(yields)
+            if yields:
+                step.drop_where((Tier.P3,), decodes=decodes, prefills=not decodes)
