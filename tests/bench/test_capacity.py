@@ -43,3 +43,13 @@ def test_idle_ttft_is_memoised_by_shape_and_a_cached_history_shortens_it() -> No
     assert len(idle._memo) == 1
     assert idle(3000, num_history_tokens=2800) < 0.3 * cold
     assert cold >= executor.estimate_prefill_s(2048)  # 3000 tokens take two 2048-token steps
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_a_trace_replays_at_its_own_timestamps_divided_by_the_scale(scale: float) -> None:
+    setup = replace(SMALL, num_measured=50, max_trace_rows=80)
+    rows = setup.trace_rows("azure-code")
+    res = run_cell(setup, Cell("azure-code", "trace", scale, "fcfs", 0))
+    assert 55 <= len(res.run.records) <= 80  # warm-up, measured, part of the cool-down
+    for r in res.run.records:
+        assert r.arrival_s == pytest.approx(rows[r.index].arrival_s / scale)

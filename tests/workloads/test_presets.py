@@ -21,12 +21,16 @@ def test_memory_pressure_runs_on_fewer_gpus_with_longer_outputs_than_default() -
     }
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "hybrid"])
+@pytest.mark.parametrize("policy", ["fcfs", "vllm-priority", "hybrid"])
 def test_the_memory_pressure_workload_fills_the_kv_cache(policy: str) -> None:
     setup = BenchSetup(num_measured=300, think_time_s=0.5, drain_timeout_s=30.0)
     res = run_cell(setup, Cell("memory-pressure", "closed", 256, policy, 0))
     out = summarize([res], setup.engine_config())
-    # hybrid keeps a 15 % floor for P0 that the long lower-tier requests may not fill
-    assert out["kv_peak_used"] >= (0.97 if policy == "fcfs" else 0.84)
-    pre = out["preemptions"]
-    assert pre["swap"] + pre["recompute"] > 0
+    if policy == "hybrid":
+        # hybrid keeps a 15 % floor for P0 that the long lower-tier requests may not fill,
+        # and may hold requests back rather than preempt: it fills the rest.
+        assert out["kv_peak_used"] >= 0.84
+    else:
+        assert out["kv_peak_used"] >= 0.97
+        pre = out["preemptions"]
+        assert pre["swap"] + pre["recompute"] > 0  # the running requests outgrew the cache

@@ -1,8 +1,10 @@
 """A workload's capacity: the request rate fcfs sustains on it, found by saturating it.
 
 fcfs runs the workload closed-loop with twice as many clients as the engine has sequence
-slots and no think time, so a queue is always waiting; the capacity is the measured
-requests that finished divided by the measurement window. Open-loop loads are fractions of it.
+slots and no think time, so a queue is always waiting, and stops once the last measured
+request is sent (no request's length stretches the run). The capacity is the rate of
+request completions after the start-up transient (the first `clients` completions) up to
+the last one. Open-loop loads are fractions of it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Capacity:
     workload: str
     requests_per_s: float
     tokens_per_s: float
-    num_requests: int  # finished requests it rests on
+    num_requests: int  # completions it rests on
 
     def as_json(self) -> dict[str, float | int | str]:
         return {
@@ -32,7 +34,8 @@ class Capacity:
             "requests_per_s": round(self.requests_per_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 1),
             "num_requests": self.num_requests,
-            "how": f"{CAPACITY_POLICY}, closed loop, {CLIENTS_PER_SEQ} x max_num_seqs clients, no think time",
+            "how": f"{CAPACITY_POLICY} saturated: closed loop, {CLIENTS_PER_SEQ} x max_num_seqs clients, "
+            "no think time; completions per second after the start-up transient",
         }
 
 
@@ -48,18 +51,17 @@ def measure_capacity(
         num_measured=num_measured or bench.capacity_requests,
         num_warmup=clients,
         concurrency=clients,
-        drain_timeout_s=3600.0,
+        drain_timeout_s=0.0,  # stop when the last measured request is sent
     )
     result = run_workload(engine, clock, bench.stream(workload, seed, executor.spec.max_model_len), driver)
-    window = result.window
-    # Every request that finished inside the window counts, measured or not: the window
-    # lasts as long as the slowest measured request, and the engine stays full all along.
-    done = sum(
-        1
-        for r in result.records
-        if r.status is RequestStatus.FINISHED and window.start_s < r.finish_s <= window.end_s
+    ends = sorted(
+        (r.finish_s, r.num_output_tokens) for r in result.records if r.status is RequestStatus.FINISHED
     )
-    span = window.duration_s
-    if span <= 0 or done == 0:
-        raise RuntimeError(f"{workload}: the saturating run finished nothing")
-    return Capacity(workload, done / span, result.window.num_generated_tokens / span, done)
+    # The first `clients` ends are the start-up transient (every client's request arrived at
+    # once); from then on the engine is saturated until the run stops.
+    skip = min(clients, len(ends) // 2)
+    span = ends[-1][0] - ends[skip][0] if ends else 0.0
+    done = ends[skip + 1 :]
+    if span <= 0 or not done:
+        raise RuntimeError(f"{workload}: the saturating run finished too little to measure")
+    return Capacity(workload, len(done) / span, sum(n for _, n in done) / span, len(done))

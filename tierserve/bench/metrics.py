@@ -37,7 +37,12 @@ class RequestRecord:
         if not req.status.is_final or req.finish_time is None:
             raise ValueError(f"{req.request_id} is not final")
         kinds = [e.kind for e in req.events]
-        reason = end_reason or req.reject_reason or (req.finish_reason.value if req.finish_reason else "")
+        if end_reason:
+            reason = end_reason
+        elif req.reject_reason:  # rejected or shed: the engine's message
+            reason = f"{req.status.value}: {req.reject_reason}"
+        else:
+            reason = req.finish_reason.value if req.finish_reason else ""
         return cls(
             req.request_id,
             index,

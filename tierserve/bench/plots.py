@@ -60,6 +60,8 @@ def plot_against_load(
         ax.grid(True, alpha=0.3)
         if fraction:
             ax.set_ylim(-0.03, 1.03)
+        else:
+            ax.set_ylim(bottom=0)  # differences in proportion to the whole
     for ax in list(axes.flat)[len(sections) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()

@@ -185,7 +185,11 @@ def write_all(out: Path, results: Mapping[str, Any]) -> list[Path]:
     paths[0].write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
     paths[1].write_text(markdown(results))
     plot_against_load(
-        paths[2], results["pooled"], "P0 SLO attainment", lambda r: r["tiers"]["P0"]["slo_attainment"]
+        paths[2],
+        results["pooled"],
+        "P0 SLO attainment",
+        lambda r: r["tiers"]["P0"]["slo_attainment"],
+        fraction=True,
     )
     plot_against_load(
         paths[3], results["pooled"], "goodput (requests within SLO / s)", lambda r: r["goodput_rps"]

@@ -36,9 +36,9 @@ FULL_PLAN: tuple[tuple[str, Pattern, tuple[float, ...]], ...] = (
 QUICK_PLAN: tuple[tuple[str, Pattern, tuple[float, ...]], ...] = (
     ("default", "poisson", (0.8, 1.5)),
     ("default", "closed", (256,)),
-    ("memory-pressure", "poisson", (1.2,)),
+    ("memory-pressure", "poisson", (1.5,)),
 )
-FULL_REQUESTS = 2000  # measured per seed: 3 seeds pool about 300 P0 requests (5 % of traffic)
+FULL_REQUESTS = 2200  # measured per seed: 3 seeds pool about 330 P0 requests (5 % of traffic)
 QUICK_REQUESTS = 400
 QUICK_CAPACITY_REQUESTS = 500
 

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tierserve.bench.bootstrap import percentile_ci
+from tierserve.bench.bootstrap import percentile_ci, percentiles_ci
 from tierserve.bench.cell import CellResult
 from tierserve.bench.metrics import RequestRecord
 from tierserve.config import EngineConfig
@@ -56,10 +56,11 @@ def _attained(r: RequestRecord, target_s: float) -> bool:
 
 def _percentiles(name: str, values: Sequence[float], seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for q in (50, 95, 99):
-        est = percentile_ci(values, q, seed)
-        out[f"{name}_p{q}_s"] = None if est is None else _r(est.value)
-        out[f"{name}_p{q}_ci_s"] = None if est is None else est.interval()
+    qs = (50, 95, 99)
+    found = percentiles_ci(values, qs, seed)
+    for k, q in enumerate(qs):
+        out[f"{name}_p{q}_s"] = None if found is None else _r(found[k].value)
+        out[f"{name}_p{q}_ci_s"] = None if found is None else found[k].interval()
     return out
 
 

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from typing import Any
+
+from tierserve.bench.targets import judge
+
+
+def run(policy: str, p0: float, p1: float, goodput: float, load: float = 1.5, **extra: Any) -> dict[str, Any]:
+    tier = {"requests": 10, "completed": 10, "shed": 0}
+    return {
+        "policy": policy,
+        "workload": "default",
+        "pattern": "poisson",
+        "arrival": "open",
+        "load": load,
+        "tiers": {
+            "P0": {**tier, "slo_attainment": p0, "preempted": 0},
+            "P1": {**tier, "slo_attainment": p1},
+            "P3": {**tier},
+        },
+        "goodput_rps": goodput,
+        "throughput_vs_fcfs": 1.0,
+        "p3_completed": 10,
+        "p3_shed": 0,
+        "p3_shed_reasons": {},
+        "p0_slowdown_p95": 1.2,
+        "p0_idle_over_slo_share": 0.0,
+        **extra,
+    }
+
+
+def test_hybrid_is_judged_against_the_numbers_and_the_baselines() -> None:
+    runs = [run("hybrid", 0.995, 0.90, 7.0), run("vllm-priority", 0.9, 0.95, 7.5)]
+    got = {v.target: v.met for v in judge(runs)}
+    assert [met for target, met in got.items() if target.startswith("P0")] == [True]
+    assert [met for target, met in got.items() if target.startswith("beyond")] == [False]  # 90 % < 95 %
+    assert [met for target, met in got.items() if target.startswith("goodput")] == [False]  # 7.0 < 7.5
+    assert [met for target, met in got.items() if target.startswith("P1 SLO")] == [None]  # no cell <= 1.0x
+
+
+def test_long_prompt_cells_are_judged_by_per_request_slowdown() -> None:
+    slow = run("hybrid", 0.5, 1.0, 1.0, p0_idle_over_slo_share=0.4, p0_slowdown_p95=1.4)
+    p0 = next(v for v in judge([slow]) if v.target.startswith("P0"))
+    assert p0.met is True and "slowdown" in p0.detail
+    slower = {**slow, "p0_slowdown_p95": 1.6}
+    assert next(v for v in judge([slower]) if v.target.startswith("P0")).met is False
+
+
+def test_a_p3_request_without_a_reason_fails_the_p3_target() -> None:
+    bad = run("hybrid", 1.0, 1.0, 1.0, p3_shed=1, p3_shed_reasons={"": 1})
+    bad["tiers"]["P3"] = {"requests": 10, "completed": 9, "shed": 1}
+    assert next(v for v in judge([bad]) if v.target.startswith("every P3")).met is False
