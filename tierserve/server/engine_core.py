@@ -79,7 +79,6 @@ class EngineCore:
     def __init__(self, engine: Engine, metrics: ServerMetrics, conn: Connection) -> None:
         self.engine = engine
         self._metrics = metrics
-        metrics.bind(lambda: snapshot_of(engine), None)  # scraped between steps, on this thread
         self._conn = conn
         self._inbox: deque[Command] = deque()
         self._wake = threading.Event()

@@ -102,8 +102,7 @@ def spawn_state(
     client = EngineClient.spawn(recipe, meter)
     ready = client.ready
     metrics = ServerMetrics(ready.model_name, targets)
-    # The engine's state gauges come from the engine process's families (merged at scrape).
-    return _assemble(
+    state = _assemble(
         config,
         client,
         metrics,
@@ -115,6 +114,10 @@ def spawn_state(
         dict(ready.ceiling_blocks),
         remote_buckets,
     )
+    # The state gauges read the snapshot that comes with every step (the engine process's own
+    # are left at zero); its counters and histograms are merged in at scrape.
+    metrics.bind(lambda: client.snapshot, None)
+    return state
 
 
 def _assemble(
