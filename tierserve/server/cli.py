@@ -9,7 +9,6 @@ import argparse
 import logging
 import sys
 
-SWITCH_INTERVAL_S = 0.0002  # for an engine on a thread of the server's process (in-process mode)
 POLICIES = ("fcfs", "strict", "drr", "drr-tokens", "wfq", "hybrid", "vllm-priority")
 
 

@@ -26,7 +26,6 @@ from multiprocessing.connection import Connection
 from tierserve.clock import WallClock
 from tierserve.engine import Engine, RequestOutput
 from tierserve.request import FinishReason, Request
-from tierserve.server.async_engine import final_delta
 from tierserve.server.backends import BackendError
 from tierserve.server.engine_messages import (
     AbortRequest,
@@ -279,3 +278,16 @@ class EngineCore:
 
 def _tier_key(item: tuple[Tier, str, object]) -> Tier:
     return item[0]
+
+
+def final_delta(req: Request, new_token_ids: list[int]) -> Delta:
+    """The last delta of `req`: its last tokens, how it ended and its usage."""
+    return Delta(
+        tuple(new_token_ids),
+        True,
+        req.finish_reason or FinishReason.ABORTED,
+        "",
+        req.num_prompt_tokens,
+        req.num_cached_tokens,
+        req.num_output_tokens,
+    )
