@@ -14,6 +14,7 @@ The process ignores SIGINT and SIGTERM: the server drains first and then sends
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -71,6 +72,8 @@ def engine_main(recipe: EngineRecipe, conn: Connection) -> None:
         log.exception("the engine could not be built")
         conn.send(EngineFailed(f"the engine could not be built: {type(e).__name__}: {e}"))
         return
+    gc.collect()
+    gc.freeze()  # the model and the block pool: no collection walks them again
     core.run()
 
 
