@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tierserve.engine import Engine
 from tierserve.executors.base import StepBatch, StepResult
@@ -20,7 +20,7 @@ from tierserve.server.backends import Backend
 from tierserve.server.config import ServeConfig
 from tierserve.server.drain import DrainingServer
 from tierserve.server.embedded import embedded_server, loopback_socket
-from tierserve.server.state import ServerState, build_state, spawn_state
+from tierserve.server.state import ServerState, spawn_state
 
 T = TypeVar("T")
 MODEL = "stand-in"
@@ -46,16 +46,27 @@ class ByteTokenizer:
 
 
 class TextExecutor(NullExecutor):
-    """A stand-in executor whose requests all answer REPLY, byte by byte, over and over."""
+    """A stand-in executor whose requests all answer REPLY, byte by byte, over and over.
 
-    def __init__(self, **kw: object) -> None:
+    `gate`: an event (multiprocessing's, to cross into the engine process) that the first
+    step waits for; `fail_steps`: the steps (1 = the first) that raise."""
+
+    def __init__(self, *, gate: Any = None, fail_steps: tuple[int, ...] = (), **kw: object) -> None:
         kw.setdefault("step_s", 0.002)
         kw.setdefault("per_token_s", 1e-6)
         super().__init__(**kw)  # type: ignore[arg-type]
         self.record = False
         self._reply = REPLY.encode()
+        self._gate = gate
+        self._fail_steps = fail_steps
+        self._num_steps = 0
 
     def execute(self, batch: StepBatch) -> StepResult:
+        self._num_steps += 1
+        if self._num_steps == 1 and self._gate is not None:
+            self._gate.wait(30)
+        if self._num_steps in self._fail_steps:
+            raise RuntimeError(f"step {self._num_steps} fails, as asked")
         sampled = {
             s.request.request_id: self._reply[s.request.num_output_tokens % len(self._reply)]
             for s in batch.seqs
@@ -109,26 +120,11 @@ def text_backend(**executor_kw: object) -> Backend:
 
 
 def make_state(
-    config: ServeConfig | None = None,
-    *,
-    policy: str = "hybrid",
-    in_process: bool = False,
-    **executor_kw: object,
+    config: ServeConfig | None = None, *, policy: str = "hybrid", **executor_kw: object
 ) -> ServerState:
-    """A server's state over the stand-in executor: the engine in a process of its own, as
-    `tierserve serve` runs it, or (`in_process`) on a thread, for tests that reach into it."""
-    if not in_process:
-        return spawn_state(config or ServeConfig(), partial(text_backend, **executor_kw), policy=policy)
-    executor = TextExecutor(**executor_kw)
-    return build_state(
-        config or ServeConfig(),
-        executor,
-        ByteTokenizer(),
-        model_name=MODEL,
-        vocab_size=512,
-        policy=policy,
-        pace=True,
-    )
+    """A server's state over the stand-in executor, its engine in a process of its own as
+    `tierserve serve` runs it; `executor_kw` go to `TextExecutor` there."""
+    return spawn_state(config or ServeConfig(), partial(text_backend, **executor_kw), policy=policy)
 
 
 # Probes for `LiveServer.inspect` (module-level, so that they reach the engine process).

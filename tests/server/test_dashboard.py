@@ -6,9 +6,10 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.helpers import make_state
+from tests.server.helpers import live_server, make_state
 from tierserve.server.config import parse_serve_config
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
@@ -42,9 +43,11 @@ def _exported() -> set[str]:
     config = parse_serve_config(
         {"server": {"ratelimit": {"backend": "redis", "redis_url": "redis://127.0.0.1:1"}}}
     )
-    state = make_state(config, in_process=True)  # the names are the same in both modes
+    state = make_state(config)
     state.metrics.reject("queue_full", None)  # labelled families appear once they have a sample
-    return {family.name for family in text_string_to_metric_families(state.metrics.render().decode())}
+    with live_server(state) as srv:
+        text = httpx.get(srv.url + "/metrics", timeout=30).text  # the engine process's families too
+    return {family.name for family in text_string_to_metric_families(text)}
 
 
 def test_dashboard_charts_every_named_metric() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,31 +84,39 @@ def load() -> Iterator[LoadResult]:
         num_device_blocks=160,
         max_model_len=2048,
         swap_block_s=1e-6,
-        step_s=0.005,  # steps long enough that a scrape every 0.1 s sees the load running
+        step_s=0.02,  # steps long enough that a scrape (slow on a busy host) sees the load running
     )
     with live_server(state) as srv:
+        scrapes: list[str] = []
+        done = threading.Event()
 
-        async def run() -> tuple[list[tuple[str, int]], str]:
+        def scrape() -> None:
+            # A thread of its own: on a busy host the clients' event loop can go seconds
+            # between two of its own scrapes, after the load has come and gone.
+            with httpx.Client(timeout=30) as http:
+                while not done.is_set():
+                    scrapes.append(http.get(srv.url + "/metrics").text)
+                    done.wait(0.05)
+
+        async def run() -> list[tuple[str, int]]:
             client = openai.AsyncOpenAI(base_url=srv.base_url, api_key="sk-t", max_retries=0, timeout=60)
             rng = random.Random(7)
-            tasks = [
-                asyncio.ensure_future(_one(client, random.Random(rng.random()), i))
-                for i in range(NUM_REQUESTS)
-            ]
-            busiest = ""  # the scrape taken under load that saw the most running requests
-            most = -1.0
-            async with httpx.AsyncClient() as http:
-                while not all(t.done() for t in tasks):
-                    text = (await http.get(srv.url + "/metrics")).text
-                    running = _parse(text)["vllm:num_requests_running"][(("model_name", MODEL),)]
-                    if running > most:
-                        busiest, most = text, running
-                    await asyncio.sleep(0.1)
-            outcomes = await asyncio.gather(*tasks)
+            outcomes = await asyncio.gather(
+                *(_one(client, random.Random(rng.random()), i) for i in range(NUM_REQUESTS))
+            )
             await client.close()
-            return list(outcomes), busiest
+            return list(outcomes)
 
-        outcomes, during = asyncio.run(run())
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        try:
+            outcomes = asyncio.run(run())
+        finally:
+            done.set()
+            scraper.join(timeout=60)
+        # the scrape taken under load that saw the most running requests
+        running = "vllm:num_requests_running"
+        during = max(scrapes, key=lambda t: _parse(t)[running][(("model_name", MODEL),)])
         srv.wait_engine_idle(timeout_s=20)
         free, total = srv.inspect(pool_free_and_total)
         ends = srv.inspect(end_counts)
@@ -178,7 +187,9 @@ def test_metrics_expose_every_named_metric_with_sensible_values(load: LoadResult
     assert m["llm_kv_swap_seconds_count"][(("direction", "out"),)] > 0
     assert all(0.0 <= v <= 1.0 for v in m["llm_sla_attainment"].values()) and m["llm_sla_attainment"]
     rejections = _by(m["tierserve_rejections_total"], "reason")
-    assert rejections["queue_full"] == counts["refused:503"]
+    # The burst may also meet an admission estimate beyond P0's deadline: 503 either way.
+    assert rejections["queue_full"] > 0
+    assert rejections["queue_full"] + rejections.get("deadline", 0) == counts["refused:503"]
     assert sum(v for k, v in rejections.items() if k.startswith("rate_limit")) == counts["refused:429"]
     assert m["vllm:prompt_tokens_total"][(("model_name", MODEL),)] >= load.num_prompt_tokens > 0
     assert m["vllm:generation_tokens_total"][(("model_name", MODEL),)] >= served * 4

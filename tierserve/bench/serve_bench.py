@@ -1,12 +1,18 @@
-"""`tierserve bench serve`: HTTP load against `serve --backend sim`, started in this process.
+"""`tierserve bench serve`: HTTP load against `serve --backend sim`, started by this process.
 
 A seeded, bounded, closed-loop load generator (httpx, loopback only): `--concurrency`
 clients stream `--requests` completions with tiers drawn from `--tier-mix`. The server is
 the real app (admission, rate limits, SSE) over the simulated deployment, so requests take
-the time the simulator predicts. Reports per-tier TTFT P50/P95, rejections by reason and
+the time the simulator predicts. As `tierserve serve` does, the HTTP server runs in this
+process and the engine in a process of its own. Reports per-tier TTFT P50/P95, rejections by reason and
 throughput, and the latency the API layer adds to the first token: HTTP TTFT minus the
 in-process TTFT (arrival -> return of the `Engine.step()` that produced the first token:
-what a caller of the engine in the same process sees).
+what a caller of the engine sees, where the engine runs).
+
+With `--flood-clients N` (default 3) the same requests run a second time, against a fresh
+server, while N clients post ~1 MiB JSON bodies (valid and invalid; flood.py); the two
+runs are reported side by side with the targets: API overhead P99 < 2 ms, P0 TTFT P95
+within 10 % of the run without the flood.
 
 The TTFT and overhead percentiles leave out the first `--warmup` requests sent (default:
 one per client, capped at a third of the requests): every client sends its first request
@@ -17,7 +23,7 @@ every request.
 That added latency is measured twice. `api_overhead_*`: on the server, from the request
 reaching the app to the first token's chunk handed to the socket, minus the in-process TTFT,
 split into the request path (parse, tokenize, limits, admission) and the response path
-(engine thread -> event loop -> detokenize -> SSE). `client_overhead_*`: as the
+(engine process -> pipe -> event loop -> detokenize -> SSE). `client_overhead_*`: as the
 clients see it, so it also holds the loopback network and the load generator's own time
 (httpx is CPU-hungry: on a small machine this is mostly the client). The load generator
 runs in a child process so that its CPU does not queue behind the server's for the

@@ -14,8 +14,6 @@ from tierserve.cli_args import port, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
-SWITCH_INTERVAL_S = 0.0002  # for an engine on a thread of the server's process (in-process mode)
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(

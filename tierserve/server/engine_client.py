@@ -1,4 +1,4 @@
-"""The HTTP server's end of the engine process: the same interface as `AsyncEngine`.
+"""The HTTP server's end of the engine process (the `EngineService` the routes use).
 
 `EngineClient.spawn` starts `engine_main` (engine_core.py) with multiprocessing's spawn
 context and waits for its `EngineReady`. On the event loop, commands are batched into one
@@ -83,7 +83,9 @@ class EngineClient:
         self.snapshot = EngineSnapshot()
         self.num_step_errors = 0
         self.on_lost: Callable[[], None] | None = None
-        self.ttft_trace: dict[str, tuple[float, float]] | None = None  # as `AsyncEngine.ttft_trace`
+        self.ttft_trace: dict[str, tuple[float, float]] | None = (
+            None  # id -> (in-process TTFT, step returned at)
+        )
 
     @classmethod
     def spawn(

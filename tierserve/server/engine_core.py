@@ -14,6 +14,7 @@ The process ignores SIGINT and SIGTERM: the server drains first and then sends
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -26,7 +27,6 @@ from multiprocessing.connection import Connection
 from tierserve.clock import WallClock
 from tierserve.engine import Engine, RequestOutput
 from tierserve.request import FinishReason, Request
-from tierserve.server.async_engine import final_delta
 from tierserve.server.backends import BackendError
 from tierserve.server.engine_messages import (
     AbortRequest,
@@ -72,6 +72,8 @@ def engine_main(recipe: EngineRecipe, conn: Connection) -> None:
         log.exception("the engine could not be built")
         conn.send(EngineFailed(f"the engine could not be built: {type(e).__name__}: {e}"))
         return
+    gc.collect()
+    gc.freeze()  # the model and the block pool: no collection walks them again
     core.run()
 
 
@@ -79,7 +81,6 @@ class EngineCore:
     def __init__(self, engine: Engine, metrics: ServerMetrics, conn: Connection) -> None:
         self.engine = engine
         self._metrics = metrics
-        metrics.bind(lambda: snapshot_of(engine), None)  # scraped between steps, on this thread
         self._conn = conn
         self._inbox: deque[Command] = deque()
         self._wake = threading.Event()
@@ -280,3 +281,16 @@ class EngineCore:
 
 def _tier_key(item: tuple[Tier, str, object]) -> Tier:
     return item[0]
+
+
+def final_delta(req: Request, new_token_ids: list[int]) -> Delta:
+    """The last delta of `req`: its last tokens, how it ended and its usage."""
+    return Delta(
+        tuple(new_token_ids),
+        True,
+        req.finish_reason or FinishReason.ABORTED,
+        req.reject_reason if req.finish_reason is FinishReason.SHED else "",
+        req.num_prompt_tokens,
+        req.num_cached_tokens,
+        req.num_output_tokens,
+    )

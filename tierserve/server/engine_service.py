@@ -1,9 +1,6 @@
-"""What the HTTP side needs from the engine, wherever it runs.
-
-`EngineClient` (engine_client.py) drives an engine in a process of its own: what
-`tierserve serve` and `bench serve` run. `AsyncEngine` (async_engine.py) runs the engine
-on a thread of the server's process: kept for tests that reach into the engine object.
-Every method is called on the server's event loop.
+"""What the HTTP side needs from the engine: the routes, the drain and the metrics use
+only this. `EngineClient` (engine_client.py) implements it over an engine in a process of
+its own. Every method is called on the server's event loop.
 """
 
 from __future__ import annotations

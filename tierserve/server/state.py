@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.clock import Clock, WallClock
-from tierserve.engine import Engine
-from tierserve.executors.base import Executor
 from tierserve.server.admission import AdmissionController, ThroughputMeter
-from tierserve.server.async_engine import AsyncEngine
 from tierserve.server.backends import Backend
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.config import ServeConfig
@@ -24,7 +21,6 @@ from tierserve.server.engine_messages import EngineRecipe
 from tierserve.server.engine_service import EngineService
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.ratelimit import RateLimiter
-from tierserve.server.served_executor import ServedExecutor
 from tierserve.server.state_metrics import LimiterState
 from tierserve.server.tenants import TenantResolver
 from tierserve.server.tokenizer import Tokenizer
@@ -102,8 +98,7 @@ def spawn_state(
     client = EngineClient.spawn(recipe, meter)
     ready = client.ready
     metrics = ServerMetrics(ready.model_name, targets)
-    # The engine's state gauges come from the engine process's families (merged at scrape).
-    return _assemble(
+    state = _assemble(
         config,
         client,
         metrics,
@@ -115,6 +110,10 @@ def spawn_state(
         dict(ready.ceiling_blocks),
         remote_buckets,
     )
+    # The state gauges read the snapshot that comes with every step (the engine process's own
+    # are left at zero); its counters and histograms are merged in at scrape.
+    metrics.bind(lambda: client.snapshot, None)
+    return state
 
 
 def _assemble(
@@ -151,41 +150,3 @@ def _assemble(
         ceiling_blocks=ceiling_blocks,
         remote_buckets=remote_buckets,
     )
-
-
-def build_state(
-    config: ServeConfig,
-    executor: Executor,
-    tokenizer: Tokenizer,
-    *,
-    model_name: str,
-    vocab_size: int,
-    policy: str = "hybrid",
-    pace: bool = False,
-    clock: Clock | None = None,
-    remote_buckets: BucketBackend | None = None,
-) -> ServerState:
-    """The in-process mode: the engine on a thread of this process (tests that reach into it).
-    `pace`: sleep the executor's predicted durations."""
-    clock = clock or WallClock()
-    engine_config = config.engine
-    metrics = ServerMetrics(model_name, {t: engine_config.tiers[t].ttft_target_s for t in ALL_TIERS})
-    served = ServedExecutor(executor, metrics.swap, pace=pace)
-    engine = Engine(engine_config, policy, served, clock)
-    meter = ThroughputMeter()
-    async_engine = AsyncEngine(engine, metrics=metrics, meter=meter)
-    spec = executor.spec
-    state = _assemble(
-        config,
-        async_engine,
-        metrics,
-        meter,
-        ModelInfo(model_name, spec.max_model_len, vocab_size),
-        tokenizer,
-        clock,
-        spec.block_size,
-        {t: engine.memory.partition.ceiling[t] for t in ALL_TIERS},
-        remote_buckets,
-    )
-    metrics.bind(lambda: async_engine.snapshot, None)
-    return state

@@ -1,7 +1,7 @@
 """The handler's side of a request: its stream of deltas, and their delivery on the event loop.
 
-The engine thread posts each step's deltas to the `Dispatcher` (through
-`call_soon_threadsafe`). The dispatcher wakes at most `DISPATCH_SLICE` queued handlers per
+`EngineClient` posts each step's deltas to the `Dispatcher` as they come off the engine
+process's pipe. The dispatcher wakes at most `DISPATCH_SLICE` queued handlers per
 event-loop iteration, FIFO but for first tokens, which go ahead (up to `FIRSTS_AT_ONCE`
 woken at once): each request's deltas stay in order, and a step's burst of hundreds of
 chunks cannot hold up a new first token, or a new request's bytes, for the whole burst

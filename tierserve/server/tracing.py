@@ -3,7 +3,7 @@
 With tracing on, an outermost ASGI middleware stamps when the app had received a
 request's whole body (so a slow client's upload is not counted), and the generation
 handler stamps when the first token's chunk had been handed to the
-transport. Together with the engine's own TTFT (`AsyncEngine.ttft_trace`) this gives the
+transport. Together with the engine's own TTFT (`EngineClient.ttft_trace`) this gives the
 time the HTTP layer adds, with neither the client nor the network in it. All times are
 `time.monotonic()`.
 """

@@ -1,11 +1,14 @@
-"""The engine thread and the event loop: ordering, coalescing, inspection, failure isolation."""
+"""The engine process and the event loop: ordering, coalescing, inspection, failure isolation."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 
 from tests.server.helpers import REPLY, ByteTokenizer, make_state
+from tierserve.engine import Engine
 from tierserve.request import FinishReason, Request, SamplingParams
+from tierserve.server.engine_client import EngineClient
 from tierserve.server.streams import ACCEPTED, DISPATCH_SLICE, Delta, RequestHandle
 from tierserve.tiers import Tier
 
@@ -26,33 +29,31 @@ async def _end(handle: RequestHandle) -> Delta:
                 return delta
 
 
+def _client(**kw: object) -> EngineClient:
+    engine = make_state(**kw).engine
+    assert isinstance(engine, EngineClient)
+    return engine
+
+
 def test_a_handler_hears_that_the_engine_accepted_its_request_before_any_token() -> None:
     """So that a stream's status line is sent while the engine prefills, not with the token."""
-    import threading
-
-    state = make_state(in_process=True)
-    engine = state.engine.engine
-    real_step, go = engine.step, threading.Event()
-
-    def held_step() -> list:  # type: ignore[type-arg]
-        go.wait(10)
-        return real_step()
-
-    engine.step = held_step  # type: ignore[method-assign]
+    gate = multiprocessing.get_context("spawn").Event()
+    state = make_state(gate=gate)  # the executor's first step waits for the gate
+    engine = state.engine
 
     async def run() -> tuple[list[Delta], list[int]]:
-        state.engine.start()
+        engine.start()
         try:
-            handle = state.engine.submit(
+            handle = engine.submit(
                 Request("a", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
             )
-            before = await asyncio.wait_for(handle.next(), 10)  # no step has run yet
-            go.set()
+            before = await asyncio.wait_for(handle.next(), 30)  # no step has returned yet
+            gate.set()
             tokens, _ = await _collect(handle)
             return before, tokens
         finally:
-            go.set()
-            await state.engine.stop()
+            gate.set()
+            await engine.stop()
 
     before, tokens = asyncio.run(run())
     assert before == [ACCEPTED] and not ACCEPTED.token_ids and not ACCEPTED.finished
@@ -60,7 +61,7 @@ def test_a_handler_hears_that_the_engine_accepted_its_request_before_any_token()
 
 
 def test_every_stream_gets_its_tokens_in_order_when_delivery_is_sliced() -> None:
-    state = make_state(in_process=True, step_s=0.0005)
+    state = make_state(step_s=0.0005)
     engine = state.engine
     n = DISPATCH_SLICE * 6
 
@@ -89,72 +90,72 @@ def test_every_stream_gets_its_tokens_in_order_when_delivery_is_sliced() -> None
         assert tokens == expected and reason is FinishReason.LENGTH
 
 
-def test_inspect_runs_on_the_engine_thread_and_propagates_errors() -> None:
-    state = make_state(in_process=True)
+def _num_blocks(engine: Engine) -> int:
+    return engine.memory.num_blocks
+
+
+def _divide_by_zero(engine: Engine) -> float:
+    return 1 / 0
+
+
+def test_inspect_runs_in_the_engine_process_and_propagates_errors() -> None:
+    engine = _client()
 
     async def run() -> tuple[int, str]:
-        state.engine.start()
+        engine.start()
         try:
-            total = await state.engine.inspect(lambda e: e.memory.num_blocks)
+            total = await engine.inspect(_num_blocks)
             try:
-                await state.engine.inspect(lambda e: 1 / 0)
+                await engine.inspect(_divide_by_zero)
             except ZeroDivisionError as err:
                 return total, type(err).__name__
             return total, ""
         finally:
-            await state.engine.stop()
+            await engine.stop()
 
     assert asyncio.run(run()) == (1024, "ZeroDivisionError")
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
-    state = make_state(in_process=True)
-    engine = state.engine.engine
-    real_step = engine.step
-    calls = {"n": 0}
-
-    def flaky_step() -> list:  # type: ignore[type-arg]
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("boom")
-        return real_step()
-
-    engine.step = flaky_step  # type: ignore[method-assign]
+    state = make_state(fail_steps=(1,))  # the executor raises in its first step
+    engine = state.engine
 
     async def run() -> tuple[Delta, tuple[list[int], FinishReason | None]]:
-        state.engine.start()
+        engine.start()
         try:
-            first = state.engine.submit(
+            first = engine.submit(
                 Request("a", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
             )
             failed = await _end(first)
-            second = state.engine.submit(
+            second = engine.submit(
                 Request("b", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
             )
             return failed, await _collect(second)
         finally:
-            await state.engine.stop()
+            await engine.stop()
 
     failed, (tokens, reason) = asyncio.run(run())
     assert failed.finished and failed.error == "internal engine error"
     assert len(tokens) == 4 and reason is FinishReason.LENGTH
-    assert state.engine.num_step_errors == 1
+    assert engine.num_step_errors == 1
 
 
 def test_a_request_the_engine_refuses_ends_with_its_reason() -> None:
-    state = make_state(in_process=True, max_model_len=64)
+    state = make_state(max_model_len=64)
+    engine = state.engine
 
-    async def run() -> Delta:
-        state.engine.start()
+    async def run() -> tuple[Delta, bytes]:
+        engine.start()
         try:
             req = Request("big", [1] * 60, SamplingParams(max_tokens=10), arrival_time=state.clock.now())
-            return await _end(state.engine.submit(req, Tier.P0))
+            end = await _end(engine.submit(req, Tier.P0))
+            return end, state.metrics.render(await engine.metric_families())
         finally:
-            await state.engine.stop()
+            await engine.stop()
 
-    end = asyncio.run(run())
+    end, metrics = asyncio.run(run())
     assert end.finished and end.finish_reason is FinishReason.REJECTED and "context" in end.error
-    assert 'reason="engine_refused"' in state.metrics.render().decode()
+    assert 'reason="engine_refused"' in metrics.decode()
 
 
 def _handle(i: int, tier: Tier = Tier.P2) -> RequestHandle:
@@ -212,7 +213,7 @@ def test_first_tokens_go_ahead_of_queued_deltas_and_signal_when_handled() -> Non
 def test_first_tokens_are_posted_before_the_rest_of_the_step() -> None:
     """One step gives some requests their first token and others a later one: the first
     tokens are handed to the event loop in a post of their own, ahead of the rest."""
-    state = make_state(in_process=True, step_s=0.0005)
+    state = make_state(step_s=0.0005)
     engine = state.engine
     posts: list[tuple[list[str], list[str]]] = []
 
@@ -264,12 +265,12 @@ def test_freeze_heap_moves_start_up_objects_out_of_the_collector() -> None:
 
     gc.unfreeze()
     try:
-        with live_server(make_state(in_process=True), freeze_heap=True):
+        with live_server(make_state(), freeze_heap=True):
             frozen = gc.get_freeze_count()
         assert frozen > 1000
     finally:
         gc.unfreeze()
-    with live_server(make_state(in_process=True)):
+    with live_server(make_state()):
         assert gc.get_freeze_count() == 0
 
 
