@@ -98,4 +98,4 @@ def test_a_missing_or_malformed_trace_is_a_clear_error(
         args = parser.parse_args(["engine", "--lengths-from", path, "--skip-hf"])
         assert args.func(args) == 2
         err = capsys.readouterr().err
-        assert err.startswith("bench engine: --lengths-from:") and message in err, err
+        assert err.startswith("tierserve bench engine: --lengths-from:") and message in err, err
