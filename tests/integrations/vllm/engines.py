@@ -107,5 +107,12 @@ class Driver:
     def abort(self, rids: list[str]) -> None:
         self.llm.llm_engine.abort_request(rids)
 
+    def abort_rest(self) -> None:
+        """Abort whatever is still running and step until the engine is idle."""
+        rest = [rid for rid in self.submitted_at if not self.finished[rid]]
+        if rest:
+            self.abort(rest)
+        self.run(200)
+
     def ttft_steps(self, rid: str) -> int:
         return self.first_token_step[rid] - self.submitted_at[rid]

@@ -10,13 +10,12 @@ import pytest
 from tierserve.bench.vllm_bench import (
     RUN_NAMES,
     BenchRequest,
-    compare,
     load_workload,
     make_workload,
     run_open_loop,
     save_workload,
-    summarize,
 )
+from tierserve.bench.vllm_report import compare, summarize
 from tierserve.cli import build_parser
 
 

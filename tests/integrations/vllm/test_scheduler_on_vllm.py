@@ -47,14 +47,14 @@ def vanilla_llm(model: Path) -> Iterator[Any]:
 def plugin(plugin_llm: Any) -> Iterator[Driver]:
     driver = Driver(plugin_llm, plugin=True)
     yield driver
-    driver.run(2000)  # leave the shared engine idle for the next test
+    driver.abort_rest()  # leave the shared engine idle for the next test
 
 
 @pytest.fixture
 def vanilla(vanilla_llm: Any) -> Iterator[Driver]:
     driver = Driver(vanilla_llm, plugin=False)
     yield driver
-    driver.run(2000)
+    driver.abort_rest()
 
 
 def _fill_with_p3(
@@ -95,16 +95,18 @@ def test_p3_flood_never_takes_p0_floor(plugin: Driver) -> None:
     floor = sched.ledger.partition.floor[Tier.P0]
     assert floor > 0
     _fill_with_p3(plugin, "flood", prompt_len=200, max_tokens=280)
+    limit = sched.num_pool_blocks - floor
     lowest_free = pool.get_num_free_blocks()
-    peak_p3 = 0
-    for _ in range(300):
+    peak_p3, steps_at_limit = 0, 0
+    for _ in range(300):  # until the flood has pressed on the floor for a while
         plugin.step()
         lowest_free = min(lowest_free, pool.get_num_free_blocks())
         peak_p3 = max(peak_p3, sched.ledger.used[Tier.P3])
-        if not plugin.llm.llm_engine.has_unfinished_requests():
+        steps_at_limit += peak_p3 >= limit
+        if steps_at_limit > 20 or not plugin.llm.llm_engine.has_unfinished_requests():
             break
     # The flood wanted more than the pool (8 x 15 blocks); it got all but P0's floor.
-    assert peak_p3 == sched.num_pool_blocks - floor
+    assert peak_p3 == limit
     assert lowest_free >= floor
 
 

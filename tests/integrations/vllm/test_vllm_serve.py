@@ -44,7 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--scheduler-cls", "tierserve.integrations.vllm.TierScheduler",
-        "--logits-processors", "tierserve.integrations.vllm.TierArgsValidator",
+        "--logits-processors", "tierserve.integrations.vllm:TierArgsValidator",
         "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "512",
         "--kv-cache-memory-bytes", str(NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN),
         "--max-num-seqs", "8", "--enforce-eager",

@@ -1,7 +1,7 @@
 """tierserve's tiers inside vLLM: a V1 scheduler plug-in.
 
     vllm serve MODEL --scheduler-cls tierserve.integrations.vllm.TierScheduler \\
-        --logits-processors tierserve.integrations.vllm.TierArgsValidator
+        --logits-processors tierserve.integrations.vllm:TierArgsValidator
 
 See docs/vllm.md. The classes are loaded on first access, after the installed vLLM's
 version is checked (`versions.py`): the plug-in subclasses vLLM internals that change

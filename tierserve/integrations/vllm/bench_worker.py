@@ -25,6 +25,14 @@ KINDS = ("vllm-fcfs", "vllm-priority", "tierserve-plugin")
 PLUGIN = "tierserve.integrations.vllm.TierScheduler"
 
 
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of one token over all layers, in float32 (the dtype the bench runs in)."""
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return int(c["num_hidden_layers"] * 2 * kv_heads * head_dim * 4)
+
+
 class VllmContender:
     def __init__(self, kind: str, model: Path, settings: EngineSettings) -> None:
         from vllm import LLM
@@ -36,7 +44,7 @@ class VllmContender:
             dtype="float32",
             block_size=settings.block_size,
             max_model_len=settings.max_model_len,
-            num_gpu_blocks_override=settings.num_blocks + 1,  # plus vLLM's null block
+            kv_cache_memory_bytes=(settings.num_blocks + 1) * settings.block_size * kv_bytes_per_token(model),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             scheduling_policy="priority" if kind == "vllm-priority" else "fcfs",

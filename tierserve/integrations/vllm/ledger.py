@@ -34,6 +34,11 @@ class TierLedger:
         if self.used[tier] < 0:
             raise LedgerError(f"{tier.name} would hold {self.used[tier]} blocks")
 
+    def release(self, tier: Tier, num_blocks: int) -> None:
+        """Blocks freed between recounts. Clamped at zero: the count is rebuilt from vLLM's
+        pool at every step, and blocks vLLM frees late (deferred frees) may already be out."""
+        self.used[tier] = max(0, self.used[tier] - num_blocks)
+
     def reserved_blocks(self, tier: Tier, num_free: int) -> int:
         """Free blocks an allocation for `tier` must leave: the unfilled floors of more
         urgent tiers, and whatever lies beyond the tier's ceiling."""

@@ -110,18 +110,16 @@ class TierScheduler(Scheduler):
         super().add_request(request)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
-        entry = self.book.end(request.request_id)
+        self._release(request)
+        entry = self.book.end(request.request_id)  # a second end of one request raises
         if not entry.first_token_seen and request.num_output_tokens > 0:
             self.tier_metrics.observe_first_token(entry.shadow.tier, time.time() - request.arrival_time)
-        self._release(request)
         return super()._free_request(request, delay_free_blocks)
 
     def _release(self, request: Request) -> None:
         """Take the request's blocks off its tier's count (they are about to be freed)."""
-        entry = self.book.find(request.request_id)
-        tier = entry.shadow.tier if entry is not None else Tier(min(max(request.priority, 0), Tier.P3))
         held = blocks_held(self.kv_cache_manager.inner, request.request_id)
-        self.ledger.used[tier] = max(0, self.ledger.used[tier] - held)
+        self.ledger.release(self.book.tier(request.request_id), held)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         self._release(request)

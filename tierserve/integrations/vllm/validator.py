@@ -5,7 +5,7 @@ it is admitted, in the API server process, and answers a `ValueError` there with
 Load this one next to the scheduler:
 
     vllm serve MODEL --scheduler-cls tierserve.integrations.vllm.TierScheduler \\
-        --logits-processors tierserve.integrations.vllm.TierArgsValidator
+        --logits-processors tierserve.integrations.vllm:TierArgsValidator
 
 It leaves the logits alone (it is argmax-invariant, so vLLM skips it for greedy batches).
 """

@@ -1,0 +1,86 @@
+"""`tierserve bench vllm`'s figures: per run, P0 TTFT alone and under the flood, per-tier
+SLO attainment, throughput, preemptions; across runs, the ratios the issue sets targets on."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+TTFT_TARGETS_S = (0.5, 5.0, 60.0, math.inf)  # DESIGN.md §1, P0..P3
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    recs = list(result["requests"].values())
+
+    def p0(phase: str) -> list[float]:
+        return [
+            r["ttft_s"] for r in recs if r["phase"] == phase and r["tier"] == 0 and r["ttft_s"] is not None
+        ]
+
+    flood = [r for r in recs if r["phase"] == "flood"]
+    slo: dict[str, float] = {}
+    for tier, target in enumerate(TTFT_TARGETS_S):
+        mine = [r for r in flood if r["tier"] == tier]
+        if mine:
+            met = sum(1 for r in mine if r["ttft_s"] is not None and r["ttft_s"] <= target)
+            slo[f"P{tier}"] = met / len(mine)
+    makespan = result["flood_makespan_s"]
+    tokens = sum(r["tokens"] for r in flood)
+    return {
+        "p0_ttft_p50_alone_s": _quantile(p0("alone"), 0.5),
+        "p0_ttft_p95_alone_s": _quantile(p0("alone"), 0.95),
+        "p0_ttft_p50_flood_s": _quantile(p0("flood"), 0.5),
+        "p0_ttft_p95_flood_s": _quantile(p0("flood"), 0.95),
+        "throughput_tokens_per_s": tokens / makespan if makespan > 0 else None,
+        "slo_attainment": slo,
+        "preemptions": result.get("preemptions"),
+        "num_requests": len(recs),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare(runs: dict[str, Any]) -> dict[str, Any]:
+    plugin, fcfs = runs.get("tierserve-plugin", {}), runs.get("vllm-fcfs", {})
+    prio, engine = runs.get("vllm-priority", {}), runs.get("tierserve-engine", {})
+    return {
+        "plugin_p0_flood_over_alone": _ratio(
+            plugin.get("p0_ttft_p95_flood_s"), plugin.get("p0_ttft_p95_alone_s")
+        ),
+        "plugin_p0_flood_over_vllm_priority": _ratio(
+            plugin.get("p0_ttft_p95_flood_s"), prio.get("p0_ttft_p95_flood_s")
+        ),
+        "plugin_throughput_over_vllm_fcfs": _ratio(
+            plugin.get("throughput_tokens_per_s"), fcfs.get("throughput_tokens_per_s")
+        ),
+        "engine_throughput_over_vllm_fcfs": _ratio(
+            engine.get("throughput_tokens_per_s"), fcfs.get("throughput_tokens_per_s")
+        ),
+    }
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = ["run                 p0 p95 alone  p0 p95 flood  tokens/s  preempt  slo"]
+    for name, r in res["runs"].items():
+        slo = " ".join(f"{t}={v:.2f}" for t, v in r["slo_attainment"].items())
+        lines.append(
+            f"{name:<19} {_fmt(r['p0_ttft_p95_alone_s']):>12}  {_fmt(r['p0_ttft_p95_flood_s']):>12}  "
+            f"{_fmt(r['throughput_tokens_per_s']):>8}  {_fmt(r['preemptions']):>7}  {slo}"
+        )
+    lines += [f"{k}: {_fmt(v)}" for k, v in res["comparisons"].items()]
+    return "\n".join(lines)
