@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--duration", type=float, default=6.0, help="seconds of open-loop load per arm (default 6)"
     )
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
     p.set_defaults(func=run)
 
 

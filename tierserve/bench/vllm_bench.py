@@ -235,12 +235,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "vllm", help="the tiered workload on vLLM (fcfs, priority, plug-in) and tierserve"
     )
     p.add_argument("--json", action="store_true", help='print {"runs": {NAME: {...}}, ...} as JSON')
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
     p.add_argument("--num-flood", type=int, default=32, help="lower-tier requests in the flood")
     p.add_argument("--num-p0", type=int, default=4, help="P0 requests alone, and again during the flood")
     p.add_argument("--flood-s", type=float, default=2.0, help="the flood arrives over this many seconds")
     p.add_argument("--vllm-python", type=Path, default=default_vllm_python(), help="python of vLLM's venv")
-    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"))
+    p.add_argument(
+        "--out",
+        default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"),
+        help="folder for the checkpoint, logs and JSON (default: %(default)s)",
+    )
     p.add_argument("--timeout-s", type=float, default=600.0, help="per contender")
     p.add_argument("--skip-engine", action="store_true", help="leave out tierserve's own engine")
     p.set_defaults(func=run)

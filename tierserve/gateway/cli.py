@@ -17,7 +17,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--config", required=True, help="TOML: [gateway], [[upstreams]] and the server's sections")
     p.add_argument("--host", default=None, help="bind address (default: [server].host)")
     p.add_argument("--port", type=int, default=None, help="port (default: [server].port)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe log lines printed (default: info)",
+    )
     p.set_defaults(func=run)
 
 

@@ -31,6 +31,7 @@ from prometheus_client import Metric
 from tierserve.engine import Engine
 from tierserve.request import FinishReason, Request
 from tierserve.server.admission import ThroughputMeter
+from tierserve.server.backends import BackendError
 from tierserve.server.engine_core import engine_main
 from tierserve.server.engine_messages import (
     AbortRequest,
@@ -108,7 +109,7 @@ class EngineClient:
             first = None
         if isinstance(first, EngineFailed):
             _end_process(process, 5.0)
-            raise EngineStartError(first.message)
+            raise (BackendError if first.bad_setting else EngineStartError)(first.message)
         if not isinstance(first, EngineReady):
             _end_process(process, 1.0)
             raise EngineStartError(f"the engine process did not start (exit status {process.exitcode})")

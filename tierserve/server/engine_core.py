@@ -66,7 +66,7 @@ def engine_main(recipe: EngineRecipe, conn: Connection) -> None:
     try:
         core = EngineCore.build(recipe, conn)
     except BackendError as e:  # a bad --model, --gpu, --device: the server prints it
-        conn.send(EngineFailed(str(e)))
+        conn.send(EngineFailed(str(e), bad_setting=True))
         return
     except Exception as e:
         log.exception("the engine could not be built")

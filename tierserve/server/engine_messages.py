@@ -103,6 +103,7 @@ class EngineFailed:
     """The engine could not be built (a bad model, device or config); the message says why."""
 
     message: str
+    bad_setting: bool = False  # a bad --model, --gpu, --device: the user's to fix, not a failure
 
 
 @dataclass(slots=True)
