@@ -1,6 +1,6 @@
 """The source article's production policy, as the article describes it (its
 `HybridScheduler`, §3.4, with the reservation and reclaim of §4), with its bugs fixed
-as DESIGN.md §3 requires and nothing added.
+as docs/design.md §3 requires and nothing added.
 
 - P0: strict priority, first come first served, with reserved memory (the tier
   partition's floor) and the right to reclaim: when a P0 request does not fit it
