@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,70 @@ def test_per_tier_metrics_on_vllm_endpoint(server: str) -> None:
         ln for ln in text.splitlines() if ln.startswith('llm_scheduler_wait_seconds_count{priority="P2"}')
     ]
     assert waits and float(waits[0].split()[-1]) >= 1
+
+
+def _main_python() -> Path | None:
+    """The project's own virtualenv (`make install`): the gateway runs there, beside vLLM's."""
+    override = os.environ.get("TIERSERVE_MAIN_PYTHON")
+    candidate = Path(override) if override else Path(__file__).resolve().parents[3] / ".venv/bin/python"
+    return candidate if candidate.exists() else None
+
+
+def _count(base: str, metric: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    lines = [ln for ln in text.splitlines() if ln.startswith(metric)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def _wait_count(base: str, metric: str, at_least: float, timeout_s: float = 60.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    value = _count(base, metric)
+    while value < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = _count(base, metric)
+    return value
+
+
+def test_the_gateway_passes_the_tier_down_to_real_vllm(server: str, tmp_path: Path) -> None:
+    """A request sent to `tierserve gateway` at P1 reaches vLLM as P1: the plug-in's per-tier
+    wait histogram counts it under P1, and the reply comes back through the gateway."""
+    python = _main_python()
+    if python is None:
+        pytest.skip("no .venv/bin/python (make install) to run the gateway in")
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[[upstreams]]\nkind = "vllm"\nurl = "{server}"\n')
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    log = (tmp_path / "gateway.log").open("w")
+    cmd = [str(python), "-m", "tierserve.cli", "gateway", "--config", str(config), "--port", str(port)]
+    gateway = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    metric = 'llm_scheduler_wait_seconds_count{priority="P1"}'
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if gateway.poll() is not None:
+                pytest.fail(
+                    f"the gateway exited with {gateway.returncode}:\n{(tmp_path / 'gateway.log').read_text()}"
+                )
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not become ready"
+            time.sleep(0.5)
+        before = _count(server, metric)
+        body = {"model": "tiny", "prompt": "through the gateway", "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(f"{base}/v1/completions", json=body, headers={"x-request-tier": "P1"}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        assert _wait_count(server, metric, before + 1) >= before + 1
+    finally:
+        gateway.terminate()
+        try:
+            gateway.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+            gateway.wait()
+        log.close()
