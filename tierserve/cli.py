@@ -13,10 +13,12 @@ COMMAND_MODULES = (
     "tierserve.bench.reproduce",
     "tierserve.bench.engine_bench",
     "tierserve.bench.serve_bench",
+    "tierserve.bench.gateway_bench",
     "tierserve.bench.sim_check",
     "tierserve.executors.sim.profile_cli",
     "tierserve.generate",
     "tierserve.server.cli",
+    "tierserve.gateway.cli",
 )
 
 

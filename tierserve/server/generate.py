@@ -22,6 +22,7 @@ from tierserve.server.formatting import DONE, ResponseFormatter, Usage, error_ev
 from tierserve.server.prepare import Prepared, check_model, prepare
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
+from tierserve.server.refusals import draining_error, overloaded, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.state import ServerState
 from tierserve.server.streams import Delta, RequestHandle
@@ -40,14 +41,7 @@ async def generate(
     metrics = state.metrics
     if state.draining:
         metrics.reject("draining", None)
-        raise ApiError(
-            503,
-            "The server is shutting down; retry on another replica.",
-            type="server_error",
-            code="draining",
-            headers={"Retry-After": "1"},
-            extra={"retry_after": 1.0},
-        )
+        raise draining_error()
     asked = http.headers
     tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
     check_model(state, body.model)
@@ -59,38 +53,13 @@ async def generate(
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
     if not rate.allowed:
         metrics.reject(f"rate_limit_{rate.reason}", tier)
-        if rate.reason == "unavailable":
-            raise ApiError(
-                503,
-                "Rate limiter unavailable (fail-closed).",
-                type="server_error",
-                code="ratelimit_unavailable",
-                headers=headers,
-                extra={"retry_after": rate.retry_after_s},
-            )
-        message = rate.message or f"Rate limit reached for tenant {tenant.name!r} ({rate.reason})."
-        raise ApiError(
-            429,
-            message,
-            type="tokens" if rate.reason != "requests" else "requests",
-            code="rate_limit_exceeded",
-            headers=headers,
-        )
+        raise rate_refusal(rate, tenant.name, headers)
     verdict = state.admission.check(tier, state.engine.queued_by_tier(), state.clock.now())
     if not verdict.admitted:
         metrics.reject(verdict.reason, tier)
         await state.limiter.settle(rate.reservation, 0)
-        retry = round(verdict.retry_after_s, 3)
-        headers["Retry-After"] = str(max(1, int(retry + 0.999)))
-        wait = "unknown" if verdict.estimated_wait_s is None else f"{verdict.estimated_wait_s:.2f} s"
-        raise ApiError(
-            503,
-            f"Tier {tier.name} is overloaded ({verdict.reason}; estimated wait {wait}).",
-            type="server_error",
-            code=verdict.reason,
-            headers=headers,
-            extra={"retry_after": retry, "current_queue_depth": verdict.queue_depth},
-        )
+        wait = verdict.estimated_wait_s
+        raise overloaded(tier, verdict.reason, verdict.retry_after_s, verdict.queue_depth, wait, headers)
     request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
     req = Request(
         request_id,

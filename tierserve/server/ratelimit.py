@@ -5,17 +5,26 @@ buckets with the real count when it ends. When a Redis backend is configured and
 unreachable, the limiter falls back by rule: fail-open keeps serving on in-process
 buckets, fail-closed refuses; it retries Redis after `REDIS_RETRY_S`. Both are visible
 through `redis_up` and `num_fallbacks` (exported as metrics).
+
+Several processes sharing one Redis (gateways) add per-tier buckets (`tier_limits`), a
+fail rule per tier (`fail_open_tiers`), and `local_share` = 1/N: on fallback each of the
+N processes limits on buckets of 1/N of the configured rate and burst, so the fleet as a
+whole stays near the limit instead of admitting N times it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from tierserve.server.buckets import Bucket, BucketBackend, LocalBuckets, TakeResult
 from tierserve.server.config import RateLimit, TenantConfig
+from tierserve.tiers import Tier
+
+log = logging.getLogger("tierserve.ratelimit")
 
 REDIS_RETRY_S = 1.0
 
@@ -69,8 +78,16 @@ class RateLimiter:
         remote: BucketBackend | None = None,
         fail_open: bool = True,
         now: Callable[[], float] = time.monotonic,
+        tier_limits: Mapping[Tier, RateLimit] | None = None,
+        fail_open_tiers: Mapping[Tier, bool] | None = None,
+        local_share: float = 1.0,
     ) -> None:
+        if not 0 < local_share <= 1:
+            raise ValueError(f"local_share must be in (0, 1], got {local_share}")
         self._global = _buckets("global", global_limit)
+        self._tiers = {t: _buckets(f"tier:{t.name}", lim) for t, lim in (tier_limits or {}).items()}
+        self._fail_open_tiers = dict(fail_open_tiers or {})
+        self._local_share = local_share
         self._local = LocalBuckets(now)
         self._remote = remote
         self._fail_open = fail_open
@@ -78,39 +95,59 @@ class RateLimiter:
         self._remote_down_until = -math.inf
         self._tenant_buckets: dict[str, tuple[Bucket | None, Bucket | None]] = {}
         self.num_fallbacks = 0  # operations served locally (or refused) because Redis failed
+        self.num_redis_errors = 0  # operations on Redis that failed
         self.redis_up: bool | None = None if remote is None else True
 
-    def _for_tenant(self, tenant: TenantConfig) -> tuple[list[Bucket], list[Bucket]]:
+    def _for_tenant(self, tenant: TenantConfig, tier: Tier | None) -> tuple[list[Bucket], list[Bucket]]:
         own = self._tenant_buckets.get(tenant.name)
         if own is None:
             own = _buckets(f"tenant:{tenant.name}", tenant.limit)
             if own != (None, None):  # an unlimited (e.g. ad-hoc) tenant leaves nothing behind
                 self._tenant_buckets[tenant.name] = own
-        requests = [b for b in (self._global[0], own[0]) if b is not None]
-        tokens = [b for b in (self._global[1], own[1]) if b is not None]
+        per_tier = self._tiers.get(tier, (None, None)) if tier is not None else (None, None)
+        requests = [b for b in (self._global[0], own[0], per_tier[0]) if b is not None]
+        tokens = [b for b in (self._global[1], own[1], per_tier[1]) if b is not None]
         return requests, tokens
 
+    def _mark_redis(self, up: bool) -> None:
+        if up and self.redis_up is False:
+            log.warning("rate-limit Redis is back: limits are global again")
+        elif not up:
+            self.num_redis_errors += 1
+            if self.redis_up is not False:
+                log.warning("rate-limit Redis unreachable: falling back by each tier's rule")
+            self._remote_down_until = self._now() + REDIS_RETRY_S
+        self.redis_up = up
+
     async def _run_take(
-        self, buckets: list[Bucket], costs: list[float]
-    ) -> tuple[TakeResult, BucketBackend] | None:
-        """Take on Redis when configured and up; None when it is down and the rule is fail-closed."""
+        self, buckets: list[Bucket], costs: list[float], tier: Tier | None
+    ) -> tuple[TakeResult, BucketBackend, Sequence[Bucket]] | None:
+        """Take on Redis when configured and up; None when it is down and the rule is fail-closed.
+        Also returns the buckets actually debited (on fallback: the local share of each)."""
         remote = self._remote
         if remote is not None and self._now() >= self._remote_down_until:
             try:
                 result = await remote.take(buckets, costs)
-                self.redis_up = True
-                return result, remote
+                self._mark_redis(True)
+                return result, remote, buckets
             except (TimeoutError, OSError, ConnectionError, _redis_error()):
-                self.redis_up = False
-                self._remote_down_until = self._now() + REDIS_RETRY_S
+                self._mark_redis(False)
         if remote is not None:
             self.num_fallbacks += 1
-            if not self._fail_open:
+            fail_open = self._fail_open if tier is None else self._fail_open_tiers.get(tier, self._fail_open)
+            if not fail_open:
                 return None
-        return self._local.take_now(buckets, costs), self._local
+            if self._local_share < 1:
+                share = self._local_share
+                buckets = [
+                    replace(b, rate_per_s=b.rate_per_s * share, capacity=max(1.0, b.capacity * share))
+                    for b in buckets
+                ]
+        return self._local.take_now(buckets, costs), self._local, buckets
 
-    async def acquire(self, tenant: TenantConfig, num_tokens: int) -> RateDecision:
-        requests, tokens = self._for_tenant(tenant)
+    async def acquire(self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None) -> RateDecision:
+        """`tier`: the tier the request runs at (its buckets and fail rule); None = no tier rules."""
+        requests, tokens = self._for_tenant(tenant, tier)
         if not requests and not tokens:
             return RateDecision(allowed=True, headers={})
         for bucket in tokens:
@@ -121,7 +158,7 @@ class RateLimiter:
                 return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
         buckets = requests + tokens
         costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
-        outcome = await self._run_take(buckets, costs)
+        outcome = await self._run_take(buckets, costs, tier)
         if outcome is None:
             return RateDecision(
                 allowed=False,
@@ -129,10 +166,10 @@ class RateLimiter:
                 retry_after_s=REDIS_RETRY_S,
                 reason="unavailable",
             )
-        result, backend = outcome
-        headers = _headers(buckets, result, len(requests))
+        result, backend, taken = outcome
+        headers = _headers(list(taken), result, len(requests))
         if result.allowed:
-            reservation = Reservation(backend, tuple(tokens), num_tokens) if tokens else None
+            reservation = Reservation(backend, tuple(taken[len(requests) :]), num_tokens) if tokens else None
             return RateDecision(allowed=True, headers=headers, reservation=reservation)
         wait = result.wait_s
         headers["Retry-After"] = str(max(1, math.ceil(wait)))
@@ -152,7 +189,7 @@ class RateLimiter:
                 await reservation.backend.give(bucket, delta)
             except (TimeoutError, OSError, ConnectionError, _redis_error()):
                 self.num_fallbacks += 1
-                self.redis_up = False
+                self._mark_redis(False)
 
 
 def _redis_error() -> type[Exception]:

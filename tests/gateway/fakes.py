@@ -1,0 +1,124 @@
+"""A fake vLLM-like upstream (in a thread) and an in-process gateway, for fault tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tierserve.gateway.app import create_gateway_app
+from tierserve.gateway.config import parse_gateway_config
+from tierserve.gateway.drain import DrainingGateway
+from tierserve.gateway.state import GatewayState, build_gateway_state
+from tierserve.server.embedded import loopback_socket
+
+FAKE_MODEL = "fake"
+METRICS = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.1\n"
+
+
+def _event(i: int, last: bool) -> bytes:
+    chunk = {
+        "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": "length" if last else None}]
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+@dataclass
+class FakeUpstream:
+    """mode: "ok", "fail" (500 before any byte) or "break" (two events, then the connection drops)."""
+
+    mode: str = "ok"
+    num_events: int = 4
+    event_gap_s: float = 0.0
+    bodies: list[dict[str, object]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        if self.mode == "fail":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if not body.get("stream"):
+            usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+            return JSONResponse({"choices": [{"message": {"content": "ok"}}], "usage": usage})
+        return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        for i in range(self.num_events):
+            if self.mode == "break" and i == 2:
+                raise ConnectionError("the upstream died mid-stream")
+            yield _event(i, i == self.num_events - 1)
+            await asyncio.sleep(self.event_gap_s)
+        yield b"data: [DONE]\n\n"
+
+    def app(self) -> Starlette:
+        async def metrics(_: Request) -> Response:
+            return PlainTextResponse(METRICS)
+
+        async def models(_: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+
+        return Starlette(
+            routes=[
+                Route("/metrics", metrics),
+                Route("/v1/models", models),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            ]
+        )
+
+
+@dataclass
+class Running:
+    url: str
+    server: uvicorn.Server
+
+
+@contextmanager
+def serve_thread(server_factory: type[uvicorn.Server] | None, app: object, **kw: object) -> Iterator[Running]:
+    sock = loopback_socket()
+    config = uvicorn.Config(app, log_level="critical", access_log=False, lifespan="on")  # type: ignore[arg-type]
+    server = server_factory(config, **kw) if server_factory else uvicorn.Server(config)  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    try:
+        yield Running(f"http://127.0.0.1:{sock.getsockname()[1]}", server)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@contextmanager
+def fake_upstream(fake: FakeUpstream) -> Iterator[str]:
+    with serve_thread(None, fake.app()) as running:
+        yield running.url
+
+
+@contextmanager
+def gateway(upstream_urls: list[str], extra: str = "") -> Iterator[tuple[Running, GatewayState]]:
+    import tomllib
+
+    ups = "".join(
+        f'\n[[upstreams]]\nname = "f{i}"\nkind = "vllm"\nurl = "{u}"\n' for i, u in enumerate(upstream_urls)
+    )
+    config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{extra}\n{ups}"))
+    gw = build_gateway_state(config)
+    with serve_thread(DrainingGateway, create_gateway_app(gw), gw=gw, drain_timeout_s=10.0) as running:
+        yield running, gw

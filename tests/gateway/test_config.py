@@ -1,0 +1,52 @@
+"""The gateway's config: the server's sections plus [gateway] and [[upstreams]]."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierserve.config import ConfigError
+from tierserve.gateway.config import fail_open_by_tier, load_gateway_config, parse_gateway_config
+from tierserve.tiers import Tier
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+UP = {"kind": "vllm", "url": "http://127.0.0.1:8000"}
+
+
+def test_the_example_config_loads_with_every_kind_and_per_tier_rules() -> None:
+    c = load_gateway_config(DEPLOY / "gateway.example.toml")
+    assert {u.kind for u in c.upstreams} == {"vllm", "sglang", "tierserve", "openai"}
+    assert c.gateway.instances == 2
+    assert fail_open_by_tier(c) == {Tier.P0: True, Tier.P1: True, Tier.P2: False, Tier.P3: False}
+    assert c.serve.tenants["data-pipeline"].max_tier == Tier.P2
+
+
+def test_unset_tiers_follow_the_servers_fail_mode() -> None:
+    c = parse_gateway_config({
+        "server": {"ratelimit": {"fail_mode": "closed"}},
+        "gateway": {"redis_fail": {"P0": "open"}},
+        "upstreams": [UP],
+    })  # fmt: skip
+    assert fail_open_by_tier(c) == {Tier.P0: True, Tier.P1: False, Tier.P2: False, Tier.P3: False}
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"upstreams": []}, "upstreams"),
+        ({"upstreams": [{**UP, "kind": "tgi"}]}, "upstreams[0].kind"),
+        ({"upstreams": [{**UP, "url": "localhost:8000"}]}, "upstreams[0].url"),
+        ({"upstreams": [{**UP, "name": "a"}, {**UP, "name": "a"}]}, "upstreams[1].name"),
+        ({"upstreams": [UP], "gateway": {"instances": 0}}, "gateway.instances"),
+        ({"upstreams": [UP], "gateway": {"redis_fail": {"P9": "open"}}}, "gateway.redis_fail.P9"),
+        ({"upstreams": [UP], "gateway": {"redis_fail": {"P1": "maybe"}}}, "gateway.redis_fail.P1"),
+        ({"upstreams": [UP], "gateway": {"policy": "lottery"}}, "gateway.policy"),
+        ({"upstreams": [UP], "gateway": {"colour": 1}}, "gateway.colour"),
+        ({"upstreams": [UP], "tenants": {"a": {"max_tier": "P7"}}}, "tenants.a.max_tier"),
+    ],
+)
+def test_a_bad_value_names_its_field(raw: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_gateway_config(raw)

@@ -1,0 +1,81 @@
+"""Faults between the gateway and its upstreams, and SIGTERM, against fake upstreams."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+
+from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
+
+CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_an_upstream_failing_before_the_first_byte_is_retried_on_another() -> None:
+    bad, good = FakeUpstream("fail"), FakeUpstream("ok")
+    with (
+        fake_upstream(bad) as bad_url,
+        fake_upstream(good) as good_url,
+        gateway([bad_url, good_url]) as (gw, _),
+    ):
+        for i in range(8):
+            body = {**CHAT, "messages": [{"role": "user", "content": f"prefix {i}"}], "stream": i % 2 == 0}
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+        metrics = httpx.get(gw.url + "/metrics").text
+    assert len(good.bodies) == 8 and len(bad.bodies) > 0
+    assert f'tierserve_gateway_retries_total{{upstream="f0"}} {float(len(bad.bodies))}' in metrics
+
+
+def test_a_stream_broken_midway_ends_with_an_error_event_the_client_sees() -> None:
+    with (
+        fake_upstream(FakeUpstream("break")) as url,
+        gateway([url]) as (gw, _),
+        httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r,
+    ):
+        assert r.status_code == 200
+        text = r.read().decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert '"t0"' in events[0] and '"t1"' in events[1]
+    assert '"code": "upstream_failed"' in events[-2] and events[-1] == "data: [DONE]"
+
+
+def test_the_tier_reaches_a_vllm_upstream_and_the_usage_event_it_was_asked_for_is_dropped() -> None:
+    fake = FakeUpstream("ok")
+    with fake_upstream(fake) as url, gateway([url]) as (gw, _):
+        headers = {"x-request-tier": "batch"}
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers=headers
+        ) as r:
+            text = r.read().decode()
+    sent = fake.bodies[0]
+    assert sent["priority"] == 2 and sent["vllm_xargs"] == {"tier": "P2", "tenant": "default"}
+    assert sent["stream_options"] == {"include_usage": True}
+    assert text.endswith("data: [DONE]\n\n") and '"usage"' not in text
+
+
+def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests() -> None:
+    slow = FakeUpstream("ok", num_events=10, event_gap_s=0.1)
+    with fake_upstream(slow) as url, gateway([url]) as (gw, state):
+        result: dict[str, str] = {}
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+            ) as r:
+                result["text"] = r.read().decode()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while state.num_in_flight == 0:
+            threading.Event().wait(0.01)
+        gw.server.handle_exit(signal.SIGTERM, None)
+        while not state.draining:
+            threading.Event().wait(0.01)
+        refused = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        ready = httpx.get(gw.url + "/ready")
+        t.join(30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    assert ready.status_code == 503
+    assert result["text"].count('"delta"') == 10 and result["text"].endswith("data: [DONE]\n\n")

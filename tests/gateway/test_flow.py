@@ -1,0 +1,99 @@
+"""Flow control on a virtual clock: the policy's order, caps, waits and retry_after."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierserve.clock import VirtualClock
+from tierserve.config import DEFAULT_TIERS, EngineConfig, TierConfig
+from tierserve.gateway.flow import DEFAULT_RETRY_S, FlowControl, Refusal
+from tierserve.request import Request
+from tierserve.tiers import ALL_TIERS, Tier
+
+CAPS = {Tier.P0: 4, Tier.P1: 4, Tier.P2: 4, Tier.P3: 4}
+WAITS = {Tier.P0: 1.0, Tier.P1: 5.0, Tier.P2: 30.0, Tier.P3: 60.0}
+
+
+def _flow(policy: str = "hybrid", config: EngineConfig | None = None) -> tuple[FlowControl, VirtualClock]:
+    clock = VirtualClock()
+    return FlowControl(config or EngineConfig(), policy, CAPS, WAITS, clock), clock
+
+
+def _ticket(flow: FlowControl, tier: Tier, tenant: str = "t") -> Request:
+    t = flow.offer(tier, tenant)
+    assert isinstance(t, Request)
+    return t
+
+
+def _drain(flow: FlowControl) -> list[Request]:
+    out = []
+    while (t := flow.release()) is not None:
+        out.append(t)
+    return out
+
+
+def test_hybrid_releases_p0_first_then_the_fair_tiers() -> None:
+    flow, clock = _flow()
+    order = [Tier.P3, Tier.P2, Tier.P1, Tier.P0, Tier.P2, Tier.P0]
+    for tier in order:
+        _ticket(flow, tier)
+        clock.elapse(0.01)
+    released = [t.tier for t in _drain(flow)]
+    assert released[:2] == [Tier.P0, Tier.P0]
+    assert released.index(Tier.P3) > released.index(Tier.P1)  # best effort: not while a P1 waits
+    assert sorted(released) == sorted(order)
+
+
+def test_aging_lets_an_old_p2_out_ahead_of_a_newer_p1() -> None:
+    tiers = dict(DEFAULT_TIERS)
+    tiers[Tier.P2] = TierConfig(**{**DEFAULT_TIERS[Tier.P2].__dict__, "aging_s": 2.0})
+    flow, clock = _flow(config=EngineConfig(tiers=tiers))
+    old = _ticket(flow, Tier.P2)
+    clock.elapse(3.0)
+    for _ in range(3):
+        _ticket(flow, Tier.P1)
+    assert flow.release() is old
+
+
+def test_a_full_tier_is_refused_with_retry_after_from_the_drain_rate() -> None:
+    flow, clock = _flow()
+    for _ in range(CAPS[Tier.P1]):
+        _ticket(flow, Tier.P1)
+    refused = flow.offer(Tier.P1, "t")
+    assert isinstance(refused, Refusal) and refused.retry_after_s == DEFAULT_RETRY_S  # no rate known yet
+    assert isinstance(flow.offer(Tier.P2, "t"), Request)  # other tiers have their own cap
+    for _ in range(20):  # the fleet finishes 10 requests a second
+        clock.elapse(0.1)
+        flow.drained()
+    refused = flow.offer(Tier.P1, "t")
+    assert isinstance(refused, Refusal)
+    # 4 P1 waiting (the P2 is not ahead of a P1) + this one, at ~10/s
+    assert refused.retry_after_s == pytest.approx(0.5, rel=0.1)
+
+
+def test_requests_past_their_tiers_wait_are_expired_and_cancel_removes() -> None:
+    flow, clock = _flow()
+    p0 = _ticket(flow, Tier.P0)
+    p1 = _ticket(flow, Tier.P1)
+    gone = _ticket(flow, Tier.P2)
+    flow.cancel(gone)
+    clock.elapse(2.0)
+    assert flow.expire() == [p0]
+    assert flow.depth(Tier.P0) == 0 and flow.depth(Tier.P1) == 1
+    clock.elapse(4.0)
+    assert flow.expire() == [p1]
+    assert len(flow) == 0 and flow.release() is None
+
+
+def test_peek_and_release_at_the_same_time_agree_for_every_policy() -> None:
+    from tierserve.scheduling import POLICIES
+
+    for name in POLICIES:
+        flow, clock = _flow(name)
+        for i, tier in enumerate(ALL_TIERS * 2):
+            _ticket(flow, tier, tenant=f"t{i % 3}")
+            clock.elapse(0.5)
+        while len(flow):
+            now = clock.now()
+            head = flow.peek(now)
+            assert flow.release(now) is head

@@ -1,0 +1,100 @@
+"""The router on a virtual clock: saturation, least load, prefix affinity, P0, ejection."""
+
+from __future__ import annotations
+
+from tierserve.clock import VirtualClock
+from tierserve.gateway.config import GatewaySettings, UpstreamConfig
+from tierserve.gateway.router import Router
+from tierserve.gateway.saturation import LoadSample
+from tierserve.tiers import Tier
+
+M = "m"
+
+
+def _router(n: int = 3, **settings: object) -> tuple[Router, VirtualClock]:
+    clock = VirtualClock(100.0)
+    ups = [UpstreamConfig(f"u{i}", "vllm", f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+    router = Router(ups, GatewaySettings(**settings), clock)  # type: ignore[arg-type]
+    for u in ups:
+        router.record_success(u.name, frozenset({M}))
+        router.record_sample(u.name, LoadSample(0, 0, 0.0, clock.now()))
+    return router, clock
+
+
+def _load(
+    router: Router, clock: VirtualClock, name: str, waiting: float, running: float, kv: float = 0.1
+) -> None:
+    router.record_sample(name, LoadSample(waiting, running, kv, clock.now()))
+
+
+def test_least_loaded_wins_when_the_preferred_replica_is_over_the_bound() -> None:
+    router, clock = _router(affinity_load_bound=1.5)
+    for name in ("u0", "u1", "u2"):
+        _load(router, clock, name, 0, 10)
+    _load(router, clock, "u1", 0, 1)
+    picks = {router.route(Tier.P1, f"prompt {i}", M).upstream for i in range(40)}  # type: ignore[union-attr]
+    assert picks == {"u1"}
+
+
+def test_one_prefix_sticks_to_one_replica_and_different_prefixes_spread() -> None:
+    router, _ = _router()
+    same = {router.route(Tier.P1, "system: you are helpful", M).upstream for _ in range(10)}  # type: ignore[union-attr]
+    assert len(same) == 1
+    spread = {router.route(Tier.P1, f"prefix {i}", M).upstream for i in range(60)}  # type: ignore[union-attr]
+    assert spread == {"u0", "u1", "u2"}
+    decision = router.route(Tier.P1, "system: you are helpful", M)
+    assert decision is not None and decision.reason == "affinity"
+
+
+def test_a_replica_whose_metrics_are_stale_is_saturated() -> None:
+    router, clock = _router(stale_after_s=2.0)
+    clock.elapse(1.0)
+    _load(router, clock, "u0", 0, 0)
+    clock.elapse(1.5)  # u1, u2: 2.5 s old; u0: 1.5 s
+    assert [s.name for s in router.states if not router.saturated(s)] == ["u0"]
+    assert {router.route(Tier.P1, f"p{i}", M).upstream for i in range(20)} == {"u0"}  # type: ignore[union-attr]
+    clock.elapse(1.0)
+    assert router.route(Tier.P1, "p", M) is None
+    assert router.all_saturated(M)
+
+
+def test_waiting_queue_and_kv_usage_saturate_and_requests_sent_since_the_scrape_count() -> None:
+    router, clock = _router(max_waiting=3, max_kv_usage=0.9)
+    _load(router, clock, "u0", 3, 0)
+    _load(router, clock, "u1", 0, 0, kv=0.95)
+    _load(router, clock, "u2", 1, 0)
+    assert [router.saturated(s) for s in router.states] == [True, True, False]
+    router.started("u2")
+    router.started("u2")  # 1 waiting + 2 sent since the scrape
+    assert router.saturated(router.state("u2"))
+    assert router.route(Tier.P1, "p", M) is None
+    router.finished("u2")
+    assert not router.saturated(router.state("u2"))
+
+
+def test_p0_goes_where_it_starts_soonest_not_where_its_prefix_lives() -> None:
+    router, clock = _router()
+    for name, waiting, kv in (("u0", 2, 0.2), ("u1", 0, 0.7), ("u2", 0, 0.3)):
+        _load(router, clock, name, waiting, 5, kv)
+    for i in range(20):
+        decision = router.route(Tier.P0, f"p{i}", M)
+        assert decision is not None and (decision.upstream, decision.reason) == ("u2", "p0_soonest")
+    assert {router.route(Tier.P2, f"p{i}", M).reason for i in range(20)} <= {"affinity", "least_loaded"}  # type: ignore[union-attr]
+
+
+def test_failures_eject_and_a_passed_check_readmits() -> None:
+    router, _ = _router(eject_after_failures=2)
+    assert not router.record_failure("u0")
+    assert router.record_failure("u0")
+    assert [s.name for s in router.candidates(M)] == ["u1", "u2"]
+    assert all(router.route(Tier.P1, f"p{i}", M).upstream != "u0" for i in range(30))  # type: ignore[union-attr]
+    assert router.record_success("u0")
+    assert [s.name for s in router.candidates(M)] == ["u0", "u1", "u2"]
+    assert router.record_failure("u1", eject_now=True)
+
+
+def test_excluded_and_other_model_replicas_are_not_candidates() -> None:
+    router, _ = _router()
+    router.record_success("u2", frozenset({"other"}))
+    assert [s.name for s in router.candidates(M, exclude=["u0"])] == ["u1"]
+    assert router.route(Tier.P1, "p", M, exclude=["u0", "u1"]) is None

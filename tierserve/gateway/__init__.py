@@ -1,0 +1,1 @@
+"""`tierserve gateway`: tiers, tenants, global limits and tier-aware routing in front of replicas."""

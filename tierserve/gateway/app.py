@@ -1,0 +1,106 @@
+"""The gateway's FastAPI application: the OpenAI-compatible routes of `tierserve serve`,
+forwarded to upstream replicas, plus health, readiness and metrics.
+
+Errors leave in OpenAI's envelope, through the server's own handlers and body limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+
+from tierserve import __version__
+from tierserve.gateway.forward import forward
+from tierserve.gateway.poller import UpstreamPoller
+from tierserve.gateway.state import GatewayState
+from tierserve.server.body_limit import BodyLimitMiddleware
+from tierserve.server.errors import ApiError, http_error
+
+log = logging.getLogger("tierserve.gateway")
+
+
+def create_gateway_app(gw: GatewayState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        poller = UpstreamPoller(gw)
+        await poller.poll_once()  # know the upstreams before the first request
+        task = asyncio.get_running_loop().create_task(poller.run())
+        healthy = [s.name for s in gw.router.states if s.healthy]
+        log.info("tierserve gateway ready: %d/%d upstreams healthy", len(healthy), len(gw.router.states))
+        try:
+            yield
+        finally:
+            gw.draining = True
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await gw.client.aclose()
+            if gw.remote_buckets is not None:
+                await gw.remote_buckets.close()
+
+    app = FastAPI(title="tierserve gateway", version=__version__, lifespan=lifespan)
+    app.state.gateway = gw
+    app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: HttpRequest, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def starlette_error(_: HttpRequest, exc: HTTPException) -> Response:
+        return http_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: HttpRequest, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return ApiError(500, "Internal server error.", type="server_error").response()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await forward(gw, http, chat=True)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(http: HttpRequest) -> Response:
+        return await forward(gw, http, chat=False)
+
+    @app.get("/v1/models")
+    async def models(http: HttpRequest) -> dict[str, Any]:
+        gw.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        served: dict[str, list[str]] = {}
+        for s in gw.router.states:
+            if s.healthy:
+                for m in s.models:
+                    served.setdefault(m, []).append(s.name)
+        data = [
+            {"id": m, "object": "model", "owned_by": "tierserve-gateway", "upstreams": sorted(ups)}
+            for m, ups in sorted(served.items())
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if gw.draining:
+            return JSONResponse({"status": "not ready", "reason": "draining"}, status_code=503)
+        if not any(s.healthy for s in gw.router.states):
+            return JSONResponse({"status": "not ready", "reason": "no healthy upstream"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

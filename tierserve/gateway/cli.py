@@ -1,0 +1,54 @@
+"""`tierserve gateway`: the OpenAI-compatible API in front of many engine replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "gateway",
+        help="serve the OpenAI-compatible API in front of upstream replicas (vLLM, SGLang, tierserve)",
+        description="Tiers, tenants, global limits in Redis, flow control and tier-aware routing "
+        "in front of the [[upstreams]] listed in the config.",
+    )
+    p.add_argument("--config", required=True, help="TOML: [gateway], [[upstreams]] and the server's sections")
+    p.add_argument("--host", default=None, help="bind address (default: [server].host)")
+    p.add_argument("--port", type=int, default=None, help="port (default: [server].port)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tierserve.config import ConfigError
+    from tierserve.gateway.app import create_gateway_app
+    from tierserve.gateway.config import load_gateway_config
+    from tierserve.gateway.drain import DrainingGateway
+    from tierserve.gateway.state import build_gateway_state
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
+    try:
+        config = load_gateway_config(args.config)
+    except ConfigError as e:
+        print(f"tierserve gateway: {e}", file=sys.stderr)
+        return 2
+    server = config.serve.server
+    gw = build_gateway_state(config)
+    app = create_gateway_app(gw)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host or server.host,
+        port=server.port if args.port is None else args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    DrainingGateway(uv_config, gw, server.drain_timeout_s).run()
+    return 0

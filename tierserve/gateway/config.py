@@ -1,0 +1,160 @@
+"""The gateway's config: the server's sections plus `[gateway]` and `[[upstreams]]`.
+
+The front half (`[server]`, `[limits]`, `[tenants.*]`, `[tiers.*]`) is parsed by
+`parse_serve_config`, exactly as for `tierserve serve`. This module reads the rest:
+the upstream replicas, saturation thresholds, flow-control caps, the Redis fail rule of
+each tier and the number of gateways sharing the limits. Errors name the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from tierserve.config import ConfigError, load_raw
+from tierserve.server.config import (
+    RateLimit,
+    ServeConfig,
+    _number,
+    _rate_limit,
+    _reject_unknown,
+    _string,
+    _table,
+    _tier,
+    parse_serve_config,
+)
+from tierserve.tiers import ALL_TIERS, Tier
+
+UPSTREAM_KINDS = ("vllm", "sglang", "tierserve", "openai")
+DEFAULT_MAX_WAIT_S: dict[Tier, float] = {Tier.P0: 2.0, Tier.P1: 10.0, Tier.P2: 60.0, Tier.P3: 120.0}
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    name: str
+    kind: str  # one of UPSTREAM_KINDS
+    url: str  # base URL, without /v1
+    max_in_flight: int = 0  # this gateway's requests in flight to it that saturate it; 0 = no cap
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    instances: int = 1  # gateways sharing the limits: on Redis loss each keeps 1/instances of them
+    policy: str = "hybrid"  # order of the tier queues (a tierserve scheduling policy)
+    redis_fail_open: Mapping[Tier, bool] = field(default_factory=dict)  # per tier; unset = [server.ratelimit]
+    tier_limits: Mapping[Tier, RateLimit] = field(default_factory=dict)
+    max_wait_s: Mapping[Tier, float] = field(default_factory=lambda: dict(DEFAULT_MAX_WAIT_S))
+    max_waiting: int = 4  # scraped waiting requests at which an upstream counts as saturated
+    max_kv_usage: float = 0.95  # scraped KV-cache usage (0..1) at which it counts as saturated
+    scrape_interval_s: float = 0.5
+    stale_after_s: float = 3.0  # metrics older than this: saturated
+    eject_after_failures: int = 2  # consecutive failed checks (or a failed connect) eject an upstream
+    prefix_chars: int = 512  # prompt characters hashed for prefix affinity
+    affinity_load_bound: float = 1.5  # the preferred replica is used while its load <= bound x (least + 1)
+    sglang_preemption_threshold: int = 10  # SGLang tiers are spaced one more than this apart
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3  # upstreams tried for one request before its first byte
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    serve: ServeConfig
+    gateway: GatewaySettings
+    upstreams: tuple[UpstreamConfig, ...]
+
+
+def _upstream(i: int, raw: Mapping[str, Any], names: set[str]) -> UpstreamConfig:
+    path = f"upstreams[{i}]"
+    _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight"))
+    url = _string(f"{path}.url", raw.get("url")).rstrip("/")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"{path}.url: expected http(s)://host:port, got {url!r}")
+    name = _string(f"{path}.name", raw.get("name", parsed.netloc))
+    if name in names:
+        raise ConfigError(f"{path}.name: {name!r} is used twice")
+    names.add(name)
+    return UpstreamConfig(
+        name=name,
+        kind=_string(f"{path}.kind", raw.get("kind"), UPSTREAM_KINDS),
+        url=url,
+        max_in_flight=int(
+            _number(f"{path}.max_in_flight", raw.get("max_in_flight", 0), minimum=0, integer=True)
+        ),
+    )
+
+
+def _per_tier(raw: Mapping[str, Any], key: str) -> dict[Tier, Any]:
+    """`[gateway.<key>]`: a value per tier name."""
+    table = _table(f"gateway.{key}", raw.get(key, {}))
+    return {_tier(f"gateway.{key}.{name}", name): value for name, value in table.items()}
+
+
+def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
+    base = GatewaySettings()
+    numbers = {
+        "instances": (1, True, False),
+        "max_waiting": (1, True, False),
+        "max_kv_usage": (0.0, False, True),
+        "scrape_interval_s": (0.0, False, True),
+        "stale_after_s": (0.0, False, True),
+        "eject_after_failures": (1, True, False),
+        "prefix_chars": (1, True, False),
+        "affinity_load_bound": (1.0, False, False),
+        "sglang_preemption_threshold": (0, True, False),
+        "connect_timeout_s": (0.0, False, True),
+        "max_attempts": (1, True, False),
+    }
+    _reject_unknown("gateway", raw, (*numbers, "policy", "redis_fail", "tier_limits", "max_wait_s"))
+    values: dict[str, Any] = {}
+    for key, (minimum, integer, strict) in numbers.items():
+        v = _number(
+            f"gateway.{key}",
+            raw.get(key, getattr(base, key)),
+            minimum=minimum,
+            integer=integer,
+            strict=strict,
+        )
+        values[key] = int(v) if integer else v
+    fail = {
+        t: _string(f"gateway.redis_fail.{t.name}", v, ("open", "closed")) == "open"
+        for t, v in _per_tier(raw, "redis_fail").items()
+    }
+    limits = {
+        t: _rate_limit(f"gateway.tier_limits.{t.name}", _table(f"gateway.tier_limits.{t.name}", v))
+        for t, v in _per_tier(raw, "tier_limits").items()
+    }
+    waits = dict(DEFAULT_MAX_WAIT_S)
+    for t, v in _per_tier(raw, "max_wait_s").items():
+        waits[t] = _number(f"gateway.max_wait_s.{t.name}", v, minimum=0.0)
+    from tierserve.scheduling import POLICIES
+
+    policy = _string("gateway.policy", raw.get("policy", base.policy), tuple(POLICIES))
+    return GatewaySettings(
+        policy=policy, redis_fail_open=fail, tier_limits=limits, max_wait_s=waits, **values
+    )
+
+
+def parse_gateway_config(raw: Mapping[str, Any], source: str | None = None) -> GatewayConfig:
+    rest = {k: v for k, v in raw.items() if k not in ("gateway", "upstreams")}
+    serve = parse_serve_config(rest, source=source)
+    settings = _settings(_table("gateway", raw.get("gateway", {})))
+    ups = raw.get("upstreams", [])
+    if not isinstance(ups, list) or not ups:
+        raise ConfigError("upstreams: expected at least one [[upstreams]] table")
+    names: set[str] = set()
+    upstreams = tuple(_upstream(i, _table(f"upstreams[{i}]", u), names) for i, u in enumerate(ups))
+    return GatewayConfig(serve=serve, gateway=settings, upstreams=upstreams)
+
+
+def load_gateway_config(path: str | Path) -> GatewayConfig:
+    return parse_gateway_config(load_raw(path), source=str(path))
+
+
+def fail_open_by_tier(config: GatewayConfig) -> dict[Tier, bool]:
+    """Each tier's Redis rule: its own `[gateway.redis_fail]` entry, else `[server.ratelimit] fail_mode`."""
+    default = config.serve.server.ratelimit.fail_mode == "open"
+    return {t: config.gateway.redis_fail_open.get(t, default) for t in ALL_TIERS}

@@ -1,0 +1,112 @@
+"""Flow control: while every upstream is saturated, requests wait here in tier queues.
+
+The queues are a tierserve scheduling policy (hybrid by default, with its aging and
+SLO rescue), so the gateway releases requests in the order the engine would admit them.
+Each tier has a cap on its queue length and on the time a request may wait. A request
+refused because its tier's queue is full gets a `retry_after` of the queue ahead of it
+divided by the measured drain rate (requests the fleet finished per second recently).
+
+Plain state on an injected clock, no I/O: the gateway's dispatcher calls `offer`,
+`release` and `expire`; a fleet simulation can call the same in virtual time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tierserve.clock import Clock
+from tierserve.config import EngineConfig
+from tierserve.request import Request, SamplingParams
+from tierserve.scheduling import Policy, create_policy
+from tierserve.server.admission import ThroughputMeter
+from tierserve.tiers import ALL_TIERS, Tier
+
+DEFAULT_RETRY_S = 1.0  # while the drain rate is not known yet
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    tier: Tier
+    queue_depth: int
+    retry_after_s: float
+
+
+class FlowControl:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        policy: str,
+        queue_caps: Mapping[Tier, int],
+        max_wait_s: Mapping[Tier, float],
+        clock: Clock,
+        drain_meter: ThroughputMeter | None = None,
+    ) -> None:
+        self._policy: Policy = create_policy(policy, engine_config)
+        self._caps = {t: queue_caps[t] for t in ALL_TIERS}
+        self._max_wait = {t: max_wait_s[t] for t in ALL_TIERS}
+        self._clock = clock
+        self._meter = drain_meter or ThroughputMeter()
+        self._ids = itertools.count()
+
+    def depth(self, tier: Tier | None = None) -> int:
+        return self._policy.num_waiting(tier)
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    def drained(self, count: int = 1) -> None:
+        """Requests left the fleet (finished): the drain rate `retry_after` is computed from."""
+        self._meter.record(self._clock.now(), count)
+
+    def retry_after(self, tier: Tier) -> float:
+        """Seconds until the queue ahead of a new request of `tier` has drained at the recent rate."""
+        rate = self._meter.rate(self._clock.now())
+        if rate is None or rate <= 0:
+            return DEFAULT_RETRY_S
+        ahead = sum(self._policy.num_waiting(t) for t in ALL_TIERS if t <= tier)
+        return max(0.001, (ahead + 1) / rate)
+
+    def offer(
+        self, tier: Tier, tenant: str, *, num_tokens: int = 1, tenant_weight: float = 1.0
+    ) -> Request | Refusal:
+        """Queue a request; its ticket (a `Request` carrying tier, tenant and arrival) or a refusal."""
+        if self._policy.num_waiting(tier) >= self._caps[tier]:
+            return Refusal(tier, self._policy.num_waiting(tier), self.retry_after(tier))
+        ticket = Request(
+            f"gw-{next(self._ids)}",
+            [0],
+            SamplingParams(max_tokens=max(1, num_tokens)),
+            tier=tier,
+            tenant=tenant,
+            arrival_time=self._clock.now(),
+            tenant_weight=tenant_weight,
+        )
+        self._policy.add(ticket, ticket.arrival_time)
+        return ticket
+
+    def peek(self, now: float | None = None) -> Request | None:
+        """The ticket `release` at the same `now` hands out (aging is applied here)."""
+        return self._policy.peek(self._clock.now() if now is None else now)
+
+    def release(self, now: float | None = None) -> Request | None:
+        """Take the next ticket out, in the policy's order, for an upstream that has room."""
+        if not len(self._policy):
+            return None
+        return self._policy.pop(self._clock.now() if now is None else now)
+
+    def cancel(self, ticket: Request) -> None:
+        """Take a ticket out whose client went away."""
+        self._policy.remove(ticket)
+
+    def expire(self) -> list[Request]:
+        """Take out and return the tickets that have waited longer than their tier allows."""
+        now = self._clock.now()
+        late = [t for t in self._policy if now - t.arrival_time > self._max_wait[t.tier]]
+        for ticket in late:
+            self._policy.remove(ticket)
+        return late
+
+    def waited(self, ticket: Request) -> float:
+        return self._clock.now() - ticket.arrival_time

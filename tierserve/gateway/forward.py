@@ -1,0 +1,274 @@
+"""One generation request through the gateway, from the HTTP body to the last byte.
+
+Order of checks, as in `tierserve serve`: draining (503) -> tenant (401) -> body (400) ->
+model (404) -> tier -> rate limits (429, or 503 when Redis is down and the tier fails
+closed) -> flow control (503) -> upstream. An upstream that fails before the first byte
+of its reply (connect error, 5xx, a stream cut before any data) is left for another
+one, up to `max_attempts`; once bytes have reached the client a broken stream ends with
+an error event. Reserved tokens are settled with the upstream's reported usage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from tierserve.gateway.priority import pass_down
+from tierserve.gateway.prompt import estimate_prompt_tokens, prefix_key
+from tierserve.gateway.router import RouteDecision
+from tierserve.gateway.state import GatewayState
+from tierserve.gateway.usage import SseUsageTap, TokenUsage, usage_of
+from tierserve.server.config import TenantConfig
+from tierserve.server.errors import ApiError, invalid_body
+from tierserve.server.formatting import DONE, error_event
+from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.ratelimit import Reservation
+from tierserve.server.refusals import draining_error, rate_refusal
+from tierserve.server.sse import SSEResponse
+from tierserve.server.tenants import decide_tier, parse_declared_tier
+from tierserve.tiers import Tier
+
+log = logging.getLogger("tierserve.gateway")
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+
+@dataclass
+class _Call:
+    """What one request carries through its attempts."""
+
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    tier: Tier
+    tenant: TenantConfig
+    reservation: Reservation | None
+    headers: dict[str, str]
+
+
+async def _read_body(
+    http: HttpRequest, chat: bool
+) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
+    try:
+        raw = json.loads(await http.body())
+    except ValueError as e:
+        raise ApiError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return raw, model.model_validate(raw)
+    except ValidationError as e:
+        raise invalid_body(e.errors()) from None
+
+
+def _check_model(gw: GatewayState, model: str) -> None:
+    known = {m for s in gw.router.states if s.healthy for m in s.models}
+    if known and model not in known and not any(s.healthy and not s.models for s in gw.router.states):
+        raise ApiError(
+            404,
+            f"The model {model!r} does not exist (served here: {', '.join(sorted(known))}).",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def forward(gw: GatewayState, http: HttpRequest, chat: bool) -> Response:
+    if gw.draining:
+        gw.metrics.reject("draining", None)
+        raise draining_error()
+    asked = http.headers
+    tenant = gw.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+    raw, body = await _read_body(http, chat)
+    _check_model(gw, body.model)
+    tier = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority)).effective
+    max_tokens = body.requested_max_tokens()[0] or gw.config.serve.server.default_max_tokens
+    num_reserved = estimate_prompt_tokens(raw) + max_tokens
+    rate = await gw.limiter.acquire(tenant, num_reserved, tier)
+    headers = {"x-tierserve-tier": tier.name, **rate.headers}
+    if not rate.allowed:
+        gw.metrics.reject(f"rate_limit_{rate.reason}", tier)
+        raise rate_refusal(rate, tenant.name, headers)
+    call = _Call(
+        "/v1/chat/completions" if chat else "/v1/completions",
+        raw,
+        bool(body.stream),
+        tier,
+        tenant,
+        rate.reservation,
+        headers,
+    )
+    gw.num_in_flight += 1
+    try:
+        response = await _attempts(gw, call)
+    except BaseException:
+        gw.num_in_flight -= 1
+        gw.spawn(gw.limiter.settle(call.reservation, 0))
+        raise
+    if not isinstance(response, SSEResponse):
+        gw.num_in_flight -= 1
+    return response
+
+
+async def _attempts(gw: GatewayState, call: _Call) -> Response:
+    settings = gw.config.gateway
+    prefix = prefix_key(call.body, settings.prefix_chars)
+    tried: list[str] = []
+    last_error = "no upstream tried"
+    for _ in range(settings.max_attempts):
+        try:
+            decision = await gw.dispatcher.acquire(
+                call.tier,
+                call.tenant.name,
+                str(call.body.get("model", "")),
+                prefix,
+                num_tokens=call.reservation.num_tokens if call.reservation else 1,
+                tenant_weight=call.tenant.weight,
+                exclude=tried,
+            )
+        except ApiError as e:
+            e.headers = {**call.headers, **e.headers}  # the tier and rate-limit headers, as the server sends
+            raise
+        try:
+            return await _try(gw, call, decision)
+        except _Retry as e:
+            gw.dispatcher.finished(decision.upstream)
+            gw.metrics.retries.labels(decision.upstream).inc()
+            gw.metrics.upstream_requests.labels(decision.upstream, "retried").inc()
+            log.warning("upstream %s failed before the first byte (%s); retrying", decision.upstream, e)
+            tried.append(decision.upstream)
+            last_error = str(e)
+            if not gw.router.candidates(str(call.body.get("model", "")), tried):
+                break
+    raise ApiError(
+        502,
+        f"No upstream could serve the request ({last_error}).",
+        type="server_error",
+        code="upstream_unavailable",
+        headers={**call.headers, "Retry-After": "1"},
+        extra={"retry_after": 1.0},
+    )
+
+
+class _Retry(Exception):
+    """The upstream failed before sending anything: the request may go elsewhere."""
+
+
+async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
+    upstream = gw.router.state(decision.upstream).config
+    body = call.body
+    if call.stream and not (body.get("stream_options") or {}).get("include_usage"):
+        body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+    down = pass_down(
+        upstream.kind,
+        body,
+        call.tier,
+        call.tenant.name,
+        sglang_threshold=gw.config.gateway.sglang_preemption_threshold,
+    )
+    request = gw.client.build_request("POST", upstream.url + call.path, json=down.body, headers=down.headers)
+    try:
+        reply = await gw.client.send(request, stream=True)
+    except httpx.TransportError as e:
+        if gw.router.record_failure(decision.upstream, eject_now=True):
+            gw.metrics.ejections.labels(decision.upstream).inc()
+        raise _Retry(f"{type(e).__name__}: {e}") from None
+    if reply.status_code in RETRYABLE_STATUS:
+        await reply.aclose()
+        raise _Retry(f"HTTP {reply.status_code}")
+    if not call.stream or reply.status_code != 200:
+        return await _whole(gw, call, decision, reply)
+    chunks = reply.aiter_raw()
+    try:
+        first = await anext(chunks)
+    except (httpx.HTTPError, StopAsyncIteration) as e:
+        await reply.aclose()
+        raise _Retry(f"stream ended before any data: {type(e).__name__}") from None
+    forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+    relay = _Relay(gw, call, decision, reply, chunks, SseUsageTap(forward_usage))
+    return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
+
+
+async def _whole(gw: GatewayState, call: _Call, decision: RouteDecision, reply: httpx.Response) -> Response:
+    name = decision.upstream
+    try:
+        content = await reply.aread()
+    except httpx.HTTPError as e:
+        raise _Retry(f"reply cut: {type(e).__name__}") from None
+    finally:
+        await reply.aclose()
+    gw.dispatcher.finished(name)
+    usage: TokenUsage | None = None
+    if reply.status_code == 200:
+        try:
+            usage = usage_of(json.loads(content))
+        except ValueError:
+            usage = None
+    gw.metrics.upstream_requests.labels(
+        name, "ok" if reply.status_code == 200 else f"http_{reply.status_code}"
+    ).inc()
+    gw.spawn(gw.limiter.settle(call.reservation, usage.total if usage else 0))
+    media = reply.headers.get("content-type", "application/json")
+    return Response(content, status_code=reply.status_code, headers=call.headers, media_type=media)
+
+
+class _Relay:
+    """Passes an upstream's SSE stream on; ends with an error event if the upstream breaks."""
+
+    def __init__(
+        self,
+        gw: GatewayState,
+        call: _Call,
+        decision: RouteDecision,
+        reply: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        tap: SseUsageTap,
+    ) -> None:
+        self._gw, self._call, self._name = gw, call, decision.upstream
+        self._reply, self._chunks, self._tap = reply, chunks, tap
+        self._outcome = "ok"
+
+    def client_left(self) -> None:
+        self._outcome = "client_left"
+        self._gw.spawn(self._reply.aclose())
+
+    async def run(self, first: bytes) -> AsyncIterator[bytes]:
+        tap = self._tap
+        try:
+            yield tap.feed(first)
+            try:
+                async for chunk in self._chunks:
+                    out = tap.feed(chunk)
+                    if out:
+                        yield out
+                yield tap.flush()
+            except httpx.HTTPError as e:
+                if self._outcome == "client_left":
+                    return
+                self._outcome = "broken"
+                log.warning("upstream %s broke a stream midway: %s", self._name, type(e).__name__)
+                yield (
+                    tap.flush()
+                    + error_event(f"upstream {self._name} failed mid-stream", code="upstream_failed")
+                    + DONE
+                )
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        gw = self._gw
+        gw.num_in_flight -= 1
+        gw.dispatcher.finished(self._name)
+        gw.metrics.upstream_requests.labels(self._name, self._outcome).inc()
+        usage = self._tap.usage
+        reservation = self._call.reservation
+        used = usage.total if usage else (reservation.num_tokens if reservation else 0)
+        gw.spawn(gw.limiter.settle(reservation, used))
+        gw.spawn(self._reply.aclose())

@@ -1,0 +1,130 @@
+"""Prometheus metrics of one gateway, in its own registry.
+
+Events (routing decisions, retries, upstream outcomes, refusals, queue waits) are counted
+as they happen; state (tier queue depth, upstream saturation and load, Redis) is read
+from the router, the flow control and the limiter when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tierserve.gateway.flow import FlowControl
+from tierserve.gateway.router import Router
+from tierserve.server.ratelimit import RateLimiter
+from tierserve.tiers import ALL_TIERS, Tier
+
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _StateCollector(Collector):
+    def __init__(self, router: Router, flow: FlowControl, limiter: Callable[[], RateLimiter]) -> None:
+        self._router = router
+        self._flow = flow
+        self._limiter = limiter
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "tierserve_gateway_queue_depth", "Requests waiting in the gateway, by tier", labels=["priority"]
+        )
+        for tier in ALL_TIERS:
+            depth.add_metric([tier.name], float(self._flow.depth(tier)))
+        yield depth
+        families = {
+            "healthy": GaugeMetricFamily(
+                "tierserve_gateway_upstream_healthy", "1 while admitted by health checks", labels=["upstream"]
+            ),
+            "saturated": GaugeMetricFamily(
+                "tierserve_gateway_upstream_saturated",
+                "1 while saturated (queue or KV over threshold, or metrics stale)",
+                labels=["upstream"],
+            ),
+            "load": GaugeMetricFamily(
+                "tierserve_gateway_upstream_load",
+                "Running + waiting requests, as last seen",
+                labels=["upstream"],
+            ),
+            "in_flight": GaugeMetricFamily(
+                "tierserve_gateway_upstream_in_flight",
+                "This gateway's requests in flight",
+                labels=["upstream"],
+            ),
+        }
+        router = self._router
+        for s in router.states:
+            families["healthy"].add_metric([s.name], 1.0 if s.healthy else 0.0)
+            families["saturated"].add_metric([s.name], 1.0 if router.saturated(s) else 0.0)
+            families["load"].add_metric([s.name], router.load(s))
+            families["in_flight"].add_metric([s.name], float(s.num_in_flight))
+        yield from families.values()
+        limiter = self._limiter()
+        if limiter.redis_up is not None:
+            up = GaugeMetricFamily(
+                "tierserve_ratelimit_redis_up", "1 while the Redis rate-limit backend answers"
+            )
+            up.add_metric([], 1.0 if limiter.redis_up else 0.0)
+            yield up
+        for name, doc, value in (
+            (
+                "tierserve_ratelimit_fallback",
+                "Rate-limit decisions taken without Redis",
+                limiter.num_fallbacks,
+            ),
+            ("tierserve_gateway_redis_errors", "Redis operations that failed", limiter.num_redis_errors),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.queue_wait = Histogram(
+            "tierserve_gateway_queue_wait_seconds",
+            "Time a request waited in the gateway's tier queues",
+            ["priority"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "tierserve_gateway_routing_decisions", "Routing decisions, by reason", ["reason"], registry=r
+        )
+        self.retries = Counter(
+            "tierserve_gateway_retries",
+            "Requests retried on another upstream (failed before the first byte)",
+            ["upstream"],
+            registry=r,
+        )
+        self.upstream_requests = Counter(
+            "tierserve_gateway_upstream_requests",
+            "Requests sent to each upstream, by how they ended",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "tierserve_rejections",
+            "Requests refused by the gateway, by reason",
+            ["reason", "priority"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "tierserve_gateway_upstream_ejections",
+            "Upstreams ejected by health checks",
+            ["upstream"],
+            registry=r,
+        )
+
+    def bind(self, router: Router, flow: FlowControl, limiter: Callable[[], RateLimiter]) -> None:
+        self.registry.register(_StateCollector(router, flow, limiter))
+
+    def reject(self, reason: str, tier: Tier | None) -> None:
+        self.rejections.labels(reason, tier.name if tier is not None else "none").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

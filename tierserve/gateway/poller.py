@@ -1,0 +1,70 @@
+"""Health checks and load scrapes of every upstream, on a timer.
+
+Each round fetches `/metrics` (or `/v1/models` for plain OpenAI endpoints, which export
+no load) from every upstream at once. A success admits (or re-admits) the upstream and
+records its load; failures in a row eject it. An admitted upstream's model list is
+refreshed from `/v1/models` when it is (re-)admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from tierserve.gateway.router import UpstreamState
+from tierserve.gateway.saturation import MetricsParseError, parse_load
+from tierserve.gateway.state import GatewayState
+
+log = logging.getLogger("tierserve.gateway")
+
+
+async def fetch_models(client: httpx.AsyncClient, url: str, timeout_s: float) -> frozenset[str]:
+    r = await client.get(url + "/v1/models", timeout=timeout_s)
+    r.raise_for_status()
+    data = r.json().get("data", [])
+    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+
+
+class UpstreamPoller:
+    def __init__(self, gw: GatewayState) -> None:
+        self._gw = gw
+        settings = gw.config.gateway
+        self._interval_s = settings.scrape_interval_s
+        self._timeout_s = max(settings.connect_timeout_s, settings.scrape_interval_s)
+
+    async def _check(self, s: UpstreamState) -> None:
+        gw, url = self._gw, s.config.url
+        try:
+            models = None
+            if s.has_metrics:
+                r = await gw.client.get(url + "/metrics", timeout=self._timeout_s)
+                r.raise_for_status()
+                sample = parse_load(s.config.kind, r.text, gw.clock.now())
+                if not s.healthy or not s.models:
+                    models = await fetch_models(gw.client, url, self._timeout_s)
+            else:
+                models = await fetch_models(gw.client, url, self._timeout_s)
+        except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
+            if gw.router.record_failure(s.name):
+                gw.metrics.ejections.labels(s.name).inc()
+                log.warning("upstream %s ejected: %s", s.name, e or type(e).__name__)
+            return
+        if s.has_metrics:
+            gw.router.record_sample(s.name, sample)
+        if gw.router.record_success(s.name, models):
+            log.info("upstream %s admitted (models: %s)", s.name, ", ".join(sorted(s.models)) or "any")
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._check(s) for s in self._gw.router.states))
+        self._gw.dispatcher.pump()
+
+    async def run(self) -> None:
+        """Poll until cancelled; between rounds, pump the queues (aging, expiry) a few times."""
+        ticks = 5
+        while True:
+            await self.poll_once()
+            for _ in range(ticks):
+                await asyncio.sleep(self._interval_s / ticks)
+                self._gw.dispatcher.pump()

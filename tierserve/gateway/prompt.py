@@ -1,0 +1,49 @@
+"""What the gateway reads from a prompt without tokenizing it: a token estimate and a prefix.
+
+The estimate (about four characters a token) only sizes the up-front reservation on the
+token buckets; the upstream's reported usage settles it. The prefix (the first
+characters of the conversation, system prompt first) keys prefix affinity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else "" for p in value)
+    return ""
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "\n".join(
+            f"{m.get('role', '')}:{_text(m.get('content'))}" for m in messages if isinstance(m, dict)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return "\n".join(p for p in prompt if isinstance(p, str))
+    if isinstance(prompt, list):
+        return " ".join(str(t) for t in prompt[:4096])
+    return ""
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return sum(len(p) for p in prompt if isinstance(p, list))
+    return max(1, -(-len(prompt_text(body)) // CHARS_PER_TOKEN))
+
+
+def prefix_key(body: dict[str, Any], num_chars: int) -> str:
+    return f"{body.get('model', '')}\0{prompt_text(body)[:num_chars]}"

@@ -1,0 +1,172 @@
+"""Where a request goes: least-loaded with prefix affinity, P0 where it starts soonest.
+
+Plain state on an injected clock, no I/O: the gateway feeds it scrapes, health checks and
+its own in-flight counts; a fleet simulation can feed it the same in virtual time.
+
+An upstream is a candidate while healthy (not ejected) and serving the model. A candidate
+is saturated when its metrics are stale (or never came), its waiting queue or KV usage is
+over the threshold, or this gateway's own in-flight cap to it is reached. Requests sent
+since the last scrape count as waiting until the next one shows where they went.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tierserve.clock import Clock
+from tierserve.gateway.config import GatewaySettings, UpstreamConfig
+from tierserve.gateway.saturation import METRIC_NAMES, LoadSample
+from tierserve.tiers import Tier
+
+
+class UnknownUpstream(KeyError):
+    pass
+
+
+@dataclass
+class UpstreamState:
+    config: UpstreamConfig
+    healthy: bool = False  # admitted by a successful check; ejected after failures
+    num_failures: int = 0  # consecutive
+    sample: LoadSample | None = None
+    num_in_flight: int = 0  # this gateway's requests to it not yet ended
+    num_in_flight_at_sample: int = 0
+    models: frozenset[str] = field(default_factory=frozenset)  # empty: not known, accept any
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def has_metrics(self) -> bool:
+        return self.config.kind in METRIC_NAMES
+
+    @property
+    def num_sent_since_sample(self) -> int:
+        return max(0, self.num_in_flight - self.num_in_flight_at_sample)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    upstream: str
+    reason: str  # "affinity", "least_loaded" or "p0_soonest"
+
+
+class Router:
+    def __init__(self, upstreams: Iterable[UpstreamConfig], settings: GatewaySettings, clock: Clock) -> None:
+        self._states = {u.name: UpstreamState(u) for u in upstreams}
+        self._settings = settings
+        self._clock = clock
+
+    def state(self, name: str) -> UpstreamState:
+        try:
+            return self._states[name]
+        except KeyError:
+            raise UnknownUpstream(name) from None
+
+    @property
+    def states(self) -> tuple[UpstreamState, ...]:
+        return tuple(self._states.values())
+
+    # ---- what the gateway observes -----------------------------------------------------------
+
+    def record_sample(self, name: str, sample: LoadSample) -> None:
+        s = self.state(name)
+        s.sample = sample
+        s.num_in_flight_at_sample = s.num_in_flight
+
+    def record_success(self, name: str, models: frozenset[str] | None = None) -> bool:
+        """A passed health check; returns True when it re-admits an ejected upstream."""
+        s = self.state(name)
+        s.num_failures = 0
+        if models is not None:
+            s.models = models
+        admitted = not s.healthy
+        s.healthy = True
+        return admitted
+
+    def record_failure(self, name: str, *, eject_now: bool = False) -> bool:
+        """A failed check (or a failed connect with `eject_now`); returns True when it ejects."""
+        s = self.state(name)
+        s.num_failures += 1
+        if s.healthy and (eject_now or s.num_failures >= self._settings.eject_after_failures):
+            s.healthy = False
+            return True
+        return False
+
+    def started(self, name: str) -> None:
+        self.state(name).num_in_flight += 1
+
+    def finished(self, name: str) -> None:
+        s = self.state(name)
+        s.num_in_flight = max(0, s.num_in_flight - 1)
+        s.num_in_flight_at_sample = min(s.num_in_flight_at_sample, s.num_in_flight)
+
+    # ---- what it concludes -------------------------------------------------------------------
+
+    def load(self, s: UpstreamState) -> float:
+        if s.sample is None or not s.has_metrics:
+            return float(s.num_in_flight)
+        return s.sample.num_waiting + s.sample.num_running + s.num_sent_since_sample
+
+    def num_waiting(self, s: UpstreamState) -> float:
+        if s.sample is None or not s.has_metrics:
+            return 0.0
+        return s.sample.num_waiting + s.num_sent_since_sample
+
+    def stale(self, s: UpstreamState) -> bool:
+        if not s.has_metrics:
+            return False
+        return s.sample is None or self._clock.now() - s.sample.at > self._settings.stale_after_s
+
+    def saturated(self, s: UpstreamState) -> bool:
+        cap = s.config.max_in_flight
+        if cap and s.num_in_flight >= cap:
+            return True
+        if not s.has_metrics:
+            return False
+        if self.stale(s) or s.sample is None:
+            return True
+        return (
+            self.num_waiting(s) >= self._settings.max_waiting
+            or s.sample.kv_usage >= self._settings.max_kv_usage
+        )
+
+    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[UpstreamState]:
+        skip = set(exclude)
+        return [
+            s
+            for s in self._states.values()
+            if s.healthy and s.name not in skip and (not s.models or model in s.models)
+        ]
+
+    def route(self, tier: Tier, prefix: str, model: str, exclude: Iterable[str] = ()) -> RouteDecision | None:
+        """The upstream for a request, or None when every candidate is saturated (or none is left)."""
+        free = [s for s in self.candidates(model, exclude) if not self.saturated(s)]
+        if not free:
+            return None
+        if tier == Tier.P0:
+            # Soonest start: the fewest requests queued ahead, then the most free KV memory.
+            best = min(free, key=lambda s: (self.num_waiting(s), _kv(s), self.load(s), s.name))
+            return RouteDecision(best.name, "p0_soonest")
+        least = min(free, key=lambda s: (self.load(s), s.name))
+        preferred = max(free, key=lambda s: _affinity(prefix, s.name))
+        bound = self._settings.affinity_load_bound * (self.load(least) + 1)
+        if self.load(preferred) <= bound:
+            return RouteDecision(preferred.name, "affinity")
+        return RouteDecision(least.name, "least_loaded")
+
+    def all_saturated(self, model: str) -> bool:
+        cands = self.candidates(model)
+        return bool(cands) and all(self.saturated(s) for s in cands)
+
+
+def _kv(s: UpstreamState) -> float:
+    return s.sample.kv_usage if s.sample is not None else 0.0
+
+
+def _affinity(prefix: str, name: str) -> bytes:
+    """Rendezvous hashing: each prefix prefers one replica, and losing a replica moves only its prefixes."""
+    return hashlib.sha256(f"{name}\0{prefix}".encode()).digest()

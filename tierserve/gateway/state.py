@@ -1,0 +1,85 @@
+"""Everything one gateway process holds, built from its config."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tierserve.clock import Clock, WallClock
+from tierserve.gateway.config import GatewayConfig, fail_open_by_tier
+from tierserve.gateway.dispatcher import Dispatcher
+from tierserve.gateway.flow import FlowControl
+from tierserve.gateway.metrics import GatewayMetrics
+from tierserve.gateway.router import Router
+from tierserve.server.buckets import BucketBackend
+from tierserve.server.ratelimit import RateLimiter
+from tierserve.server.tenants import TenantResolver
+
+MAX_CONNECTIONS = 1024
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    clock: Clock
+    router: Router
+    flow: FlowControl
+    dispatcher: Dispatcher
+    limiter: RateLimiter
+    tenants: TenantResolver
+    metrics: GatewayMetrics
+    client: httpx.AsyncClient
+    remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
+    draining: bool = False
+    num_in_flight: int = 0  # requests between arrival and their last byte
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def build_gateway_state(
+    config: GatewayConfig, *, clock: Clock | None = None, remote_buckets: BucketBackend | None = None
+) -> GatewayState:
+    clock = clock or WallClock()
+    serve, gw = config.serve, config.gateway
+    rl = serve.server.ratelimit
+    if remote_buckets is None and rl.backend == "redis":
+        from tierserve.server.redis_buckets import RedisBuckets
+
+        remote_buckets = RedisBuckets(rl.redis_url, timeout_s=rl.redis_timeout_s, key_prefix=rl.key_prefix)
+    limiter = RateLimiter(
+        serve.limits.global_limit,
+        remote=remote_buckets,
+        fail_open=rl.fail_mode == "open",
+        tier_limits=gw.tier_limits,
+        fail_open_tiers=fail_open_by_tier(config),
+        local_share=1.0 / gw.instances,
+    )
+    router = Router(config.upstreams, gw, clock)
+    flow = FlowControl(serve.engine, gw.policy, serve.limits.queue_caps, gw.max_wait_s, clock)
+    metrics = GatewayMetrics()
+    metrics.bind(router, flow, lambda: limiter)
+    timeout = httpx.Timeout(connect=gw.connect_timeout_s, read=None, write=30.0, pool=gw.connect_timeout_s)
+    client = httpx.AsyncClient(
+        timeout=timeout,
+        limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS),
+    )
+    return GatewayState(
+        config=config,
+        clock=clock,
+        router=router,
+        flow=flow,
+        dispatcher=Dispatcher(router, flow, metrics, clock),
+        limiter=limiter,
+        tenants=TenantResolver(serve),
+        metrics=metrics,
+        client=client,
+        remote_buckets=remote_buckets,
+    )

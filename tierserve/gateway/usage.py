@@ -1,0 +1,69 @@
+"""Reading token usage out of an upstream's replies without touching the text.
+
+A streamed reply is cut into whole SSE events (blank-line separated) and passed on as
+received; events that mention `"usage"` are parsed to learn the count. When the client
+did not ask for usage, the gateway asks the upstream anyway and drops the usage-only
+event (no choices) before it reaches the client.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUsage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def usage_of(payload: Any) -> TokenUsage | None:
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return TokenUsage(prompt, completion)
+
+
+class SseUsageTap:
+    """Feed it raw chunks; it returns the bytes to forward (whole events) and keeps the usage."""
+
+    def __init__(self, forward_usage: bool) -> None:
+        self._forward_usage = forward_usage
+        self._buffer = b""
+        self.usage: TokenUsage | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        head, sep, rest = self._buffer.rpartition(b"\n\n")
+        if not sep:
+            return b""
+        self._buffer = rest
+        return b"".join(self._event(e + b"\n\n") for e in head.split(b"\n\n") if e)
+
+    def flush(self) -> bytes:
+        """Whatever is left at the end of the stream (an event without its blank line)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes:
+        if b'"usage"' not in event or not event.startswith(b"data: {"):
+            return event
+        try:
+            payload = json.loads(event[len(b"data: ") :])
+        except ValueError:
+            return event
+        usage = usage_of(payload)
+        if usage is not None:
+            self.usage = usage
+            if not self._forward_usage and not payload.get("choices"):
+                return b""
+        return event

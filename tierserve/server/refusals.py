@@ -1,0 +1,65 @@
+"""The refusals every front door sends (server and gateway): draining, rate limit, overload.
+
+One home for their status, code, message and headers, so `tierserve serve` and
+`tierserve gateway` answer a refused request the same way.
+"""
+
+from __future__ import annotations
+
+from tierserve.server.errors import ApiError
+from tierserve.server.ratelimit import RateDecision
+from tierserve.tiers import Tier
+
+
+def draining_error() -> ApiError:
+    return ApiError(
+        503,
+        "The server is shutting down; retry on another replica.",
+        type="server_error",
+        code="draining",
+        headers={"Retry-After": "1"},
+        extra={"retry_after": 1.0},
+    )
+
+
+def rate_refusal(rate: RateDecision, tenant: str, headers: dict[str, str]) -> ApiError:
+    """A refused `RateDecision` as a 429 (over a limit) or a 503 (limiter down, fail-closed)."""
+    if rate.reason == "unavailable":
+        return ApiError(
+            503,
+            "Rate limiter unavailable (fail-closed).",
+            type="server_error",
+            code="ratelimit_unavailable",
+            headers=headers,
+            extra={"retry_after": rate.retry_after_s},
+        )
+    message = rate.message or f"Rate limit reached for tenant {tenant!r} ({rate.reason})."
+    return ApiError(
+        429,
+        message,
+        type="tokens" if rate.reason != "requests" else "requests",
+        code="rate_limit_exceeded",
+        headers=headers,
+    )
+
+
+def overloaded(
+    tier: Tier,
+    reason: str,
+    retry_after_s: float,
+    queue_depth: int,
+    estimated_wait_s: float | None,
+    headers: dict[str, str],
+) -> ApiError:
+    """A 503 for a tier whose queue is full (or whose wait would miss its deadline)."""
+    retry = round(retry_after_s, 3)
+    headers = {**headers, "Retry-After": str(max(1, int(retry + 0.999)))}
+    wait = "unknown" if estimated_wait_s is None else f"{estimated_wait_s:.2f} s"
+    return ApiError(
+        503,
+        f"Tier {tier.name} is overloaded ({reason}; estimated wait {wait}).",
+        type="server_error",
+        code=reason,
+        headers=headers,
+        extra={"retry_after": retry, "current_queue_depth": queue_depth},
+    )
