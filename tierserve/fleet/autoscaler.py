@@ -52,7 +52,7 @@ class Observation:
     now: float
     num_serving: int
     num_starting: int
-    utilization: Sequence[float]  # per serving replica, busy fraction since its last scrape
+    utilization: Sequence[float]  # per serving replica, busy fraction over the last interval
     num_waiting: Sequence[float]  # per serving replica, scraped waiting requests
     p0_queued: int  # P0 requests waiting in the gateway
     p0_attainment: float | None  # P0's SLO attainment over the recent window (None: no P0 ended)

@@ -56,7 +56,7 @@ class Replica:
         self.pending: list[RequestOutput] = []  # outputs of the step in flight
         self.next_boundary: float | None = None  # None: idle, no step in flight or scheduled
         self.exported = Exported()
-        self.utilization = 0.0  # busy fraction between the last two scrapes
+        self.utilization = 0.0  # busy fraction between the last two observations
         self._busy_at_scrape = (launched_s, 0.0)  # (time, busy_s)
 
     @property
@@ -94,7 +94,7 @@ class Replica:
         )
 
     def observe_busy(self, now: float) -> None:
-        """Take a scrape of the busy counter: the busy fraction since the previous one."""
+        """Read the busy counter: the busy fraction since the previous reading."""
         then, busy = self._busy_at_scrape
         if now > then:
             self.utilization = min(1.0, (self.exported.busy_s - busy) / (now - then))

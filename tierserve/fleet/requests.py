@@ -24,7 +24,8 @@ class FleetRequest:
     spec: RequestSpec
     arrival_s: float
     attempts: int = 0  # replicas it was sent to
-    tried: list[str] = field(default_factory=list)
+    tried: list[str] = field(default_factory=list)  # the replicas it was sent to, in order
+    sent_s: list[float] = field(default_factory=list)  # when it was sent to each
     engine_request: Request | None = None
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -160,6 +160,7 @@ class FleetSim:
     def _send(self, fr: FleetRequest, replica: Replica) -> None:
         fr.attempts += 1
         fr.tried.append(replica.name)
+        fr.sent_s.append(self.clock.now())
         spec = fr.spec
         req = Request(
             f"r{spec.index}" if fr.attempts == 1 else f"r{spec.index}.{fr.attempts}",
@@ -271,7 +272,6 @@ class FleetSim:
         now = self.clock.now()
         for replica in self.replicas.values():
             if replica.serving:
-                replica.observe_busy(now)
                 self._scrape(replica)
         self._handle(self.dispatch.pump())
         self.events.push(now + self.config.settings.scrape_interval_s, EventKind.SCRAPE)
@@ -279,6 +279,8 @@ class FleetSim:
     def _autoscale(self, ev: Event) -> None:
         now = self.clock.now()
         serving = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
+        for replica in serving:
+            replica.observe_busy(now)  # the busy fraction over the autoscaler's interval
         starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
         self.replicas_over_time.append((now, len(serving), len(starting)))
         states = {s.name: s for s in self.dispatch.router.states}
