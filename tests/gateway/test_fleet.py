@@ -7,6 +7,7 @@ the Redis outage test starts and stops a redis-server of its own on a free port.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -237,7 +238,7 @@ def test_redis_stopped_and_restarted_each_tier_follows_its_rule_then_global_stat
 ) -> None:
     ups, _ = fleet
     redis = start_redis(tmp_path, dump_dir=tmp_path)
-    burst = 40
+    burst = 20
     config = f"""
 [server.ratelimit]
 backend = "redis"
@@ -253,8 +254,27 @@ P2 = "closed"
 api_keys = ["sk-t"]
 requests_per_s = 0.001
 request_burst = {burst}
+[tenants.bg]
+api_keys = ["sk-bg"]
+requests_per_s = 1000
+request_burst = 1000
 {upstreams_toml(ups)}"""
     gw = start_gateway(tmp_path, "gw-outage", config)
+    phase = ["before"]
+    seen: list[tuple[str, str, int]] = []  # (phase, tier, status) of the background load
+
+    def background() -> None:
+        with httpx.Client(base_url=gw.url, headers={"authorization": "Bearer sk-bg"}, timeout=30) as client:
+            for i in range(2000):
+                if phase[0] == "done":
+                    return
+                tier, now = ("P1", "P2")[i % 2], phase[0]
+                r = client.post("/v1/chat/completions", json=_chat(1), headers={"x-request-tier": tier})
+                seen.append((now, tier, r.status_code))
+                time.sleep(0.1)
+
+    load = threading.Thread(target=background)
+    load.start()
     try:
 
         def codes(tier: str, n: int) -> list[int]:
@@ -265,9 +285,10 @@ request_burst = {burst}
             ]
 
         assert codes("P1", 5) == [200] * 5
+        phase[0] = "down"
         redis.stop()
         p2 = codes("P2", 3)
-        p1 = codes("P1", 30)
+        p1 = codes("P1", burst)
         assert p2 == [503] * 3  # fail closed
         assert p1.count(200) == burst // 2 and set(p1) == {200, 429}  # fail open on 1/2 of the burst
         metrics = httpx.get(gw.url + "/metrics").text
@@ -276,11 +297,21 @@ request_burst = {burst}
         assert "Redis unreachable" in gw.output()
         redis = start_redis(tmp_path, port=redis.port, dump_dir=tmp_path)
         time.sleep(1.5)  # the limiter retries Redis after REDIS_RETRY_S
+        phase[0] = "after"
         resumed = codes("P2", burst)
-        # The global bucket as Redis kept it: 40 - 5 taken before the outage (nothing during it).
+        # The global bucket as Redis kept it: the burst less 5 taken before the outage (none during it).
         assert resumed.count(200) == burst - 5, resumed
         assert _metric(httpx.get(gw.url + "/metrics").text, "tierserve_ratelimit_redis_up") == 1
         assert "Redis is back" in gw.output()
+        phase[0] = "done"
+        load.join(60)
+        # Under load all along: P1 never refused, P2 refused only while Redis was away.
+        assert {status for _, tier, status in seen if tier == "P1"} == {200}
+        assert {status for ph, tier, status in seen if tier == "P2" and ph != "down"} == {200}
+        assert 503 in {status for ph, tier, status in seen if tier == "P2" and ph == "down"}
+        assert {ph for ph, _, _ in seen} >= {"before", "down", "after"}
     finally:
+        phase[0] = "done"
+        load.join(60)
         gw.stop()
         redis.stop()

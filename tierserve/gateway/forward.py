@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +22,12 @@ from starlette.responses import Response
 
 from tierserve.gateway.priority import pass_down
 from tierserve.gateway.prompt import estimate_prompt_tokens, prefix_key
+from tierserve.gateway.relay import Relay
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import SseUsageTap, TokenUsage, usage_of
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, invalid_body
-from tierserve.server.formatting import DONE, error_event
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, rate_refusal
@@ -192,7 +191,7 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         await reply.aclose()
         raise _Retry(f"stream ended before any data: {type(e).__name__}") from None
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-    relay = _Relay(gw, call, decision, reply, chunks, SseUsageTap(forward_usage))
+    relay = Relay(gw, decision.upstream, call.reservation, reply, chunks, SseUsageTap(forward_usage))
     return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
 
 
@@ -217,58 +216,3 @@ async def _whole(gw: GatewayState, call: _Call, decision: RouteDecision, reply: 
     gw.spawn(gw.limiter.settle(call.reservation, usage.total if usage else 0))
     media = reply.headers.get("content-type", "application/json")
     return Response(content, status_code=reply.status_code, headers=call.headers, media_type=media)
-
-
-class _Relay:
-    """Passes an upstream's SSE stream on; ends with an error event if the upstream breaks."""
-
-    def __init__(
-        self,
-        gw: GatewayState,
-        call: _Call,
-        decision: RouteDecision,
-        reply: httpx.Response,
-        chunks: AsyncIterator[bytes],
-        tap: SseUsageTap,
-    ) -> None:
-        self._gw, self._call, self._name = gw, call, decision.upstream
-        self._reply, self._chunks, self._tap = reply, chunks, tap
-        self._outcome = "ok"
-
-    def client_left(self) -> None:
-        self._outcome = "client_left"
-        self._gw.spawn(self._reply.aclose())
-
-    async def run(self, first: bytes) -> AsyncIterator[bytes]:
-        tap = self._tap
-        try:
-            yield tap.feed(first)
-            try:
-                async for chunk in self._chunks:
-                    out = tap.feed(chunk)
-                    if out:
-                        yield out
-                yield tap.flush()
-            except httpx.HTTPError as e:
-                if self._outcome == "client_left":
-                    return
-                self._outcome = "broken"
-                log.warning("upstream %s broke a stream midway: %s", self._name, type(e).__name__)
-                yield (
-                    tap.flush()
-                    + error_event(f"upstream {self._name} failed mid-stream", code="upstream_failed")
-                    + DONE
-                )
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        gw = self._gw
-        gw.num_in_flight -= 1
-        gw.dispatcher.finished(self._name)
-        gw.metrics.upstream_requests.labels(self._name, self._outcome).inc()
-        usage = self._tap.usage
-        reservation = self._call.reservation
-        used = usage.total if usage else (reservation.num_tokens if reservation else 0)
-        gw.spawn(gw.limiter.settle(reservation, used))
-        gw.spawn(self._reply.aclose())

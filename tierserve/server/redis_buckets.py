@@ -78,12 +78,17 @@ class RedisBuckets:
 
     def __init__(self, url: str, *, timeout_s: float, key_prefix: str) -> None:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
+        # One immediate retry (on a fresh connection: a pooled one may be stale after Redis
+        # restarts), then fail fast: redis-py's default of 10 retries with backoff would hold
+        # each decision for seconds while Redis is away, instead of applying the fail rule.
         self._client: Any = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 1),
         )
         self._prefix = key_prefix
         self._take = self._client.register_script(TAKE_SCRIPT)

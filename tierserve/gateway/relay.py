@@ -1,0 +1,77 @@
+"""Passing an upstream's SSE stream on to the client, whole events as they come.
+
+Once the first bytes have gone out the request can no longer move to another upstream:
+if the upstream breaks now, the stream ends with an error event (`upstream_failed`) and
+`data: [DONE]`, so the client always sees how it ended. When it ends, however it ends,
+the request leaves the router's in-flight count and its reservation is settled with the
+usage the upstream reported (or kept whole when none came).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+
+from tierserve.gateway.state import GatewayState
+from tierserve.gateway.usage import SseUsageTap
+from tierserve.server.formatting import DONE, error_event
+from tierserve.server.ratelimit import Reservation
+
+log = logging.getLogger("tierserve.gateway")
+
+
+class Relay:
+    """Passes an upstream's SSE stream on; ends with an error event if the upstream breaks."""
+
+    def __init__(
+        self,
+        gw: GatewayState,
+        upstream: str,
+        reservation: Reservation | None,
+        reply: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        tap: SseUsageTap,
+    ) -> None:
+        self._gw, self._name, self._reservation = gw, upstream, reservation
+        self._reply, self._chunks, self._tap = reply, chunks, tap
+        self._outcome = "ok"
+
+    def client_left(self) -> None:
+        self._outcome = "client_left"
+        self._gw.spawn(self._reply.aclose())
+
+    async def run(self, first: bytes) -> AsyncIterator[bytes]:
+        tap = self._tap
+        try:
+            yield tap.feed(first)
+            try:
+                async for chunk in self._chunks:
+                    out = tap.feed(chunk)
+                    if out:
+                        yield out
+                yield tap.flush()
+            except httpx.HTTPError as e:
+                if self._outcome == "client_left":
+                    return
+                self._outcome = "broken"
+                log.warning("upstream %s broke a stream midway: %s", self._name, type(e).__name__)
+                yield (
+                    tap.flush()
+                    + error_event(f"upstream {self._name} failed mid-stream", code="upstream_failed")
+                    + DONE
+                )
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        gw = self._gw
+        gw.num_in_flight -= 1
+        gw.dispatcher.finished(self._name)
+        gw.metrics.upstream_requests.labels(self._name, self._outcome).inc()
+        usage = self._tap.usage
+        reservation = self._reservation
+        used = usage.total if usage else (reservation.num_tokens if reservation else 0)
+        gw.spawn(gw.limiter.settle(reservation, used))
+        gw.spawn(self._reply.aclose())
