@@ -92,3 +92,19 @@ def test_policy_tables_hold_each_policys_own_settings() -> None:
 def test_bad_policy_settings_name_the_field(raw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("key", ["p0_step_tokens", "p0_guard_s", "p0_solo_prefill", "p3_yields"])
+def test_hybrid_keys_under_scheduler_say_where_they_moved(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"scheduler\.{key}: moved to .*\[policy\.hybrid\]"):
+        parse_config({"scheduler": {key: 1}})
+
+
+def test_hybrid_settings_live_in_its_own_table() -> None:
+    from tierserve.scheduling.hybrid import HybridOptions
+
+    config = parse_config({"policy": {"hybrid": {"step_bound_s": 0.3, "p3_yields": False}}})
+    options = config.options("hybrid", HybridOptions)
+    assert options.step_bound_s == 0.3 and options.p3_yields is False
+    with pytest.raises(ConfigError, match=r"policy\.hybrid\.p0_step_tokens: must be >= 1"):
+        parse_config({"policy": {"hybrid": {"p0_step_tokens": 0}}})

@@ -354,7 +354,7 @@ def _final_delta(req: Request, new_token_ids: list[int]) -> Delta:
         tuple(new_token_ids),
         True,
         req.finish_reason or FinishReason.ABORTED,
-        "",
+        req.reject_reason if req.finish_reason is FinishReason.SHED else "",
         req.num_prompt_tokens,
         req.num_cached_tokens,
         req.num_output_tokens,

@@ -140,7 +140,7 @@ class GenerationRun:
         if end is None:
             return text, None, None
         self._cached = end.num_cached_tokens
-        if end.error or end.finish_reason in (FinishReason.ABORTED, FinishReason.REJECTED):
+        if end.error or end.finish_reason in (FinishReason.ABORTED, FinishReason.REJECTED, FinishReason.SHED):
             return text, None, end
         text += self._text.flush()
         return text, ("length" if end.finish_reason is FinishReason.LENGTH else "stop"), None
@@ -207,6 +207,15 @@ class GenerationRun:
 def _failure(end: Delta) -> ApiError:
     if end.finish_reason is FinishReason.REJECTED:
         return ApiError(400, f"The engine refused the request: {end.error}", param="max_tokens")
+    if end.finish_reason is FinishReason.SHED:
+        return ApiError(
+            503,
+            f"The request was shed under overload: {end.error}",
+            type="server_error",
+            code="shed",
+            headers={"Retry-After": "30"},
+            extra={"retry_after": 30.0},
+        )
     return ApiError(
         503,
         f"The request was aborted: {end.error or 'aborted'}",
