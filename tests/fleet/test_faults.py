@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tierserve.fleet.replica import ReplicaState
-from tierserve.fleet.requests import COMPLETED, LOST
+from tierserve.fleet.requests import COMPLETED, LOST, UNFINISHED
 from tierserve.fleet.sim import FleetConfig, FleetSim
 
 from .helpers import build_engine, specs
@@ -23,7 +23,7 @@ def test_a_dead_replicas_requests_are_all_accounted_for() -> None:
         sim = _run(router)
         reqs = sim.requests
         assert sim.replicas["replica-1"].state is ReplicaState.DEAD
-        assert all(fr.outcome is not None for fr in reqs)
+        assert all(fr.outcome not in (None, UNFINISHED) for fr in reqs)
         assert len(reqs) == 300
         on_dead = [fr for fr in reqs if "replica-1" in fr.tried and fr.tried[-1] == "replica-1"]
         moved = [fr for fr in reqs if fr.tried[:-1].count("replica-1")]
@@ -43,3 +43,21 @@ def test_no_request_goes_to_a_dead_replica() -> None:
     assert any("replica-1" in fr.tried for fr in sim.requests)
     sent_after = [fr for fr in sim.requests if fr.arrival_s > KILL_S and "replica-1" in fr.tried]
     assert not sent_after
+
+
+def test_a_request_the_step_in_flight_would_have_ended_is_lost_with_its_replica() -> None:
+    workload = specs(60, seed=2, gap_s=0.1, prompt=(100, 800), output=(20, 60))
+    calm = FleetSim(FleetConfig(2, router="round-robin"), build_engine)
+    calm.run(workload)
+    victim = next(
+        fr
+        for fr in calm.requests
+        if fr.tried == ["replica-1"]
+        and fr.first_token_s is not None
+        and fr.first_token_s < fr.finish_s - 1e-3
+    )
+    kill_s = victim.finish_s - 1e-6  # the step that would end it is in flight
+    sim = FleetSim(FleetConfig(2, router="round-robin", kills=((kill_s, 1),)), build_engine)
+    sim.run(workload)
+    assert sim.requests[victim.key].outcome == LOST
+    assert all(fr.outcome not in (None, UNFINISHED) for fr in sim.requests)

@@ -100,12 +100,6 @@ class Replica:
             self.utilization = min(1.0, (self.exported.busy_s - busy) / (now - then))
         self._busy_at_scrape = (now, self.exported.busy_s)
 
-    def live_requests(self) -> list[Request]:
-        """Every request sent here that has not been delivered as ended."""
-        ended = {o.request.request_id for o in self.pending if o.finished}
-        inside = [r for r in self.engine.lifecycle.requests.values() if r.request_id not in ended]
-        return [*inside, *self.inbox]
-
     def end(self, state: ReplicaState, now: float) -> None:
         self.state = state
         self.ended_s = now

@@ -243,11 +243,13 @@ class FleetSim:
         replica = self.replicas.get(name)
         if replica is None or replica.state in (ReplicaState.DEAD, ReplicaState.STOPPED):
             return
-        live = replica.live_requests()
+        # Every request sent here and not yet delivered as ended, including those the step in
+        # flight would have ended: that step's outputs never reach the gateway.
+        live = [(rid, fr) for rid, fr in self._live.items() if fr.tried[-1] == name]
         replica.end(ReplicaState.DEAD, self.clock.now())
         self.dispatch.router.record_failure(name, eject_now=True)
-        for req in live:
-            fr = self._live.pop(req.request_id)
+        for rid, fr in live:
+            del self._live[rid]
             self.dispatch.router.finished(name)
             if fr.first_token_s is not None:
                 self._finish(fr, LOST)  # the stream broke midway: the client sees an error event
