@@ -72,6 +72,8 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
                 pts = [(t, y) for t, y in zip(ot["t_s"], ys, strict=False) if y is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r['router']} / {r['scaling']}")
             ax.set_title(f"{tier.name} {label}")
+            if key == "slo_attainment":
+                ax.set_ylim(-0.02, 1.02)
             ax.set_xlabel("arrival time (s)")
         axes.flat[0].legend(fontsize=7)
         fig.tight_layout()

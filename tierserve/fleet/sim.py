@@ -52,6 +52,11 @@ class FleetConfig:
     def max_replicas(self) -> int:
         return max(self.num_replicas, self.autoscale.max_replicas)
 
+    @property
+    def num_names(self) -> int:
+        """Upstreams the gateway knows: every replica ever launched gets a name of its own."""
+        return 4 * self.max_replicas + len(self.kills)
+
 
 @dataclass
 class FleetResult:
@@ -71,7 +76,7 @@ class FleetSim:
         self.events = EventQueue()
         self.replicas: dict[str, Replica] = {}
         self._tokens: dict[str, int] = {}  # replica -> generation of its live boundary event
-        self.dispatch = build_dispatch(config.router, config.max_replicas, config.settings, self.clock)
+        self.dispatch = build_dispatch(config.router, config.num_names, config.settings, self.clock)
         self.autoscaler = Autoscaler(config.autoscale)
         self.observer = FleetObserver(self.clock)
         self.requests: list[FleetRequest] = []
@@ -296,7 +301,7 @@ class FleetSim:
             self.observer.p0_attainment(),
         )
         change = self.autoscaler.decide(obs)
-        if change > 0 and len(self.replicas) < self.config.max_replicas:
+        if change > 0 and len(self.replicas) < self.config.num_names:
             self._launch(self.config.autoscale.startup_delay_s)
         elif change < 0 and serving:
             self._drain(min(serving, key=lambda r: (r.exported.num_running + r.exported.num_waiting, r.name)))
