@@ -232,3 +232,10 @@ def test_each_victim_is_preempted_by_the_cheaper_of_swap_and_recompute(
     eng.step()
     assert dict(eng.stats.preemptions) == {(Tier.P3, expected): 1}
     run(eng)
+
+
+def test_the_step_bound_never_stops_the_other_tiers() -> None:
+    # A bound below the fixed cost of any step (0.01 s here) still leaves the others a chunk.
+    from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS
+
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.001) == MIN_OTHER_PREFILL_TOKENS

@@ -137,9 +137,9 @@ def test_hybrid_aging_is_evaluated_while_requests_wait() -> None:
     policy = create_policy("hybrid", config)
     p3 = make_request(tier=Tier.P3, arrival=0.0)
     policy.add(p3, 0.0)
-    for i in range(50):
-        policy.add(make_request(tier=Tier.P1, arrival=0.01 * (i + 1)), 0.0)
     aging = config.tiers[Tier.P3].aging_s
+    for i in range(50):  # recent P1 arrivals: none is at risk of its target yet
+        policy.add(make_request(tier=Tier.P1, arrival=aging - 1.0 + 0.01 * i), 0.0)
     assert policy.peek(aging - 0.1).tier is Tier.P1
     # Nothing was re-enqueued: the same queue, a later pass, and P3 is now first.
     assert policy.peek(aging + 0.1) is p3
@@ -207,14 +207,24 @@ def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
     assert policy.peek(half + 0.1) is second
 
 
-def test_hybrid_rescue_is_earliest_deadline_first() -> None:
-    config = EngineConfig()
-    policy = create_policy("hybrid", config)
+def test_hybrid_serves_p1_at_risk_before_p2_at_risk_whatever_their_deadlines() -> None:
+    # Under overload the loss falls on P2 before P1 (issue 13): no earliest-deadline tie.
+    policy = create_policy("hybrid", EngineConfig())
     p2 = make_request(tier=Tier.P2, arrival=0.0)  # due at 60 s
-    p1 = make_request(tier=Tier.P1, arrival=40.0)  # due at 45 s
+    p1 = make_request(tier=Tier.P1, arrival=57.0)  # due at 62 s
     policy.add(p2, 0.0)
-    policy.add(p1, 40.0)
-    assert policy.peek(43.0) is p1
+    policy.add(p1, 57.0)
+    assert policy.peek(59.6) is p1
+
+
+def test_hybrid_serves_p1_at_risk_before_an_aged_p3() -> None:
+    policy = create_policy("hybrid", EngineConfig())
+    p3 = make_request(tier=Tier.P3, arrival=0.0)  # aged after 5 s
+    p1 = make_request(tier=Tier.P1, arrival=4.0)
+    policy.add(p3, 0.0)
+    policy.add(p1, 4.0)
+    assert policy.peek(5.5) is p3, "aged, and older than the P1 head: served ahead of the fair order"
+    assert policy.peek(7.0) is p1, "but a P1 past half its target goes first"
 
 
 @pytest.mark.parametrize("name", ["strict", "wfq", "hybrid", "drr"])

@@ -2,10 +2,10 @@
 P1–P2 by weighted fair queuing, with an SLO rescue; P3 best effort; aging so nothing
 waits forever.
 
-Order of service: P0; then aged heads; then any P1–P2 head that has waited over half
-its TTFT target, earliest deadline (arrival + target) first — under overload this keeps
-P1's 5 s target ahead of P2's 60 s one instead of sharing the delay by weight; then the
-fair order (P3 joins it only while no P1 request waits).
+Order of service: P0; then a P1 head that has waited over half its TTFT target; then
+aged heads; then a P2 head past half its target; then the fair order (P3 joins it only
+while no P1 request waits). Under overload the loss thus falls on P3, then P2: P1 at
+risk is served ahead of both instead of sharing the delay by weight.
 
 Beyond the queue, hybrid shapes each step (`hybrid_step.py`: a step-time bound while a
 P0 is likely, P0-only prefill steps, background yields), lets P0 take a seat or memory
@@ -83,15 +83,21 @@ class HybridPolicy(Policy):
         sfq = self._sfq
         if sfq.count(Tier.P0):
             return Tier.P0, False
-        urgent = self._aged(now)
-        if urgent is None:
-            urgent = self._rescued(now)
-        if urgent is not None:
-            return urgent, False
+        # Under overload the loss falls on P3, then P2: a P1 head at risk goes first.
+        for urgent in (self._at_risk(Tier.P1, now), self._aged(now), self._at_risk(Tier.P2, now)):
+            if urgent is not None:
+                return urgent, False
         # P3 is best effort: it competes only while no P1 request waits.
         eligible = FAIR_TIERS if sfq.count(Tier.P1) else FAIR_TIERS_WITH_P3
         fair = sfq.best(eligible)
         return None if fair is None else (fair, True)
+
+    def _at_risk(self, tier: Tier, now: float) -> Tier | None:
+        """`tier` if its head has waited over RESCUE_FRACTION of its TTFT target."""
+        head = self._sfq.head_of(tier)
+        if head is None or now - head.arrival_time <= RESCUE_FRACTION * self._target_s[tier]:
+            return None
+        return tier
 
     def _aged(self, now: float) -> Tier | None:
         """The tier of the oldest head past its aging threshold, unless a more urgent
@@ -111,19 +117,6 @@ class HybridPolicy(Policy):
             if head is not None and head.arrival_time <= oldest:
                 return None
         return aged
-
-    def _rescued(self, now: float) -> Tier | None:
-        """The P1-P2 head past half its TTFT target with the earliest deadline, if any."""
-        rescue: Tier | None = None
-        deadline = 0.0
-        for tier in FAIR_TIERS:
-            head = self._sfq.head_of(tier)
-            if head is None or now - head.arrival_time <= RESCUE_FRACTION * self._target_s[tier]:
-                continue
-            due = head.arrival_time + self._target_s[tier]
-            if rescue is None or due < deadline:
-                rescue, deadline = tier, due
-        return rescue
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)

@@ -3,8 +3,9 @@
 - Step-time bound: while a P0 request is likely (one waits or prefills, or one arrived
   within `p0_likely_s`), the prefill chunks of P1-P3 in a step are capped so that the
   step's predicted duration (the executor's cost model) stays under `step_bound_s` and
-  within `p0_step_tokens`. A P0 arriving at the worst moment then waits for at most one
-  such step before its own. With no P0 in sight the full step budget is used.
+  within `p0_step_tokens`, but never under MIN_OTHER_PREFILL_TOKENS, so the other tiers
+  keep moving. A P0 arriving at the worst moment then waits for at most one such step
+  before its own. With no P0 in sight the full step budget is used.
 - P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
   only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
   stopped.
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 SHAPING_WINDOW = 8
 OTHER_TIERS = (Tier.P1, Tier.P2, Tier.P3)
+# The other tiers' prefill gets at least this many tokens a step under the bound: delayed,
+# never stopped (a bound below one step's fixed cost, or many decodes, would leave 0).
+MIN_OTHER_PREFILL_TOKENS = 64
 
 
 def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int) -> int:
@@ -73,7 +77,8 @@ class StepShaper:
     def begin(self, step: StepBudget, num_p0_waiting: int, running: Sequence[Request], now: float) -> None:
         if self.p0_likely(num_p0_waiting, running, now):
             num_decodes = sum(1 for r in running if not r.is_prefilling)
-            step.cap_prefill(OTHER_TIERS, self.bound_tokens(step.estimate_s) - num_decodes)
+            cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
+            step.cap_prefill(OTHER_TIERS, cap)
 
     def end(self, step: StepBudget) -> None:
         if self.options.p0_solo_prefill:
