@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "tierserve.bench.engine_bench",
     "tierserve.bench.serve_bench",
     "tierserve.bench.gateway_bench",
+    "tierserve.bench.fleet_bench",
     "tierserve.bench.sim_check",
     "tierserve.bench.vllm_bench",
     "tierserve.executors.sim.profile_cli",

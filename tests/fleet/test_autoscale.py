@@ -1,0 +1,93 @@
+"""Autoscaling: a replica serves only after its start-up delay; tiers decide when to add one."""
+
+from __future__ import annotations
+
+from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation, ScalingPolicy
+from tierserve.fleet.replica import ReplicaState
+from tierserve.fleet.requests import FleetRequest
+from tierserve.fleet.sim import FleetConfig, FleetSim
+
+from .helpers import build_engine, specs
+
+DELAY_S = 20.0
+
+
+def test_a_new_replica_serves_only_after_its_startup_delay() -> None:
+    workload = specs(500, seed=11, gap_s=0.03, prompt=(500, 3000), output=(100, 300))
+    scaling = AutoscaleConfig(ScalingPolicy.TIER, max_replicas=4, startup_delay_s=DELAY_S, interval_s=2.0)
+    sim = FleetSim(FleetConfig(1, router="tier-aware", autoscale=scaling), build_engine)
+    result = sim.run(workload)
+    added = [r for r in sim.replicas.values() if r.name != "replica-0"]
+    assert added, "the overloaded fleet never scaled out"
+    for replica in added:
+        assert replica.ready_s is not None and replica.ready_s - replica.launched_s == DELAY_S
+        assert all(t >= replica.ready_s for t in _sends(result.requests, replica.name))
+    assert any(_sends(result.requests, r.name) for r in added), "no added replica ever served"
+    # The launch counts GPU time from the start of the model load, not from readiness.
+    assert (
+        result.gpu_seconds
+        > sum((result.end_s - r.ready_s) * 8 for r in sim.replicas.values() if r.ready_s is not None) - 1e-6
+    )
+
+
+def _sends(reqs: list[FleetRequest], name: str) -> list[float]:
+    """When each request sent to replica `name` was sent there."""
+    return [t for fr in reqs for n, t in zip(fr.tried, fr.sent_s, strict=True) if n == name]
+
+
+def _obs(**kw: object) -> Observation:
+    base: dict[str, object] = dict(
+        now=0.0,
+        num_serving=2,
+        num_starting=0,
+        utilization=[0.5, 0.5],
+        num_waiting=[0, 0],
+        p0_queued=0,
+        p0_attainment=1.0,
+    )
+    base.update(kw)
+    return Observation(**base)  # type: ignore[arg-type]
+
+
+def test_tier_policy_scales_out_when_p0_is_at_risk_and_utilization_policy_does_not() -> None:
+    tier = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER))
+    util = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION))
+    fixed = Autoscaler(AutoscaleConfig(ScalingPolicy.FIXED))
+    for at_risk in (_obs(p0_queued=3), _obs(p0_attainment=0.5)):
+        assert tier.decide(at_risk) == 1
+        assert util.decide(at_risk) == 0
+        assert fixed.decide(at_risk) == 0
+    busy = _obs(utilization=[0.95, 0.9])
+    assert util.decide(busy) == 1 and tier.decide(busy) == 1 and fixed.decide(busy) == 0
+
+
+def test_scale_out_respects_the_maximum_and_loads_at_most_max_starting_at_once() -> None:
+    a = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER, max_replicas=3, max_starting=1))
+    assert a.decide(_obs(p0_queued=1, num_serving=2, num_starting=1)) == 0
+    assert a.decide(_obs(p0_queued=1, num_serving=3)) == 0
+    assert a.decide(_obs(p0_queued=1, num_serving=2)) == 1
+
+
+def test_scale_in_only_after_idle_long_enough_and_never_below_the_minimum() -> None:
+    a = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION, min_replicas=1, idle_s=100.0))
+    calm = [0.1, 0.1]
+    assert a.decide(_obs(now=0.0, utilization=calm)) == 0
+    assert a.decide(_obs(now=50.0, utilization=calm)) == 0
+    assert a.decide(_obs(now=100.0, utilization=calm)) == -1
+    assert a.decide(_obs(now=150.0, utilization=calm)) == 0  # a new idle period starts
+    single = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION, min_replicas=1, idle_s=0.0))
+    assert single.decide(_obs(num_serving=1, utilization=[0.0])) == 0
+
+
+def test_a_drained_replica_stops_and_takes_no_new_requests() -> None:
+    workload = specs(200, seed=5, gap_s=0.5, prompt=(50, 500), output=(5, 50))
+    scaling = AutoscaleConfig(ScalingPolicy.UTILIZATION, min_replicas=1, idle_s=10.0, interval_s=2.0)
+    sim = FleetSim(FleetConfig(3, router="least-loaded", autoscale=scaling), build_engine)
+    result = sim.run(workload)
+    stopped = [r for r in sim.replicas.values() if r.state is ReplicaState.STOPPED]
+    assert stopped
+    for r in stopped:
+        assert r.ended_s is not None
+        assert max(_sends(result.requests, r.name), default=0.0) <= r.ended_s
+        assert not r.engine.has_unfinished()
+    assert all(fr.outcome == "completed" for fr in result.requests)

@@ -1,0 +1,112 @@
+"""`tierserve bench fleet`: a fleet of simulated replicas behind the gateway's routing, in virtual time.
+
+Replays a request trace (default: the Azure trace in the shared data folder, as the
+`azure-code` workload does) at `--rate-scale` times its rate against `--replicas` replicas
+of the `default` workload's deployment (Llama-3.1-70B on 8 x A100-80GB), once per router
+and scaling policy asked for, side by side. Writes results.json, report.md and plots to
+`--out`. Importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
+WORKLOAD = "default"  # the deployment each replica runs
+ROUTER_CHOICES = ("round-robin", "least-loaded", "prefix-affinity", "tier-aware")
+SCALING_CHOICES = ("fixed", "utilization", "tier")
+
+
+def default_trace() -> Path:
+    """The Azure trace in shared/data: beside the repository, inside it, or /work/shared."""
+    repo = Path(__file__).resolve().parents[2]
+    for base in (repo / "shared", repo.parent / "shared", Path("/work/shared")):
+        if (base / "data" / TRACE_FILE).is_file():
+            return base / "data" / TRACE_FILE
+    raise FileNotFoundError(f"no shared/data/{TRACE_FILE} beside {repo}; pass --trace")
+
+
+def commit() -> str | None:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+    except OSError:
+        return None
+    return head.stdout.strip() or None
+
+
+def _choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    names = list(allowed) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise SystemExit(f"--{what}: choose from {', '.join(allowed)} or all (got {text!r})")
+    return names
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
+
+    p = subparsers.add_parser("fleet", help="a fleet of simulated replicas behind the gateway's routing")
+    p.add_argument("--replicas", type=int, default=4, help="replicas at the start (the fixed fleet's size)")
+    p.add_argument("--trace", type=Path, help=f"request trace (default: shared/data/{TRACE_FILE})")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument("--max-requests", type=int, help="replay only the trace's first N rows")
+    p.add_argument("--router", default="tier-aware", help=f"{', '.join(ROUTER_CHOICES)}, a list, or all")
+    p.add_argument(
+        "--autoscale",
+        nargs="?",
+        const="all",
+        default="fixed",
+        help=f"scaling policies to compare ({', '.join(SCALING_CHOICES)}, a list; bare: all three)",
+    )
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=32)
+    p.add_argument(
+        "--startup-delay-s",
+        type=float,
+        default=DEFAULT_STARTUP_DELAY_S,
+        help="a new replica's model load (default: Anyscale's measured 4 min 25 s for a 70B model)",
+    )
+    p.add_argument("--scale-interval-s", type=float, default=15.0)
+    p.add_argument("--idle-s", type=float, default=300.0, help="calm this long before removing a replica")
+    p.add_argument("--kill", action="append", default=[], metavar="T[@I]", help="replica I (0) dies at T s")
+    p.add_argument("--policy", default="hybrid", help="each engine's scheduling policy")
+    p.add_argument("--tier-mix", default="5/60/30/5")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bin-s", type=float, default=60.0, help="width of the over-time bins")
+    p.add_argument("--out", type=Path, default=Path("bench-out/fleet"))
+    p.add_argument("--json", action="store_true", help="print the per-run summaries as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tierserve.fleet.bench import FleetBench
+
+    trace = args.trace or default_trace()
+    routers = _choices(args.router, ROUTER_CHOICES, "router")
+    scalings = _choices(args.autoscale, SCALING_CHOICES, "autoscale")
+    started = time.process_time()
+    bench = FleetBench(args, trace)
+    runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
+    meta = bench.meta(commit(), time.process_time() - started)
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tierserve.fleet.report import write_plots, write_report
+
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    plots = write_plots(args.out, runs)
+    write_report(args.out / "report.md", meta, runs, plots)
+    print(f"wrote {args.out}/results.json, report.md and {len(plots)} plots", file=sys.stderr)
+    if args.json:
+        print(json.dumps([{k: r[k] for k in ("router", "scaling")} | _brief(r["summary"]) for r in runs]))
+    return 0
+
+
+def _brief(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in ("over_time", "replicas_over_time")}

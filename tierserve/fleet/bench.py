@@ -1,0 +1,102 @@
+"""One `bench fleet` invocation: the deployment, the trace and one run per (router, scaling)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tierserve.bench.cell import BenchSetup
+from tierserve.clock import VirtualClock
+from tierserve.engine import Engine
+from tierserve.executors.sim.executor import build_sim_executor
+from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
+from tierserve.fleet.sim import FleetConfig, FleetSim
+from tierserve.fleet.summary import summarize
+from tierserve.workloads import RequestSpec, TierMix, get_preset, load_trace, trace_stream
+
+WORKLOAD = "default"  # each replica: this workload's model on its GPUs
+
+
+class FleetBench:
+    def __init__(self, args: argparse.Namespace, trace: Path) -> None:
+        self.args = args
+        self.trace = trace
+        self.rows = load_trace(trace)[: args.max_requests]
+        if not self.rows:
+            raise ValueError(f"{trace}: no requests")
+        self.preset = get_preset(WORKLOAD)
+        self.setup = BenchSetup(tier_mix=args.tier_mix)
+        self.engine_config = self.setup.engine_config()
+        self.max_model_len = self._executor().spec.max_model_len
+
+    def _executor(self) -> Any:
+        p = self.preset
+        return build_sim_executor(p.model, p.gpu, p.tp)
+
+    def build_engine(self, clock: VirtualClock) -> Engine:
+        return Engine(self.engine_config, self.args.policy, self._executor(), clock)
+
+    def specs(self) -> Iterator[RequestSpec]:
+        mix = TierMix.parse(self.args.tier_mix)
+        return trace_stream(self.rows, self.args.seed, self.max_model_len, mix, self.args.rate_scale)
+
+    def config(self, router: str, scaling: str) -> FleetConfig:
+        a = self.args
+        autoscale = AutoscaleConfig(
+            ScalingPolicy(scaling),
+            min_replicas=min(a.min_replicas, a.replicas),
+            max_replicas=max(a.max_replicas, a.replicas),
+            startup_delay_s=a.startup_delay_s,
+            interval_s=a.scale_interval_s,
+            idle_s=a.idle_s,
+        )
+        return FleetConfig(
+            a.replicas, router, autoscale, num_gpus_per_replica=self.preset.tp, kills=_kills(a)
+        )
+
+    def run(self, router: str, scaling: str) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        sim = FleetSim(self.config(router, scaling), self.build_engine)
+        started = time.process_time()
+        with tqdm(total=len(self.rows), desc=f"{router}/{scaling}", file=sys.stderr, unit="req") as bar:
+            sim.on_arrival = lambda now: bar.update(1)
+            result = sim.run(self.specs())
+        cpu_s = time.process_time() - started
+        summary = summarize(result, self.engine_config, self.args.bin_s)
+        return {"router": router, "scaling": scaling, "cpu_s": cpu_s, "summary": summary}
+
+    def meta(self, commit: str | None, cpu_s: float) -> dict[str, Any]:
+        load = os.getloadavg()[0]
+        cores = os.cpu_count() or 1
+        return {
+            "trace": str(self.trace),
+            "rate_scale": self.args.rate_scale,
+            "num_requests": len(self.rows),
+            "replicas": self.args.replicas,
+            "model": self.preset.model,
+            "gpu": self.preset.gpu,
+            "tp": self.preset.tp,
+            "policy": self.args.policy,
+            "tier_mix": self.args.tier_mix,
+            "seed": self.args.seed,
+            "startup_delay_s": self.args.startup_delay_s,
+            "kills": [list(k) for k in _kills(self.args)],
+            "commit": commit,
+            "cpu_s": cpu_s,
+            "load_average": load,
+            "busy_host": load > 0.75 * cores,
+        }
+
+
+def _kills(args: argparse.Namespace) -> tuple[tuple[float, int], ...]:
+    out = []
+    for v in args.kill:
+        when, _, index = v.partition("@")
+        out.append((float(when), int(index or 0)))
+    return tuple(out)

@@ -1,0 +1,112 @@
+"""One engine replica of a simulated fleet: an `Engine` with the sim executor on its own clock.
+
+The fleet's event loop owns time. A replica runs a step at one of its boundaries: its
+clock is moved to the fleet's time, the step advances it by the step's duration, and the
+step's outputs are held until the fleet reaches that next boundary, where they are
+delivered. A request routed to the replica mid-step waits in its inbox and is handed to
+the engine at the next boundary, with its arrival time unchanged (as `bench`'s driver
+does). What a scrape sees is the state exported at the last delivered boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierserve.clock import VirtualClock
+from tierserve.engine import Engine
+from tierserve.engine.lifecycle import RequestOutput
+from tierserve.request import Request
+from tierserve.tiers import ALL_TIERS
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"  # loading the model: costs GPU time, serves nothing
+    READY = "ready"
+    DRAINING = "draining"  # scaled in: takes no new requests, finishes its own
+    STOPPED = "stopped"
+    DEAD = "dead"  # failed; its requests were retried or lost
+
+
+class ReplicaStateError(RuntimeError):
+    """A request was sent to a replica that cannot take it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """What the replica's /metrics would show: the engine's state at a boundary."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    busy_s: float = 0.0  # GPU-busy seconds since start (a DCGM-like utilization counter)
+
+
+class Replica:
+    def __init__(self, name: str, build: Callable[[VirtualClock], Engine], launched_s: float) -> None:
+        self.name = name
+        self.clock = VirtualClock(launched_s)
+        self.engine = build(self.clock)
+        self.state = ReplicaState.STARTING
+        self.launched_s = launched_s
+        self.ready_s: float | None = None
+        self.ended_s: float | None = None
+        self.inbox: list[Request] = []
+        self.pending: list[RequestOutput] = []  # outputs of the step in flight
+        self.next_boundary: float | None = None  # None: idle, no step in flight or scheduled
+        self.exported = Exported()
+        self.utilization = 0.0  # busy fraction between the last two observations
+        self._busy_at_scrape = (launched_s, 0.0)  # (time, busy_s)
+
+    @property
+    def serving(self) -> bool:
+        return self.state in (ReplicaState.READY, ReplicaState.DRAINING)
+
+    def send(self, req: Request) -> None:
+        if self.state is not ReplicaState.READY:
+            raise ReplicaStateError(f"{self.name} is {self.state.value}: it takes no requests")
+        self.inbox.append(req)
+
+    def boundary(self, now: float) -> tuple[list[RequestOutput], list[Request]]:
+        """Deliver the last step's outputs, take in the inbox and start the next step.
+        Returns (outputs delivered, requests the engine rejected on arrival)."""
+        delivered, self.pending = self.pending, []
+        self.clock.advance_to(now)
+        rejected = [r for r in self.inbox if not self.engine.add_request(r)]
+        self.inbox.clear()
+        self._export()
+        if self.engine.has_unfinished():
+            self.pending = self.engine.step()
+            self.next_boundary = self.clock.now()
+        else:
+            self.next_boundary = None
+        return delivered, rejected
+
+    def _export(self) -> None:
+        memory = self.engine.memory
+        used = sum(memory.used_blocks(t) for t in ALL_TIERS)
+        self.exported = Exported(
+            self.engine.num_waiting(),
+            self.engine.num_running(),
+            used / max(1, memory.num_blocks),
+            self.engine.stats.busy_s,
+        )
+
+    def observe_busy(self, now: float) -> None:
+        """Read the busy counter: the busy fraction since the previous reading."""
+        then, busy = self._busy_at_scrape
+        if now > then:
+            self.utilization = min(1.0, (self.exported.busy_s - busy) / (now - then))
+        self._busy_at_scrape = (now, self.exported.busy_s)
+
+    def end(self, state: ReplicaState, now: float) -> None:
+        self.state = state
+        self.ended_s = now
+        self.next_boundary = None
+        self.pending = []
+        self.inbox = []
+
+    def gpu_seconds(self, now: float, num_gpus: int) -> float:
+        end = self.ended_s if self.ended_s is not None else now
+        return max(0.0, end - self.launched_s) * num_gpus

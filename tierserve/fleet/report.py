@@ -1,0 +1,103 @@
+"""A fleet bench's report.md and plots, from the runs' summaries (results.json's `runs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierserve.tiers import ALL_TIERS
+
+Run = Mapping[str, Any]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(runs: Sequence[Run]) -> list[str]:
+    tiers = [t.name for t in ALL_TIERS]
+    head = ["router", "scaling", "GPU-h", *(f"{t} SLO" for t in tiers), *(f"{t} goodput/s" for t in tiers)]
+    head += ["retried", "lost", "refused"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        s = r["summary"]
+        refused = sum(v for k, v in s["outcomes"].items() if k.startswith("refused:"))
+        cells = [r["router"], r["scaling"], _num(s["gpu_hours"])]
+        cells += [_pct(s["tiers"][t]["slo_attainment"]) for t in tiers]
+        cells += [_num(s["tiers"][t]["goodput_rps"]) for t in tiers]
+        cells += [str(s["num_retried"]), str(s["num_lost"]), str(refused)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots: Sequence[str]) -> None:
+    lines = [
+        "# Fleet simulation",
+        "",
+        f"Trace `{meta['trace']}` x {meta['rate_scale']} ({meta['num_requests']} requests), "
+        f"{meta['replicas']} replicas of {meta['model']} on {meta['tp']} x {meta['gpu']} "
+        f"(engine policy {meta['policy']}); commit {meta['commit']}; "
+        f"start-up delay {meta['startup_delay_s']:.0f} s; CPU {meta['cpu_s']:.1f} s.",
+        "",
+        "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
+        "Goodput: attaining requests per second. GPU-hours include model loading.",
+        "",
+        *table(runs),
+        "",
+    ]
+    if meta.get("kills"):
+        lines += [f"Replica faults: {meta['kills']} (time s, replica index).", ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for key, label in (("slo_attainment", "SLO attainment"), ("goodput_rps", "goodput (req/s)")):
+        fig, axes = plt.subplots(1, len(ALL_TIERS), figsize=(4.2 * len(ALL_TIERS), 3.4), squeeze=False)
+        for ax, tier in zip(axes.flat, ALL_TIERS, strict=True):
+            for r in runs:
+                ot = r["summary"]["over_time"]
+                ys = ot["tiers"].get(tier.name, {}).get(key, [])
+                pts = [(t, y) for t, y in zip(ot["t_s"], ys, strict=False) if y is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r['router']} / {r['scaling']}")
+            ax.set_title(f"{tier.name} {label}")
+            if key == "slo_attainment":
+                ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("arrival time (s)")
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        name = f"{key}_over_time.png"
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        names.append(name)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for r in runs:
+        rot = r["summary"]["replicas_over_time"]
+        ax1.step(
+            [x[0] for x in rot],
+            [x[1] + x[2] for x in rot],
+            where="post",
+            label=f"{r['router']} / {r['scaling']}",
+        )
+    ax1.set_title("replicas (serving + starting)")
+    ax1.set_xlabel("time (s)")
+    ax1.legend(fontsize=7)
+    labels = [f"{r['router']}\n{r['scaling']}" for r in runs]
+    ax2.bar(range(len(runs)), [r["summary"]["gpu_hours"] for r in runs])
+    ax2.set_xticks(range(len(runs)), labels, fontsize=7)
+    ax2.set_title("GPU-hours")
+    fig.tight_layout()
+    fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
+    plt.close(fig)
+    return [*names, "replicas_gpu_hours.png"]

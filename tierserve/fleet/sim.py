@@ -1,0 +1,314 @@
+"""A fleet of simulated engine replicas behind the gateway's own routing, in virtual time.
+
+One event loop owns the clock (see `events`). Requests arrive from a workload stream and
+go through `FleetDispatch` (the gateway's `Router` and `FlowControl`); replicas step at
+their own boundaries; the gateway scrapes each serving replica's exported load every
+`scrape_interval_s`, so routing sees it with the staleness it would have; the autoscaler
+ticks every `interval_s`. A killed replica's requests are retried on another replica if
+no token had reached the client yet (up to `max_attempts` replicas), else lost, as the
+gateway does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from tierserve.clock import VirtualClock
+from tierserve.engine import Engine
+from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation
+from tierserve.fleet.dispatch import DispatchOutcome
+from tierserve.fleet.events import Event, EventKind, EventQueue
+from tierserve.fleet.observe import FleetObserver
+from tierserve.fleet.replica import Replica, ReplicaState
+from tierserve.fleet.requests import (
+    LOST,
+    REFUSED_PREFIX,
+    REJECTED,
+    UNFINISHED,
+    FleetRequest,
+    outcome_of,
+)
+from tierserve.fleet.routing import build_dispatch, replica_name
+from tierserve.gateway.config import GatewaySettings
+from tierserve.gateway.saturation import LoadSample
+from tierserve.request import Request, SamplingParams
+from tierserve.tiers import Tier
+from tierserve.workloads.spec import RequestSpec
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    num_replicas: int
+    router: str = "tier-aware"
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    settings: GatewaySettings = field(default_factory=GatewaySettings)
+    num_gpus_per_replica: int = 8
+    kills: tuple[tuple[float, int], ...] = ()  # (time, replica index): that replica dies then
+    drain_timeout_s: float = 600.0  # after the last arrival; what is left then is unfinished
+
+    @property
+    def max_replicas(self) -> int:
+        return max(self.num_replicas, self.autoscale.max_replicas)
+
+    @property
+    def num_names(self) -> int:
+        """Upstreams the gateway knows: every replica ever launched gets a name of its own."""
+        return 4 * self.max_replicas + len(self.kills)
+
+
+@dataclass
+class FleetResult:
+    requests: list[FleetRequest]
+    end_s: float
+    gpu_seconds: float
+    replicas_over_time: list[tuple[float, int, int]]  # (time, serving, starting)
+    routed_by_reason: dict[str, int]
+    num_launched: int
+
+
+class FleetSim:
+    def __init__(self, config: FleetConfig, build_engine: Callable[[VirtualClock], Engine]) -> None:
+        self.config = config
+        self.clock = VirtualClock()
+        self._build = build_engine
+        self.events = EventQueue()
+        self.replicas: dict[str, Replica] = {}
+        self._tokens: dict[str, int] = {}  # replica -> generation of its live boundary event
+        self.dispatch = build_dispatch(config.router, config.num_names, config.settings, self.clock)
+        self.autoscaler = Autoscaler(config.autoscale)
+        self.observer = FleetObserver(self.clock)
+        self.requests: list[FleetRequest] = []
+        self._live: dict[str, FleetRequest] = {}  # engine request id -> its fleet request
+        self._num_open = 0
+        self._specs: Iterator[RequestSpec] = iter(())
+        self._last_arrival_s = 0.0
+        self.replicas_over_time: list[tuple[float, int, int]] = []
+        self.on_arrival: Callable[[float], None] = lambda now: None  # progress callback
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def run(self, specs: Iterable[RequestSpec]) -> FleetResult:
+        self._specs = iter(specs)
+        for _ in range(self.config.num_replicas):
+            self._launch(0.0)
+        for when, index in self.config.kills:
+            self.events.push(when, EventKind.KILL, str(index))
+        self._next_arrival()
+        self.events.push(0.0, EventKind.SCRAPE)
+        self.events.push(0.0, EventKind.AUTOSCALE)
+        handlers: dict[EventKind, Callable[[Event], None]] = {
+            EventKind.ARRIVAL: self._arrival,
+            EventKind.READY: self._ready,
+            EventKind.KILL: self._kill,
+            EventKind.BOUNDARY: self._boundary,
+            EventKind.SCRAPE: self._scrape_all,
+            EventKind.AUTOSCALE: self._autoscale,
+        }
+        while len(self.events) and not self._done():
+            ev = self.events.pop()
+            if ev.time > self._deadline():
+                break
+            self.clock.advance_to(ev.time)
+            handlers[ev.kind](ev)
+        return self._result()
+
+    def _done(self) -> bool:
+        return self._num_open == 0 and self._spec is None
+
+    def _deadline(self) -> float:
+        return math.inf if self._spec is not None else self._last_arrival_s + self.config.drain_timeout_s
+
+    def _result(self) -> FleetResult:
+        now = self.clock.now()
+        for fr in self.requests:
+            if fr.outcome is None:
+                fr.end(UNFINISHED, now)
+        gpus = self.config.num_gpus_per_replica
+        return FleetResult(
+            self.requests,
+            now,
+            sum(r.gpu_seconds(now, gpus) for r in self.replicas.values()),
+            self.replicas_over_time,
+            dict(self.dispatch.num_routed_by_reason),
+            len(self.replicas),
+        )
+
+    # ---- arrivals and routing ---------------------------------------------------------------
+
+    def _next_arrival(self) -> None:
+        self._spec = next(self._specs, None)
+        if self._spec is not None:
+            if self._spec.arrival_s is None:
+                raise ValueError(f"spec {self._spec.index} has no arrival time (the fleet runs open loop)")
+            self.events.push(self._spec.arrival_s, EventKind.ARRIVAL)
+
+    def _arrival(self, ev: Event) -> None:
+        spec = self._spec
+        if spec is None:
+            return
+        self._last_arrival_s = self.clock.now()
+        fr = FleetRequest(len(self.requests), spec, self.clock.now())
+        self.requests.append(fr)
+        self._num_open += 1
+        self._next_arrival()
+        self._handle(self.dispatch.submit(fr.key, fr.tier, fr.prefix))
+        self.on_arrival(self.clock.now())
+
+    def _handle(self, out: DispatchOutcome) -> None:
+        for key, upstream in out.routed:
+            self._send(self.requests[key], self.replicas[upstream])
+        for key, reason in out.refused:
+            self._finish(self.requests[key], REFUSED_PREFIX + reason)
+
+    def _send(self, fr: FleetRequest, replica: Replica) -> None:
+        fr.attempts += 1
+        fr.tried.append(replica.name)
+        fr.sent_s.append(self.clock.now())
+        spec = fr.spec
+        req = Request(
+            f"r{spec.index}" if fr.attempts == 1 else f"r{spec.index}.{fr.attempts}",
+            list(spec.prompt_token_ids),
+            SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+            tier=spec.tier,
+            tenant=spec.tenant,
+            arrival_time=self.clock.now(),  # when this replica receives it
+        )
+        fr.engine_request = req
+        self._live[req.request_id] = fr
+        replica.send(req)
+        if replica.next_boundary is None:
+            replica.next_boundary = self.clock.now()
+            self._schedule(replica)
+
+    def _finish(self, fr: FleetRequest, outcome: str) -> None:
+        if fr.first_token_s is None:
+            self.observer.ended_without_token(fr)
+        fr.end(outcome, self.clock.now())
+        self._num_open -= 1
+
+    def _end(self, fr: FleetRequest, outcome: str, upstream: str) -> None:
+        self._finish(fr, outcome)
+        self._handle(self.dispatch.finished(upstream))
+
+    # ---- replicas -------------------------------------------------------------------------
+
+    def _launch(self, delay_s: float) -> Replica:
+        name = replica_name(len(self.replicas))
+        replica = Replica(name, self._build, self.clock.now())
+        self.replicas[name] = replica
+        if delay_s > 0:
+            self.events.push(self.clock.now() + delay_s, EventKind.READY, name)
+        else:
+            self._make_ready(replica)
+        return replica
+
+    def _ready(self, ev: Event) -> None:
+        replica = self.replicas[ev.target]
+        if replica.state is ReplicaState.STARTING:
+            self._make_ready(replica)
+
+    def _make_ready(self, replica: Replica) -> None:
+        replica.state = ReplicaState.READY
+        replica.ready_s = self.clock.now()
+        self._scrape(replica)
+        self._handle(self.dispatch.pump())
+
+    def _schedule(self, replica: Replica) -> None:
+        if replica.next_boundary is None:
+            return
+        token = self._tokens.get(replica.name, 0) + 1
+        self._tokens[replica.name] = token
+        self.events.push(replica.next_boundary, EventKind.BOUNDARY, replica.name, token)
+
+    def _boundary(self, ev: Event) -> None:
+        replica = self.replicas[ev.target]
+        if self._tokens.get(replica.name) != ev.token or not replica.serving:
+            return
+        delivered, rejected = replica.boundary(self.clock.now())
+        for req in rejected:
+            self._end(self._live.pop(req.request_id), REJECTED, replica.name)
+        for out in delivered:
+            fr = self._live.get(out.request.request_id)
+            if fr is None:
+                continue
+            if fr.first_token_s is None and out.request.first_token_time is not None:
+                fr.first_token_s = out.request.first_token_time
+                self.observer.first_token(fr)
+            if out.finished:
+                del self._live[out.request.request_id]
+                self._end(fr, outcome_of(out.request), replica.name)
+        self._schedule(replica)
+        if replica.state is ReplicaState.DRAINING and replica.next_boundary is None and not replica.inbox:
+            replica.end(ReplicaState.STOPPED, self.clock.now())
+
+    def _kill(self, ev: Event) -> None:
+        name = replica_name(int(ev.target))
+        replica = self.replicas.get(name)
+        if replica is None or replica.state in (ReplicaState.DEAD, ReplicaState.STOPPED):
+            return
+        # Every request sent here and not yet delivered as ended, including those the step in
+        # flight would have ended: that step's outputs never reach the gateway.
+        live = [(rid, fr) for rid, fr in self._live.items() if fr.tried[-1] == name]
+        replica.end(ReplicaState.DEAD, self.clock.now())
+        self.dispatch.router.record_failure(name, eject_now=True)
+        for rid, fr in live:
+            del self._live[rid]
+            self.dispatch.router.finished(name)
+            if fr.first_token_s is not None:
+                self._finish(fr, LOST)  # the stream broke midway: the client sees an error event
+            elif fr.attempts >= self.config.settings.max_attempts:
+                self._finish(fr, REFUSED_PREFIX + "no_upstream")
+            else:
+                self._handle(self.dispatch.submit(fr.key, fr.tier, fr.prefix, fr.tried))
+        self._handle(self.dispatch.pump())
+
+    # ---- the gateway's scrapes and the autoscaler ------------------------------------------------
+
+    def _scrape(self, replica: Replica) -> None:
+        e = replica.exported
+        router = self.dispatch.router
+        router.record_sample(
+            replica.name, LoadSample(e.num_waiting, e.num_running, e.kv_usage, self.clock.now())
+        )
+        if replica.state is ReplicaState.READY:
+            router.record_success(replica.name)
+
+    def _scrape_all(self, ev: Event) -> None:
+        now = self.clock.now()
+        for replica in self.replicas.values():
+            if replica.serving:
+                self._scrape(replica)
+        self._handle(self.dispatch.pump())
+        self.events.push(now + self.config.settings.scrape_interval_s, EventKind.SCRAPE)
+
+    def _autoscale(self, ev: Event) -> None:
+        now = self.clock.now()
+        serving = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
+        for replica in serving:
+            replica.observe_busy(now)  # the busy fraction over the autoscaler's interval
+        starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
+        self.replicas_over_time.append((now, len(serving), len(starting)))
+        states = {s.name: s for s in self.dispatch.router.states}
+        obs = Observation(
+            now,
+            len(serving),
+            len(starting),
+            [r.utilization for r in serving],
+            [s.sample.num_waiting if (s := states[r.name]).sample else 0.0 for r in serving],
+            self.dispatch.depth(Tier.P0),
+            self.observer.p0_attainment(),
+        )
+        change = self.autoscaler.decide(obs)
+        if change > 0 and len(self.replicas) < self.config.num_names:
+            self._launch(self.config.autoscale.startup_delay_s)
+        elif change < 0 and serving:
+            self._drain(min(serving, key=lambda r: (r.exported.num_running + r.exported.num_waiting, r.name)))
+        self.events.push(now + self.config.autoscale.interval_s, EventKind.AUTOSCALE)
+
+    def _drain(self, replica: Replica) -> None:
+        replica.state = ReplicaState.DRAINING
+        self.dispatch.router.record_failure(replica.name, eject_now=True)
+        if replica.next_boundary is None and not replica.inbox:
+            replica.end(ReplicaState.STOPPED, self.clock.now())

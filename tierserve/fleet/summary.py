@@ -1,0 +1,98 @@
+"""A fleet run's figures: per-tier SLO attainment and goodput, over the run and over time.
+
+Definitions (as `tierserve bench`'s, at the gateway): TTFT = first token at the client -
+arrival at the gateway, so it includes the gateway queue and any retries. A request
+attains its tier's SLO when its TTFT is within `ttft_target_s` and it completes; a tier
+with no target (P3) attains it by completing. Refused, lost, rejected, shed and
+unfinished requests miss it. Attainment = attained / arrived. Goodput = attained requests
+per second of the run. GPU-hours count every replica from its launch (model loading
+included) to its stop, death or the end of the run, times its GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tierserve.config import EngineConfig
+from tierserve.fleet.requests import COMPLETED, LOST, REFUSED_PREFIX, UNFINISHED, FleetRequest
+from tierserve.fleet.sim import FleetResult
+from tierserve.tiers import ALL_TIERS, Tier
+
+
+def attained(fr: FleetRequest, config: EngineConfig) -> bool:
+    if fr.outcome != COMPLETED:
+        return False
+    target = config.tier(fr.tier).ttft_target_s
+    return math.isinf(target) or (fr.ttft_s is not None and fr.ttft_s <= target)
+
+
+def _percentile(xs: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def tier_figures(reqs: Sequence[FleetRequest], config: EngineConfig, span_s: float) -> dict[str, Any]:
+    ttfts = [fr.ttft_s for fr in reqs if fr.ttft_s is not None]
+    num_attained = sum(attained(fr, config) for fr in reqs)
+    return {
+        "num_requests": len(reqs),
+        "slo_attainment": num_attained / len(reqs) if reqs else None,
+        "goodput_rps": num_attained / span_s if span_s > 0 else 0.0,
+        "num_completed": sum(fr.outcome == COMPLETED for fr in reqs),
+        "num_refused": sum((fr.outcome or "").startswith(REFUSED_PREFIX) for fr in reqs),
+        "num_lost": sum(fr.outcome == LOST for fr in reqs),
+        "num_retried": sum(fr.num_retries > 0 for fr in reqs),
+        "num_unfinished": sum(fr.outcome == UNFINISHED for fr in reqs),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p99_s": _percentile(ttfts, 99),
+    }
+
+
+def over_time(reqs: Sequence[FleetRequest], config: EngineConfig, bin_s: float) -> dict[str, Any]:
+    """Per tier and per bin of arrival time: SLO attainment and goodput (attained / bin_s)."""
+    if not reqs:
+        return {"bin_s": bin_s, "t_s": [], "tiers": {}}
+    num_bins = int(max(fr.arrival_s for fr in reqs) // bin_s) + 1
+    tiers: dict[str, Any] = {}
+    for tier in ALL_TIERS:
+        arrived, ok = [0] * num_bins, [0] * num_bins
+        for fr in reqs:
+            if fr.tier is tier:
+                b = int(fr.arrival_s // bin_s)
+                arrived[b] += 1
+                ok[b] += attained(fr, config)
+        tiers[tier.name] = {
+            "slo_attainment": [o / a if a else None for o, a in zip(ok, arrived, strict=True)],
+            "goodput_rps": [o / bin_s for o in ok],
+        }
+    return {"bin_s": bin_s, "t_s": [i * bin_s for i in range(num_bins)], "tiers": tiers}
+
+
+def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[str, Any]:
+    reqs = result.requests
+    span = max((fr.arrival_s for fr in reqs), default=0.0) or result.end_s
+    by_tier = {t: [fr for fr in reqs if fr.tier is t] for t in ALL_TIERS}
+    outcomes: dict[str, int] = {}
+    for fr in reqs:
+        outcomes[fr.outcome or UNFINISHED] = outcomes.get(fr.outcome or UNFINISHED, 0) + 1
+    return {
+        "num_requests": len(reqs),
+        "duration_s": result.end_s,
+        "gpu_hours": result.gpu_seconds / 3600.0,
+        "num_replicas_launched": result.num_launched,
+        "outcomes": outcomes,
+        "num_retried": sum(fr.num_retries > 0 for fr in reqs),
+        "num_lost": outcomes.get(LOST, 0),
+        "routed_by_reason": result.routed_by_reason,
+        "tiers": {t.name: tier_figures(by_tier[t], config, span) for t in ALL_TIERS},
+        "over_time": over_time(reqs, config, bin_s),
+        "replicas_over_time": [list(x) for x in result.replicas_over_time],
+    }
+
+
+def p0_attainment(summary: dict[str, Any]) -> float | None:
+    value: float | None = summary["tiers"][Tier.P0.name]["slo_attainment"]
+    return value
