@@ -14,7 +14,7 @@ import logging
 import httpx
 
 from tierserve.gateway.router import UpstreamState
-from tierserve.gateway.saturation import MetricsParseError, parse_load
+from tierserve.gateway.saturation import LoadSample, MetricsParseError, parse_load
 from tierserve.gateway.state import GatewayState
 
 log = logging.getLogger("tierserve.gateway")
@@ -41,8 +41,15 @@ class UpstreamPoller:
             if s.has_metrics:
                 r = await gw.client.get(url + "/metrics", timeout=self._timeout_s)
                 r.raise_for_status()
-                sample = parse_load(s.config.kind, r.text, gw.clock.now())
-                if not s.healthy or not s.models:
+                try:
+                    sample = parse_load(s.config.kind, r.text, gw.clock.now())
+                except MetricsParseError:
+                    # A fresh vLLM whose metrics are kept per process (PROMETHEUS_MULTIPROC_DIR)
+                    # exports its load gauges only after its first request: a replica that
+                    # answers and has never reported load is idle, not broken.
+                    models = await fetch_models(gw.client, url, self._timeout_s)
+                    sample = LoadSample(0.0, 0.0, 0.0, gw.clock.now())
+                if models is None and (not s.healthy or not s.models):
                     models = await fetch_models(gw.client, url, self._timeout_s)
             else:
                 models = await fetch_models(gw.client, url, self._timeout_s)

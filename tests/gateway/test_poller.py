@@ -1,0 +1,64 @@
+"""The gateway's health checks and scrapes against upstreams answering over a mock transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tierserve.gateway.config import parse_gateway_config
+from tierserve.gateway.poller import UpstreamPoller
+from tierserve.gateway.state import build_gateway_state
+
+MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+
+
+def _poll(metrics_text: str, rounds: int = 3) -> bool:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics_text)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        return httpx.Response(404)
+
+    raw = {"upstreams": [{"name": "u", "kind": "vllm", "url": "http://127.0.0.1:1"}]}
+    gw = build_gateway_state(parse_gateway_config(raw))
+
+    async def run() -> bool:
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            poller = UpstreamPoller(gw)
+            for _ in range(rounds):
+                await poller.poll_once()
+            return gw.router.states[0].healthy and gw.router.states[0].models == frozenset({"tiny"})
+        finally:
+            await gw.client.aclose()
+
+    return asyncio.run(run())
+
+
+def test_a_fresh_vllm_that_has_not_reported_load_yet_is_admitted_as_idle() -> None:
+    # vLLM with PROMETHEUS_MULTIPROC_DIR exports its load gauges only after its first request.
+    assert _poll('vllm:num_preemptions_total{engine="0",model_name="tiny"} 0.0\n')
+
+
+def test_an_upstream_reporting_its_load_is_admitted() -> None:
+    assert _poll('vllm:num_requests_waiting{model_name="tiny"} 0.0\nvllm:num_requests_running 1.0\n')
+
+
+def test_an_upstream_whose_models_fail_is_not_admitted() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500)
+
+    raw = {"upstreams": [{"name": "u", "kind": "vllm", "url": "http://127.0.0.1:1"}]}
+    gw = build_gateway_state(parse_gateway_config(raw))
+
+    async def run() -> bool:
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            await UpstreamPoller(gw).poll_once()
+            return gw.router.states[0].healthy
+        finally:
+            await gw.client.aclose()
+
+    assert not asyncio.run(run())
