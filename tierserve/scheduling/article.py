@@ -24,16 +24,14 @@ No step shaping, no SLO rescue, no seat preemption: those are `hybrid`'s additio
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
-from tierserve.scheduling.base import Policy
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.sfq import TierFairQueues
-from tierserve.scheduling.wfq import expected_cost
+from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
@@ -56,7 +54,7 @@ class ArticleOptions(PolicyOptions):
                 raise ConfigError(f"{path}.{name}: must be > 0, got {getattr(self, name)}")
 
 
-class ArticlePolicy(Policy):
+class ArticlePolicy(FairQueuePolicy):
     name: ClassVar[str] = "article"
     options_type: ClassVar[type[PolicyOptions] | None] = ArticleOptions
 
@@ -108,17 +106,6 @@ class ArticlePolicy(Policy):
         tier, level, in_order = choice
         return self._sfq.serve(tier, in_order=in_order, weight=self._weights[level])
 
-    def _push(self, req: Request, now: float) -> None:
-        self._sfq.append(req)
-
-    def _push_front(self, req: Request, now: float) -> None:
-        self._sfq.appendleft(req)
-
-    def _remove(self, req: Request) -> None:
-        self._sfq.remove(req)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._sfq)
 
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         return req.tier == Tier.P0

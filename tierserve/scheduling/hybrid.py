@@ -25,18 +25,17 @@ tenant is entitled to, so an aged P1 never holds P0's floor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
-from tierserve.scheduling.base import Policy
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper
 from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.scheduling.step import StepBudget
-from tierserve.scheduling.wfq import expected_cost
+from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ class HybridOptions(PolicyOptions):
             raise ConfigError(f"{path}.p0_step_tokens: must be >= 1, got {self.p0_step_tokens}")
 
 
-class HybridPolicy(Policy):
+class HybridPolicy(FairQueuePolicy):
     name: ClassVar[str] = "hybrid"
     options_type: ClassVar[type[PolicyOptions] | None] = HybridOptions
 
@@ -132,16 +131,7 @@ class HybridPolicy(Policy):
     def _push(self, req: Request, now: float) -> None:
         if req.tier == Tier.P0:
             self._shaper.last_p0_arrival = now
-        self._sfq.append(req)
-
-    def _push_front(self, req: Request, now: float) -> None:
-        self._sfq.appendleft(req)
-
-    def _remove(self, req: Request) -> None:
-        self._sfq.remove(req)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._sfq)
+        super()._push(req, now)
 
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         # P0 may always reclaim; other tiers only to take back their own floor and reserve.

@@ -17,7 +17,25 @@ def expected_cost(req: Request) -> float:
     return float(req.expected_cost_tokens)
 
 
-class WfqPolicy(Policy):
+class FairQueuePolicy(Policy):
+    """A policy whose waiting requests live in one set of tier fair queues, `self._sfq`."""
+
+    _sfq: TierFairQueues
+
+    def _push(self, req: Request, now: float) -> None:
+        self._sfq.append(req)
+
+    def _push_front(self, req: Request, now: float) -> None:
+        self._sfq.appendleft(req)
+
+    def _remove(self, req: Request) -> None:
+        self._sfq.remove(req)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._sfq)
+
+
+class WfqPolicy(FairQueuePolicy):
     name: ClassVar[str] = "wfq"
 
     def __init__(self, config: EngineConfig) -> None:
@@ -35,14 +53,3 @@ class WfqPolicy(Policy):
             raise EmptyQueueError("pop from an empty queue")
         return self._sfq.serve(tier)
 
-    def _push(self, req: Request, now: float) -> None:
-        self._sfq.append(req)
-
-    def _push_front(self, req: Request, now: float) -> None:
-        self._sfq.appendleft(req)
-
-    def _remove(self, req: Request) -> None:
-        self._sfq.remove(req)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._sfq)
