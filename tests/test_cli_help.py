@@ -30,15 +30,7 @@ def commands() -> Iterator[tuple[str, argparse.ArgumentParser]]:
                 stack.extend(action.choices.values())
 
 
-# `bench reproduce` belongs to the benchmark's own rework (its help still cites DESIGN.md §7
-# and leaves --policies, --model, --gpu and --tp undescribed).
-REWORKED_ELSEWHERE = {"tierserve bench reproduce"}
-PROGS = [
-    pytest.param(prog, marks=pytest.mark.xfail(reason="reworked with the benchmark", strict=False))
-    if prog in REWORKED_ELSEWHERE
-    else prog
-    for prog, _ in commands()
-]
+PROGS = [prog for prog, _ in commands()]
 
 
 def test_every_command_is_covered() -> None:

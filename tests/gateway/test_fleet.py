@@ -24,6 +24,7 @@ LIMIT_RPS, LIMIT_BURST = 4.0, 4.0
 TENANTS = f"""
 [tenants.limited]
 api_keys = ["sk-limited"]
+max_tier = "realtime"  # a tenant without max_tier runs at P3 (deny by default)
 requests_per_s = {LIMIT_RPS}
 request_burst = {LIMIT_BURST}
 
@@ -34,6 +35,7 @@ default_tier = "batch"
 
 [tenants.free]
 api_keys = ["sk-free"]
+max_tier = "realtime"  # a tenant without max_tier runs at P3 (deny by default)
 """
 
 
@@ -252,10 +254,12 @@ P1 = "open"
 P2 = "closed"
 [tenants.t]
 api_keys = ["sk-t"]
+max_tier = "realtime"  # a tenant without max_tier runs at P3 (deny by default)
 requests_per_s = 0.001
 request_burst = {burst}
 [tenants.bg]
 api_keys = ["sk-bg"]
+max_tier = "realtime"  # a tenant without max_tier runs at P3 (deny by default)
 requests_per_s = 1000
 request_burst = 1000
 {upstreams_toml(ups)}"""

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tierserve.bench.cell import BenchSetup, Cell, run_cell
@@ -34,3 +36,15 @@ def test_the_memory_pressure_workload_fills_the_kv_cache(policy: str) -> None:
         assert out["kv_peak_used"] >= 0.97
         pre = out["preemptions"]
         assert pre["swap"] + pre["recompute"] > 0  # the running requests outgrew the cache
+
+
+def test_a_trace_file_is_a_workload_on_the_default_hardware(tmp_path: Path) -> None:
+    trace = tmp_path / "mine.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    preset = get_preset(str(trace))
+    assert preset.trace_file == str(trace.resolve()) and preset.shapes is None
+    assert (preset.model, preset.gpu, preset.tp) == (PRESETS["default"].model, "a100-80gb", 8)
+    with pytest.raises(ValueError, match="no such trace file"):
+        get_preset(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_preset("nonesuch")

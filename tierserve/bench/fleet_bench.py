@@ -66,22 +66,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default="fixed",
         help=f"scaling policies to compare ({', '.join(SCALING_CHOICES)}, a list; bare: all three)",
     )
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--max-replicas", type=int, default=32)
+    p.add_argument("--min-replicas", type=int, default=1, help="autoscaling: fewest replicas (default: 1)")
+    p.add_argument("--max-replicas", type=int, default=32, help="autoscaling: most replicas (default: 32)")
     p.add_argument(
         "--startup-delay-s",
         type=float,
         default=DEFAULT_STARTUP_DELAY_S,
         help="a new replica's model load (default: Anyscale's measured 4 min 25 s for a 70B model)",
     )
-    p.add_argument("--scale-interval-s", type=float, default=15.0)
+    p.add_argument(
+        "--scale-interval-s",
+        type=float,
+        default=15.0,
+        help="autoscaling: seconds between decisions (default: 15)",
+    )
     p.add_argument("--idle-s", type=float, default=300.0, help="calm this long before removing a replica")
     p.add_argument("--kill", action="append", default=[], metavar="T[@I]", help="replica I (0) dies at T s")
     p.add_argument("--policy", default="hybrid", help="each engine's scheduling policy")
-    p.add_argument("--tier-mix", default="5/60/30/5")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiers drawn for the trace (default: 0)")
     p.add_argument("--bin-s", type=float, default=60.0, help="width of the over-time bins")
-    p.add_argument("--out", type=Path, default=Path("bench-out/fleet"))
+    p.add_argument(
+        "--out", type=Path, default=Path("bench-out/fleet"), help="results folder (default: %(default)s)"
+    )
     p.add_argument("--json", action="store_true", help="print the per-run summaries as JSON")
     p.set_defaults(func=main)
 

@@ -11,7 +11,7 @@ from typing import Any
 from tierserve.bench.summary import MIN_P0_REQUESTS
 from tierserve.bench.targets import Run, cell_name, judge
 
-# The source article's P0 P95 TTFT (s), measured on 8 x A100-80GB (DESIGN.md §7), by concurrency.
+# The source article's P0 P95 TTFT (s), measured on 8 x A100-80GB (docs/design.md §7), by concurrency.
 ARTICLE_P0_P95_S: Mapping[int, tuple[str, str, str]] = {
     32: ("0.8", "0.9", "0.8"),
     64: ("2.1", "1.5", "1.2"),

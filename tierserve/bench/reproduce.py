@@ -52,17 +52,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--quick", action="store_true", help="a few cells, small samples (a few minutes)")
     p.add_argument("--out", default="bench-out/reproduce", help="output directory (default: %(default)s)")
-    p.add_argument("--policies", nargs="+", help=f"default: {' '.join(DEFAULT_POLICIES)}")
+    p.add_argument(
+        "--policies", nargs="+", help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)})"
+    )
     p.add_argument("--seed", type=int, nargs="+", default=[0], help="workload seeds, pooled (default: 0)")
-    p.add_argument("--workloads", nargs="+", help="default, memory-pressure, mooncake, azure-code")
-    p.add_argument("--patterns", nargs="+", choices=("poisson", "bursty", "closed", "trace"))
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        help="default, memory-pressure, mooncake, azure-code, or a trace file (default: the full plan)",
+    )
+    p.add_argument(
+        "--trace",
+        nargs="+",
+        metavar="FILE",
+        help="trace files (an Azure-style CSV or a Mooncake-style JSONL) replayed at their own "
+        "timestamps on the default hardware, added to --workloads",
+    )
+    p.add_argument(
+        "--patterns",
+        nargs="+",
+        choices=("poisson", "bursty", "closed", "trace"),
+        help="arrivals of the synthetic workloads (default: poisson closed)",
+    )
     p.add_argument("--loads", type=float, nargs="+", help="open loop: fractions of capacity")
     p.add_argument("--clients", type=int, nargs="+", help="closed loop: clients")
     p.add_argument("--trace-scale", type=float, nargs="+", default=[1.0], help="trace: speed-up factors")
     p.add_argument("--trace-rows", type=int, help="trace: replay only the first N rows")
     p.add_argument("--think-time", type=float, default=2.0, help="closed loop: mean think time, s")
     p.add_argument("--burst-cv", type=float, default=4.0, help="bursty: CV of inter-arrival times")
-    p.add_argument("--engine-limits", default=DEFAULT_LIMITS, choices=list(NAMED_LIMITS))
+    p.add_argument(
+        "--engine-limits",
+        default=DEFAULT_LIMITS,
+        choices=list(NAMED_LIMITS),
+        help="per-step limits every policy runs under (default: %(default)s, vLLM V1's for an A100)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, help="override the engine limits' token budget")
     p.add_argument("--max-num-seqs", type=int, help="override the engine limits' sequences")
     p.add_argument("--requests", type=int, help="measured requests per cell and seed")
@@ -74,14 +97,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
-    given = args.workloads or args.patterns or args.loads or args.clients
+    given = args.workloads or args.trace or args.patterns or args.loads or args.clients
     if not given:
         plan = QUICK_PLAN if args.quick else FULL_PLAN
         return tuple((w, p, float(x)) for w, p, loads in plan for x in loads)
     from tierserve.workloads import get_preset
 
     groups: list[Group] = []
-    for workload in args.workloads or ["default"]:
+    workloads = (args.workloads or ([] if args.trace else ["default"])) + (args.trace or [])
+    for workload in workloads:
         trace = get_preset(workload).trace_file is not None
         patterns: Sequence[Pattern] = ["trace"] if trace else (args.patterns or ["poisson", "closed"])
         for pattern in patterns:

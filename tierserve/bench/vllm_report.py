@@ -7,7 +7,7 @@ import math
 import statistics
 from typing import Any
 
-TTFT_TARGETS_S = (0.5, 5.0, 60.0, math.inf)  # DESIGN.md §1, P0..P3
+TTFT_TARGETS_S = (0.5, 5.0, 60.0, math.inf)  # docs/design.md §1, P0..P3
 
 
 def _quantile(xs: list[float], q: float) -> float | None:

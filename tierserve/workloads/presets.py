@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from tierserve.tiers import Tier
 from tierserve.workloads.lengths import DEFAULT_SHAPES, TierShape, lognormal, uniform
@@ -75,8 +76,21 @@ PRESETS: Mapping[str, WorkloadPreset] = {
 }
 
 
+TRACE_SUFFIXES = (".csv", ".jsonl")
+
+
 def get_preset(name: str) -> WorkloadPreset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(PRESETS)}") from None
+    """A named workload, or a trace file (by its path) replayed on the `default` hardware."""
+    preset = PRESETS.get(name)
+    if preset is not None:
+        return preset
+    path = Path(name)
+    if path.suffix in TRACE_SUFFIXES or path.parent != Path("."):
+        if not path.is_file():
+            raise ValueError(f"{name}: no such trace file")
+        base = PRESETS["default"]
+        description = f"{path.name} at its own timestamps"
+        return WorkloadPreset(
+            name, base.model, base.gpu, base.tp, description, trace_file=str(path.resolve())
+        )
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(PRESETS)} or give a trace file")
