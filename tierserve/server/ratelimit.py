@@ -112,7 +112,7 @@ class RateLimiter:
 
     def _mark_redis(self, up: bool) -> None:
         if up and self.redis_up is False:
-            log.warning("rate-limit Redis reachable again: limits are global again")
+            log.warning("rate-limit Redis is back (reachable again): limits are global again")
         elif not up:
             self.num_redis_errors += 1
             if self.redis_up is not False:
