@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def _running(
+    cmd: list[str], env: dict[str, str], log_path: Path, base: str, ready_path: str, timeout_s: float
+) -> Iterator[str]:
+    """Start `cmd`, wait until `base + ready_path` answers 200, yield `base`; end it after."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.flush()
+                    pytest.fail(f"{cmd[2]} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                try:
+                    if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail(f"{cmd[2]} not ready in {timeout_s} s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +83,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "--kv-cache-memory-bytes", str(NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN),
         "--max-num-seqs", "8", "--enforce-eager",
     ]  # fmt: skip
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                tail = (root / "server.log").read_text()[-3000:]
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not start in {START_TIMEOUT_S} s")
-            time.sleep(1)
+    with _running(
+        cmd, env, root / "server.log", f"http://127.0.0.1:{port}", "/health", START_TIMEOUT_S
+    ) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def _complete(base: str, **extra: object) -> httpx.Response:
@@ -156,40 +166,12 @@ def test_the_gateway_passes_the_tier_down_to_real_vllm(server: str, tmp_path: Pa
     )
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    log = (tmp_path / "gateway.log").open("w")
     cmd = [str(python), "-m", "tierserve.cli", "gateway", "--config", str(config), "--port", str(port)]
-    gateway = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     metric = 'llm_scheduler_wait_seconds_count{priority="P1"}'
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if gateway.poll() is not None:
-                pytest.fail(
-                    f"the gateway exited with {gateway.returncode}:\n{(tmp_path / 'gateway.log').read_text()}"
-                )
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                log.flush()
-                pytest.fail(
-                    f"the gateway did not become ready:\n{(tmp_path / 'gateway.log').read_text()[-3000:]}"
-                )
-            time.sleep(0.5)
+    with _running(cmd, env, tmp_path / "gateway.log", f"http://127.0.0.1:{port}", "/ready", 300.0) as base:
         before = _count(server, metric)
         body = {"model": "tiny", "prompt": "through the gateway", "max_tokens": 4, "temperature": 0}
         reply = httpx.post(f"{base}/v1/completions", json=body, headers={"x-request-tier": "P1"}, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
         assert _wait_count(server, metric, before + 1) >= before + 1
-    finally:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-            gateway.wait()
-        log.close()
