@@ -116,6 +116,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # scheduling passes in which it was next in line but found no memory while a lower tier
+    # held blocks (what "P0 never waits for memory held by a lower tier" counts)
+    num_memory_waits: int = 0
     finish_reason: FinishReason | None = None
     reject_reason: str = ""
     admitted_time: float | None = None

@@ -50,3 +50,15 @@ def test_a_p3_request_without_a_reason_fails_the_p3_target() -> None:
     bad = run("hybrid", 1.0, 1.0, 1.0, p3_shed=1, p3_shed_reasons={"": 1})
     bad["tiers"]["P3"] = {"requests": 10, "completed": 9, "shed": 1}
     assert next(v for v in judge([bad]) if v.target.startswith("every P3")).met is False
+
+
+def test_p0_waiting_for_lower_tier_memory_fails_the_memory_pressure_target() -> None:
+    def verdict(waited: int | None) -> bool | None:
+        cell = run("hybrid", 1.0, 1.0, 1.0, workload="memory-pressure")
+        if waited is not None:
+            cell["tiers"]["P0"]["waited_for_lower_memory"] = waited
+        return next(v for v in judge([cell]) if v.target.startswith("under memory pressure")).met
+
+    assert verdict(0) is True
+    assert verdict(3) is False
+    assert verdict(None) is None  # results written before the count existed: not judged

@@ -253,3 +253,19 @@ def test_aging_never_hands_out_p0_reserved_memory() -> None:
     assert eng.memory.used_blocks(Tier.P1) == 0
     run(eng)
     assert old_p1.num_output_tokens == 5
+
+
+def test_a_p0_that_waits_for_memory_a_lower_tier_holds_is_counted() -> None:
+    """fcfs never reclaims: the P0 waits for the P3's blocks, once per pass, and the count
+    says so; hybrid reclaims them in the same pass, so its P0 never waits."""
+    for policy, waits in (("fcfs", True), ("hybrid", False)):
+        eng = make_engine(policy, swap_factor=0.0)
+        p3 = crowd(eng)
+        p0 = big_p0()
+        eng.add_request(p0)
+        eng.step()
+        eng.step()
+        assert (p0.num_memory_waits == 2) is waits, (policy, p0.num_memory_waits)
+        assert (p0.num_memory_waits == 0) is not waits
+        run(eng)
+        assert p3.num_memory_waits == 0  # it never waited: it was first

@@ -31,6 +31,7 @@ class RequestRecord:
     end_reason: str = ""  # why it ended: the finish reason, or the rejection's message
     preemptions: tuple[Preemption, ...] = ()
     admitted_s: tuple[float, ...] = ()  # every admission and readmission
+    num_memory_waits: int = 0  # passes it waited for memory a lower tier held
 
     @classmethod
     def of(cls, req: Request, index: int, measured: bool, end_reason: str = "") -> RequestRecord:
@@ -60,6 +61,7 @@ class RequestRecord:
             reason,
             tuple(Preemption.of(e) for e in req.events if e.kind in _PREEMPTED),
             tuple(e.time for e in req.events if e.kind in _ADMITTED),
+            req.num_memory_waits,
         )
 
 

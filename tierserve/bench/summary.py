@@ -75,6 +75,7 @@ def _tier(records: Sequence[RequestRecord], target_s: float, span_s: float, seed
         "shed": sum(shed.values()),
         "shed_reasons": dict(sorted(shed.items())),
         "preempted": sum(len(r.preemptions) for r in records),
+        "waited_for_lower_memory": sum(r.num_memory_waits > 0 for r in records),
         "slo_attainment": _r(attained / len(records)) if records else None,
         "goodput_rps": _r(attained / span_s) if span_s > 0 else None,
         **_percentiles("ttft", ttfts, seed),

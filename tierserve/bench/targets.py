@@ -36,6 +36,10 @@ def cell_name(run: Run) -> str:
     return f"{run['workload']}/{run['pattern']} {load}"
 
 
+def _count_is_zero(n: int | None) -> bool | None:
+    return None if n is None else n == 0
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
@@ -136,14 +140,13 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
                 f"{r['p3_completed']} completed, {r['p3_shed']} shed {r['p3_shed_reasons'] or ''}".rstrip()
             ),
         ),
-        Verdict(
+        _judge(
             "under memory pressure, P0 never waits for memory held by a lower tier",
-            None,
-            "not judged by the bench (it sees no memory waits); P0 preemptions on memory-pressure cells: "
-            + "; ".join(
-                f"{cell_name(r)}: {r['tiers']['P0']['preempted']}"
-                for r in mine
-                if r["workload"] == "memory-pressure"
+            [r for r in mine if r["workload"] == "memory-pressure"],
+            lambda r: _count_is_zero(r["tiers"]["P0"].get("waited_for_lower_memory")),
+            lambda r: (
+                f"{r['tiers']['P0'].get('waited_for_lower_memory', '–')} P0 requests waited, "
+                f"{r['tiers']['P0']['preempted']} P0 preemptions"
             ),
         ),
     ]

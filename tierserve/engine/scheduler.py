@@ -26,6 +26,7 @@ from tierserve.request import FinishReason, Request, RequestStatus
 from tierserve.scheduling.base import Policy, RunningPass
 from tierserve.scheduling.errors import PolicyOrderError
 from tierserve.scheduling.step import PreemptMode, StepBudget
+from tierserve.tiers import ALL_TIERS
 
 
 @dataclass
@@ -187,6 +188,13 @@ class Scheduler:
             if chunk >= 1 and self.memory.grow(req, req.num_computed_tokens + chunk) is Alloc.OK:
                 step.add_prefill(req, chunk)
 
+    def _note_memory_wait(self, req: Request, status: Alloc) -> None:
+        """Count a pass in which `req` found no room (after any reclaim its policy allows)
+        while a lower tier held blocks: memory it had to wait for, not its own ceiling."""
+        lower = ALL_TIERS[req.tier + 1 :]
+        if status is Alloc.NO_SPACE and any(self.memory.used_blocks(t) for t in lower):
+            req.num_memory_waits += 1
+
     def _admit(self, step: StepBudget, now: float) -> None:
         policy, life, memory = self.policy, self.lifecycle, self.memory
         while step.tokens_left >= 1:
@@ -203,6 +211,7 @@ class Scheduler:
             if status is Alloc.NO_SPACE:
                 status = self.preemptor.reclaim_for(req, step, now)
             if status is not Alloc.OK:
+                self._note_memory_wait(req, status)
                 break
             popped = policy.pop(now)
             if popped is not req:
@@ -214,3 +223,10 @@ class Scheduler:
             chunk = step.chunk_for(req, policy.prefill_chunk_cap(req))
             if chunk >= 1:
                 step.add_prefill(req, chunk)
+
+    def _note_memory_wait(self, req: Request, status: Alloc) -> None:
+        """Count a pass in which `req` found no room (after any reclaim its policy allows)
+        while a lower tier held blocks: memory it had to wait for, not its own ceiling."""
+        lower = ALL_TIERS[req.tier + 1 :]
+        if status is Alloc.NO_SPACE and any(self.memory.used_blocks(t) for t in lower):
+            req.num_memory_waits += 1
