@@ -188,13 +188,6 @@ class Scheduler:
             if chunk >= 1 and self.memory.grow(req, req.num_computed_tokens + chunk) is Alloc.OK:
                 step.add_prefill(req, chunk)
 
-    def _note_memory_wait(self, req: Request, status: Alloc) -> None:
-        """Count a pass in which `req` found no room (after any reclaim its policy allows)
-        while a lower tier held blocks: memory it had to wait for, not its own ceiling."""
-        lower = ALL_TIERS[req.tier + 1 :]
-        if status is Alloc.NO_SPACE and any(self.memory.used_blocks(t) for t in lower):
-            req.num_memory_waits += 1
-
     def _admit(self, step: StepBudget, now: float) -> None:
         policy, life, memory = self.policy, self.lifecycle, self.memory
         while step.tokens_left >= 1:

@@ -106,7 +106,6 @@ class ArticlePolicy(FairQueuePolicy):
         tier, level, in_order = choice
         return self._sfq.serve(tier, in_order=in_order, weight=self._weights[level])
 
-
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         return req.tier == Tier.P0
 

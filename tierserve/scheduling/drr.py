@@ -7,18 +7,16 @@ request uses up its tier's turn as it should.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import ClassVar
 
 from tierserve.config import EngineConfig
 from tierserve.request import Request
-from tierserve.scheduling.base import Policy
 from tierserve.scheduling.errors import EmptyQueueError
-from tierserve.scheduling.tier_queues import TierQueues
+from tierserve.scheduling.tier_queues import TierQueuesPolicy
 from tierserve.tiers import ALL_TIERS, Tier
 
 
-class DrrPolicy(Policy):
+class DrrPolicy(TierQueuesPolicy):
     name: ClassVar[str] = "drr"
     counts_tokens: ClassVar[bool] = False
 
@@ -28,7 +26,6 @@ class DrrPolicy(Policy):
         self._quantum = [config.tiers[t].drr_weight * unit for t in ALL_TIERS]
         self._deficit = [0.0] * len(ALL_TIERS)
         self._current = Tier.P3  # the first turn goes to P0
-        self._queues = TierQueues()
 
     def _cost(self, req: Request) -> float:
         return float(req.expected_cost_tokens) if self.counts_tokens else 1.0
@@ -65,18 +62,6 @@ class DrrPolicy(Policy):
         if not self._queues.queues[tier]:
             self._deficit[tier] = 0.0
         return req
-
-    def _push(self, req: Request, now: float) -> None:
-        self._queues.append(req)
-
-    def _push_front(self, req: Request, now: float) -> None:
-        self._queues.appendleft(req)
-
-    def _remove(self, req: Request) -> None:
-        self._queues.remove(req)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queues)
 
 
 class TokenDrrPolicy(DrrPolicy):

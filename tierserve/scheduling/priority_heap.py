@@ -10,7 +10,9 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
+from tierserve.config import EngineConfig
 from tierserve.request import Request
+from tierserve.scheduling.base import Policy
 
 
 class PriorityHeap:
@@ -41,3 +43,30 @@ class PriorityHeap:
 
     def __iter__(self) -> Iterator[Request]:
         return (entry[3] for entry in self._heap if id(entry[3]) not in self._removed)
+
+
+class HeapPolicy(Policy):
+    """A policy whose waiting queue is one `PriorityHeap` (vLLM's and SGLang's): requeued
+    requests need no special place, the (tier, arrival) order already puts them back."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._heap = PriorityHeap()
+
+    def peek(self, now: float) -> Request | None:
+        return self._heap.peek()
+
+    def _pop(self, now: float) -> Request:
+        return self._heap.pop()
+
+    def _push(self, req: Request, now: float) -> None:
+        self._heap.push(req)
+
+    def _push_front(self, req: Request, now: float) -> None:
+        self._heap.push(req)
+
+    def _remove(self, req: Request) -> None:
+        self._heap.remove(req)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._heap)

@@ -27,14 +27,13 @@ the lowest-priority, newest running request (SGLang's retraction picks by output
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
-from tierserve.scheduling.base import Policy
-from tierserve.scheduling.priority_heap import PriorityHeap
+from tierserve.scheduling.priority_heap import HeapPolicy
 from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ class SglangOptions(PolicyOptions):
             raise ConfigError(f"{path}.tier_spacing: must be >= 1, got {self.tier_spacing}")
 
 
-class SglangPriorityPolicy(Policy):
+class SglangPriorityPolicy(HeapPolicy):
     name: ClassVar[str] = "sglang-priority"
     tiered_memory: ClassVar[bool] = False
     allow_swap: ClassVar[bool] = False
@@ -62,7 +61,6 @@ class SglangPriorityPolicy(Policy):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = config.options(self.name, SglangOptions)
-        self._heap = PriorityHeap()
 
     def sglang_priority(self, tier: Tier) -> int:
         return (len(ALL_TIERS) - 1 - tier) * self.options.tier_spacing
@@ -71,24 +69,6 @@ class SglangPriorityPolicy(Policy):
         """SGLang's rule: preempt only past the threshold."""
         gap = self.sglang_priority(req.tier) - self.sglang_priority(victim.tier)
         return gap > self.options.preemption_threshold
-
-    def peek(self, now: float) -> Request | None:
-        return self._heap.peek()
-
-    def _pop(self, now: float) -> Request:
-        return self._heap.pop()
-
-    def _push(self, req: Request, now: float) -> None:
-        self._heap.push(req)
-
-    def _push_front(self, req: Request, now: float) -> None:
-        self._heap.push(req)
-
-    def _remove(self, req: Request) -> None:
-        self._heap.remove(req)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._heap)
 
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         return True  # victims are filtered by `admission_victim_ok`

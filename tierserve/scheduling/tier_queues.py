@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from tierserve.config import EngineConfig
 from tierserve.request import Request
+from tierserve.scheduling.base import Policy
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.fair_queue import FifoFlow, StartTimeFairQueue
 from tierserve.tiers import ALL_TIERS, Tier
@@ -65,3 +67,24 @@ class TierQueues:
     def __iter__(self) -> Iterator[Request]:
         for q in self.queues:
             yield from q
+
+
+class TierQueuesPolicy(Policy):
+    """A policy that keeps its waiting requests in `TierQueues` (one fair queue per tier)
+    and decides only which tier's head goes next."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._queues = TierQueues()
+
+    def _push(self, req: Request, now: float) -> None:
+        self._queues.append(req)
+
+    def _push_front(self, req: Request, now: float) -> None:
+        self._queues.appendleft(req)
+
+    def _remove(self, req: Request) -> None:
+        self._queues.remove(req)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queues)

@@ -24,43 +24,20 @@ submission rather than truncated.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
-from tierserve.config import EngineConfig
 from tierserve.request import Request
-from tierserve.scheduling.base import Policy, RunningPass
-from tierserve.scheduling.priority_heap import PriorityHeap
+from tierserve.scheduling.base import RunningPass
+from tierserve.scheduling.priority_heap import HeapPolicy
 
 
-class VllmPriorityPolicy(Policy):
+class VllmPriorityPolicy(HeapPolicy):
     name: ClassVar[str] = "vllm-priority"
     tiered_memory: ClassVar[bool] = False
     allow_swap: ClassVar[bool] = False
     running_pass: ClassVar[RunningPass] = RunningPass.ADMISSION_ORDER
     admits_after_preemption: ClassVar[bool] = False
-
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        self._heap = PriorityHeap()
-
-    def peek(self, now: float) -> Request | None:
-        return self._heap.peek()
-
-    def _pop(self, now: float) -> Request:
-        return self._heap.pop()
-
-    def _push(self, req: Request, now: float) -> None:
-        self._heap.push(req)
-
-    def _push_front(self, req: Request, now: float) -> None:
-        self._heap.push(req)  # the heap order already puts it where it belongs
-
-    def _remove(self, req: Request) -> None:
-        self._heap.remove(req)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._heap)
 
     def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
         return (-victim.tier, -victim.arrival_time)  # the largest (priority, arrival) first

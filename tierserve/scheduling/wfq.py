@@ -52,4 +52,3 @@ class WfqPolicy(FairQueuePolicy):
         if tier is None:
             raise EmptyQueueError("pop from an empty queue")
         return self._sfq.serve(tier)
-
