@@ -51,3 +51,19 @@ def test_missing_data_says_how_to_get_it(beside: Path) -> None:
 def test_the_repositorys_tests_read_data_from_the_folder_found(shared_data: Path) -> None:
     assert shared_data == data_dir.find_data_dir()
     assert (shared_data / "gpu-profiles").is_dir()
+
+
+def test_the_bench_reads_its_traces_from_the_folder_found(
+    beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierserve.bench.cell import BenchSetup
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv(data_dir.DATA_ENV, str(elsewhere))
+    with pytest.raises(data_dir.DataNotFoundError, match=r"AzureLLMInferenceTrace_code\.csv is missing"):
+        BenchSetup().trace_rows("azure-code")
+    (elsewhere / "AzureLLMInferenceTrace_code.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+    )
+    assert len(BenchSetup().trace_rows("azure-code")) == 1

@@ -18,6 +18,7 @@ from tierserve.bench.idle import IdleTtft
 from tierserve.bench.limits import EngineLimits, engine_limits
 from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, load_config
+from tierserve.data_dir import data_path
 from tierserve.engine import Engine
 from tierserve.executors.sim.executor import SimExecutor, build_sim_executor
 from tierserve.tiers import Tier
@@ -33,7 +34,6 @@ from tierserve.workloads import (
 )
 
 Pattern = Literal["poisson", "bursty", "trace", "closed"]
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"  # beside the checkout
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class BenchSetup:
     think_time_s: float = 2.0  # closed loop: mean exponential think time
     drain_timeout_s: float = 900.0
     config_path: str | None = None
-    data_dir: str = str(DATA_DIR)
+    data_dir: str | None = None  # None: $TIERSERVE_DATA, else shared/data beside the repository
     capacity_rps: Mapping[str, float] = field(default_factory=dict)
     max_trace_rows: int | None = None
     capacity_requests: int = 1500  # measured requests of the saturating run that finds capacity
@@ -62,7 +62,8 @@ class BenchSetup:
         preset = get_preset(workload)
         if preset.trace_file is None:
             raise ValueError(f"workload {workload} is not a trace")
-        return load_trace(Path(self.data_dir) / preset.trace_file)[: self.max_trace_rows]
+        path = Path(self.data_dir) / preset.trace_file if self.data_dir else data_path(preset.trace_file)
+        return load_trace(path)[: self.max_trace_rows]
 
     def stream(self, workload: str, seed: int, max_model_len: int) -> Iterator[RequestSpec]:
         """The workload's specs, without arrival times (a trace's at its own timestamps)."""
