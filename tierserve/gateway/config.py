@@ -30,8 +30,9 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 UPSTREAM_KINDS = ("vllm", "sglang", "tierserve", "openai")
 QUEUE_ORDERS = ("priority", "fifo")
-# The gateway passes the tier down as a priority to these kinds (vLLM accepts a priority only
-# under `--scheduling-policy priority` or tierserve's plug-in); a plain endpoint is first come first served.
+# The gateway passes the tier down as a priority to these kinds, expecting them to order by it
+# (vLLM under `--scheduling-policy priority` or tierserve's plug-in; under `fcfs` it ignores it and
+# its upstream entry should say `order = "fifo"`); a plain endpoint is first come first served.
 ORDERS_BY_PRIORITY = ("vllm", "sglang", "tierserve")
 DEFAULT_MAX_WAIT_S: dict[Tier, float] = {Tier.P0: 2.0, Tier.P1: 10.0, Tier.P2: 60.0, Tier.P3: 120.0}
 
