@@ -106,3 +106,18 @@ def test_a_p0_goes_at_once_to_the_best_replica_while_less_urgent_requests_wait()
         held.cancel()
 
     asyncio.run(run())
+
+
+def test_a_waiting_request_whose_last_upstream_is_ejected_gets_a_503_at_once() -> None:
+    async def run() -> None:
+        d, router, _ = _dispatcher(cap=1)
+        await d.acquire(Tier.P1, "t", "m", "p")
+        waiting = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p"))
+        await asyncio.sleep(0.01)
+        router.record_failure("only", eject_now=True)
+        d.pump()
+        with pytest.raises(ApiError) as refused:
+            await waiting
+        assert (refused.value.status, refused.value.code) == (503, "no_upstream")
+
+    asyncio.run(run())

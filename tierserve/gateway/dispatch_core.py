@@ -22,6 +22,7 @@ from tierserve.request import Request
 from tierserve.tiers import Tier
 
 H = TypeVar("H")  # what the caller keeps for a waiting request (a future, a key)
+NO_UPSTREAM_RETRY_S = 1.0  # retry_after when no healthy upstream serves the model
 
 
 class QueueOrderError(RuntimeError):
@@ -101,6 +102,7 @@ class DispatchCore(Generic[H]):
         self.flow.drained()
 
     def pump(self) -> list[Released[H] | Dropped[H]]:
+        """What became of waiting requests: expired, left without a candidate, or released."""
         out: list[Released[H] | Dropped[H]] = []
         for ticket in self.flow.expire():
             held = self._held.pop(ticket.request_id)
@@ -116,7 +118,7 @@ class DispatchCore(Generic[H]):
                 if self.router.candidates(held.model, held.exclude):
                     return out  # the head waits for room; the rest wait behind it
                 self.cancel(head)
-                out.append(Dropped(held.handle, head.tier, "no_upstream", 1.0))
+                out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S))
                 continue
             released = self.flow.release(now)
             if released is not head:

@@ -10,10 +10,11 @@ ends, after each scrape and on a short timer (for aging and expiry).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 
 from tierserve.clock import Clock
-from tierserve.gateway.dispatch_core import DispatchCore, Dropped
+from tierserve.gateway.dispatch_core import NO_UPSTREAM_RETRY_S, DispatchCore, Dropped
 from tierserve.gateway.flow import FlowControl, Refusal
 from tierserve.gateway.metrics import GatewayMetrics
 from tierserve.gateway.router import RouteDecision, Router
@@ -28,8 +29,8 @@ def no_upstream(model: str) -> ApiError:
         f"No healthy upstream serves model {model!r} right now.",
         type="server_error",
         code="no_upstream",
-        headers={"Retry-After": "1"},
-        extra={"retry_after": 1.0},
+        headers={"Retry-After": str(math.ceil(NO_UPSTREAM_RETRY_S))},
+        extra={"retry_after": NO_UPSTREAM_RETRY_S},
     )
 
 

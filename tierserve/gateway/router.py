@@ -172,7 +172,7 @@ class Router:
         if not free:
             return None
         if tier == Tier.P0:
-            # Soonest start: the fewest requests it will run first, then the most free KV memory.
+            # Soonest start: the fewest requests it will run first, then the least KV in use.
             best = min(free, key=lambda s: (self.waiting_ahead(s, tier), _kv(s), self.load(s), s.name))
             return RouteDecision(best.name, "p0_soonest", tier)
         least = min(free, key=lambda s: (self.load(s), s.name))

@@ -27,11 +27,8 @@ METRIC_NAMES: dict[str, tuple[str, str, str]] = {
 }
 
 
-# kinds whose upstreams may export the waiting queue by tier (tierserve; vLLM with the plug-in)
-TIER_DEPTH_METRIC = "llm_scheduler_queue_depth"
-TIER_DEPTH_KINDS = ("vllm", "tierserve")
-
-
+TIER_DEPTH_METRIC = "llm_scheduler_queue_depth"  # waiting requests, by `priority` label
+TIER_DEPTH_KINDS = ("vllm", "tierserve")  # kinds that may export it (vLLM: with tierserve's plug-in)
 _PRIORITY_LABEL = re.compile(r'priority="([^"]*)"')
 
 
