@@ -39,7 +39,7 @@ def test_least_loaded_takes_the_lowest_load_even_when_all_are_saturated() -> Non
     router, clock = _make(LeastLoadedRouter)
     for name, waiting in (("u0", 50), ("u1", 20), ("u2", 80)):
         router.record_sample(name, LoadSample(waiting, 10, 0.99, clock.now()))
-    assert all(router.saturated(s) for s in router.states)
+    assert all(router.saturated(s, Tier.P0) for s in router.states)
     assert _pick(router, tier=Tier.P0) == "u1"
     clock.elapse(100.0)  # stale metrics hold nothing back either
     assert _pick(router) == "u1"

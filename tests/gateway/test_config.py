@@ -23,6 +23,14 @@ def test_the_example_config_loads_with_every_kind_and_per_tier_rules() -> None:
     assert c.serve.tenants["data-pipeline"].max_tier == Tier.P2
 
 
+def test_an_upstream_orders_by_priority_by_kind_unless_its_config_says_fifo() -> None:
+    kinds = [{**UP, "name": k, "kind": k} for k in ("vllm", "sglang", "tierserve", "openai")]
+    c = parse_gateway_config(
+        {"upstreams": [*kinds, {**UP, "name": "plain-sglang", "kind": "sglang", "order": "fifo"}]}
+    )
+    assert [u.orders_by_priority for u in c.upstreams] == [True, True, True, False, False]
+
+
 def test_unset_tiers_follow_the_servers_fail_mode() -> None:
     c = parse_gateway_config({
         "server": {"ratelimit": {"fail_mode": "closed"}},
@@ -38,6 +46,7 @@ def test_unset_tiers_follow_the_servers_fail_mode() -> None:
         ({"upstreams": []}, "upstreams"),
         ({"upstreams": [{**UP, "kind": "tgi"}]}, "upstreams[0].kind"),
         ({"upstreams": [{**UP, "url": "localhost:8000"}]}, "upstreams[0].url"),
+        ({"upstreams": [{**UP, "order": "lifo"}]}, "upstreams[0].order"),
         ({"upstreams": [{**UP, "name": "a"}, {**UP, "name": "a"}]}, "upstreams[1].name"),
         ({"upstreams": [UP], "gateway": {"instances": 0}}, "gateway.instances"),
         ({"upstreams": [UP], "gateway": {"redis_fail": {"P9": "open"}}}, "gateway.redis_fail.P9"),

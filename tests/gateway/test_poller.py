@@ -8,6 +8,7 @@ import httpx
 
 from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.poller import UpstreamPoller
+from tierserve.gateway.saturation import parse_load
 from tierserve.gateway.state import build_gateway_state
 
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
@@ -62,3 +63,18 @@ def test_an_upstream_whose_models_fail_is_not_admitted() -> None:
             await gw.client.aclose()
 
     assert not asyncio.run(run())
+
+
+def test_the_waiting_queue_by_tier_is_read_where_the_upstream_exports_it() -> None:
+    text = (
+        'vllm:num_requests_waiting{model_name="m"} 7\n'
+        'vllm:num_requests_running{model_name="m"} 3\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+        'llm_scheduler_queue_depth{priority="P0"} 1\n'
+        'llm_scheduler_queue_depth{priority="P2"} 2\n'
+        'llm_scheduler_queue_depth{engine="1",priority="P2"} 4\n'
+    )
+    sample = parse_load("tierserve", text, 5.0)
+    assert sample.waiting_by_tier == (1.0, 0.0, 6.0, 0.0)
+    assert (sample.num_waiting, sample.num_running, sample.kv_usage) == (7.0, 3.0, 0.5)
+    assert parse_load("vllm", text.split("llm_scheduler")[0], 5.0).waiting_by_tier is None

@@ -51,11 +51,11 @@ def test_a_replica_whose_metrics_are_stale_is_saturated() -> None:
     clock.elapse(1.0)
     _load(router, clock, "u0", 0, 0)
     clock.elapse(1.5)  # u1, u2: 2.5 s old; u0: 1.5 s
-    assert [s.name for s in router.states if not router.saturated(s)] == ["u0"]
+    assert [s.name for s in router.states if not router.saturated(s, Tier.P1)] == ["u0"]
     assert {router.route(Tier.P1, f"p{i}", M).upstream for i in range(20)} == {"u0"}  # type: ignore[union-attr]
     clock.elapse(1.0)
     assert router.route(Tier.P1, "p", M) is None
-    assert router.all_saturated(M)
+    assert router.all_saturated(M, Tier.P0)
 
 
 def test_waiting_queue_and_kv_usage_saturate_and_requests_sent_since_the_scrape_count() -> None:
@@ -63,13 +63,13 @@ def test_waiting_queue_and_kv_usage_saturate_and_requests_sent_since_the_scrape_
     _load(router, clock, "u0", 3, 0)
     _load(router, clock, "u1", 0, 0, kv=0.95)
     _load(router, clock, "u2", 1, 0)
-    assert [router.saturated(s) for s in router.states] == [True, True, False]
-    router.started("u2")
-    router.started("u2")  # 1 waiting + 2 sent since the scrape
-    assert router.saturated(router.state("u2"))
+    assert [router.saturated(s, Tier.P1) for s in router.states] == [True, True, False]
+    router.started("u2", Tier.P1)
+    router.started("u2", Tier.P1)  # 1 waiting + 2 sent since the scrape
+    assert router.saturated(router.state("u2"), Tier.P1)
     assert router.route(Tier.P1, "p", M) is None
-    router.finished("u2")
-    assert not router.saturated(router.state("u2"))
+    router.finished("u2", Tier.P1)
+    assert not router.saturated(router.state("u2"), Tier.P1)
 
 
 def test_p0_goes_where_it_starts_soonest_not_where_its_prefix_lives() -> None:
@@ -98,3 +98,74 @@ def test_excluded_and_other_model_replicas_are_not_candidates() -> None:
     router.record_success("u2", frozenset({"other"}))
     assert [s.name for s in router.candidates(M, exclude=["u0"])] == ["u1"]
     assert router.route(Tier.P1, "p", M, exclude=["u0", "u1"]) is None
+
+
+def _by_tier_router(*kinds: tuple[str, str | None]) -> tuple[Router, VirtualClock]:
+    """Upstreams of the given (kind, order), all admitted and idle."""
+    clock = VirtualClock(100.0)
+    ups = [
+        UpstreamConfig(f"u{i}", kind, f"http://127.0.0.1:{9000 + i}", order=order)
+        for i, (kind, order) in enumerate(kinds)
+    ]
+    router = Router(ups, GatewaySettings(max_waiting=4), clock)
+    for u in ups:
+        router.record_success(u.name, frozenset({M}))
+    return router, clock
+
+
+def _tiered(
+    router: Router, clock: VirtualClock, name: str, by_tier: tuple[float, ...], kv: float = 0.1
+) -> None:
+    router.record_sample(name, LoadSample(sum(by_tier), 8, kv, clock.now(), by_tier))
+
+
+def test_a_replica_full_of_less_urgent_work_is_full_for_those_tiers_only() -> None:
+    router, clock = _by_tier_router(("tierserve", None))
+    _tiered(router, clock, "u0", (1, 2, 3, 10))  # ahead of P0: 1, P1: 3, P2: 6, P3: 16
+    u0 = router.state("u0")
+    assert [router.saturated(u0, t) for t in Tier] == [False, False, True, True]
+    for _ in range(3):
+        router.started("u0", Tier.P3)  # sent since the scrape, behind any P0 or P1
+    router.started("u0", Tier.P1)
+    assert [router.saturated(u0, t) for t in Tier] == [False, True, True, True]
+
+
+def test_p0_goes_to_the_replica_with_the_fewest_requests_it_would_start_behind() -> None:
+    router, clock = _by_tier_router(("tierserve", None), ("tierserve", None), ("tierserve", None))
+    _tiered(router, clock, "u0", (2, 0, 0, 0))
+    _tiered(router, clock, "u1", (0, 1, 20, 20))
+    _tiered(router, clock, "u2", (1, 0, 0, 0))
+    decision = router.route(Tier.P0, "p", M)
+    assert decision is not None and (decision.upstream, decision.tier) == ("u1", Tier.P0)
+    assert router.route(Tier.P2, "p", M).upstream in ("u0", "u2")  # type: ignore[union-attr]
+
+
+def test_kv_usage_near_full_and_stale_metrics_still_hold_p0_back() -> None:
+    router, clock = _by_tier_router(("tierserve", None), ("tierserve", None))
+    _tiered(router, clock, "u0", (0, 0, 0, 0), kv=0.99)
+    _tiered(router, clock, "u1", (0, 0, 0, 0))
+    assert router.route(Tier.P0, "p", M).upstream == "u1"  # type: ignore[union-attr]
+    clock.elapse(GatewaySettings().stale_after_s + 1)
+    assert router.route(Tier.P0, "p", M) is None
+
+
+def test_a_first_come_first_served_upstream_counts_every_waiting_request_for_every_tier() -> None:
+    router, clock = _by_tier_router(("vllm", "fifo"), ("openai", None))
+    _tiered(router, clock, "u0", (0, 0, 1, 3))
+    u0 = router.state("u0")
+    assert all(router.saturated(u0, t) for t in Tier)
+    assert not router.state("u1").config.orders_by_priority
+    assert router.route(Tier.P0, "p", M).upstream == "u1"  # type: ignore[union-attr]
+
+
+def test_an_aggregate_waiting_count_is_shared_out_by_the_tiers_this_gateway_has_in_flight() -> None:
+    router, clock = _by_tier_router(("vllm", None))
+    router.record_sample("u0", LoadSample(12, 8, 0.5, clock.now()))  # no per-tier series
+    u0 = router.state("u0")
+    assert router.waiting_ahead(u0, Tier.P0) == 12  # nothing in flight: all of it may be ahead
+    router.started("u0", Tier.P0)
+    for _ in range(3):
+        router.started("u0", Tier.P2)
+    router.record_sample("u0", LoadSample(12, 8, 0.5, clock.now()))
+    assert router.waiting_ahead(u0, Tier.P0) == 3  # 1 of our 4 in flight is P0
+    assert [router.saturated(u0, t) for t in Tier] == [False, False, True, True]

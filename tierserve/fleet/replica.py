@@ -41,6 +41,7 @@ class Exported:
     num_running: int = 0
     kv_usage: float = 0.0
     busy_s: float = 0.0  # GPU-busy seconds since start (a DCGM-like utilization counter)
+    waiting_by_tier: tuple[float, ...] = (0.0,) * len(ALL_TIERS)  # llm_scheduler_queue_depth
 
 
 class Replica:
@@ -91,6 +92,7 @@ class Replica:
             self.engine.num_running(),
             used / max(1, memory.num_blocks),
             self.engine.stats.busy_s,
+            tuple(float(self.engine.num_waiting(t)) for t in ALL_TIERS),
         )
 
     def observe_busy(self, now: float) -> None:

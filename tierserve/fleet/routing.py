@@ -2,8 +2,9 @@
 
 `tier-aware` is the gateway as it ships: its `Router` (P0 where it starts soonest,
 least-loaded with prefix affinity) with its `FlowControl` (tier queues while every
-replica is saturated). The others are the plain routers of
-`tierserve.gateway.baseline_routers`, with no flow control.
+replica is full for a request's tier). The others are the plain routers of
+`tierserve.gateway.baseline_routers`: they never hold a request back, so the same flow
+control stays empty behind them.
 """
 
 from __future__ import annotations
@@ -31,21 +32,15 @@ def upstreams(num: int) -> list[UpstreamConfig]:
 
 
 def build_dispatch(name: str, num_upstreams: int, settings: GatewaySettings, clock: Clock) -> FleetDispatch:
-    ups = upstreams(num_upstreams)
-    if name == "tier-aware":
-        flow = FlowControl(
-            EngineConfig(),
-            settings.policy,
-            {t: QUEUE_CAP for t in ALL_TIERS},
-            settings.max_wait_s,
-            clock,
-        )
-        return FleetDispatch(Router(ups, settings, clock), flow, clock)
-    plain: dict[str, type[Router]] = {
+    kinds: dict[str, type[Router]] = {
         "round-robin": RoundRobinRouter,
         "least-loaded": LeastLoadedRouter,
         "prefix-affinity": PrefixAffinityRouter,
+        "tier-aware": Router,
     }
-    if name not in plain:
+    if name not in kinds:
         raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
-    return FleetDispatch(plain[name](ups, settings, clock), None, clock)
+    flow = FlowControl(
+        EngineConfig(), settings.policy, {t: QUEUE_CAP for t in ALL_TIERS}, settings.max_wait_s, clock
+    )
+    return FleetDispatch(kinds[name](upstreams(num_upstreams), settings, clock), flow, clock)

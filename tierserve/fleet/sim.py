@@ -190,7 +190,7 @@ class FleetSim:
 
     def _end(self, fr: FleetRequest, outcome: str, upstream: str) -> None:
         self._finish(fr, outcome)
-        self._handle(self.dispatch.finished(upstream))
+        self._handle(self.dispatch.finished(upstream, fr.tier))
 
     # ---- replicas -------------------------------------------------------------------------
 
@@ -255,7 +255,7 @@ class FleetSim:
         self.dispatch.router.record_failure(name, eject_now=True)
         for rid, fr in live:
             del self._live[rid]
-            self.dispatch.router.finished(name)
+            self.dispatch.router.finished(name, fr.tier)
             if fr.first_token_s is not None:
                 self._finish(fr, LOST)  # the stream broke midway: the client sees an error event
             elif fr.attempts >= self.config.settings.max_attempts:
@@ -270,7 +270,8 @@ class FleetSim:
         e = replica.exported
         router = self.dispatch.router
         router.record_sample(
-            replica.name, LoadSample(e.num_waiting, e.num_running, e.kv_usage, self.clock.now())
+            replica.name,
+            LoadSample(e.num_waiting, e.num_running, e.kv_usage, self.clock.now(), e.waiting_by_tier),
         )
         if replica.state is ReplicaState.READY:
             router.record_success(replica.name)

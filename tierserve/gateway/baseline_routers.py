@@ -29,7 +29,7 @@ class RoundRobinRouter(Router):
             return None
         chosen = cands[self._turn % len(cands)]
         self._turn += 1
-        return RouteDecision(chosen.name, "round_robin")
+        return RouteDecision(chosen.name, "round_robin", tier)
 
 
 class LeastLoadedRouter(Router):
@@ -40,7 +40,7 @@ class LeastLoadedRouter(Router):
         if not cands:
             return None
         best = min(cands, key=lambda s: (self.load(s), s.name))
-        return RouteDecision(best.name, "least_loaded")
+        return RouteDecision(best.name, "least_loaded", tier)
 
 
 class PrefixAffinityRouter(Router):
@@ -53,8 +53,8 @@ class PrefixAffinityRouter(Router):
         least = min(cands, key=lambda s: (self.load(s), s.name))
         preferred = _preferred(prefix, cands)
         if self.load(preferred) <= self._settings.affinity_load_bound * (self.load(least) + 1):
-            return RouteDecision(preferred.name, "affinity")
-        return RouteDecision(least.name, "least_loaded")
+            return RouteDecision(preferred.name, "affinity", tier)
+        return RouteDecision(least.name, "least_loaded", tier)
 
 
 def _preferred(prefix: str, cands: list[UpstreamState]) -> UpstreamState:

@@ -29,6 +29,11 @@ from tierserve.server.config import (
 from tierserve.tiers import ALL_TIERS, Tier
 
 UPSTREAM_KINDS = ("vllm", "sglang", "tierserve", "openai")
+QUEUE_ORDERS = ("priority", "fifo")
+# The gateway passes the tier down as a priority to these kinds, expecting them to order by it
+# (vLLM under `--scheduling-policy priority` or tierserve's plug-in; under `fcfs` it ignores it and
+# its upstream entry should say `order = "fifo"`); a plain endpoint is first come first served.
+ORDERS_BY_PRIORITY = ("vllm", "sglang", "tierserve")
 DEFAULT_MAX_WAIT_S: dict[Tier, float] = {Tier.P0: 2.0, Tier.P1: 10.0, Tier.P2: 60.0, Tier.P3: 120.0}
 
 
@@ -38,6 +43,15 @@ class UpstreamConfig:
     kind: str  # one of UPSTREAM_KINDS
     url: str  # base URL, without /v1
     max_in_flight: int = 0  # this gateway's requests in flight to it that saturate it; 0 = no cap
+    order: str | None = None  # how it orders its waiting queue, one of QUEUE_ORDERS; None: by kind
+
+    @property
+    def orders_by_priority(self) -> bool:
+        """Whether it runs waiting work of a more urgent tier first (then work of a less
+        urgent tier does not delay a request); else its waiting queue is first come first served."""
+        if self.order is not None:
+            return self.order == "priority"
+        return self.kind in ORDERS_BY_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,7 @@ class GatewaySettings:
     redis_fail_open: Mapping[Tier, bool] = field(default_factory=dict)  # per tier; unset = [server.ratelimit]
     tier_limits: Mapping[Tier, RateLimit] = field(default_factory=dict)
     max_wait_s: Mapping[Tier, float] = field(default_factory=lambda: dict(DEFAULT_MAX_WAIT_S))
-    max_waiting: int = 4  # scraped waiting requests at which an upstream counts as saturated
+    max_waiting: int = 4  # waiting requests ahead of a request's tier at which an upstream is full for it
     max_kv_usage: float = 0.95  # scraped KV-cache usage (0..1) at which it counts as saturated
     scrape_interval_s: float = 0.5
     stale_after_s: float = 3.0  # metrics older than this: saturated
@@ -68,7 +82,7 @@ class GatewayConfig:
 
 def _upstream(i: int, raw: Mapping[str, Any], names: set[str]) -> UpstreamConfig:
     path = f"upstreams[{i}]"
-    _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight"))
+    _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight", "order"))
     url = _string(f"{path}.url", raw.get("url")).rstrip("/")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -84,6 +98,7 @@ def _upstream(i: int, raw: Mapping[str, Any], names: set[str]) -> UpstreamConfig
         max_in_flight=int(
             _number(f"{path}.max_in_flight", raw.get("max_in_flight", 0), minimum=0, integer=True)
         ),
+        order=_string(f"{path}.order", raw["order"], QUEUE_ORDERS) if "order" in raw else None,
     )
 
 

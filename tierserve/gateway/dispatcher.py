@@ -1,29 +1,26 @@
 """The async side of routing and flow control: requests wait here for an upstream with room.
 
-A request is routed at once while no request of the gateway is waiting and some
-upstream is not saturated; otherwise it takes a ticket in the flow control and waits.
-`pump` hands tickets out, in the policy's order, while upstreams have room; it runs
-when a request ends, after each scrape and on a short timer (for aging and expiry).
+The decisions are `DispatchCore`'s (shared with the fleet simulation): a request is
+routed at once unless a request of its tier or a more urgent one waits in the gateway, or
+every upstream is full for its tier; then it takes a ticket and awaits a future. `pump`
+settles the futures of the tickets the core releases or drops; it runs when a request
+ends, after each scrape and on a short timer (for aging and expiry).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from tierserve.clock import Clock
+from tierserve.gateway.dispatch_core import NO_UPSTREAM_RETRY_S, DispatchCore, Dropped
 from tierserve.gateway.flow import FlowControl, Refusal
 from tierserve.gateway.metrics import GatewayMetrics
 from tierserve.gateway.router import RouteDecision, Router
-from tierserve.request import Request
 from tierserve.server.errors import ApiError
 from tierserve.server.refusals import overloaded
 from tierserve.tiers import Tier
-
-
-class QueueOrderError(RuntimeError):
-    """The flow control released a ticket other than the one it showed at the same time."""
 
 
 def no_upstream(model: str) -> ApiError:
@@ -32,30 +29,21 @@ def no_upstream(model: str) -> ApiError:
         f"No healthy upstream serves model {model!r} right now.",
         type="server_error",
         code="no_upstream",
-        headers={"Retry-After": "1"},
-        extra={"retry_after": 1.0},
+        headers={"Retry-After": str(math.ceil(NO_UPSTREAM_RETRY_S))},
+        extra={"retry_after": NO_UPSTREAM_RETRY_S},
     )
 
 
-@dataclass
-class _Waiter:
-    ticket: Request
-    future: asyncio.Future[RouteDecision]
-    model: str
-    prefix: str
-    exclude: tuple[str, ...]
+_Handle = tuple[asyncio.Future[RouteDecision], str]  # the waiting request's future, its model
 
 
 class Dispatcher:
     def __init__(self, router: Router, flow: FlowControl, metrics: GatewayMetrics, clock: Clock) -> None:
         self._router = router
-        self._flow = flow
+        self._core: DispatchCore[_Handle] = DispatchCore(router, flow, clock)
         self._metrics = metrics
-        self._clock = clock
-        self._waiters: dict[str, _Waiter] = {}
 
-    def _take(self, decision: RouteDecision) -> RouteDecision:
-        self._router.started(decision.upstream)
+    def _counted(self, decision: RouteDecision) -> RouteDecision:
         self._metrics.decisions.labels(decision.reason).inc()
         return decision
 
@@ -74,55 +62,52 @@ class Dispatcher:
         Raises `ApiError` 503 when none serves the model, or its tier's queue is full or too slow."""
         if not self._router.candidates(model, exclude):
             raise no_upstream(model)
-        if not len(self._flow):
-            decision = self._router.route(tier, prefix, model, exclude)
-            if decision is not None:
-                return self._take(decision)
-        ticket = self._flow.offer(tier, tenant, num_tokens=num_tokens, tenant_weight=tenant_weight)
+        decision = self._core.route_now(tier, prefix, model, exclude)
+        if decision is not None:
+            return self._counted(decision)
+        future: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
+        ticket = self._core.enqueue(
+            (future, model),
+            tier,
+            tenant,
+            model,
+            prefix,
+            exclude,
+            num_tokens=num_tokens,
+            tenant_weight=tenant_weight,
+        )
         if isinstance(ticket, Refusal):
             self._metrics.reject("queue_full", tier)
             raise overloaded(tier, "queue_full", ticket.retry_after_s, ticket.queue_depth, None, {})
         self._metrics.decisions.labels("queued").inc()
-        future: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket.request_id] = _Waiter(ticket, future, model, prefix, tuple(exclude))
         self.pump()
         try:
             return await future
         except asyncio.CancelledError:  # the client went away while waiting
-            if self._waiters.pop(ticket.request_id, None) is not None:
-                self._flow.cancel(ticket)
-            elif future.done() and not future.cancelled() and future.exception() is None:
-                self.finished(future.result().upstream)  # routed just as it left
+            left_queue = not self._core.cancel(ticket)
+            if left_queue and future.done() and not future.cancelled() and future.exception() is None:
+                self.finished(future.result())  # routed just as it left
             raise
 
-    def finished(self, upstream: str) -> None:
-        self._router.finished(upstream)
-        self._flow.drained()
+    def finished(self, decision: RouteDecision) -> None:
+        self._core.finished(decision.upstream, decision.tier)
         self.pump()
 
     def pump(self) -> None:
-        for ticket in self._flow.expire():
-            waiter = self._waiters.pop(ticket.request_id, None)
-            if waiter is None or waiter.future.done():
+        for event in self._core.pump():
+            future, model = event.handle
+            if isinstance(event, Dropped):
+                if not future.done():
+                    future.set_exception(self._refusal(event, model))
                 continue
-            self._metrics.reject("queue_timeout", ticket.tier)
-            waiter.future.set_exception(
-                overloaded(ticket.tier, "queue_timeout", self._flow.retry_after(ticket.tier), 0, None, {})
-            )
-        while True:
-            now = self._clock.now()
-            head = self._flow.peek(now)
-            if head is None:
-                return
-            waiter = self._waiters[head.request_id]
-            decision = self._router.route(head.tier, waiter.prefix, waiter.model, waiter.exclude)
-            if decision is None:
-                return
-            released = self._flow.release(now)
-            if released is not head:
-                raise QueueOrderError(f"peeked {head.request_id}, released {released}")
-            del self._waiters[head.request_id]
-            self._metrics.queue_wait.labels(head.tier.name).observe(self._flow.waited(head))
-            if waiter.future.done():  # cancelled between its last await and now
+            self._metrics.queue_wait.labels(event.decision.tier.name).observe(event.waited_s)
+            if future.done():  # cancelled between its last await and now: it never went out
+                self._router.finished(event.decision.upstream, event.decision.tier)
                 continue
-            waiter.future.set_result(self._take(decision))
+            future.set_result(self._counted(event.decision))
+
+    def _refusal(self, dropped: Dropped[_Handle], model: str) -> ApiError:
+        if dropped.reason == "no_upstream":
+            return no_upstream(model)
+        self._metrics.reject(dropped.reason, dropped.tier)
+        return overloaded(dropped.tier, dropped.reason, dropped.retry_after_s, 0, None, {})

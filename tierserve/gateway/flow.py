@@ -53,6 +53,10 @@ class FlowControl:
     def depth(self, tier: Tier | None = None) -> int:
         return self._policy.num_waiting(tier)
 
+    def depth_upto(self, tier: Tier) -> int:
+        """Requests waiting at `tier` or more urgent: those a new request of `tier` queues behind."""
+        return sum(self._policy.num_waiting(t) for t in ALL_TIERS if t <= tier)
+
     def __len__(self) -> int:
         return len(self._policy)
 
@@ -65,8 +69,7 @@ class FlowControl:
         rate = self._meter.rate(self._clock.now())
         if rate is None or rate <= 0:
             return DEFAULT_RETRY_S
-        ahead = sum(self._policy.num_waiting(t) for t in ALL_TIERS if t <= tier)
-        return max(0.001, (ahead + 1) / rate)
+        return max(0.001, (self.depth_upto(tier) + 1) / rate)
 
     def offer(
         self, tier: Tier, tenant: str, *, num_tokens: int = 1, tenant_weight: float = 1.0

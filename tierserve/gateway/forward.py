@@ -138,7 +138,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
         try:
             return await _try(gw, call, decision)
         except _Retry as e:
-            gw.dispatcher.finished(decision.upstream)
+            gw.dispatcher.finished(decision)
             gw.metrics.retries.labels(decision.upstream).inc()
             gw.metrics.upstream_requests.labels(decision.upstream, "retried").inc()
             log.warning("upstream %s failed before the first byte (%s); retrying", decision.upstream, e)
@@ -191,7 +191,7 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         await reply.aclose()
         raise _Retry(f"stream ended before any data: {type(e).__name__}") from None
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-    relay = Relay(gw, decision.upstream, call.reservation, reply, chunks, SseUsageTap(forward_usage))
+    relay = Relay(gw, decision, call.reservation, reply, chunks, SseUsageTap(forward_usage))
     return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
 
 
@@ -203,7 +203,7 @@ async def _whole(gw: GatewayState, call: _Call, decision: RouteDecision, reply: 
         raise _Retry(f"reply cut: {type(e).__name__}") from None
     finally:
         await reply.aclose()
-    gw.dispatcher.finished(name)
+    gw.dispatcher.finished(decision)
     usage: TokenUsage | None = None
     if reply.status_code == 200:
         try:

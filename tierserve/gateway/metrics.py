@@ -40,8 +40,9 @@ class _StateCollector(Collector):
             ),
             "saturated": GaugeMetricFamily(
                 "tierserve_gateway_upstream_saturated",
-                "1 while saturated (queue or KV over threshold, or metrics stale)",
-                labels=["upstream"],
+                "1 while full for requests of the tier (work ahead of them or KV over its threshold, "
+                "or metrics stale)",
+                labels=["upstream", "priority"],
             ),
             "load": GaugeMetricFamily(
                 "tierserve_gateway_upstream_load",
@@ -57,7 +58,9 @@ class _StateCollector(Collector):
         router = self._router
         for s in router.states:
             families["healthy"].add_metric([s.name], 1.0 if s.healthy else 0.0)
-            families["saturated"].add_metric([s.name], 1.0 if router.saturated(s) else 0.0)
+            for tier in ALL_TIERS:
+                full = router.saturated(s, tier)
+                families["saturated"].add_metric([s.name, tier.name], 1.0 if full else 0.0)
             families["load"].add_metric([s.name], router.load(s))
             families["in_flight"].add_metric([s.name], float(s.num_in_flight))
         yield from families.values()

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import SseUsageTap
 from tierserve.server.formatting import DONE, error_event
@@ -28,13 +29,14 @@ class Relay:
     def __init__(
         self,
         gw: GatewayState,
-        upstream: str,
+        decision: RouteDecision,
         reservation: Reservation | None,
         reply: httpx.Response,
         chunks: AsyncIterator[bytes],
         tap: SseUsageTap,
     ) -> None:
-        self._gw, self._name, self._reservation = gw, upstream, reservation
+        self._gw, self._decision, self._reservation = gw, decision, reservation
+        self._name = decision.upstream
         self._reply, self._chunks, self._tap = reply, chunks, tap
         self._outcome = "ok"
 
@@ -68,7 +70,7 @@ class Relay:
     def _close(self) -> None:
         gw = self._gw
         gw.num_in_flight -= 1
-        gw.dispatcher.finished(self._name)
+        gw.dispatcher.finished(self._decision)
         gw.metrics.upstream_requests.labels(self._name, self._outcome).inc()
         usage = self._tap.usage
         reservation = self._reservation

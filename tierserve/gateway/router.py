@@ -3,10 +3,15 @@
 Plain state on an injected clock, no I/O: the gateway feeds it scrapes, health checks and
 its own in-flight counts; a fleet simulation can feed it the same in virtual time.
 
-An upstream is a candidate while healthy (not ejected) and serving the model. A candidate
-is saturated when its metrics are stale (or never came), its waiting queue or KV usage is
-over the threshold, or this gateway's own in-flight cap to it is reached. Requests sent
-since the last scrape count as waiting until the next one shows where they went.
+An upstream is a candidate while healthy (not ejected) and serving the model. Saturation
+is judged per tier: a candidate is full for a request of tier t when its metrics are stale
+(or never came), its KV usage is over the threshold, this gateway's own in-flight cap to it
+is reached, or the work it will run AHEAD of the request reaches `max_waiting`. An upstream
+that orders by priority runs waiting work of tiers <= t first, so only that counts (its
+per-tier queue depth where exported, else its aggregate waiting apportioned by the tier mix
+of this gateway's requests in flight to it); a first-come-first-served one runs everything
+queued first. Requests sent since the last scrape count as waiting until the next one shows
+where they went.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 from tierserve.clock import Clock
 from tierserve.gateway.config import GatewaySettings, UpstreamConfig
 from tierserve.gateway.saturation import METRIC_NAMES, LoadSample
-from tierserve.tiers import Tier
+from tierserve.tiers import ALL_TIERS, Tier
 
 
 class UnknownUpstream(KeyError):
@@ -31,8 +36,9 @@ class UpstreamState:
     healthy: bool = False  # admitted by a successful check; ejected after failures
     num_failures: int = 0  # consecutive
     sample: LoadSample | None = None
-    num_in_flight: int = 0  # this gateway's requests to it not yet ended
-    num_in_flight_at_sample: int = 0
+    in_flight: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))  # ours, not yet ended, by tier
+    # per tier t: our requests at tiers <= t the last scrape could have seen, lowered as they end
+    seen_upto: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))
     models: frozenset[str] = field(default_factory=frozenset)  # empty: not known, accept any
 
     @property
@@ -44,14 +50,23 @@ class UpstreamState:
         return self.config.kind in METRIC_NAMES
 
     @property
-    def num_sent_since_sample(self) -> int:
-        return max(0, self.num_in_flight - self.num_in_flight_at_sample)
+    def num_in_flight(self) -> int:
+        return sum(self.in_flight)
+
+    def num_in_flight_upto(self, tier: Tier) -> int:
+        """This gateway's requests in flight to it at `tier` or more urgent."""
+        return sum(self.in_flight[: tier + 1])
+
+    def num_sent_since_sample(self, upto: Tier = Tier.P3) -> int:
+        """Requests at tiers <= `upto` sent since the last scrape (it could not see them yet)."""
+        return max(0, self.num_in_flight_upto(upto) - self.seen_upto[upto])
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     upstream: str
     reason: str  # "affinity", "least_loaded" or "p0_soonest"
+    tier: Tier  # of the request: its in-flight count is kept by tier
 
 
 class Router:
@@ -75,7 +90,7 @@ class Router:
     def record_sample(self, name: str, sample: LoadSample) -> None:
         s = self.state(name)
         s.sample = sample
-        s.num_in_flight_at_sample = s.num_in_flight
+        s.seen_upto = [s.num_in_flight_upto(t) for t in ALL_TIERS]
 
     def record_success(self, name: str, models: frozenset[str] | None = None) -> bool:
         """A passed health check; returns True when it re-admits an ejected upstream."""
@@ -96,32 +111,41 @@ class Router:
             return True
         return False
 
-    def started(self, name: str) -> None:
-        self.state(name).num_in_flight += 1
+    def started(self, name: str, tier: Tier) -> None:
+        self.state(name).in_flight[tier] += 1
 
-    def finished(self, name: str) -> None:
+    def finished(self, name: str, tier: Tier) -> None:
         s = self.state(name)
-        s.num_in_flight = max(0, s.num_in_flight - 1)
-        s.num_in_flight_at_sample = min(s.num_in_flight_at_sample, s.num_in_flight)
+        s.in_flight[tier] = max(0, s.in_flight[tier] - 1)
+        s.seen_upto = [min(s.seen_upto[t], s.num_in_flight_upto(t)) for t in ALL_TIERS]
 
     # ---- what it concludes -------------------------------------------------------------------
 
     def load(self, s: UpstreamState) -> float:
         if s.sample is None or not s.has_metrics:
             return float(s.num_in_flight)
-        return s.sample.num_waiting + s.sample.num_running + s.num_sent_since_sample
+        return s.sample.num_waiting + s.sample.num_running + s.num_sent_since_sample()
 
-    def num_waiting(self, s: UpstreamState) -> float:
+    def waiting_ahead(self, s: UpstreamState, tier: Tier) -> float:
+        """Requests the upstream will start before a request of `tier` sent to it now."""
         if s.sample is None or not s.has_metrics:
             return 0.0
-        return s.sample.num_waiting + s.num_sent_since_sample
+        if not s.config.orders_by_priority:
+            return s.sample.num_waiting + s.num_sent_since_sample()
+        by_tier = s.sample.waiting_by_tier
+        if by_tier is not None:
+            scraped = sum(by_tier[: tier + 1])
+        else:
+            scraped = s.sample.num_waiting * _share_upto(s, tier)
+        return scraped + s.num_sent_since_sample(tier)
 
     def stale(self, s: UpstreamState) -> bool:
         if not s.has_metrics:
             return False
         return s.sample is None or self._clock.now() - s.sample.at > self._settings.stale_after_s
 
-    def saturated(self, s: UpstreamState) -> bool:
+    def saturated(self, s: UpstreamState, tier: Tier) -> bool:
+        """Whether the upstream is full for a request of `tier` (see the module's docstring)."""
         cap = s.config.max_in_flight
         if cap and s.num_in_flight >= cap:
             return True
@@ -130,7 +154,7 @@ class Router:
         if self.stale(s) or s.sample is None:
             return True
         return (
-            self.num_waiting(s) >= self._settings.max_waiting
+            self.waiting_ahead(s, tier) >= self._settings.max_waiting
             or s.sample.kv_usage >= self._settings.max_kv_usage
         )
 
@@ -143,24 +167,31 @@ class Router:
         ]
 
     def route(self, tier: Tier, prefix: str, model: str, exclude: Iterable[str] = ()) -> RouteDecision | None:
-        """The upstream for a request, or None when every candidate is saturated (or none is left)."""
-        free = [s for s in self.candidates(model, exclude) if not self.saturated(s)]
+        """The upstream for a request, or None when every candidate is full for its tier (or none is left)."""
+        free = [s for s in self.candidates(model, exclude) if not self.saturated(s, tier)]
         if not free:
             return None
         if tier == Tier.P0:
-            # Soonest start: the fewest requests queued ahead, then the most free KV memory.
-            best = min(free, key=lambda s: (self.num_waiting(s), _kv(s), self.load(s), s.name))
-            return RouteDecision(best.name, "p0_soonest")
+            # Soonest start: the fewest requests it will run first, then the least KV in use.
+            best = min(free, key=lambda s: (self.waiting_ahead(s, tier), _kv(s), self.load(s), s.name))
+            return RouteDecision(best.name, "p0_soonest", tier)
         least = min(free, key=lambda s: (self.load(s), s.name))
         preferred = max(free, key=lambda s: _affinity(prefix, s.name))
         bound = self._settings.affinity_load_bound * (self.load(least) + 1)
         if self.load(preferred) <= bound:
-            return RouteDecision(preferred.name, "affinity")
-        return RouteDecision(least.name, "least_loaded")
+            return RouteDecision(preferred.name, "affinity", tier)
+        return RouteDecision(least.name, "least_loaded", tier)
 
-    def all_saturated(self, model: str) -> bool:
+    def all_saturated(self, model: str, tier: Tier) -> bool:
         cands = self.candidates(model)
-        return bool(cands) and all(self.saturated(s) for s in cands)
+        return bool(cands) and all(self.saturated(s, tier) for s in cands)
+
+
+def _share_upto(s: UpstreamState, tier: Tier) -> float:
+    """The share of an aggregate waiting count taken to be at tiers <= `tier`: that of this
+    gateway's requests in flight to the upstream (all of it while none is)."""
+    total = s.num_in_flight
+    return s.num_in_flight_upto(tier) / total if total else 1.0
 
 
 def _kv(s: UpstreamState) -> float:

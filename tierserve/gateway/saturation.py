@@ -4,12 +4,20 @@ vLLM and `tierserve serve` export `vllm:num_requests_waiting`, `vllm:num_request
 and `vllm:kv_cache_usage_perc` (0..1); SGLang exports `sglang:num_queue_reqs`,
 `sglang:num_running_reqs` and `sglang:token_usage`. Series with labels (one per model)
 are summed; KV usage takes the largest.
+
+tierserve and tierserve's vLLM plug-in also export the waiting queue by tier,
+`llm_scheduler_queue_depth{priority="P0".."P3"}`: when it is there the sample keeps it,
+so the router can count only the work an upstream will run ahead of a request's tier.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from tierserve.tiers import ALL_TIERS, Tier
 
 # kind -> (waiting, running, kv usage) metric names
 METRIC_NAMES: dict[str, tuple[str, str, str]] = {
@@ -17,6 +25,11 @@ METRIC_NAMES: dict[str, tuple[str, str, str]] = {
     "tierserve": ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"),
     "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
 }
+
+
+TIER_DEPTH_METRIC = "llm_scheduler_queue_depth"  # waiting requests, by `priority` label
+TIER_DEPTH_KINDS = ("vllm", "tierserve")  # kinds that may export it (vLLM: with tierserve's plug-in)
+_PRIORITY_LABEL = re.compile(r'priority="([^"]*)"')
 
 
 class MetricsParseError(ValueError):
@@ -29,26 +42,44 @@ class LoadSample:
     num_running: float
     kv_usage: float  # 0..1
     at: float  # clock time of the scrape
+    waiting_by_tier: tuple[float, ...] | None = None  # P0..P3, when the upstream exports it
 
 
-def _series(text: str, name: str) -> list[float]:
-    values: list[float] = []
+def _samples(text: str, name: str) -> Iterator[tuple[str, float]]:
+    """(label text, value) of each finite sample of the series `name`."""
     for line in text.splitlines():
         if not line.startswith(name):
             continue
         rest = line[len(name) :]
         if rest[:1] not in ("{", " "):
             continue  # a longer name sharing the prefix
-        value = rest.rsplit("}", 1)[-1].split()
-        if not value:
+        labels, _, value = rest.rpartition("}")
+        fields = value.split()
+        if not fields:
             continue
         try:
-            number = float(value[0])
+            number = float(fields[0])
         except ValueError:
             continue
         if math.isfinite(number):
-            values.append(number)
-    return values
+            yield labels, number
+
+
+def _series(text: str, name: str) -> list[float]:
+    return [value for _, value in _samples(text, name)]
+
+
+def _by_tier(text: str, name: str) -> tuple[float, ...] | None:
+    """The series summed per `priority` label (P0..P3), or None when it is absent."""
+    totals = [0.0] * len(ALL_TIERS)
+    found = False
+    for labels, value in _samples(text, name):
+        match = _PRIORITY_LABEL.search(labels)
+        if match is None or match.group(1) not in Tier.__members__:
+            continue
+        totals[Tier[match.group(1)]] += value
+        found = True
+    return tuple(totals) if found else None
 
 
 def parse_load(kind: str, text: str, at: float) -> LoadSample:
@@ -59,4 +90,5 @@ def parse_load(kind: str, text: str, at: float) -> LoadSample:
     waiting, running, kv = (_series(text, n) for n in names)
     if not waiting and not running:
         raise MetricsParseError(f"none of {names[0]}, {names[1]} in the scrape")
-    return LoadSample(sum(waiting), sum(running), max(kv, default=0.0), at)
+    by_tier = _by_tier(text, TIER_DEPTH_METRIC) if kind in TIER_DEPTH_KINDS else None
+    return LoadSample(sum(waiting), sum(running), max(kv, default=0.0), at, by_tier)

@@ -1,0 +1,128 @@
+"""Route at once or wait in the flow control: the decisions the gateway's `Dispatcher`
+(asyncio futures) and the fleet simulation's `FleetDispatch` (virtual time) share.
+
+A request of tier t is routed at once when no request of tier t or more urgent waits in
+the gateway and some upstream is not full for t (waiting requests of less urgent tiers
+would start after it on the upstream anyway); otherwise it takes a ticket. `pump` expires
+tickets that waited too long, refuses those no candidate is left for, and releases the
+rest in the policy's order while the head can be routed. A routed request counts in
+flight at once, so the next decision sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from tierserve.clock import Clock
+from tierserve.gateway.flow import FlowControl, Refusal
+from tierserve.gateway.router import RouteDecision, Router
+from tierserve.request import Request
+from tierserve.tiers import Tier
+
+H = TypeVar("H")  # what the caller keeps for a waiting request (a future, a key)
+NO_UPSTREAM_RETRY_S = 1.0  # retry_after when no healthy upstream serves the model
+
+
+class QueueOrderError(RuntimeError):
+    """The flow control released a ticket other than the one it showed at the same time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Released(Generic[H]):
+    handle: H
+    decision: RouteDecision  # already counted in flight
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped(Generic[H]):
+    handle: H
+    tier: Tier
+    reason: str  # "queue_timeout" or "no_upstream"
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Held(Generic[H]):
+    handle: H
+    ticket: Request
+    model: str
+    prefix: str
+    exclude: tuple[str, ...]
+
+
+class DispatchCore(Generic[H]):
+    def __init__(self, router: Router, flow: FlowControl, clock: Clock) -> None:
+        self.router = router
+        self.flow = flow
+        self._clock = clock
+        self._held: dict[str, _Held[H]] = {}  # ticket id -> request
+
+    def route_now(
+        self, tier: Tier, prefix: str, model: str, exclude: Sequence[str] = ()
+    ) -> RouteDecision | None:
+        """An upstream now (counted in flight), or None: the request must take a ticket."""
+        if self.flow.depth_upto(tier):
+            return None
+        decision = self.router.route(tier, prefix, model, exclude)
+        if decision is not None:
+            self.router.started(decision.upstream, tier)
+        return decision
+
+    def enqueue(
+        self,
+        handle: H,
+        tier: Tier,
+        tenant: str,
+        model: str,
+        prefix: str,
+        exclude: Sequence[str] = (),
+        *,
+        num_tokens: int = 1,
+        tenant_weight: float = 1.0,
+    ) -> Request | Refusal:
+        """A ticket in the tier queues (call `pump` next), or the refusal of a full queue."""
+        ticket = self.flow.offer(tier, tenant, num_tokens=num_tokens, tenant_weight=tenant_weight)
+        if isinstance(ticket, Request):
+            self._held[ticket.request_id] = _Held(handle, ticket, model, prefix, tuple(exclude))
+        return ticket
+
+    def cancel(self, ticket: Request) -> bool:
+        """Take out a ticket whose client went away; False when it had left the queue already."""
+        if self._held.pop(ticket.request_id, None) is None:
+            return False
+        self.flow.cancel(ticket)
+        return True
+
+    def finished(self, upstream: str, tier: Tier) -> None:
+        """A routed request ended (call `pump` next: its place may go to a waiting one)."""
+        self.router.finished(upstream, tier)
+        self.flow.drained()
+
+    def pump(self) -> list[Released[H] | Dropped[H]]:
+        """What became of waiting requests: expired, left without a candidate, or released."""
+        out: list[Released[H] | Dropped[H]] = []
+        for ticket in self.flow.expire():
+            held = self._held.pop(ticket.request_id)
+            out.append(Dropped(held.handle, ticket.tier, "queue_timeout", self.flow.retry_after(ticket.tier)))
+        while True:
+            now = self._clock.now()
+            head = self.flow.peek(now)
+            if head is None:
+                return out
+            held = self._held[head.request_id]
+            decision = self.router.route(head.tier, held.prefix, held.model, held.exclude)
+            if decision is None:
+                if self.router.candidates(held.model, held.exclude):
+                    return out  # the head waits for room; the rest wait behind it
+                self.cancel(head)
+                out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S))
+                continue
+            released = self.flow.release(now)
+            if released is not head:
+                raise QueueOrderError(f"peeked {head.request_id}, released {released}")
+            del self._held[head.request_id]
+            self.router.started(decision.upstream, head.tier)
+            out.append(Released(held.handle, decision, self.flow.waited(head)))
