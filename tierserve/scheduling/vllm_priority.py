@@ -39,6 +39,7 @@ class VllmPriorityPolicy(Policy):
     allow_swap: ClassVar[bool] = False
     running_pass: ClassVar[RunningPass] = RunningPass.ADMISSION_ORDER
     admits_after_preemption: ClassVar[bool] = False
+    leaps_decodes: ClassVar[bool] = True  # no hooks
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierserve.executors.base import ExecutorSpec, StepBatch, StepResult
-from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
+from tierserve.executors.sim.cost_model import (
+    DEFAULT_ACTIVATION_RESERVE_BYTES,
+    CostModel,
+    SeqChunk,
+    StepCost,
+)
 from tierserve.executors.sim.gpus import GiB, GpuProfile, get_gpu
 from tierserve.model_config import KNOWN_MODELS, ModelConfig
 
@@ -96,6 +101,15 @@ class SimExecutor:
             if s.samples
         }
         return StepResult(duration_s=cost.total_s, sampled_token_ids=sampled, roofline_s=cost.roofline_s)
+
+    def decode_step_cost(self, num_seqs: int, num_context_tokens: int) -> StepCost:
+        """What `execute` predicts for `num_seqs` one-token decodes over `num_context_tokens`
+        cached tokens in all (fast simulation: no batch to build)."""
+        return self.cost.decode_step_cost(num_seqs, num_context_tokens)
+
+    def token_at(self, request_id: str, position: int) -> int:
+        """The token `execute` samples for the request when it holds `position` tokens."""
+        return placeholder_token(self.model, request_id, position)
 
     def swap_out(self, mapping: Sequence[tuple[int, int]]) -> float:
         return self.estimate_swap_s(len(mapping))
