@@ -124,6 +124,7 @@ def measure(setup: BenchSetup, cell: Cell) -> dict[str, Any]:
         "seed": cell.seed,
         "num_requests": num_requests,
         "num_steps": step.run.stats.num_steps,
+        "leapt_share": round(fast.run.stats.num_leapt_steps / max(1, fast.run.stats.num_steps), 4),
         "step_cpu_s": round(step_cpu, 3),
         "fast_cpu_s": round(fast_cpu, 3),
         "step_requests_per_cpu_s": round(step_rate, 1),
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     def table() -> None:
         r = result
         print(f"{cell.workload}, {pattern} {args.load:g}, {cell.policy}, seed {cell.seed}: ", end="")
-        print(f"{r['num_requests']} requests")
+        print(f"{r['num_requests']} requests, {r['num_steps']} steps, {r['leapt_share']:.1%} leapt")
         print("| mode | CPU s | requests per CPU-s |\n|---|---|---|")
         print(f"| step | {r['step_cpu_s']} | {r['step_requests_per_cpu_s']} |")
         print(f"| fast | {r['fast_cpu_s']} | {r['fast_requests_per_cpu_s']} |")

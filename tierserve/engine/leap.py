@@ -133,6 +133,7 @@ class DecodeLeap:
         stats.roofline_s += roofline_s
         stats.num_generated_tokens += num_seqs
         stats.num_steps += 1
+        stats.num_leapt_steps += 1
         stats.last_step_tokens = num_seqs
         stats.last_step_seqs = num_seqs
         stats.last_step_s = duration_s
