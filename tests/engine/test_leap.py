@@ -86,22 +86,26 @@ def test_compare_finds_a_difference() -> None:
     assert compare(a, {"x": 1.0, "ys": [1], "name": "a"}).mismatches >= 1
 
 
-def test_leap_runs_steady_decodes_and_stops_before_an_end() -> None:
+def test_leap_runs_steady_decodes_up_to_the_step_that_ends_a_request() -> None:
     executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
     clock = VirtualClock()
     engine = Engine(EngineConfig(), "fcfs", executor, clock, fast=True)
     req = Request("r0", list(range(40)), SamplingParams(max_tokens=50, ignore_eos=True), tier=Tier.P1)
+    other = Request("r1", list(range(7)), SamplingParams(max_tokens=70, ignore_eos=True), tier=Tier.P1)
     engine.add_request(req)
-    assert engine.leap(10.0) == 0  # waiting: the next step must admit it
-    engine.step()  # prefill, first token
+    engine.add_request(other)
+    assert engine.leap(10.0).num_steps == 0  # waiting: the next step must admit them
+    engine.step()  # prefill, first tokens
     durations: list[float] = []
-    assert engine.leap(10.0, durations.append) == 48  # the 50th token ends it: a full step
-    assert len(durations) == 48 and all(d > 0 for d in durations)
-    assert req.num_output_tokens == 49 and req.num_computed_tokens == req.num_tokens - 1
-    assert len(req.block_ids) == engine.memory.blocks_for(req.num_tokens - 1)
+    leapt = engine.leap(10.0, durations.append)
+    assert leapt.num_steps == 49  # the 50th token ends r0
+    assert [o.request for o in leapt.ended] == [req] and req.status.is_final
+    assert req.num_output_tokens == 50 and req.finish_time == clock.now()
+    assert len(durations) == 49 and all(d > 0 for d in durations)
+    assert other.num_output_tokens == 50 and other.num_computed_tokens == other.num_tokens - 1
+    assert len(other.block_ids) == engine.memory.blocks_for(other.num_tokens - 1)
     engine.memory.check_integrity()
-    engine.step()
-    assert req.status.is_final and req.num_output_tokens == 50
+    assert engine.leap(10.0).num_steps == 20 and other.status.is_final
 
 
 def test_leap_stops_at_the_given_time() -> None:
@@ -111,7 +115,7 @@ def test_leap_stops_at_the_given_time() -> None:
     engine.add_request(Request("r0", [1] * 20, SamplingParams(max_tokens=500, ignore_eos=True)))
     engine.step()
     until = clock.now() + 0.1
-    num_steps = engine.leap(until)
+    num_steps = engine.leap(until).num_steps
     assert 0 < num_steps < 498
     assert clock.now() >= until > clock.now() - engine.stats.last_step_s
 

@@ -245,11 +245,15 @@ class _Run:
         self.sampler.add(duration_s, used, borrowed)
 
     def _leap(self) -> bool:
-        """Fast simulation: the steps before the next arrival (or the drain deadline) in
-        which nothing ends, at once; False if there were none (the next must be a `_step`)."""
+        """Fast simulation: the steps before the next arrival (or the drain deadline), up
+        to the first in which requests end, at once; False if there were none (the next
+        must be a `_step`)."""
         arrival = self._next_arrival() if self._may_submit() else None
         until = min(math.inf if arrival is None else arrival, self.deadline)
-        return self.engine.leap(until, self._sample if self._sampling() else None) > 0
+        leapt = self.engine.leap(until, self._sample if self._sampling() else None)
+        for output in leapt.ended:
+            self._end(output.request)
+        return leapt.num_steps > 0
 
     def _step(self) -> bool:
         """One engine step; False if it neither took time nor ended a request."""

@@ -11,7 +11,7 @@ import time
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
-from tierserve.engine.leap import DecodeLeap, StepObserver
+from tierserve.engine.leap import DecodeLeap, LeapResult, StepObserver
 from tierserve.engine.lifecycle import Lifecycle, RequestOutput
 from tierserve.engine.scheduler import Scheduler, SchedulerOutput
 from tierserve.engine.stats import EngineStats
@@ -182,13 +182,13 @@ class Engine:
     def fast(self) -> bool:
         return self._leap is not None
 
-    def leap(self, until: float, on_step: StepObserver | None = None) -> int:
-        """Fast simulation: run the steps before `until` in which every running request
-        decodes and none ends, at once; returns how many (0 when not in fast mode or when
-        the next step must be a full `step`). `on_step(duration_s)` is called for each,
-        before the step takes its blocks."""
+    def leap(self, until: float, on_step: StepObserver | None = None) -> LeapResult:
+        """Fast simulation: run the steps that start before `until` and in which every
+        running request decodes, at once, up to the first in which requests end (their
+        outputs are returned; no others are). No steps when not in fast mode or when the
+        next must be a full `step`. `on_step(duration_s)` is called for each step."""
         if self._leap is None or self.scheduler.has_forced() or self._deferred or not self._leap.steady():
-            return 0
+            return LeapResult(0, [])
         return self._leap.run(until, on_step)
 
     def _swap(self, out: SchedulerOutput) -> float:

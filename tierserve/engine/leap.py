@@ -10,8 +10,9 @@ it needs a new KV block (every `block_size` steps, in the pass's order) or fills
 (entered in the prefix cache, in the batch's order). Its token ids and counters are
 brought up to date at those steps and at the end of the run.
 
-The run stops before any step that would end a request, so every end, admission and
-preemption still happens in `Engine.step`; the results are the step-by-step results
+The run ends with the first step in which requests reach their max_tokens (they end
+there, as `Lifecycle.apply` ends them), so that the caller can send more; admissions and
+preemptions happen in `Engine.step`. The results are the step-by-step results
 (tests/engine/test_leap.py compares them request by request).
 """
 
@@ -19,20 +20,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
-from tierserve.engine.lifecycle import Lifecycle
+from tierserve.engine.lifecycle import Lifecycle, RequestOutput
 from tierserve.engine.stats import EngineStats
 from tierserve.executors.sim.executor import SimExecutor
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.manager import Alloc, KVCacheManager
-from tierserve.request import Request
+from tierserve.request import FinishReason, Request
 from tierserve.scheduling.base import Policy, RunningPass
 
 # Called once per leapt step with the time it took on the clock, while the blocks held are
 # still those held as it began (what a step-by-step caller sees around `Engine.step`).
 StepObserver = Callable[[float], None]
+
+
+class LeapResult(NamedTuple):
+    num_steps: int  # leapt steps (0: the next step must be a full `Engine.step`)
+    ended: list[RequestOutput]  # requests that reached max_tokens in the last one
 
 
 @dataclass(slots=True)
@@ -75,15 +82,16 @@ class DecodeLeap:
         # A stop token could be sampled; EOS never is (the sim executor's placeholders).
         return not any(r.is_prefilling or r.sampling.stop_token_ids for r in running)
 
-    def run(self, until: float, on_step: StepObserver | None) -> int:
-        """Leapt steps while the clock is before `until` and no step would end a request
-        or find a block short; returns how many (0: the caller must `step`)."""
+    def run(self, until: float, on_step: StepObserver | None) -> LeapResult:
+        """Leap over steps while the clock is before `until` and no step finds a block
+        short, up to and including the first step in which requests reach max_tokens."""
         if self.policy.running_pass is RunningPass.PROTECTED and self.lifecycle.unsorted:
             # What the next pass would do first; it is stable, so doing it now changes nothing.
             self.lifecycle.running.sort(key=self.policy.running_key)
             self.lifecycle.unsorted = False
         decoders = [_Decoder(r, r.num_tokens) for r in self.lifecycle.running]
-        most = min(r.sampling.max_tokens - r.num_output_tokens for r in self.lifecycle.running) - 1
+        # The step at which the first requests reach max_tokens: the run's last.
+        last = min(r.sampling.max_tokens - r.num_output_tokens for r in self.lifecycle.running)
         size = self.memory.block_size
         # Requests by the step (mod block_size) at which they need a block / fill one.
         grows: list[list[_Decoder]] = [[] for _ in range(size)]
@@ -97,7 +105,8 @@ class DecodeLeap:
         num_seqs = len(decoders)
         context = sum(d.num_tokens0 - 1 for d in decoders)
         k = 0
-        while k < most and self.clock.now() < until:
+        ended: list[RequestOutput] = []
+        while k < last and self.clock.now() < until:
             step = k + 1
             growing = [d for d in grows[step % size] if self._needs_block(d, step)]
             if growing and not self.memory.fits_one_each([d.request.tier for d in growing]):
@@ -111,15 +120,37 @@ class DecodeLeap:
             for d in growing:
                 if self.memory.grow(d.request, d.num_tokens0 + step - 1) is not Alloc.OK:
                     raise KVIntegrityError(f"{d.request.request_id}: a checked block could not be had")
-            if self.memory.enable_prefix_caching:
-                for d in fills[step % size]:
-                    self._write(d, step)
-                    self.memory.cache_computed_blocks(d.request)
-            context += num_seqs
+            filling = fills[step % size] if self.memory.enable_prefix_caching else []
             k = step
+            if step == last:
+                ended = self._apply_last(decoders, filling, step)
+                break
+            for d in filling:
+                self._write(d, step)
+                self.memory.cache_computed_blocks(d.request)
+            context += num_seqs
         for d in decoders:
             self._write(d, k)
-        return k
+        return LeapResult(k, ended)
+
+    def _apply_last(
+        self, decoders: list[_Decoder], filling: list[_Decoder], step: int
+    ) -> list[RequestOutput]:
+        """`Lifecycle.apply` for the step in which requests reach max_tokens: blocks that
+        fill are cached and requests end, in the batch's order."""
+        fills = {id(d) for d in filling}
+        ended: list[RequestOutput] = []
+        for d in decoders:
+            req = d.request
+            ends = req.sampling.max_tokens - (d.num_tokens0 - req.num_prompt_tokens) == step
+            if not ends and id(d) not in fills:
+                continue
+            self._write(d, step)
+            self.memory.cache_computed_blocks(req)
+            if ends:
+                self.lifecycle.end(req, FinishReason.LENGTH)
+                ended.append(RequestOutput(req, [req.token_ids[-1]], True))
+        return ended
 
     def _needs_block(self, d: _Decoder, step: int) -> bool:
         return self.memory.blocks_for(d.num_tokens0 + step - 1) > len(d.request.block_ids)
