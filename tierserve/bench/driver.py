@@ -238,11 +238,13 @@ class _Run:
         return self.start is not None and self.window is None
 
     def _sample(self, duration_s: float) -> None:
-        """Note a step's duration and the blocks held as it begins."""
+        """Note a leapt step as it begins: the blocks held and the time it will take on
+        the clock (computed as `_step` finds it, to the bit)."""
         memory = self.engine.memory
         used = [memory.used_blocks(t) for t in ALL_TIERS]
         borrowed = [memory.borrowed_blocks(t) for t in ALL_TIERS]
-        self.sampler.add(duration_s, used, borrowed)
+        now = self.clock.now()
+        self.sampler.add((now + duration_s) - now, used, borrowed)
 
     def _leap(self) -> bool:
         """Fast simulation: the steps before the next arrival (or the drain deadline), up

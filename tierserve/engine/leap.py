@@ -32,8 +32,8 @@ from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import FinishReason, Request
 from tierserve.scheduling.base import Policy, RunningPass
 
-# Called once per leapt step with the time it took on the clock, while the blocks held are
-# still those held as it began (what a step-by-step caller sees around `Engine.step`).
+# Called as each leapt step begins (the state a step-by-step caller sees just before
+# `Engine.step`: the clock, the blocks held, the counters), with the step's duration.
 StepObserver = Callable[[float], None]
 
 
@@ -113,10 +113,9 @@ class DecodeLeap:
                 break
             self.policy.steady_step()
             cost = self.executor.decode_step_cost(num_seqs, context)
-            before = self.clock.now()
-            self._account(cost.total_s, cost.roofline_s, num_seqs)
             if on_step is not None:
-                on_step(self.clock.now() - before)
+                on_step(cost.total_s)
+            self._account(cost.total_s, cost.roofline_s, num_seqs)
             for d in growing:
                 if self.memory.grow(d.request, d.num_tokens0 + step - 1) is not Alloc.OK:
                     raise KVIntegrityError(f"{d.request.request_id}: a checked block could not be had")
