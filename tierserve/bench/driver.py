@@ -242,7 +242,7 @@ class _Run:
         the clock (computed as `_step` finds it, to the bit)."""
         memory = self.engine.memory
         used = [memory.used_blocks(t) for t in ALL_TIERS]
-        borrowed = [memory.borrowed_blocks(t) for t in ALL_TIERS]
+        borrowed = memory.borrowed_by_tier()
         now = self.clock.now()
         self.sampler.add((now + duration_s) - now, used, borrowed)
 
@@ -263,7 +263,7 @@ class _Run:
             return True
         memory = self.engine.memory
         used = [memory.used_blocks(t) for t in ALL_TIERS]
-        borrowed = [memory.borrowed_blocks(t) for t in ALL_TIERS]
+        borrowed = memory.borrowed_by_tier()
         before = self.clock.now()
         outputs = self.engine.step()
         if self._sampling():

@@ -172,7 +172,9 @@ class DecodeLeap:
         """Bring the request to the end of leapt step `num_steps`: its sampled tokens and
         computed count, as `Lifecycle.apply` would have left them."""
         req = d.request
-        for step in range(d.num_done + 1, num_steps + 1):
-            req.token_ids.append(self.executor.token_at(req.request_id, d.num_tokens0 + step - 1))
+        # Step s samples the token at position num_tokens0 + s - 1.
+        req.token_ids.extend(
+            self.executor.tokens_at(req.request_id, d.num_tokens0 + d.num_done, d.num_tokens0 + num_steps)
+        )
         req.num_computed_tokens = d.num_tokens0 - 1 + num_steps
         d.num_done = num_steps

@@ -68,6 +68,10 @@ class KVCacheManager:
     def borrowed_blocks(self, tier: Tier) -> int:
         return self.partition.borrowed(self.pool.used_by_tier)[tier]
 
+    def borrowed_by_tier(self) -> list[int]:
+        """`borrowed_blocks` of every tier, worked out once."""
+        return self.partition.borrowed(self.pool.used_by_tier)
+
     def prefix_hit_rate(self, tier: Tier) -> float:
         queried = self._prefix_queried[tier]
         return self._prefix_hit[tier] / queried if queried else 0.0

@@ -57,6 +57,10 @@ class PlaceholderTokens:
             token = (token + 1) % self.vocab_size
         return token
 
+    def tokens(self, request_id: str, start: int, stop: int) -> list[int]:
+        """`token` at each position in [start, stop)."""
+        return [self.token(request_id, p) for p in range(start, stop)]
+
 
 def placeholder_token(model: ModelConfig, request_id: str, position: int) -> int:
     """A pseudo-random id from (request_id, position), below the special tokens and never EOS/BOS."""
@@ -127,9 +131,10 @@ class SimExecutor:
         cached tokens in all (fast simulation: no batch to build)."""
         return self.cost.decode_step_cost(num_seqs, num_context_tokens)
 
-    def token_at(self, request_id: str, position: int) -> int:
-        """The token `execute` samples for the request when it holds `position` tokens."""
-        return self._tokens.token(request_id, position)
+    def tokens_at(self, request_id: str, start: int, stop: int) -> list[int]:
+        """The tokens `execute` samples for the request when it holds start, start + 1, ...
+        stop - 1 tokens."""
+        return self._tokens.tokens(request_id, start, stop)
 
     def swap_out(self, mapping: Sequence[tuple[int, int]]) -> float:
         return self.estimate_swap_s(len(mapping))
