@@ -17,6 +17,7 @@ from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
 from tierserve.executors.sim.executor import build_sim_executor
 from tierserve.request import Request, SamplingParams
+from tierserve.scheduling import POLICIES
 from tierserve.tiers import Tier
 
 
@@ -49,6 +50,13 @@ def _small_cache_run(fast: bool, policy: str) -> DriverResult:
     specs = setup.stream("memory-pressure", 1, executor.spec.max_model_len)
     config = DriverConfig(num_measured=30, num_warmup=32, concurrency=32, think_time_s=0.5, seed=1)
     return run_workload(engine, clock, specs, config)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_leaps_and_gives_the_step_by_step_results(policy: str) -> None:
+    setup = BenchSetup(num_measured=40)
+    _, fast = _assert_same(setup, Cell("default", "closed", 32, policy, 5))
+    assert POLICIES[policy].leaps_decodes and fast.run.stats.num_leapt_steps > 0
 
 
 @pytest.mark.parametrize("policy", ["vllm-priority", "hybrid"])

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class StrictPolicy(Policy):
     name: ClassVar[str] = "strict"
+    leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
