@@ -43,12 +43,12 @@ def test_fast_mode_equals_step_mode_on_the_default_workload(policy: str, clients
 
 
 def _small_cache_run(fast: bool, policy: str) -> DriverResult:
-    """memory-pressure's traffic on a 3000-block cache: 32 clients outgrow it."""
+    """memory-pressure's traffic on a 3000-block cache: 24 clients outgrow it."""
     executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 4, num_device_blocks=3000)
     clock, setup = VirtualClock(), BenchSetup()
     engine = Engine(setup.engine_config(), policy, executor, clock, fast=fast)
     specs = setup.stream("memory-pressure", 1, executor.spec.max_model_len)
-    config = DriverConfig(num_measured=30, num_warmup=32, concurrency=32, think_time_s=0.5, seed=1)
+    config = DriverConfig(num_measured=15, num_warmup=24, concurrency=24, think_time_s=0.5, seed=1)
     return run_workload(engine, clock, specs, config)
 
 
