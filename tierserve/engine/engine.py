@@ -178,10 +178,6 @@ class Engine:
         self._deferred.clear()
         return outputs
 
-    @property
-    def fast(self) -> bool:
-        return self._leap is not None
-
     def leap(self, until: float, on_step: StepObserver | None = None) -> LeapResult:
         """Fast simulation: run the steps that start before `until` and in which every
         running request decodes, at once, up to the first in which requests end (their
