@@ -193,6 +193,7 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
             for t, c in config.tiers.items()
         },
         "quick": quick,
+        "sim_mode": s.sim_mode,
         "git_commit": commit,
     }
 
