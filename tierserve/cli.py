@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "tierserve.bench.gateway_bench",
     "tierserve.bench.fleet_bench",
     "tierserve.bench.sim_check",
+    "tierserve.bench.sim_speed",
     "tierserve.bench.vllm_bench",
     "tierserve.executors.sim.profile_cli",
     "tierserve.generate",

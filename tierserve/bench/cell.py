@@ -34,6 +34,8 @@ from tierserve.workloads import (
 )
 
 Pattern = Literal["poisson", "bursty", "trace", "closed"]
+SimMode = Literal["fast", "step"]  # fast: leap over steady decode steps (same results)
+SIM_MODES: tuple[SimMode, ...] = ("fast", "step")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class BenchSetup:
     capacity_rps: Mapping[str, float] = field(default_factory=dict)
     max_trace_rows: int | None = None
     capacity_requests: int = 1500  # measured requests of the saturating run that finds capacity
+    sim_mode: SimMode = "fast"
 
     def engine_config(self) -> EngineConfig:
         base = load_config(self.config_path) if self.config_path else EngineConfig()
@@ -120,10 +123,25 @@ def _driver_config(setup: BenchSetup, cell: Cell, num_measured: int) -> DriverCo
     )
 
 
+@dataclass(frozen=True)
+class Driven:
+    """A cell's simulation, before the figures that need more than the run."""
+
+    run: DriverResult
+    p0_shapes: Mapping[int, tuple[int, int]]  # P0 spec index -> (prompt, history) tokens
+    executor: SimExecutor
+    rate_rps: float | None
+
+
 def run_cell(setup: BenchSetup, cell: Cell) -> CellResult:
+    return cell_result(setup, cell, drive(setup, cell))
+
+
+def drive(setup: BenchSetup, cell: Cell) -> Driven:
+    """Simulate the cell: build its engine (in `setup.sim_mode`) and run its workload."""
     config, executor = setup.engine_config(), setup.executor(cell.workload)
     clock = VirtualClock()
-    engine = Engine(config, cell.policy, executor, clock)
+    engine = Engine(config, cell.policy, executor, clock, fast=setup.sim_mode == "fast")
     mml = executor.spec.max_model_len
     rate: float | None = None
     num_measured = setup.num_measured
@@ -141,6 +159,12 @@ def run_cell(setup: BenchSetup, cell: Cell) -> CellResult:
     result = run_workload(
         engine, clock, _noting_p0(specs, history), _driver_config(setup, cell, num_measured)
     )
+    return Driven(result, history, executor, rate)
+
+
+def cell_result(setup: BenchSetup, cell: Cell, driven: Driven) -> CellResult:
+    """The cell's samples: the run, P0's idle TTFTs and the preemptions' costs."""
+    result, history, executor = driven.run, driven.p0_shapes, driven.executor
     idle = _idle_ttft(cell.workload, setup.limits, setup.config_path)
     p0_idle = {r.index: idle(*history[r.index]) for r in result.records if r.measured and r.tier is Tier.P0}
     cost: dict[tuple[bool, int], float] = {}
@@ -150,7 +174,7 @@ def run_cell(setup: BenchSetup, cell: Cell) -> CellResult:
             2 * executor.estimate_swap_s(p.amount) if p.swapped else executor.estimate_prefill_s(p.amount)
         )
         cost[(p.swapped, p.amount)] = seconds
-    return CellResult(cell, result, p0_idle, executor.spec.num_device_blocks, cost, rate)
+    return CellResult(cell, result, p0_idle, executor.spec.num_device_blocks, cost, driven.rate_rps)
 
 
 @functools.lru_cache(maxsize=8)

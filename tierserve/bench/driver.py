@@ -234,14 +234,39 @@ class _Run:
         self.num_measured_live -= measured
         self._client_free(self.clock.now())
 
-    def _step(self) -> bool:
-        """One engine step; False if it neither took time nor ended a request."""
+    def _sampling(self) -> bool:
+        return self.start is not None and self.window is None
+
+    def _sample(self, duration_s: float) -> None:
+        """Note a leapt step as it begins: the blocks held and the time it will take on
+        the clock (computed as `_step` finds it, to the bit)."""
         memory = self.engine.memory
         used = [memory.used_blocks(t) for t in ALL_TIERS]
-        borrowed = [memory.borrowed_blocks(t) for t in ALL_TIERS]
+        borrowed = memory.borrowed_by_tier()
+        now = self.clock.now()
+        self.sampler.add((now + duration_s) - now, used, borrowed)
+
+    def _leap(self) -> bool:
+        """Fast simulation: the steps before the next arrival (or the drain deadline), up
+        to the first in which requests end, at once; False if there were none (the next
+        must be a `_step`)."""
+        arrival = self._next_arrival() if self._may_submit() else None
+        until = min(math.inf if arrival is None else arrival, self.deadline)
+        leapt = self.engine.leap(until, self._sample if self._sampling() else None)
+        for output in leapt.ended:
+            self._end(output.request)
+        return leapt.num_steps > 0
+
+    def _step(self) -> bool:
+        """One engine step; False if it neither took time nor ended a request."""
+        if self._leap():
+            return True
+        memory = self.engine.memory
+        used = [memory.used_blocks(t) for t in ALL_TIERS]
+        borrowed = memory.borrowed_by_tier()
         before = self.clock.now()
         outputs = self.engine.step()
-        if self.start is not None and self.window is None:
+        if self._sampling():
             self.sampler.add(self.clock.now() - before, used, borrowed)
         ended = [o.request for o in outputs if o.finished]
         for req in ended:

@@ -87,6 +87,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--seed", type=int, default=0, help="seed of the tiers drawn for the trace (default: 0)")
     p.add_argument("--bin-s", type=float, default=60.0, help="width of the over-time bins")
     p.add_argument(
+        "--sim-mode",
+        choices=("fast", "step"),
+        default="fast",
+        help="fast: replicas leap over runs of decode steps while nothing can reach them (the "
+        "same results); step: every step (default: %(default)s)",
+    )
+    p.add_argument(
         "--out", type=Path, default=Path("bench-out/fleet"), help="results folder (default: %(default)s)"
     )
     p.add_argument("--json", action="store_true", help="print the per-run summaries as JSON")

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tierserve.bench.cell import BenchSetup, Pattern
+from tierserve.bench.cell import SIM_MODES, BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
 from tierserve.scheduling.registry import BENCH_POLICIES
@@ -92,6 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=900.0, help="virtual s after the last arrival")
     p.add_argument("--config", help="engine config TOML (tiers; the limits above still apply)")
+    p.add_argument(
+        "--sim-mode",
+        choices=SIM_MODES,
+        default="fast",
+        help="fast: leap over runs of decode steps (the same results, checked by `bench sim-speed`); "
+        "step: every step (default: %(default)s)",
+    )
     p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
     p.set_defaults(func=run)
 
@@ -142,6 +149,7 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
         drain_timeout_s=args.drain_timeout,
         config_path=args.config,
         max_trace_rows=args.trace_rows,
+        sim_mode=args.sim_mode,
     )
     if args.quick:
         setup = replace(setup, capacity_requests=QUICK_CAPACITY_REQUESTS)
@@ -185,6 +193,7 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
             for t, c in config.tiers.items()
         },
         "quick": quick,
+        "sim_mode": s.sim_mode,
         "git_commit": commit,
     }
 

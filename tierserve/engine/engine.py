@@ -1,7 +1,8 @@
 """The engine: schedule -> execute -> update, one iteration at a time.
 
 The executor and the clock are passed in, so the same engine runs in simulation
-(`SimExecutor` + `VirtualClock`) and for real (`TorchExecutor` + `WallClock`).
+(`SimExecutor` + `VirtualClock`) and for real (`TorchExecutor` + `WallClock`). With
+`fast=True` (simulation only) `leap` runs runs of all-decode steps at once (engine/leap.py).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import time
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
+from tierserve.engine.leap import DecodeLeap, LeapResult, StepObserver
 from tierserve.engine.lifecycle import Lifecycle, RequestOutput
 from tierserve.engine.scheduler import Scheduler, SchedulerOutput
 from tierserve.engine.stats import EngineStats
 from tierserve.executors.base import Executor, StepResult
+from tierserve.executors.sim.executor import SimExecutor
 from tierserve.memory.manager import KVCacheManager
 from tierserve.memory.partition import TierPartition
 from tierserve.request import EventKind, FinishReason, Request, RequestStatus
@@ -22,7 +25,10 @@ from tierserve.tiers import Tier
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, policy: str | Policy, executor: Executor, clock: Clock) -> None:
+    def __init__(
+        self, config: EngineConfig, policy: str | Policy, executor: Executor, clock: Clock, fast: bool = False
+    ) -> None:
+        """`fast`: let `leap` run steady decode steps at once (needs the `SimExecutor`)."""
         self.config = config
         self.policy = create_policy(policy, config) if isinstance(policy, str) else policy
         self.executor = executor
@@ -43,6 +49,15 @@ class Engine:
         self.stats = EngineStats()
         self.lifecycle = Lifecycle(self.policy, self.memory, clock, self.stats)
         self.scheduler = Scheduler(config, self.policy, self.memory, executor, clock, self.lifecycle)
+        self._leap: DecodeLeap | None = None
+        if fast:
+            if not isinstance(executor, SimExecutor):
+                raise ValueError(
+                    f"fast simulation needs the simulated executor, not {type(executor).__name__}"
+                )
+            self._leap = DecodeLeap(
+                config, self.policy, self.memory, executor, clock, self.lifecycle, self.stats
+            )
         self._in_step = False
         self._deferred: list[tuple[str, FinishReason]] = []  # ends asked for during a step
 
@@ -162,6 +177,15 @@ class Engine:
                 outputs.append(RequestOutput(req, [], True))
         self._deferred.clear()
         return outputs
+
+    def leap(self, until: float, on_step: StepObserver | None = None) -> LeapResult:
+        """Fast simulation: run the steps that start before `until` and in which every
+        running request decodes, at once, up to the first in which requests end (their
+        outputs are returned; no others are). No steps when not in fast mode or when the
+        next must be a full `step`. `on_step(duration_s)` is called for each step."""
+        if self._leap is None or self.scheduler.has_forced() or self._deferred or not self._leap.steady():
+            return LeapResult(0, [])
+        return self._leap.run(until, on_step)
 
     def _swap(self, out: SchedulerOutput) -> float:
         # Out before in: blocks freed by a swap-out may be the destination of a swap-in.

@@ -61,6 +61,10 @@ class Scheduler:
         """Preempt a running request at the next step boundary."""
         self._forced.append(req)
 
+    def has_forced(self) -> bool:
+        """Whether the next pass has preemptions asked for from outside."""
+        return bool(self._forced)
+
     # ---- the pass ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

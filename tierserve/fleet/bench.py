@@ -39,7 +39,8 @@ class FleetBench:
         return build_sim_executor(p.model, p.gpu, p.tp)
 
     def build_engine(self, clock: VirtualClock) -> Engine:
-        return Engine(self.engine_config, self.args.policy, self._executor(), clock)
+        fast = self.args.sim_mode == "fast"
+        return Engine(self.engine_config, self.args.policy, self._executor(), clock, fast=fast)
 
     def specs(self) -> Iterator[RequestSpec]:
         mix = TierMix.parse(self.args.tier_mix)
@@ -83,6 +84,7 @@ class FleetBench:
             "gpu": self.preset.gpu,
             "tp": self.preset.tp,
             "policy": self.args.policy,
+            "sim_mode": self.args.sim_mode,
             "tier_mix": self.args.tier_mix,
             "seed": self.args.seed,
             "startup_delay_s": self.args.startup_delay_s,

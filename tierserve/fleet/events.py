@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 
 
@@ -42,6 +43,10 @@ class EventQueue:
 
     def pop(self) -> Event:
         return heapq.heappop(self._heap)
+
+    def next_time(self, skip: EventKind) -> float:
+        """When the next event of any kind but `skip` happens (inf: none is queued)."""
+        return min((ev.time for ev in self._heap if ev.kind is not skip), default=math.inf)
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -226,7 +226,7 @@ class FleetSim:
         replica = self.replicas[ev.target]
         if self._tokens.get(replica.name) != ev.token or not replica.serving:
             return
-        delivered, rejected = replica.boundary(self.clock.now())
+        delivered, rejected = replica.boundary(self.clock.now(), self._quiet_until())
         for req in rejected:
             self._end(self._live.pop(req.request_id), REJECTED, replica.name)
         for out in delivered:
@@ -242,6 +242,15 @@ class FleetSim:
         self._schedule(replica)
         if replica.state is ReplicaState.DRAINING and replica.next_boundary is None and not replica.inbox:
             replica.end(ReplicaState.STOPPED, self.clock.now())
+
+    def _quiet_until(self) -> float:
+        """Until when nothing can reach a replica or read its state, as far as the fleet
+        knows now: the next arrival, scrape, tick, start-up or fault. Another replica's
+        boundary can send only what waits in the gateway's queue, so with a queue there is
+        no such time (a fast replica then steps)."""
+        if self.dispatch.depth():
+            return -math.inf
+        return min(self.events.next_time(skip=EventKind.BOUNDARY), self._deadline())
 
     def _kill(self, ev: Event) -> None:
         name = replica_name(int(ev.target))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Sequence
 
 from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block
 from tierserve.memory.errors import KVIntegrityError
@@ -67,6 +68,10 @@ class KVCacheManager:
     def borrowed_blocks(self, tier: Tier) -> int:
         return self.partition.borrowed(self.pool.used_by_tier)[tier]
 
+    def borrowed_by_tier(self) -> list[int]:
+        """`borrowed_blocks` of every tier, worked out once."""
+        return self.partition.borrowed(self.pool.used_by_tier)
+
     def prefix_hit_rate(self, tier: Tier) -> float:
         queried = self._prefix_queried[tier]
         return self._prefix_hit[tier] / queried if queried else 0.0
@@ -79,6 +84,20 @@ class KVCacheManager:
         if self.pool.num_free - num_new_blocks < self.partition.protected_free(tier, used):
             return Alloc.NO_SPACE
         return Alloc.OK
+
+    def fits_one_each(self, tiers: Sequence[Tier]) -> bool:
+        """Whether one new block for each of `tiers`, taken in this order, would each pass
+        `check` (so that a run of `grow` calls can be known to succeed before the first)."""
+        used = list(self.pool.used_by_tier)
+        num_free = self.pool.num_free
+        for tier in tiers:
+            if used[tier] + 1 > self.partition.ceiling[tier]:
+                return False
+            if num_free - 1 < self.partition.protected_free(tier, used):
+                return False
+            used[tier] += 1
+            num_free -= 1
+        return True
 
     def within_entitlement(self, tier: Tier, num_new_blocks: int) -> bool:
         """Whether the tier would still be inside its floor + reserve (so it may reclaim)."""

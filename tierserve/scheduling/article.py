@@ -56,6 +56,7 @@ class ArticleOptions(PolicyOptions):
 
 class ArticlePolicy(FairQueuePolicy):
     name: ClassVar[str] = "article"
+    leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
     options_type: ClassVar[type[PolicyOptions] | None] = ArticleOptions
 
     def __init__(self, config: EngineConfig) -> None:

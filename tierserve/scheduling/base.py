@@ -147,6 +147,17 @@ class Policy(ABC):
         """Called once the pass has filled `step`; may leave work out of it (`step.drop_where`)."""
         return None
 
+    # ---- fast simulation --------------------------------------------------------------
+
+    # Whether the fast simulation may leap over steps in which every running request
+    # decodes and nothing waits or is swapped out: true where the pass's hooks, for such a
+    # step, change nothing but what `steady_step` records.
+    leaps_decodes: ClassVar[bool] = False
+
+    def steady_step(self) -> None:
+        """Record a leapt step (all decodes, nothing waiting) as its pass's hooks would have."""
+        return None
+
     def prefers_swap(self, swap_s: float, prefill_s: float) -> bool:
         """Preempt by swap (else recompute), given the one-way swap time of the victim's
         blocks and the time to prefill them again: the article's rule, `swap_factor`."""

@@ -18,6 +18,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 class DrrPolicy(TierQueuesPolicy):
     name: ClassVar[str] = "drr"
+    leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
     counts_tokens: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:

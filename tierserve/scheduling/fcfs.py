@@ -19,6 +19,7 @@ from tierserve.scheduling.base import Policy
 class FcfsPolicy(Policy):
     name: ClassVar[str] = "fcfs"
     tiered_memory: ClassVar[bool] = False
+    leaps_decodes: ClassVar[bool] = True  # no hooks
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -67,6 +67,7 @@ class HybridOptions(PolicyOptions):
 class HybridPolicy(FairQueuePolicy):
     name: ClassVar[str] = "hybrid"
     options_type: ClassVar[type[PolicyOptions] | None] = HybridOptions
+    leaps_decodes: ClassVar[bool] = True  # nothing to shed or cap; `end_step` keeps history
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -163,3 +164,6 @@ class HybridPolicy(FairQueuePolicy):
 
     def end_step(self, step: StepBudget, now: float) -> None:
         self._shaper.end(step)
+
+    def steady_step(self) -> None:
+        self._shaper.steady_step()

@@ -89,6 +89,14 @@ class StepShaper:
         if self.options.p3_yields:
             self._p3_yields(step)
 
+    def steady_step(self) -> None:
+        """What `end` records for a step with no prefill chunk: nothing solo, nothing yields."""
+        if self.options.p0_solo_prefill:
+            self._solo.append(False)
+        if self.options.p3_yields:
+            self._yield_prompts.append(False)
+            self._yield_decodes.append(False)
+
     def _p3_yields(self, step: StepBudget) -> None:
         urgent = step.tiers_prefilling() - {Tier.P3}
         for history, limit, decodes in (

@@ -54,6 +54,7 @@ class SglangOptions(PolicyOptions):
 
 class SglangPriorityPolicy(HeapPolicy):
     name: ClassVar[str] = "sglang-priority"
+    leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
     tiered_memory: ClassVar[bool] = False
     allow_swap: ClassVar[bool] = False
     options_type: ClassVar[type[PolicyOptions] | None] = SglangOptions

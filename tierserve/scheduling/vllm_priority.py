@@ -38,6 +38,7 @@ class VllmPriorityPolicy(HeapPolicy):
     allow_swap: ClassVar[bool] = False
     running_pass: ClassVar[RunningPass] = RunningPass.ADMISSION_ORDER
     admits_after_preemption: ClassVar[bool] = False
+    leaps_decodes: ClassVar[bool] = True  # no hooks
 
     def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
         return (-victim.tier, -victim.arrival_time)  # the largest (priority, arrival) first

@@ -37,6 +37,7 @@ class FairQueuePolicy(Policy):
 
 class WfqPolicy(FairQueuePolicy):
     name: ClassVar[str] = "wfq"
+    leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -150,14 +150,26 @@ class CostModel:
         chunks = [c for c in chunks if c.num_tokens > 0]
         if not chunks:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        num_tokens = sum(c.num_tokens for c in chunks)
+        return self._cost(num_tokens, len(chunks), *self.attention_work(chunks))
+
+    def decode_step_cost(self, num_seqs: int, num_context_tokens: int) -> StepCost:
+        """`step_cost` of `num_seqs` one-token decodes over `num_context_tokens` cached
+        tokens in all: the same figures, from sums instead of a list of chunks."""
+        if num_seqs < 1:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        # attention_work with n = 1 per chunk, summed (integers, so exactly the same).
+        num_pairs = num_context_tokens + num_seqs
+        num_elems = num_seqs * (2 * self.q_dim + 4 * self.kv_dim) + 2 * self.kv_dim * num_context_tokens
+        attn_flops, attn_bytes = 4.0 * self.q_dim * num_pairs, float(self.model.dtype_bytes * num_elems)
+        return self._cost(num_seqs, num_seqs, attn_flops, attn_bytes)
+
+    def _cost(self, num_tokens: int, num_seqs: int, attn_flops: float, attn_bytes: float) -> StepCost:
         gpu, eff, m = self.gpu, self.gpu.efficiency, self.model
         layers, dt, h = m.num_hidden_layers, m.dtype_bytes, m.hidden_size
-        num_tokens = sum(c.num_tokens for c in chunks)
-        num_seqs = len(chunks)
         peak, hbm = gpu.peak_flops, gpu.hbm_bytes_per_s
 
         lin_flops, lin_bytes = self.linear_work(num_tokens)
-        attn_flops, attn_bytes = self.attention_work(chunks)
         elem_bytes = dt * num_tokens * self.elementwise_act
         attn_s = max(attn_flops / (peak * eff.attention_eff), attn_bytes / (hbm * eff.mem_eff))
         # The embedding gather happens once per step; count it with the element-wise traffic.

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tierserve.executors.base import ExecutorSpec, StepBatch, StepResult
-from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
+from tierserve.executors.sim.cost_model import (
+    DEFAULT_ACTIVATION_RESERVE_BYTES,
+    CostModel,
+    SeqChunk,
+    StepCost,
+)
 from tierserve.executors.sim.gpus import GiB, GpuProfile, get_gpu
 from tierserve.model_config import KNOWN_MODELS, ModelConfig
 
@@ -28,16 +34,37 @@ def get_model(name: str) -> ModelConfig:
     return model
 
 
+@dataclass(frozen=True, slots=True)
+class PlaceholderTokens:
+    """Pseudo-random ids from (request_id, position), below the special tokens and never
+    EOS/BOS; the model's limits are worked out once (a simulation draws one per token)."""
+
+    limit: int
+    vocab_size: int
+    special: frozenset[int]
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> PlaceholderTokens:
+        bos = [model.bos_token_id] if model.bos_token_id is not None else []
+        # Llama-3's special tokens sit at the top of the vocabulary, from the BOS id up.
+        limit = model.bos_token_id if model.bos_token_id is not None else model.vocab_size
+        return cls(max(1, limit), model.vocab_size, frozenset([*model.eos_token_ids, *bos]))
+
+    def token(self, request_id: str, position: int) -> int:
+        digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
+        token = int.from_bytes(digest, "little") % self.limit
+        while token in self.special:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def tokens(self, request_id: str, start: int, stop: int) -> list[int]:
+        """`token` at each position in [start, stop)."""
+        return [self.token(request_id, p) for p in range(start, stop)]
+
+
 def placeholder_token(model: ModelConfig, request_id: str, position: int) -> int:
     """A pseudo-random id from (request_id, position), below the special tokens and never EOS/BOS."""
-    special = {*model.eos_token_ids, *([model.bos_token_id] if model.bos_token_id is not None else [])}
-    # Llama-3's special tokens sit at the top of the vocabulary, from the BOS id up.
-    limit = model.bos_token_id if model.bos_token_id is not None else model.vocab_size
-    digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-    token = int.from_bytes(digest, "little") % max(1, limit)
-    while token in special:
-        token = (token + 1) % model.vocab_size
-    return token
+    return PlaceholderTokens.of(model).token(request_id, position)
 
 
 class SimExecutor:
@@ -62,6 +89,7 @@ class SimExecutor:
         self.gpu = gpu
         self.tp = tp
         self.cost = CostModel(gpu, model, tp)
+        self._tokens = PlaceholderTokens.of(model)
         if num_device_blocks is None:
             capacity = self.cost.kv_capacity_tokens(gpu_memory_utilization, activation_reserve_bytes)
             num_device_blocks = capacity // block_size
@@ -90,12 +118,23 @@ class SimExecutor:
     def execute(self, batch: StepBatch) -> StepResult:
         chunks = [SeqChunk(s.num_tokens, s.start) for s in batch.seqs]
         cost = self.cost.step_cost(chunks)
+        token = self._tokens.token
         sampled = {
-            s.request.request_id: placeholder_token(self.model, s.request.request_id, s.request.num_tokens)
+            s.request.request_id: token(s.request.request_id, s.request.num_tokens)
             for s in batch.seqs
             if s.samples
         }
         return StepResult(duration_s=cost.total_s, sampled_token_ids=sampled, roofline_s=cost.roofline_s)
+
+    def decode_step_cost(self, num_seqs: int, num_context_tokens: int) -> StepCost:
+        """What `execute` predicts for `num_seqs` one-token decodes over `num_context_tokens`
+        cached tokens in all (fast simulation: no batch to build)."""
+        return self.cost.decode_step_cost(num_seqs, num_context_tokens)
+
+    def tokens_at(self, request_id: str, start: int, stop: int) -> list[int]:
+        """The tokens `execute` samples for the request when it holds start, start + 1, ...
+        stop - 1 tokens."""
+        return self._tokens.tokens(request_id, start, stop)
 
     def swap_out(self, mapping: Sequence[tuple[int, int]]) -> float:
         return self.estimate_swap_s(len(mapping))

@@ -1,0 +1,133 @@
+"""The fast simulation (`Engine(fast=True)`, engine/leap.py) gives the step-by-step results:
+every request's record, the window's counters and the cell's summary, to the bit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tierserve.bench.cell import BenchSetup, Cell, Driven, drive
+from tierserve.bench.driver import DriverConfig, DriverResult, run_workload
+from tierserve.bench.sim_speed import compare, compare_runs
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig
+from tierserve.engine import Engine
+from tierserve.executors.null import NullExecutor
+from tierserve.executors.sim.executor import build_sim_executor
+from tierserve.request import Request, SamplingParams
+from tierserve.scheduling import POLICIES
+from tierserve.tiers import Tier
+
+
+def _both(setup: BenchSetup, cell: Cell) -> tuple[Driven, Driven]:
+    return drive(replace(setup, sim_mode="step"), cell), drive(replace(setup, sim_mode="fast"), cell)
+
+
+def _assert_same(setup: BenchSetup, cell: Cell) -> tuple[Driven, Driven]:
+    step, fast = _both(setup, cell)
+    comparison = compare_runs(setup, cell, step, fast)
+    assert comparison.mismatches == 0
+    assert comparison.max_rel_diff <= 1e-12
+    assert [r.request_id for r in step.run.records] == [r.request_id for r in fast.run.records]
+    return step, fast
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "vllm-priority", "hybrid"])
+@pytest.mark.parametrize("clients", [8, 64])
+def test_fast_mode_equals_step_mode_on_the_default_workload(policy: str, clients: int) -> None:
+    setup = BenchSetup(num_measured=60)
+    step, _ = _assert_same(setup, Cell("default", "closed", clients, policy, 3))
+    assert step.run.stats.num_steps > 100
+
+
+def _small_cache_run(fast: bool, policy: str) -> DriverResult:
+    """memory-pressure's traffic on a 3000-block cache: 24 clients outgrow it."""
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 4, num_device_blocks=3000)
+    clock, setup = VirtualClock(), BenchSetup()
+    engine = Engine(setup.engine_config(), policy, executor, clock, fast=fast)
+    specs = setup.stream("memory-pressure", 1, executor.spec.max_model_len)
+    config = DriverConfig(num_measured=15, num_warmup=24, concurrency=24, think_time_s=0.5, seed=1)
+    return run_workload(engine, clock, specs, config)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_leaps_and_gives_the_step_by_step_results(policy: str) -> None:
+    setup = BenchSetup(num_measured=40)
+    _, fast = _assert_same(setup, Cell("default", "closed", 32, policy, 5))
+    assert POLICIES[policy].leaps_decodes and fast.run.stats.num_leapt_steps > 0
+
+
+@pytest.mark.parametrize("policy", ["vllm-priority", "hybrid"])
+def test_fast_mode_equals_step_mode_when_memory_runs_out(policy: str) -> None:
+    """Preemptions (recompute under vllm-priority, swap under hybrid) happen in both runs."""
+    step, fast = _small_cache_run(False, policy), _small_cache_run(True, policy)
+    assert sum(r.num_swaps + r.num_recomputes for r in step.records) > 0
+    assert fast.stats.num_leapt_steps > 0
+    for a, b in ((step.records, fast.records), (step.window, fast.window), (step.end_s, fast.end_s)):
+        comparison = compare(a, b)
+        assert comparison.mismatches == 0 and comparison.max_rel_diff == 0.0
+
+
+def test_fast_mode_equals_step_mode_on_a_trace_slice(shared_data: Path) -> None:
+    setup = BenchSetup(num_measured=150, max_trace_rows=200, data_dir=str(shared_data))
+    _assert_same(setup, Cell("azure-code", "trace", 1.0, "hybrid", 0))
+
+
+def test_the_fast_mode_leaps_over_steps() -> None:
+    """Few clients with long answers: most steps are leapt, so the fast run does less work
+    per step; its step count is the step-by-step run's."""
+    setup = BenchSetup(num_measured=30)
+    step, fast = _both(setup, Cell("default", "closed", 4, "fcfs", 0))
+    assert fast.run.stats.num_steps == step.run.stats.num_steps
+    assert fast.run.stats.num_leapt_steps > fast.run.stats.num_steps // 2
+    assert step.run.stats.num_leapt_steps == 0
+    assert compare(step.run.records, fast.run.records).max_rel_diff == 0.0
+
+
+def test_compare_finds_a_difference() -> None:
+    a = {"x": 1.0, "ys": [1, 2], "name": "a"}
+    assert compare(a, a).max_rel_diff == 0.0
+    assert compare(a, {"x": 1.5, "ys": [1, 2], "name": "a"}).max_rel_diff == pytest.approx(1 / 3)
+    assert compare(a, {"x": 1.0, "ys": [1, 2], "name": "b"}).mismatches == 1
+    assert compare(a, {"x": 1.0, "ys": [1], "name": "a"}).mismatches >= 1
+
+
+def test_leap_runs_steady_decodes_up_to_the_step_that_ends_a_request() -> None:
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
+    clock = VirtualClock()
+    engine = Engine(EngineConfig(), "fcfs", executor, clock, fast=True)
+    req = Request("r0", list(range(40)), SamplingParams(max_tokens=50, ignore_eos=True), tier=Tier.P1)
+    other = Request("r1", list(range(7)), SamplingParams(max_tokens=70, ignore_eos=True), tier=Tier.P1)
+    engine.add_request(req)
+    engine.add_request(other)
+    assert engine.leap(10.0).num_steps == 0  # waiting: the next step must admit them
+    engine.step()  # prefill, first tokens
+    durations: list[float] = []
+    leapt = engine.leap(10.0, durations.append)
+    assert leapt.num_steps == 49  # the 50th token ends r0
+    assert [o.request for o in leapt.ended] == [req] and req.status.is_final
+    assert req.num_output_tokens == 50 and req.finish_time == clock.now()
+    assert len(durations) == 49 and all(d > 0 for d in durations)
+    assert other.num_output_tokens == 50 and other.num_computed_tokens == other.num_tokens - 1
+    assert len(other.block_ids) == engine.memory.blocks_for(other.num_tokens - 1)
+    engine.memory.check_integrity()
+    assert engine.leap(10.0).num_steps == 20 and other.status.is_final
+
+
+def test_leap_stops_at_the_given_time() -> None:
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
+    clock = VirtualClock()
+    engine = Engine(EngineConfig(), "hybrid", executor, clock, fast=True)
+    engine.add_request(Request("r0", [1] * 20, SamplingParams(max_tokens=500, ignore_eos=True)))
+    engine.step()
+    until = clock.now() + 0.1
+    num_steps = engine.leap(until).num_steps
+    assert 0 < num_steps < 498
+    assert clock.now() >= until > clock.now() - engine.stats.last_step_s
+
+
+def test_fast_mode_needs_the_simulated_executor() -> None:
+    with pytest.raises(ValueError, match="simulated executor"):
+        Engine(EngineConfig(), "fcfs", NullExecutor(num_device_blocks=64), VirtualClock(), fast=True)

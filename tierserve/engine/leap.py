@@ -1,0 +1,180 @@
+"""Fast simulation: leap over runs of steps in which every running request decodes.
+
+While nothing waits, nothing is swapped out and every running request decodes, each
+step's pass makes the same choice — every running request gets one token — until a
+request finishes, a request arrives, or a block cannot be had. `DecodeLeap` runs such a
+run without the pass, the batch or the per-request updates of `Engine.step`: a step's
+duration comes from the decoders' summed context (which grows by the batch size each
+step), and each request is touched only on the steps where something happens to it —
+it needs a new KV block (every `block_size` steps, in the pass's order) or fills one
+(entered in the prefix cache, in the batch's order). Its token ids and counters are
+brought up to date at those steps and at the end of the run.
+
+The run ends with the first step in which requests reach their max_tokens (they end
+there, as `Lifecycle.apply` ends them), so that the caller can send more; admissions and
+preemptions happen in `Engine.step`. The results are the step-by-step results
+(tests/engine/test_leap.py compares them request by request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tierserve.clock import Clock
+from tierserve.config import EngineConfig
+from tierserve.engine.lifecycle import Lifecycle, RequestOutput
+from tierserve.engine.stats import EngineStats
+from tierserve.executors.sim.executor import SimExecutor
+from tierserve.memory.errors import KVIntegrityError
+from tierserve.memory.manager import Alloc, KVCacheManager
+from tierserve.request import FinishReason, Request
+from tierserve.scheduling.base import Policy, RunningPass
+
+# Called as each leapt step begins (the state a step-by-step caller sees just before
+# `Engine.step`: the clock, the blocks held, the counters), with the step's duration.
+StepObserver = Callable[[float], None]
+
+
+class LeapResult(NamedTuple):
+    num_steps: int  # leapt steps (0: the next step must be a full `Engine.step`)
+    ended: list[RequestOutput]  # requests that reached max_tokens in the last one
+
+
+@dataclass(slots=True)
+class _Decoder:
+    """A running request during a run; `num_tokens0` is its token count when the run began."""
+
+    request: Request
+    num_tokens0: int
+    num_done: int = 0  # leapt steps already written into `request`
+
+
+class DecodeLeap:
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: Policy,
+        memory: KVCacheManager,
+        executor: SimExecutor,
+        clock: Clock,
+        lifecycle: Lifecycle,
+        stats: EngineStats,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.memory = memory
+        self.executor = executor
+        self.clock = clock
+        self.lifecycle = lifecycle
+        self.stats = stats
+
+    def steady(self) -> bool:
+        """Whether the next pass would give every running request one decode token and
+        nothing else (the caller checks for forced preemptions and deferred ends)."""
+        life, cfg = self.lifecycle, self.config.scheduler
+        running = life.running
+        if not self.policy.leaps_decodes or not running or life.swapped or self.policy.num_waiting():
+            return False
+        if len(running) > min(cfg.max_num_batched_tokens, cfg.max_num_seqs):
+            return False
+        # A stop token could be sampled; EOS never is (the sim executor's placeholders).
+        return not any(r.is_prefilling or r.sampling.stop_token_ids for r in running)
+
+    def run(self, until: float, on_step: StepObserver | None) -> LeapResult:
+        """Leap over steps while the clock is before `until` and no step finds a block
+        short, up to and including the first step in which requests reach max_tokens."""
+        if self.policy.running_pass is RunningPass.PROTECTED and self.lifecycle.unsorted:
+            # What the next pass would do first; it is stable, so doing it now changes nothing.
+            self.lifecycle.running.sort(key=self.policy.running_key)
+            self.lifecycle.unsorted = False
+        decoders = [_Decoder(r, r.num_tokens) for r in self.lifecycle.running]
+        # The step at which the first requests reach max_tokens: the run's last.
+        last = min(r.sampling.max_tokens - r.num_output_tokens for r in self.lifecycle.running)
+        size = self.memory.block_size
+        # Requests by the step (mod block_size) at which they need a block / fill one.
+        grows: list[list[_Decoder]] = [[] for _ in range(size)]
+        fills: list[list[_Decoder]] = [[] for _ in range(size)]
+        for d in decoders:
+            # Step k starts with num_tokens0 + k - 1 tokens (needs a block when that is one
+            # past a block's end) and ends with num_tokens0 - 1 + k computed (a block fills
+            # when that is a multiple of block_size).
+            grows[(2 - d.num_tokens0) % size].append(d)
+            fills[(1 - d.num_tokens0) % size].append(d)
+        num_seqs = len(decoders)
+        context = sum(d.num_tokens0 - 1 for d in decoders)
+        k = 0
+        ended: list[RequestOutput] = []
+        while k < last and self.clock.now() < until:
+            step = k + 1
+            growing = [d for d in grows[step % size] if self._needs_block(d, step)]
+            if growing and not self.memory.fits_one_each([d.request.tier for d in growing]):
+                break
+            self.policy.steady_step()
+            cost = self.executor.decode_step_cost(num_seqs, context)
+            if on_step is not None:
+                on_step(cost.total_s)
+            self._account(cost.total_s, cost.roofline_s, num_seqs)
+            for d in growing:
+                if self.memory.grow(d.request, d.num_tokens0 + step - 1) is not Alloc.OK:
+                    raise KVIntegrityError(f"{d.request.request_id}: a checked block could not be had")
+            filling = fills[step % size] if self.memory.enable_prefix_caching else []
+            k = step
+            if step == last:
+                ended = self._apply_last(decoders, filling, step)
+                break
+            for d in filling:
+                self._write(d, step)
+                self.memory.cache_computed_blocks(d.request)
+            context += num_seqs
+        for d in decoders:
+            self._write(d, k)
+        return LeapResult(k, ended)
+
+    def _apply_last(
+        self, decoders: list[_Decoder], filling: list[_Decoder], step: int
+    ) -> list[RequestOutput]:
+        """`Lifecycle.apply` for the step in which requests reach max_tokens: blocks that
+        fill are cached and requests end, in the batch's order."""
+        fills = {id(d) for d in filling}
+        ended: list[RequestOutput] = []
+        for d in decoders:
+            req = d.request
+            ends = req.sampling.max_tokens - (d.num_tokens0 - req.num_prompt_tokens) == step
+            if not ends and id(d) not in fills:
+                continue
+            self._write(d, step)
+            self.memory.cache_computed_blocks(req)
+            if ends:
+                self.lifecycle.end(req, FinishReason.LENGTH)
+                ended.append(RequestOutput(req, [req.token_ids[-1]], True))
+        return ended
+
+    def _needs_block(self, d: _Decoder, step: int) -> bool:
+        return self.memory.blocks_for(d.num_tokens0 + step - 1) > len(d.request.block_ids)
+
+    def _account(self, duration_s: float, roofline_s: float, num_seqs: int) -> None:
+        """`Engine.step`'s bookkeeping for one all-decode step, in the same order."""
+        stats = self.stats
+        if duration_s > 0:
+            self.clock.elapse(duration_s)
+        stats.busy_s += duration_s
+        stats.roofline_s += roofline_s
+        stats.num_generated_tokens += num_seqs
+        stats.num_steps += 1
+        stats.num_leapt_steps += 1
+        stats.last_step_tokens = num_seqs
+        stats.last_step_seqs = num_seqs
+        stats.last_step_s = duration_s
+
+    def _write(self, d: _Decoder, num_steps: int) -> None:
+        """Bring the request to the end of leapt step `num_steps`: its sampled tokens and
+        computed count, as `Lifecycle.apply` would have left them."""
+        req = d.request
+        # Step s samples the token at position num_tokens0 + s - 1.
+        req.token_ids.extend(
+            self.executor.tokens_at(req.request_id, d.num_tokens0 + d.num_done, d.num_tokens0 + num_steps)
+        )
+        req.num_computed_tokens = d.num_tokens0 - 1 + num_steps
+        d.num_done = num_steps
