@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,22 +23,10 @@ SCALING_CHOICES = ("fixed", "utilization", "tier")
 
 
 def default_trace() -> Path:
-    """The Azure trace in shared/data: beside the repository, inside it, or /work/shared."""
-    repo = Path(__file__).resolve().parents[2]
-    for base in (repo / "shared", repo.parent / "shared", Path("/work/shared")):
-        if (base / "data" / TRACE_FILE).is_file():
-            return base / "data" / TRACE_FILE
-    raise FileNotFoundError(f"no shared/data/{TRACE_FILE} beside {repo}; pass --trace")
+    """The Azure trace in the data folder tierserve finds ($TIERSERVE_DATA, else shared/data)."""
+    from tierserve.data_dir import data_path
 
-
-def commit() -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        )
-    except OSError:
-        return None
-    return head.stdout.strip() or None
+    return data_path(TRACE_FILE)
 
 
 def _choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -101,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def main(args: argparse.Namespace) -> int:
+    from tierserve.bench.output import source_commit
     from tierserve.fleet.bench import FleetBench
 
     trace = args.trace or default_trace()
@@ -109,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.process_time()
     bench = FleetBench(args, trace)
     runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
-    meta = bench.meta(commit(), time.process_time() - started)
+    meta = bench.meta(source_commit(), time.process_time() - started)
     args.out.mkdir(parents=True, exist_ok=True)
     from tierserve.fleet.report import write_plots, write_report
 

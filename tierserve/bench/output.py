@@ -29,3 +29,16 @@ def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Ca
     print_table()
     if out:
         print(f"wrote {out}")
+
+
+def source_commit() -> str | None:
+    """The short commit of the checkout this code runs from, for the results; None outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+    except OSError:
+        return None
+    return head.stdout.strip() or None

@@ -158,19 +158,12 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
 
 
 def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
-    import subprocess
-
+    from tierserve.bench.output import source_commit
     from tierserve.workloads import get_preset
 
     s = matrix.setup
     config = s.engine_config()
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        )
-        commit = head.stdout.strip() or None
-    except OSError:
-        commit = None
+    commit = source_commit()
     workloads = sorted({w for w, _, _ in matrix.groups})
     return {
         "simulated": "tierserve's engine, scheduler and KV memory on the roofline GPU simulator, "
