@@ -42,6 +42,7 @@ from tierserve.server.engine_messages import (
     EngineReady,
     EngineRecipe,
     FinishRequest,
+    FirstsHandled,
     Inspect,
     ScrapeMetrics,
     Shutdown,
@@ -262,11 +263,19 @@ class EngineClient:
     # ---- events (event loop) ----------------------------------------------------------------
 
     def _on_readable(self) -> None:
+        """Apply what the pipe holds, but stop after a step's first tokens: their handlers run
+        next, then `FirstsHandled` lets the engine process go on (it waits for it, briefly),
+        and only then is the rest of the step read (the pipe stays readable, so the loop
+        calls this again)."""
         try:
             while self._conn.poll(0):
                 message = self._conn.recv()
                 if isinstance(message, StepOutputs):
                     self._apply(message)
+                    if message.firsts and self._loop is not None:
+                        # Scheduled after the wake-ups of the handlers just woken: runs after them.
+                        self._loop.call_soon(self._firsts_handled, message.returned_at)
+                        return
                 elif isinstance(message, Answer):
                     self._settle(message)
         except (EOFError, OSError):
@@ -297,6 +306,10 @@ class EngineClient:
         if out.applied is not None:
             self._applied = dict(zip(ALL_TIERS, out.applied, strict=True))
         self.num_step_errors = out.num_step_errors
+
+    def _firsts_handled(self, returned_at: float) -> None:
+        self._send(FirstsHandled(returned_at))
+        self._flush()  # now, not at the end of this loop iteration: the engine is waiting
 
     def _note_firsts(self, request_ids: list[str], out: StepOutputs) -> None:
         """First tokens: the admission meter's starts, and the benchmark's in-process TTFT."""
