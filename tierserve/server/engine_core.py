@@ -212,9 +212,12 @@ class EngineCore:
     def _deliver(self, outputs: list[RequestOutput], returned_at: float, returned: float) -> None:
         """Send the step's first tokens at once, wait until the server has sent them on, then
         send the step's other tokens and ends, then account."""
+        firsts = self._firsts(outputs)
+        if firsts:
+            self._send(StepOutputs(firsts=firsts, returned_at=returned_at, returned=returned))
+            self._handoff.wait(returned_at, len(firsts))
         live_by_id = self._live
         seen: list[tuple[RequestOutput, _Live]] = []
-        firsts: list[tuple[Tier, str, tuple[int, ...]]] = []
         tokens: list[tuple[Tier, str, tuple[int, ...]]] = []
         ends: list[tuple[Tier, str, Delta]] = []
         for out in outputs:
@@ -225,15 +228,8 @@ class EngineCore:
             rid, ids = out.request.request_id, out.new_token_ids
             if out.finished:
                 ends.append((live.request.tier, rid, final_delta(out.request, ids)))
-            elif ids:
-                later = live.last_token_time is not None
-                (tokens if later else firsts).append((live.request.tier, rid, tuple(ids)))
-        if firsts:
-            firsts.sort(key=_tier_key)
-            self._send(
-                StepOutputs(firsts=[(r, i) for _, r, i in firsts], returned_at=returned_at, returned=returned)
-            )
-            self._handoff.wait(returned_at, len(firsts))
+            elif ids and live.last_token_time is not None:  # not a first token: sent already
+                tokens.append((live.request.tier, rid, tuple(ids)))
         tokens.sort(key=_tier_key)
         ends.sort(key=_tier_key)
         rest = StepOutputs(
@@ -244,6 +240,20 @@ class EngineCore:
         )
         self._account(seen)
         self._send(self._state_message(rest))
+
+    def _firsts(self, outputs: list[RequestOutput]) -> list[tuple[str, tuple[int, ...]]]:
+        """The first tokens of requests that go on, urgent tiers first: only what they need is
+        done before they are sent (a request that ends with its first token ends with the rest)."""
+        live_by_id = self._live
+        firsts: list[tuple[Tier, str, tuple[int, ...]]] = []
+        for out in outputs:
+            if out.finished or not out.new_token_ids:
+                continue
+            live = live_by_id.get(out.request.request_id)
+            if live is not None and live.last_token_time is None:
+                firsts.append((live.request.tier, out.request.request_id, tuple(out.new_token_ids)))
+        firsts.sort(key=_tier_key)
+        return [(rid, ids) for _, rid, ids in firsts]
 
     def _state_message(self, out: StepOutputs) -> StepOutputs:
         out.snapshot = snapshot_of(self.engine)
