@@ -4,8 +4,10 @@
 context and waits for its `EngineReady`. On the event loop, commands are batched into one
 pipe write per loop iteration; the pipe's other direction is watched with `add_reader`,
 and each `StepOutputs` is routed to the handlers' `RequestHandle`s through the same
-`Dispatcher` as in-process (first tokens ahead of queued deltas). The admission snapshot
-arrives with the step's second message; `/metrics` asks the engine for its metric families.
+`Dispatcher` as in-process (first tokens ahead of queued deltas); once a step's first
+tokens' handlers have run, `FirstsHandled` tells the engine process, which waits for it.
+The admission snapshot arrives with the step's second message; `/metrics` asks the engine
+for its metric families.
 
 If the engine process dies, every request in flight ends with an error delta, every new
 one fails at once (the handler answers 503), and `on_lost` is called so that the server
