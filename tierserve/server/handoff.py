@@ -3,14 +3,15 @@ server has sent them on.
 
 The first tokens wake the server's event loop, but where the two processes share a CPU
 (`bench serve` leaves the server and the engine one CPU between them, the other one to its
-load generator), the kernel lets the running engine process go on with the step's other
-work before the task it woke may run: its metrics, the rest of the step's tokens, the
-next step's scheduling, ~2 ms of Python at 200 streams. The first tokens waited that long,
-and the API overhead P50 went from 0.57 ms (engine on a thread of the server, which waited
-the same way on the interpreter lock) to 3.8 ms. So the engine waits, blocked, until the
-server says `FirstsHandled`, or for a bound that grows with the number of first tokens: a
-server that is slow to answer costs a step at most `HANDOFF_WAIT_MAX_S`. On a CPU of its
-own the server answers in a fraction of a millisecond.
+load generator), the kernel often lets the running engine process go on with the step's
+other work before the task it woke may run: its metrics, the rest of the step's tokens,
+the next step's scheduling, ~2.5 ms of Python at 200 streams. The first tokens waited for
+it, and the API overhead P50 went from 0.57 ms (engine on a thread of the server, which
+waited the same way for the event loop) to 3.8 ms (docs/serving.md has the breakdown).
+So the engine waits, blocked, until the server says `FirstsHandled`, or for a bound that
+grows with the number of first tokens: a server that is slow to answer costs a step at
+most `HANDOFF_WAIT_MAX_S`. On a CPU of its own the server answers in well under a
+millisecond.
 """
 
 from __future__ import annotations
