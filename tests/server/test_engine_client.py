@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import pytest
+import uvloop
 
 from tests.server.helpers import REPLY, ByteTokenizer, make_state
 from tierserve.engine import Engine
 from tierserve.request import FinishReason, Request, SamplingParams
+from tierserve.server.admission import ThroughputMeter
 from tierserve.server.engine_client import EngineClient
+from tierserve.server.engine_messages import EngineReady, FirstsHandled, StepOutputs
 from tierserve.server.streams import ACCEPTED, DISPATCH_SLICE, Delta, RequestHandle
 from tierserve.tiers import Tier
 
@@ -301,3 +308,55 @@ def test_more_first_tokens_than_are_woken_at_once_all_go_ahead_of_queued_deltas(
     # Only the burst's first slice (woken before the first tokens came) runs ahead of them.
     assert all(order.index(rid) < order.index(f"r{DISPATCH_SLICE}") for rid in firsts)
     assert handled_when_set
+
+
+def _client_over_a_pipe() -> tuple[EngineClient, Connection]:
+    """An `EngineClient` whose engine process is this test, at the other end of a pipe."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=True)
+    ready = EngineReady(0, "stand-in", 512, 4096, 16, dict.fromkeys(Tier, 64), ByteTokenizer())
+    return EngineClient(ctx.Process(), ours, ready, ThroughputMeter()), theirs
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_first_tokens_are_handled_and_answered_before_the_rest_of_the_step_is_read(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """The engine writes a step's first tokens and, right behind them, the step's other tokens:
+    the first tokens' handlers run, then `FirstsHandled` goes back, then the rest is read."""
+    client, engine_end = _client_over_a_pipe()
+    events: list[str] = []
+    apply, answer = client._apply, client._firsts_handled
+
+    def spy_apply(out: StepOutputs) -> None:
+        events.append("firsts read" if out.firsts else "rest read")
+        apply(out)
+
+    def spy_answer(returned_at: float) -> None:
+        events.append("answered")
+        answer(returned_at)
+
+    client._apply = spy_apply  # type: ignore[method-assign]
+    client._firsts_handled = spy_answer  # type: ignore[method-assign]
+
+    async def handler(handle: RequestHandle) -> None:
+        await handle.next()
+        events.append(f"{handle.request.request_id} handled")
+
+    async def run() -> None:
+        client.start()
+        old, new = _handle(0), _handle(1)
+        for h in (old, new):
+            client._handles[h.request.request_id] = client._routes[h.request.request_id] = h
+        client._started.add("r0")  # r0 has had its first token already
+        tasks = [asyncio.ensure_future(handler(h)) for h in (old, new)]
+        await asyncio.sleep(0)
+        engine_end.send(StepOutputs(firsts=[("r1", (5,))], returned_at=2.0, returned=2.0))
+        engine_end.send(StepOutputs(tokens=[("r0", (6,))], returned_at=2.0, returned=2.0))
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(run())
+    assert events == ["firsts read", "r1 handled", "answered", "rest read", "r0 handled"]
+    commands = engine_end.recv()
+    assert commands == [FirstsHandled(2.0)]

@@ -4,8 +4,10 @@
 context and waits for its `EngineReady`. On the event loop, commands are batched into one
 pipe write per loop iteration; the pipe's other direction is watched with `add_reader`,
 and each `StepOutputs` is routed to the handlers' `RequestHandle`s through the same
-`Dispatcher` as in-process (first tokens ahead of queued deltas). The admission snapshot
-arrives with the step's second message; `/metrics` asks the engine for its metric families.
+`Dispatcher` as in-process (first tokens ahead of queued deltas); once a step's first
+tokens' handlers have run, `FirstsHandled` tells the engine process, which waits for it.
+The admission snapshot arrives with the step's second message; `/metrics` asks the engine
+for its metric families.
 
 If the engine process dies, every request in flight ends with an error delta, every new
 one fails at once (the handler answers 503), and `on_lost` is called so that the server
@@ -42,6 +44,7 @@ from tierserve.server.engine_messages import (
     EngineReady,
     EngineRecipe,
     FinishRequest,
+    FirstsHandled,
     Inspect,
     ScrapeMetrics,
     Shutdown,
@@ -262,11 +265,19 @@ class EngineClient:
     # ---- events (event loop) ----------------------------------------------------------------
 
     def _on_readable(self) -> None:
+        """Apply what the pipe holds, but stop after a step's first tokens: their handlers run
+        next, then `FirstsHandled` lets the engine process go on (it waits for it, briefly),
+        and only then is the rest of the step read (the pipe stays readable, so the loop
+        calls this again)."""
         try:
             while self._conn.poll(0):
                 message = self._conn.recv()
                 if isinstance(message, StepOutputs):
                     self._apply(message)
+                    if message.firsts and self._loop is not None:
+                        # Scheduled after the wake-ups of the handlers just woken: runs after them.
+                        self._loop.call_soon(self._firsts_handled, message.returned_at)
+                        return
                 elif isinstance(message, Answer):
                     self._settle(message)
         except (EOFError, OSError):
@@ -297,6 +308,10 @@ class EngineClient:
         if out.applied is not None:
             self._applied = dict(zip(ALL_TIERS, out.applied, strict=True))
         self.num_step_errors = out.num_step_errors
+
+    def _firsts_handled(self, returned_at: float) -> None:
+        self._send(FirstsHandled(returned_at))
+        self._flush()  # now, not at the end of this loop iteration: the engine is waiting
 
     def _note_firsts(self, request_ids: list[str], out: StepOutputs) -> None:
         """First tokens: the admission meter's starts, and the benchmark's in-process TTFT."""

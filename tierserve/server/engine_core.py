@@ -4,9 +4,10 @@ Started by `EngineClient` (engine_client.py) with multiprocessing's spawn contex
 reader thread takes command lists off the pipe into an inbox; the main thread applies
 the inbox between steps (so an abort frees the request's blocks before the next step),
 runs `Engine.step()`, sends the step's first tokens at once in a message of their own
-(urgent tiers first), then the rest of the step's tokens and ends with a snapshot of the
-engine's state, and only then records its own metrics. The server's HTTP work never runs
-in this process, so it never delays a step.
+(urgent tiers first), waits briefly until the server has sent them on (handoff.py), then
+sends the rest of the step's tokens and ends with a snapshot of the engine's state, and
+only then records its own metrics. The server's HTTP work never runs in this process:
+it delays a step only by that bounded wait.
 
 The process ignores SIGINT and SIGTERM: the server drains first and then sends
 `Shutdown` (or closes the pipe, which stops the loop the same way).
@@ -32,15 +33,18 @@ from tierserve.server.engine_messages import (
     AbortRequest,
     AddRequest,
     Answer,
+    BetweenSteps,
     Command,
     EngineFailed,
     EngineReady,
     EngineRecipe,
+    FirstsHandled,
     Inspect,
     ScrapeMetrics,
     Shutdown,
     StepOutputs,
 )
+from tierserve.server.handoff import Handoff
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.served_executor import ServedExecutor
 from tierserve.server.state_metrics import snapshot_of
@@ -82,9 +86,10 @@ class EngineCore:
         self.engine = engine
         self._metrics = metrics
         self._conn = conn
-        self._inbox: deque[Command] = deque()
+        self._inbox: deque[BetweenSteps] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._handoff = Handoff()
         self._live: dict[str, _Live] = {}
         self._applied = dict.fromkeys(ALL_TIERS, 0)
         self._num_step_errors = 0
@@ -113,11 +118,16 @@ class EngineCore:
     # ---- the pipe ---------------------------------------------------------------------------
 
     def _read(self) -> None:
-        """Reader thread: command lists off the pipe into the inbox, until Shutdown or EOF."""
+        """Reader thread: command lists off the pipe into the inbox, until Shutdown or EOF.
+        `FirstsHandled` goes to the handoff at once: the step loop may be waiting for it."""
         try:
             while not self._stop.is_set():
                 commands: list[Command] = self._conn.recv()
-                self._inbox.extend(commands)
+                for command in commands:
+                    if isinstance(command, FirstsHandled):
+                        self._handoff.handled(command.returned_at)
+                    else:
+                        self._inbox.append(command)
                 self._wake.set()
         except (EOFError, OSError):
             self._inbox.append(Shutdown())  # the server is gone: stop the same way
@@ -200,10 +210,14 @@ class EngineCore:
             self._send(Answer(cmd.call_id, result))
 
     def _deliver(self, outputs: list[RequestOutput], returned_at: float, returned: float) -> None:
-        """Send the step's first tokens at once, then its other tokens and ends, then account."""
+        """Send the step's first tokens at once, wait until the server has sent them on, then
+        send the step's other tokens and ends, then account."""
+        firsts = self._firsts(outputs)
+        if firsts:
+            self._send(StepOutputs(firsts=firsts, returned_at=returned_at, returned=returned))
+            self._handoff.wait(returned_at, len(firsts))
         live_by_id = self._live
         seen: list[tuple[RequestOutput, _Live]] = []
-        firsts: list[tuple[Tier, str, tuple[int, ...]]] = []
         tokens: list[tuple[Tier, str, tuple[int, ...]]] = []
         ends: list[tuple[Tier, str, Delta]] = []
         for out in outputs:
@@ -214,14 +228,8 @@ class EngineCore:
             rid, ids = out.request.request_id, out.new_token_ids
             if out.finished:
                 ends.append((live.request.tier, rid, final_delta(out.request, ids)))
-            elif ids:
-                later = live.last_token_time is not None
-                (tokens if later else firsts).append((live.request.tier, rid, tuple(ids)))
-        if firsts:
-            firsts.sort(key=_tier_key)
-            self._send(
-                StepOutputs(firsts=[(r, i) for _, r, i in firsts], returned_at=returned_at, returned=returned)
-            )
+            elif ids and live.last_token_time is not None:  # not a first token: sent already
+                tokens.append((live.request.tier, rid, tuple(ids)))
         tokens.sort(key=_tier_key)
         ends.sort(key=_tier_key)
         rest = StepOutputs(
@@ -232,6 +240,20 @@ class EngineCore:
         )
         self._account(seen)
         self._send(self._state_message(rest))
+
+    def _firsts(self, outputs: list[RequestOutput]) -> list[tuple[str, tuple[int, ...]]]:
+        """The first tokens of requests that go on, urgent tiers first: only what they need is
+        done before they are sent (a request that ends with its first token ends with the rest)."""
+        live_by_id = self._live
+        firsts: list[tuple[Tier, str, tuple[int, ...]]] = []
+        for out in outputs:
+            if out.finished or not out.new_token_ids:
+                continue
+            live = live_by_id.get(out.request.request_id)
+            if live is not None and live.last_token_time is None:
+                firsts.append((live.request.tier, out.request.request_id, tuple(out.new_token_ids)))
+        firsts.sort(key=_tier_key)
+        return [(rid, ids) for _, rid, ids in firsts]
 
     def _state_message(self, out: StepOutputs) -> StepOutputs:
         out.snapshot = snapshot_of(self.engine)

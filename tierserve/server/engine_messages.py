@@ -2,7 +2,8 @@
 
 The server sends lists of commands (one list per event-loop iteration); the engine
 process answers with events, at most two `StepOutputs` per engine step (the step's first
-tokens on their own, then the rest). Everything here is pickled, so every field is plain
+tokens on their own, then the rest). Between the two, the engine waits (briefly) for the
+server's `FirstsHandled`. Everything here is pickled, so every field is plain
 data: ids, token tuples, `Delta`s, snapshots. A callable (`Inspect.fn`, `EngineRecipe.backend`)
 must be importable by name in the engine process: a module-level function, a class, or a
 `functools.partial` of one — never a lambda.
@@ -79,7 +80,17 @@ class Shutdown:
     """Abort what is left, answer nothing more, exit 0."""
 
 
-Command = AddRequest | AbortRequest | FinishRequest | Inspect | ScrapeMetrics | Shutdown
+@dataclass(frozen=True, slots=True)
+class FirstsHandled:
+    """The handlers of the first tokens of the step that returned at `returned_at` have run
+    (their chunks are on the sockets): the engine process may take the CPU back."""
+
+    returned_at: float
+
+
+BetweenSteps = AddRequest | AbortRequest | FinishRequest | Inspect | ScrapeMetrics | Shutdown
+"""The commands the engine process applies between two steps, in the order they came."""
+Command = BetweenSteps | FirstsHandled
 
 
 # ---- engine -> server ------------------------------------------------------------------------
