@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +47,8 @@ def test_idle_ttft_is_memoised_by_shape_and_a_cached_history_shortens_it() -> No
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0])
-def test_a_trace_replays_at_its_own_timestamps_divided_by_the_scale(scale: float) -> None:
-    setup = replace(SMALL, num_measured=50, max_trace_rows=80)
+def test_a_trace_replays_at_its_own_timestamps_divided_by_the_scale(scale: float, shared_data: Path) -> None:
+    setup = replace(SMALL, num_measured=50, max_trace_rows=80, data_dir=str(shared_data))
     rows = setup.trace_rows("azure-code")
     res = run_cell(setup, Cell("azure-code", "trace", scale, "fcfs", 0))
     assert 55 <= len(res.run.records) <= 80  # warm-up, measured, part of the cool-down
