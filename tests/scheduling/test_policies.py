@@ -245,3 +245,34 @@ def test_one_tenant_keeps_arrival_order_inside_its_tier() -> None:
     for r in reqs:
         policy.add(r, 0.0)
     assert drain(policy, 5) == reqs
+
+
+def _p1(tenant: str, arrival: float) -> Request:
+    req = make_request(num_prompt=500, max_tokens=100, tier=Tier.P1, arrival=arrival)
+    req.tenant = tenant
+    return req
+
+
+def test_hybrid_judges_a_tier_at_risk_by_its_oldest_request_not_its_fair_head() -> None:
+    # Tenant b comes back idle and its fresh request heads the tenant-fair order, while
+    # tenant a's request has waited past half the P1 target. A P2 request is at risk too.
+    policy = create_policy("hybrid", EngineConfig())
+    a1, a2, b1 = _p1("a", 0.0), _p1("a", 37.0), _p1("b", 39.9)
+    p2 = make_request(tier=Tier.P2, arrival=0.0)  # 40 s of its 60 s target gone
+    for r in (a1, a2, p2):
+        policy.add(r, r.arrival_time)
+    assert drain(policy, 1, now=0.0) == [a1]
+    policy.add(b1, b1.arrival_time)
+    assert policy.peek(40.0) is a2, "P1's oldest is at risk: it goes before P2 and before b's fresh head"
+    # Then P2 at risk goes before b's request, which has waited 0.1 s.
+    assert drain(policy, 3, now=40.0) == [a2, p2, b1]
+
+
+def test_hybrid_rescues_requests_that_can_still_meet_their_target_before_late_ones() -> None:
+    # Under overload a P1 request that has waited past its whole 5 s target cannot meet it
+    # any more; one that still can is rescued first, then the late one follows.
+    policy = create_policy("hybrid", EngineConfig())
+    late, savable = _p1("a", 0.0), _p1("a", 7.0)
+    policy.add(late, 0.0)
+    policy.add(savable, 7.0)
+    assert drain(policy, 2, now=10.0) == [savable, late]
