@@ -191,7 +191,7 @@ def test_hybrid_aging_never_lets_a_request_overtake_an_older_more_urgent_one() -
     assert policy.peek(20.0) is aged_p3
 
 
-def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
+def test_hybrid_rescues_a_p1_request_past_a_quarter_of_its_target_before_p2() -> None:
     config = EngineConfig()
     policy = create_policy("hybrid", config)
     first, second = (make_request(num_prompt=5000, max_tokens=500, tier=Tier.P1) for _ in range(2))
@@ -202,9 +202,9 @@ def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
     assert drain(policy, 1, now=0.0) == [first]
     # By weight, the cheap P2 requests now have hundreds of turns before `second` ...
     assert policy.peek(1.0).tier is Tier.P2
-    # ... but past half its 5 s target, the P1 request goes first.
-    half = config.tiers[Tier.P1].ttft_target_s / 2
-    assert policy.peek(half + 0.1) is second
+    # ... but past a quarter of its 5 s target, the P1 request goes first.
+    quarter = config.tiers[Tier.P1].ttft_target_s / 4
+    assert policy.peek(quarter + 0.1) is second
 
 
 def test_hybrid_serves_p1_at_risk_before_p2_at_risk_whatever_their_deadlines() -> None:
@@ -220,11 +220,11 @@ def test_hybrid_serves_p1_at_risk_before_p2_at_risk_whatever_their_deadlines() -
 def test_hybrid_serves_p1_at_risk_before_an_aged_p3() -> None:
     policy = create_policy("hybrid", EngineConfig())
     p3 = make_request(tier=Tier.P3, arrival=0.0)  # aged after 5 s
-    p1 = make_request(tier=Tier.P1, arrival=4.0)
+    p1 = make_request(tier=Tier.P1, arrival=4.5)  # at risk after 1.25 s (a quarter of 5 s)
     policy.add(p3, 0.0)
-    policy.add(p1, 4.0)
-    assert policy.peek(5.5) is p3, "aged, and older than the P1 head: served ahead of the fair order"
-    assert policy.peek(7.0) is p1, "but a P1 past half its target goes first"
+    policy.add(p1, 4.5)
+    assert policy.peek(5.5) is p3, "aged, and older than the P1 request: served ahead of the fair order"
+    assert policy.peek(6.0) is p1, "but a P1 past a quarter of its target goes first"
 
 
 @pytest.mark.parametrize("name", ["strict", "wfq", "hybrid", "drr"])
