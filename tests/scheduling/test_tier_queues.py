@@ -110,3 +110,15 @@ def test_the_oldest_waiting_request_survives_serving_and_putting_back() -> None:
     waiting.add(old)  # preempted and put back: it waits again
     assert waiting.oldest(Tier.P1) is old
     assert waiting.oldest(Tier.P1, arrived_after=1.5) is young, "older ones are past the bound"
+
+
+def test_the_oldest_waiting_heap_stays_bounded_while_an_old_request_holds_its_top() -> None:
+    waiting = OldestWaiting()
+    old = make_request(tier=Tier.P1, arrival=0.0)
+    waiting.add(old)
+    for i in range(5000):  # served young requests stay behind the old one in the heap
+        req = make_request(tier=Tier.P1, arrival=1.0 + i)
+        waiting.add(req)
+        waiting.discard(req)
+    assert waiting.oldest(Tier.P1) is old
+    assert waiting.heap_size(Tier.P1) < 100, "stale entries are dropped, not 5,000 kept"
