@@ -165,24 +165,31 @@ class HybridPolicy(FairQueuePolicy):
             req = self._sfq.serve(choice.tier, in_order=choice.in_order)
         else:
             self._sfq.take(req)
-        self._waiting.discard(req)
-        self._savable.discard(req)
+        self._untrack(req)
         return req
 
     def _push(self, req: Request, now: float) -> None:
         if req.tier == Tier.P0:
             self._shaper.last_p0_arrival = now
         super()._push(req, now)
-        self._waiting.add(req)
-        self._savable.add(req)
+        self._track(req)
 
     def _push_front(self, req: Request, now: float) -> None:
         super()._push_front(req, now)
-        self._waiting.add(req)
-        self._savable.add(req)
+        self._track(req)
 
     def _remove(self, req: Request) -> None:
         super()._remove(req)
+        self._untrack(req)
+
+    def _track(self, req: Request) -> None:
+        """Note a waiting request where aging (P1-P3) and the rescue (P1-P2) look for it."""
+        if req.tier in FAIR_TIERS_WITH_P3:
+            self._waiting.add(req)
+        if req.tier in FAIR_TIERS:
+            self._savable.add(req)
+
+    def _untrack(self, req: Request) -> None:
         self._waiting.discard(req)
         self._savable.discard(req)
 
