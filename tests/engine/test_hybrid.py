@@ -133,6 +133,25 @@ def test_other_chunks_stay_small_while_a_p0_is_likely(likely_s: float) -> None:
     assert chunk.num_tokens == (64 if likely_s else 1000)
 
 
+def test_a_capped_step_admits_no_prompt_it_cannot_start() -> None:
+    # While a P0 is likely the other tiers' prefill shares 64 tokens a step. A request
+    # admitted beyond that would hold a seat without running (seats are what decodes need).
+    eng = engine(
+        blocks=8000, max_num_batched_tokens=4096, hybrid={"p0_step_tokens": 64, "p0_likely_s": 1000.0}
+    )
+    eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))
+    run(eng)
+    for _ in range(10):
+        eng.add_request(make_request(num_prompt=40, max_tokens=5, tier=Tier.P1))
+    eng.step()
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    scheduled = {s.request for s in executor.batches[-1].seqs}
+    assert len(scheduled) == 2, "40 + 24 tokens: two prompts start"
+    assert eng.num_running() == 2 and eng.num_waiting(Tier.P1) == 8, "no seat is held without work"
+    run(eng)
+
+
 def _first_p1_chunk(likely_s: float, bound_s: float) -> int:
     eng = engine(
         blocks=8000,

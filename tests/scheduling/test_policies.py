@@ -191,7 +191,7 @@ def test_hybrid_aging_never_lets_a_request_overtake_an_older_more_urgent_one() -
     assert policy.peek(20.0) is aged_p3
 
 
-def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
+def test_hybrid_rescues_a_p1_request_past_a_quarter_of_its_target_before_p2() -> None:
     config = EngineConfig()
     policy = create_policy("hybrid", config)
     first, second = (make_request(num_prompt=5000, max_tokens=500, tier=Tier.P1) for _ in range(2))
@@ -202,9 +202,9 @@ def test_hybrid_rescues_a_p1_head_past_half_its_target_before_p2() -> None:
     assert drain(policy, 1, now=0.0) == [first]
     # By weight, the cheap P2 requests now have hundreds of turns before `second` ...
     assert policy.peek(1.0).tier is Tier.P2
-    # ... but past half its 5 s target, the P1 request goes first.
-    half = config.tiers[Tier.P1].ttft_target_s / 2
-    assert policy.peek(half + 0.1) is second
+    # ... but past a quarter of its 5 s target, the P1 request goes first.
+    quarter = config.tiers[Tier.P1].ttft_target_s / 4
+    assert policy.peek(quarter + 0.1) is second
 
 
 def test_hybrid_serves_p1_at_risk_before_p2_at_risk_whatever_their_deadlines() -> None:
@@ -220,11 +220,11 @@ def test_hybrid_serves_p1_at_risk_before_p2_at_risk_whatever_their_deadlines() -
 def test_hybrid_serves_p1_at_risk_before_an_aged_p3() -> None:
     policy = create_policy("hybrid", EngineConfig())
     p3 = make_request(tier=Tier.P3, arrival=0.0)  # aged after 5 s
-    p1 = make_request(tier=Tier.P1, arrival=4.0)
+    p1 = make_request(tier=Tier.P1, arrival=4.5)  # at risk after 1.25 s (a quarter of 5 s)
     policy.add(p3, 0.0)
-    policy.add(p1, 4.0)
-    assert policy.peek(5.5) is p3, "aged, and older than the P1 head: served ahead of the fair order"
-    assert policy.peek(7.0) is p1, "but a P1 past half its target goes first"
+    policy.add(p1, 4.5)
+    assert policy.peek(5.5) is p3, "aged, and older than the P1 request: served ahead of the fair order"
+    assert policy.peek(6.0) is p1, "but a P1 past a quarter of its target goes first"
 
 
 @pytest.mark.parametrize("name", ["strict", "wfq", "hybrid", "drr"])
@@ -245,3 +245,34 @@ def test_one_tenant_keeps_arrival_order_inside_its_tier() -> None:
     for r in reqs:
         policy.add(r, 0.0)
     assert drain(policy, 5) == reqs
+
+
+def _p1(tenant: str, arrival: float) -> Request:
+    req = make_request(num_prompt=500, max_tokens=100, tier=Tier.P1, arrival=arrival)
+    req.tenant = tenant
+    return req
+
+
+def test_hybrid_judges_a_tier_at_risk_by_its_oldest_request_not_its_fair_head() -> None:
+    # Tenant b comes back idle and its fresh request heads the tenant-fair order, while
+    # tenant a's request has waited past half the P1 target. A P2 request is at risk too.
+    policy = create_policy("hybrid", EngineConfig())
+    a1, a2, b1 = _p1("a", 0.0), _p1("a", 37.0), _p1("b", 39.9)
+    p2 = make_request(tier=Tier.P2, arrival=0.0)  # 40 s of its 60 s target gone
+    for r in (a1, a2, p2):
+        policy.add(r, r.arrival_time)
+    assert drain(policy, 1, now=0.0) == [a1]
+    policy.add(b1, b1.arrival_time)
+    assert policy.peek(40.0) is a2, "P1's oldest is at risk: it goes before P2 and before b's fresh head"
+    # Then P2 at risk goes before b's request, which has waited 0.1 s.
+    assert drain(policy, 3, now=40.0) == [a2, p2, b1]
+
+
+def test_hybrid_rescues_requests_that_can_still_meet_their_target_before_late_ones() -> None:
+    # Under overload a P1 request that has waited past its whole 5 s target cannot meet it
+    # any more; one that still can is rescued first, then the late one follows.
+    policy = create_policy("hybrid", EngineConfig())
+    late, savable = _p1("a", 0.0), _p1("a", 7.0)
+    policy.add(late, 0.0)
+    policy.add(savable, 7.0)
+    assert drain(policy, 2, now=10.0) == [savable, late]

@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import make_request
 from tierserve.request import Request
 from tierserve.scheduling import fair_queue
+from tierserve.scheduling.oldest import OldestWaiting
 from tierserve.scheduling.tier_queues import TenantFairQueue
 from tierserve.tiers import Tier
 
@@ -82,3 +83,42 @@ def test_without_the_cap_one_off_tenants_pile_up(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(fair_queue, "IDLE_TAGS_FLOOR", 10**9)
     tags, _ = _one_off_tenants(TenantFairQueue(), 5000)
     assert tags[-1] > 1000
+
+
+def test_taking_a_request_out_of_order_charges_its_tenant() -> None:
+    # A rescue serves a chosen request, not the fair head; it still uses up its tenant's
+    # share, so the next request in fair order is the other tenant's.
+    queue = TenantFairQueue()
+    a1, a2 = _request("a", 1, 0.0, 100), _request("a", 2, 0.0, 100)
+    b1 = _request("b", 3, 1.0, 100)
+    for req in (a1, a2, b1):
+        queue.append(req)
+    queue.take(a2)
+    assert len(queue) == 2
+    assert queue.popleft() is b1, "a was charged for a2: b goes next"
+    assert queue.popleft() is a1 and not queue
+
+
+def test_the_oldest_waiting_request_survives_serving_and_putting_back() -> None:
+    waiting = OldestWaiting()
+    old, young = make_request(tier=Tier.P1, arrival=1.0), make_request(tier=Tier.P1, arrival=2.0)
+    waiting.add(young)
+    waiting.add(old)
+    assert waiting.oldest(Tier.P1) is old and waiting.oldest(Tier.P2) is None
+    waiting.discard(old)  # served
+    assert waiting.oldest(Tier.P1) is young
+    waiting.add(old)  # preempted and put back: it waits again
+    assert waiting.oldest(Tier.P1) is old
+    assert waiting.oldest(Tier.P1, arrived_after=1.5) is young, "older ones are past the bound"
+
+
+def test_the_oldest_waiting_heap_stays_bounded_while_an_old_request_holds_its_top() -> None:
+    waiting = OldestWaiting()
+    old = make_request(tier=Tier.P1, arrival=0.0)
+    waiting.add(old)
+    for i in range(5000):  # served young requests stay behind the old one in the heap
+        req = make_request(tier=Tier.P1, arrival=1.0 + i)
+        waiting.add(req)
+        waiting.discard(req)
+    assert waiting.oldest(Tier.P1) is old
+    assert waiting.heap_size(Tier.P1) < 100, "stale entries are dropped, not 5,000 kept"

@@ -196,8 +196,8 @@ class Scheduler:
         policy, life, memory = self.policy, self.lifecycle, self.memory
         while step.tokens_left >= 1:
             req = policy.peek(now)
-            if req is None:
-                break
+            if req is None or not step.has_prefill_room(req.tier):
+                break  # admitted without a token to run, it would only hold a seat
             if any(policy.returns_first(s, req) for s in life.swapped):
                 break
             if not policy.may_admit(req, memory):

@@ -45,6 +45,7 @@ class Flow(Protocol):
     def appendleft(self, req: Request) -> None: ...
     def popleft(self) -> Request: ...
     def remove(self, req: Request) -> None: ...
+    def take(self, req: Request) -> None: ...
 
 
 class FifoFlow:
@@ -76,6 +77,8 @@ class FifoFlow:
             self._q.popleft()
         else:
             self._q.remove(req)
+
+    take = remove  # a FIFO charges nothing: serving a request is removing it
 
 
 class StartTimeFairQueue(Generic[K]):
@@ -185,8 +188,22 @@ class StartTimeFairQueue(Generic[K]):
         flow = self.flows.get(key)
         if flow is None:
             raise EmptyQueueError(f"flow {key!r} is empty")
-        start = self._start[key]
         req = flow.popleft()
+        self._charge(key, req, in_order=in_order, weight=weight)
+        return req
+
+    def take(self, req: Request) -> None:
+        """Serve `req` itself, wherever it waits (a rescue of the oldest request): charged
+        to its flow like a served head, out of order (V stays)."""
+        key = self._flow_of(req)
+        self.flows[key].take(req)
+        self._charge(key, req, in_order=False, weight=None)
+
+    def _charge(self, key: K, req: Request, *, in_order: bool, weight: float | None) -> None:
+        """Account `req`, just taken from flow `key`, as served: the flow's finish tag, V,
+        and the flow's next start tag (or its going idle)."""
+        flow = self.flows[key]
+        start = self._start[key]
         self._len -= 1
         w = weight if weight is not None else self._weight(key, req)
         self._finish[key] = start + self._cost(req) / w
@@ -198,7 +215,6 @@ class StartTimeFairQueue(Generic[K]):
         else:
             self._went_idle(key)
         self._forget_behind()
-        return req
 
     def popleft(self) -> Request:
         key = self.next_flow()

@@ -2,10 +2,33 @@
 P1–P2 by weighted fair queuing, with an SLO rescue; P3 best effort; aging so nothing
 waits forever.
 
-Order of service: P0; then a P1 head that has waited over half its TTFT target; then
-aged heads; then a P2 head past half its target; then the fair order (P3 joins it only
-while no P1 request waits). Under overload the loss thus falls on P3, then P2: P1 at
-risk is served ahead of both instead of sharing the delay by weight.
+Order of service: P0; then the rescue of P1; then aged requests; then the rescue of P2;
+then the fair order (P3 joins it only while no P1 request waits). Under overload the loss
+thus falls on P3, then P2: P1 at risk is served ahead of both instead of sharing the
+delay by weight.
+
+The rescue of a tier serves, oldest first, its requests that have waited over a quarter
+of their TTFT target but can still meet it (they have waited less than the whole
+target). Until then P1 shares the GPUs with P2 by weight; from then on the rest of the
+target is the backlog P1 can absorb and still meet it, so the earlier the rescue starts,
+the more of a P1 burst makes its target (at half, P1's P95 TTFT sat at ~3.4 s at 1.0x
+capacity and P1 missed its target for a few requests under memory pressure at 1.5x,
+against vllm-priority's near 100 %). Three choices decide what happens beyond capacity
+(issue 13):
+- a tier is judged by its oldest waiting request, not by its fair head: inside a tier the
+  tenant-fair order puts a returning tenant's fresh request first, and judged by that head
+  a backlogged tier looked in no danger while its other requests waited a minute, so P2
+  and aged P3 went ahead of it;
+- a request that has already missed its target gains nothing from going first, while
+  every request served ahead of it that can still make its target counts. So under
+  sustained overload the requests that can still make it are served first (earliest
+  deadline first among them), and the late ones join the fair order, behind the rescues.
+  P1 then meets its target for as many requests as the GPUs can serve in time, instead of
+  every request of a growing queue missing it a little (first come, first served); the
+  price is a longer wait for the few that were already late;
+- the scheduler admits no prompt that a capped step leaves without a token
+  (`StepBudget.has_prefill_room`), so the queue order, not the order of prefills inside
+  the seats, decides who runs, and no seat is held by a request doing nothing.
 
 Beyond the queue, hybrid shapes each step (`hybrid_step.py`: a step-time bound while a
 P0 is likely, P0-only prefill steps, background yields), lets P0 take a seat or memory
@@ -15,24 +38,26 @@ whichever of swap and recompute costs less (the engine's cost rule, `swap_factor
 Its settings are `[policy.hybrid]`.
 
 Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): the
-head of a tier that has waited longer than the tier's `aging_s` is served ahead of the
-fair order, oldest first, right after P0 — unless a more urgent tier's head has waited
-longer still, so aging never lets a request overtake an older, more urgent one (under
-overload every head ages, and the lower tiers' shorter thresholds would otherwise invert
-the priorities). It changes the order only — memory is always accounted to the tier the
-tenant is entitled to, so an aged P1 never holds P0's floor.
+oldest request of a tier that has waited longer than the tier's `aging_s` is served ahead
+of the fair order, oldest first, right after P1's rescue — unless a more urgent tier's
+oldest request has waited longer still, so aging never lets a request overtake an
+older, more urgent one (under overload every tier ages, and the lower tiers' shorter
+thresholds would otherwise invert the priorities). It changes the order only — memory is
+always accounted to the tier the tenant is entitled to, so an aged P1 never holds P0's
+floor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper
+from tierserve.scheduling.oldest import OldestWaiting
 from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.scheduling.step import StepBudget
 from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
@@ -41,9 +66,15 @@ from tierserve.tiers import ALL_TIERS, Tier
 if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
-RESCUE_FRACTION = 0.5  # of the TTFT target a P1-P2 head may wait before it is rescued
+RESCUE_FRACTION = 0.25  # of the TTFT target a P1-P2 request may wait before it is rescued
 FAIR_TIERS = (Tier.P1, Tier.P2)
 FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
+
+
+class Choice(NamedTuple):
+    tier: Tier
+    request: Request | None  # a rescued or aged request, served itself; None: the tier's head
+    in_order: bool  # served in the fair order (advances its virtual time)
 
 
 @dataclass(frozen=True)
@@ -77,62 +108,91 @@ class HybridPolicy(FairQueuePolicy):
         self._sfq = TierFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
+        self._waiting = OldestWaiting()  # every waiting request: aging
+        self._savable = OldestWaiting()  # those that can still meet their target: rescue
 
-    def _choose(self, now: float) -> tuple[Tier, bool] | None:
-        """(tier to serve, whether in fair order)."""
+    def _choose(self, now: float) -> Choice | None:
         sfq = self._sfq
         if sfq.count(Tier.P0):
-            return Tier.P0, False
-        # Under overload the loss falls on P3, then P2: a P1 head at risk goes first.
-        for urgent in (self._at_risk(Tier.P1, now), self._aged(now), self._at_risk(Tier.P2, now)):
+            return Choice(Tier.P0, None, in_order=False)
+        # Under overload the loss falls on P3, then P2: a P1 request at risk goes first.
+        for urgent in (self._rescue(Tier.P1, now), self._aged(now), self._rescue(Tier.P2, now)):
             if urgent is not None:
-                return urgent, False
+                return Choice(urgent.tier, urgent, in_order=False)
         # P3 is best effort: it competes only while no P1 request waits.
         eligible = FAIR_TIERS if sfq.count(Tier.P1) else FAIR_TIERS_WITH_P3
         fair = sfq.best(eligible)
-        return None if fair is None else (fair, True)
+        return None if fair is None else Choice(fair, None, in_order=True)
 
-    def _at_risk(self, tier: Tier, now: float) -> Tier | None:
-        """`tier` if its head has waited over RESCUE_FRACTION of its TTFT target."""
-        head = self._sfq.head_of(tier)
-        if head is None or now - head.arrival_time <= RESCUE_FRACTION * self._target_s[tier]:
+    def _rescue(self, tier: Tier, now: float) -> Request | None:
+        """The oldest request of `tier` that can still meet its TTFT target, if it has
+        waited over RESCUE_FRACTION of it."""
+        target = self._target_s[tier]
+        req = self._savable.oldest(tier, arrived_after=now - target)
+        if req is None or now - req.arrival_time <= RESCUE_FRACTION * target:
             return None
-        return tier
+        return req
 
-    def _aged(self, now: float) -> Tier | None:
-        """The tier of the oldest head past its aging threshold, unless a more urgent
-        tier's head is older still (aging never overtakes an older, more urgent request)."""
-        aged: Tier | None = None
-        oldest = 0.0
+    def _aged(self, now: float) -> Request | None:
+        """The oldest request past its tier's aging threshold, unless a more urgent tier's
+        oldest is older still (aging never overtakes an older, more urgent request)."""
+        aged: Request | None = None
         for tier in FAIR_TIERS_WITH_P3:
-            head = self._sfq.head_of(tier)
-            if head is None or now - head.arrival_time <= self._aging_s[tier]:
+            oldest = self._waiting.oldest(tier)
+            if oldest is None or now - oldest.arrival_time <= self._aging_s[tier]:
                 continue
-            if aged is None or head.arrival_time < oldest:
-                aged, oldest = tier, head.arrival_time
+            if aged is None or oldest.arrival_time < aged.arrival_time:
+                aged = oldest
         if aged is None:
             return None
-        for tier in FAIR_TIERS[: aged - 1]:
-            head = self._sfq.head_of(tier)
-            if head is not None and head.arrival_time <= oldest:
+        for tier in FAIR_TIERS[: aged.tier - 1]:
+            oldest = self._waiting.oldest(tier)
+            if oldest is not None and oldest.arrival_time <= aged.arrival_time:
                 return None
         return aged
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)
-        return None if choice is None else self._sfq.head_of(choice[0])
+        if choice is None:
+            return None
+        return choice.request or self._sfq.head_of(choice.tier)
 
     def _pop(self, now: float) -> Request:
         choice = self._choose(now)
         if choice is None:
             raise EmptyQueueError("pop from an empty queue")
-        tier, in_order = choice
-        return self._sfq.serve(tier, in_order=in_order)
+        req = choice.request
+        if req is None:
+            req = self._sfq.serve(choice.tier, in_order=choice.in_order)
+        else:
+            self._sfq.take(req)
+        self._untrack(req)
+        return req
 
     def _push(self, req: Request, now: float) -> None:
         if req.tier == Tier.P0:
             self._shaper.last_p0_arrival = now
         super()._push(req, now)
+        self._track(req)
+
+    def _push_front(self, req: Request, now: float) -> None:
+        super()._push_front(req, now)
+        self._track(req)
+
+    def _remove(self, req: Request) -> None:
+        super()._remove(req)
+        self._untrack(req)
+
+    def _track(self, req: Request) -> None:
+        """Note a waiting request where aging (P1-P3) and the rescue (P1-P2) look for it."""
+        if req.tier in FAIR_TIERS_WITH_P3:
+            self._waiting.add(req)
+        if req.tier in FAIR_TIERS:
+            self._savable.add(req)
+
+    def _untrack(self, req: Request) -> None:
+        self._waiting.discard(req)
+        self._savable.discard(req)
 
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         # P0 may always reclaim; other tiers only to take back their own floor and reserve.

@@ -50,6 +50,10 @@ class StepBudget:
             n = min(n, self.capped_tokens_left)
         return n if cap is None else min(n, cap)
 
+    def has_prefill_room(self, tier: Tier) -> bool:
+        """Whether a prompt of `tier` could get any token in this step."""
+        return self.tokens_left >= 1 and (tier not in self.capped_tiers or self.capped_tokens_left >= 1)
+
     def add_decode(self, req: Request) -> None:
         self.decodes[req] = 1
         self.tokens_left -= 1
