@@ -72,20 +72,6 @@ def test_waiting_queue_and_kv_usage_saturate_and_requests_sent_since_the_scrape_
     assert not router.saturated(router.state("u2"), Tier.P1)
 
 
-def test_requests_sent_to_a_replica_with_free_room_at_the_scrape_are_taken_to_start() -> None:
-    """An idle replica is not capped at `max_waiting` requests per scrape interval: until the
-    next scrape, what the gateway sends it counts as waiting only if the last scrape showed
-    a queue there."""
-    router, clock = _router(n=1, max_waiting=3)
-    _load(router, clock, "u0", 0, 5)
-    for _ in range(20):
-        assert router.route(Tier.P1, "p", M) is not None
-        router.started("u0", Tier.P1)
-    _load(router, clock, "u0", 2, 25)  # the next scrape shows a queue: now they count
-    router.started("u0", Tier.P1)
-    assert router.route(Tier.P1, "p", M) is None
-
-
 def test_p0_goes_where_it_starts_soonest_not_where_its_prefix_lives() -> None:
     router, clock = _router()
     for name, waiting, kv in (("u0", 2, 0.2), ("u1", 0, 0.7), ("u2", 0, 0.3)):

@@ -11,7 +11,7 @@ that orders by priority runs waiting work of tiers <= t first, so only that coun
 per-tier queue depth where exported, else its aggregate waiting apportioned by the tier mix
 of this gateway's requests in flight to it); a first-come-first-served one runs everything
 queued first. Requests sent since the last scrape count as waiting until the next one shows
-where they went, if that scrape showed a queue; if it showed free room they are taken to start.
+where they went.
 """
 
 from __future__ import annotations
@@ -127,25 +127,17 @@ class Router:
         return s.sample.num_waiting + s.sample.num_running + s.num_sent_since_sample()
 
     def waiting_ahead(self, s: UpstreamState, tier: Tier) -> float:
-        """Requests the upstream will start before a request of `tier` sent to it now.
-
-        Requests sent since the last scrape are counted as waiting only when that scrape
-        showed a queue (no free seat then); when it showed none they are taken to start, as
-        the upstream had room, until the next scrape says otherwise. Counting them all as
-        waiting would cap what the gateway sends to an idle replica at `max_waiting` per
-        scrape interval, and hold a burst in the gateway that the replica would run at once.
-        """
+        """Requests the upstream will start before a request of `tier` sent to it now."""
         if s.sample is None or not s.has_metrics:
             return 0.0
-        queues = s.sample.num_waiting > 0
         if not s.config.orders_by_priority:
-            return s.sample.num_waiting + (s.num_sent_since_sample() if queues else 0)
+            return s.sample.num_waiting + s.num_sent_since_sample()
         by_tier = s.sample.waiting_by_tier
         if by_tier is not None:
             scraped = sum(by_tier[: tier + 1])
         else:
             scraped = s.sample.num_waiting * _share_upto(s, tier)
-        return scraped + (s.num_sent_since_sample(tier) if queues else 0)
+        return scraped + s.num_sent_since_sample(tier)
 
     def stale(self, s: UpstreamState) -> bool:
         if not s.has_metrics:
