@@ -68,46 +68,57 @@ def _p0(run: Run) -> tuple[bool | None, str]:
     return (None if a is None else a >= P0_ATTAINMENT), _pct(a)
 
 
+def _p1_never_below_vllm(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
+    def theirs(run: Run) -> float | None:
+        base = _same_cell(runs, run, "vllm-priority")
+        return None if base is None else base["tiers"]["P1"]["slo_attainment"]
+
+    def ok(run: Run) -> bool | None:
+        mine_p1, base_p1 = run["tiers"]["P1"]["slo_attainment"], theirs(run)
+        return None if mine_p1 is None or base_p1 is None else mine_p1 >= base_p1
+
+    return _judge(
+        "beyond capacity (and in closed loops and traces), P1 attainment never below vllm-priority's",
+        cells,
+        ok,
+        lambda r: f"{_pct(r['tiers']['P1']['slo_attainment'])} vs vllm-priority {_pct(theirs(r))}",
+    )
+
+
+def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
+    def best(run: Run) -> float | None:
+        values = [o["goodput_rps"] for b in BASELINES if (o := _same_cell(runs, run, b)) is not None]
+        return max(values, default=None)
+
+    def ok(run: Run) -> bool | None:
+        theirs = best(run)
+        return None if theirs is None else run["goodput_rps"] >= theirs
+
+    return _judge(
+        "goodput >= every baseline's at every load",
+        cells,
+        ok,
+        lambda r: f"{r['goodput_rps']} vs best baseline {best(r)} rps",
+    )
+
+
+def _p3_accounted(run: Run) -> bool:
+    p3 = run["tiers"]["P3"]
+    reasons_given = all(reason for reason in run["p3_shed_reasons"])
+    return p3["completed"] + p3["shed"] == p3["requests"] and reasons_given
+
+
 def judge(runs: Sequence[Run]) -> list[Verdict]:
     mine = [r for r in runs if r["policy"] == TARGET_POLICY]
     if not mine:
         return [Verdict(f"targets apply to {TARGET_POLICY}", None, "not run")]
-    slo_cells = mine  # synthetic and trace workloads alike
     up_to_capacity = [r for r in mine if r["pattern"] in ("poisson", "bursty") and r["load"] <= 1.0]
     beyond = [r for r in mine if r not in up_to_capacity]
-
-    def p1_vs_vllm(run: Run) -> bool | None:
-        base = _same_cell(runs, run, "vllm-priority")
-        mine_p1, base_p1 = (
-            run["tiers"]["P1"]["slo_attainment"],
-            base and base["tiers"]["P1"]["slo_attainment"],
-        )
-        return None if mine_p1 is None or base_p1 is None else mine_p1 >= base_p1
-
-    def p1_show(run: Run) -> str:
-        base = _same_cell(runs, run, "vllm-priority")
-        theirs = None if base is None else base["tiers"]["P1"]["slo_attainment"]
-        return f"{_pct(run['tiers']['P1']['slo_attainment'])} vs vllm-priority {_pct(theirs)}"
-
-    def goodput_ok(run: Run) -> bool | None:
-        others = [_same_cell(runs, run, b) for b in BASELINES]
-        values = [o["goodput_rps"] for o in others if o is not None]
-        return None if not values else run["goodput_rps"] >= max(values)
-
-    def goodput_show(run: Run) -> str:
-        others = {b: o["goodput_rps"] for b in BASELINES if (o := _same_cell(runs, run, b)) is not None}
-        return f"{run['goodput_rps']} vs best baseline {max(others.values(), default=None)} rps"
-
-    def p3_ok(run: Run) -> bool:
-        p3 = run["tiers"]["P3"]
-        reasons_given = all(reason for reason in run["p3_shed_reasons"])
-        return p3["completed"] + p3["shed"] == p3["requests"] and reasons_given
-
     return [
         _judge(
             f"P0 SLO attainment >= {P0_ATTAINMENT:.0%} at every load and concurrency "
             f"(slowdown P95 <= {P0_SLOWDOWN} where P0 prompts alone exceed the SLO)",
-            slo_cells,
+            mine,  # synthetic and trace workloads alike
             lambda r: _p0(r)[0],
             lambda r: _p0(r)[1],
         ),
@@ -117,13 +128,8 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
             lambda r: r["tiers"]["P1"]["slo_attainment"] >= P1_ATTAINMENT,
             lambda r: _pct(r["tiers"]["P1"]["slo_attainment"]),
         ),
-        _judge(
-            "beyond capacity (and in closed loops and traces), P1 attainment never below vllm-priority's",
-            beyond,
-            p1_vs_vllm,
-            p1_show,
-        ),
-        _judge("goodput >= every baseline's at every load", mine, goodput_ok, goodput_show),
+        _p1_never_below_vllm(runs, beyond),
+        _goodput_at_least_every_baseline(runs, mine),
         _judge(
             f"throughput >= {THROUGHPUT_FLOOR:.0%} of fcfs's",
             mine,
@@ -135,7 +141,7 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
         _judge(
             "every P3 request completes or is shed with a reason",
             mine,
-            p3_ok,
+            _p3_accounted,
             lambda r: (
                 f"{r['p3_completed']} completed, {r['p3_shed']} shed {r['p3_shed_reasons'] or ''}".rstrip()
             ),
