@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -112,6 +112,45 @@ def _pct(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
+def _tier_summary(
+    mine: list[Outcome], engine_trace: dict[str, tuple[float, float]], steady: Callable[[int], bool]
+) -> dict[str, Any]:
+    """One tier's row: what was sent and refused, and TTFT percentiles over the steady requests."""
+    kept = [o for o in mine if steady(o.index)]
+    ttfts = [o.ttft_s * 1000 for o in kept if o.status == "ok" and o.ttft_s is not None]
+    inside = [engine_trace[o.request_id][0] * 1000 for o in kept if o.request_id in engine_trace]
+    return {
+        "sent": len(mine),
+        "ok": sum(o.status == "ok" for o in mine),
+        "rejected": sum(o.status != "ok" for o in mine),
+        "ttft_p50_ms": _pct(ttfts, 0.50),
+        "ttft_p95_ms": _pct(ttfts, 0.95),
+        "engine_ttft_p50_ms": _pct(inside, 0.50),
+        "engine_ttft_p95_ms": _pct(inside, 0.95),
+    }
+
+
+def _overhead_split(
+    engine_trace: dict[str, tuple[float, float]],
+    http_trace: dict[str, tuple[float, float | None]],
+    steady: Callable[[str], bool],
+) -> tuple[list[float], list[float], list[float]]:
+    """Per request traced on both sides, in ms: the request path (app -> engine arrival) and
+    the response path (step returned -> chunk sent) of the steady requests, and their sum
+    for every request (start-up burst included)."""
+    request, response, everything = [], [], []
+    for rid, (ttft, returned_at) in engine_trace.items():
+        received_at, sent_at = http_trace.get(rid, (None, None))
+        if received_at is None or sent_at is None:
+            continue
+        before, after = (returned_at - ttft - received_at) * 1000, (sent_at - returned_at) * 1000
+        everything.append(before + after)
+        if steady(rid):
+            request.append(before)
+            response.append(after)
+    return request, response, everything
+
+
 def summarize(
     outcomes: list[Outcome],
     engine_trace: dict[str, tuple[float, float]],
@@ -139,30 +178,11 @@ def summarize(
         return not 0 <= index < warmup  # -1: not known to be one of the start-up burst
 
     for tier in TIERS:
-        mine = [o for o in outcomes if o.tier == tier]
-        kept = [o for o in mine if steady(o.index)]
-        ttfts = [o.ttft_s * 1000 for o in kept if o.status == "ok" and o.ttft_s is not None]
-        inside = [engine_trace[o.request_id][0] * 1000 for o in kept if o.request_id in engine_trace]
-        result.tiers[tier] = {
-            "sent": len(mine),
-            "ok": sum(o.status == "ok" for o in mine),
-            "rejected": sum(o.status != "ok" for o in mine),
-            "ttft_p50_ms": _pct(ttfts, 0.50),
-            "ttft_p95_ms": _pct(ttfts, 0.95),
-            "engine_ttft_p50_ms": _pct(inside, 0.50),
-            "engine_ttft_p95_ms": _pct(inside, 0.95),
-        }
+        result.tiers[tier] = _tier_summary([o for o in outcomes if o.tier == tier], engine_trace, steady)
     index_of = {o.request_id: o.index for o in outcomes}
-    request, response, everything = [], [], []
-    for rid, (ttft, returned_at) in engine_trace.items():
-        received_at, sent_at = http_trace.get(rid, (None, None))
-        if received_at is None or sent_at is None:
-            continue
-        before, after = (returned_at - ttft - received_at) * 1000, (sent_at - returned_at) * 1000
-        everything.append(before + after)
-        if steady(index_of.get(rid, -1)):
-            request.append(before)
-            response.append(after)
+    request, response, everything = _overhead_split(
+        engine_trace, http_trace, lambda rid: steady(index_of.get(rid, -1))
+    )
     overhead = [a + b for a, b in zip(request, response, strict=True)]
     client = [
         (o.ttft_s - engine_trace[o.request_id][0]) * 1000
