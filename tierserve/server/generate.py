@@ -23,13 +23,14 @@ from tierserve.server.errors import ApiError
 from tierserve.server.formatting import DONE, ResponseFormatter, Usage, error_event
 from tierserve.server.prepare import Prepared, check_model, prepare
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tierserve.server.ratelimit import Reservation
+from tierserve.server.ratelimit import RateDecision, Reservation
 from tierserve.server.refusals import draining_error, overloaded, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.state import ServerState
 from tierserve.server.streams import Delta, RequestHandle
 from tierserve.server.tenants import decide_tier, parse_declared_tier
 from tierserve.server.tracing import RECEIVED_AT, TraceRecord
+from tierserve.tiers import Tier
 
 
 async def generate(
@@ -44,9 +45,8 @@ async def generate(
     tenant from the API key or `x-tenant-id` (resolved here unless the caller did).
     `offload`: tokenize and check a large prompt through this gate, off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
-    metrics = state.metrics
     if state.draining:
-        metrics.reject("draining", None)
+        state.metrics.reject("draining", None)
         raise draining_error()
     asked = http.headers
     if tenant is None:
@@ -58,17 +58,7 @@ async def generate(
         prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)
     )
     num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
-    rate = await state.limiter.acquire(tenant, num_reserved)
-    headers = {"x-tierserve-tier": tier.name, **rate.headers}
-    if not rate.allowed:
-        metrics.reject(f"rate_limit_{rate.reason}", tier)
-        raise rate_refusal(rate, tenant.name, headers)
-    verdict = state.admission.check(tier, state.engine.queued_by_tier(), state.clock.now())
-    if not verdict.admitted:
-        metrics.reject(verdict.reason, tier)
-        await state.limiter.settle(rate.reservation, 0)
-        wait = verdict.estimated_wait_s
-        raise overloaded(tier, verdict.reason, verdict.retry_after_s, verdict.queue_depth, wait, headers)
+    rate, headers = await _pass_limits(state, tenant, tier, num_reserved)
     request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
     req = Request(
         request_id,
@@ -99,6 +89,27 @@ async def generate(
     finally:
         watcher.cancel()
     return Response(json.dumps(result), headers=headers, media_type="application/json")
+
+
+async def _pass_limits(
+    state: ServerState, tenant: TenantConfig, tier: Tier, num_reserved: int
+) -> tuple[RateDecision, dict[str, str]]:
+    """The tenant's token buckets, then admission control for the tier; raises the 429 or
+    503 (giving back the reserved tokens) when either refuses. Returns the rate decision
+    and the headers every answer carries."""
+    metrics = state.metrics
+    rate = await state.limiter.acquire(tenant, num_reserved)
+    headers = {"x-tierserve-tier": tier.name, **rate.headers}
+    if not rate.allowed:
+        metrics.reject(f"rate_limit_{rate.reason}", tier)
+        raise rate_refusal(rate, tenant.name, headers)
+    verdict = state.admission.check(tier, state.engine.queued_by_tier(), state.clock.now())
+    if not verdict.admitted:
+        metrics.reject(verdict.reason, tier)
+        await state.limiter.settle(rate.reservation, 0)
+        wait = verdict.estimated_wait_s
+        raise overloaded(tier, verdict.reason, verdict.retry_after_s, verdict.queue_depth, wait, headers)
+    return rate, headers
 
 
 class GenerationRun:
