@@ -67,3 +67,17 @@ def test_the_bench_reads_its_traces_from_the_folder_found(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
     )
     assert len(BenchSetup().trace_rows("azure-code")) == 1
+
+
+def test_bench_fleet_takes_its_default_trace_from_the_folder_found(
+    beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierserve.bench.fleet_bench import TRACE_FILE, default_trace
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv(data_dir.DATA_ENV, str(elsewhere))
+    with pytest.raises(data_dir.DataNotFoundError, match="is missing from the data folder"):
+        default_trace()
+    (elsewhere / TRACE_FILE).write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert default_trace() == elsewhere / TRACE_FILE
