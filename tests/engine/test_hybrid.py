@@ -12,6 +12,7 @@ from tierserve.config import EngineConfig, SchedulerConfig, parse_config
 from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
 from tierserve.request import EventKind, FinishReason, RequestStatus
+from tierserve.scheduling.hybrid import P0_FLOOR_SHARE
 from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
 from tierserve.tiers import Tier
 
@@ -77,18 +78,23 @@ def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
 
 
 def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> None:
-    eng = engine(blocks=8000, max_num_batched_tokens=4096)
+    # Four seats: two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) hold
+    # three, so each step admits one P1 prompt and the others wait.
+    eng = engine(
+        blocks=8000, max_num_batched_tokens=4096, max_num_seqs=4, long_prompt_tokens=2000,
+        long_prompt_chunk_tokens=1024,
+    )  # fmt: skip
     background = [make_request(num_prompt=16, max_tokens=1000, tier=Tier.P3) for _ in range(2)]
-    for r in background:
-        eng.add_request(r)
-    eng.step()  # both P3 prompts prefilled: from now on they decode
     long_p3 = make_request(num_prompt=3000, max_tokens=1, tier=Tier.P3)
-    eng.add_request(long_p3)
+    for r in (*background, long_p3):
+        eng.add_request(r)
+    eng.step()  # the P3 prompts start: from now on the two decode
     executor = eng.executor
     assert isinstance(executor, NullExecutor)
     seen = len(executor.batches)
-    for _ in range(40):  # a stream of P1 prompts: every step prefills P1
-        eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
+    for _ in range(40):  # a stream of P1 prompts: every step prefills P1, and some wait
+        for _ in range(3):
+            eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
         eng.step()
         eng.memory.check_integrity()
     steps = executor.batches[seen:]
@@ -100,6 +106,19 @@ def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> No
     for start in range(len(steps) - window + 1):
         assert sum(p3_decode[start : start + window]) >= window - window // 4, "P3 decodes in 3/4 of steps"
     assert not all(p3_decode), "P3 decodes yielded to P1 prefills some of the time"
+
+
+def test_p3_does_not_yield_when_no_more_urgent_request_waits() -> None:
+    eng = engine(blocks=8000, max_num_batched_tokens=4096)
+    p3 = make_request(num_prompt=16, max_tokens=50, tier=Tier.P3)
+    eng.add_request(p3)
+    eng.step()
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    for _ in range(10):  # one short P1 prompt a step: admitted at once, nobody waits
+        eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
+        eng.step()
+        assert any(s.request is p3 for s in executor.batches[-1].decodes)
 
 
 def test_p3_yields_off_and_other_policies_leave_p3_in() -> None:
@@ -258,3 +277,40 @@ def test_the_step_bound_never_stops_the_other_tiers() -> None:
     from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS
 
     assert _first_p1_chunk(likely_s=1000.0, bound_s=0.001) == MIN_OTHER_PREFILL_TOKENS
+
+
+def test_a_short_p0_prompt_goes_ahead_of_a_long_p0_prefill() -> None:
+    eng = engine(blocks=4000, max_num_batched_tokens=256)
+    long_p0 = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P0)  # 12 steps of 256 tokens
+    eng.add_request(long_p0)
+    eng.step()
+    eng.step()
+    short_p0 = make_request(num_prompt=40, max_tokens=2, tier=Tier.P0)
+    eng.add_request(short_p0)
+    eng.step()
+    assert short_p0.first_token_time is not None, "the short prompt waited for the long one's prefill"
+    assert long_p0.num_computed_tokens == 3 * 256 - 40, "the long one kept the rest of the step"
+
+
+def test_a_long_p0_prompt_keeps_moving_behind_shorter_ones() -> None:
+    eng = engine(blocks=8000, max_num_batched_tokens=512)
+    long_p0 = make_request(num_prompt=4000, max_tokens=2, tier=Tier.P0)
+    eng.add_request(long_p0)
+    eng.step()
+    before = long_p0.num_computed_tokens
+    for _ in range(3):  # shorter P0 prompts, more than a step's worth each time
+        for _ in range(3):
+            eng.add_request(make_request(num_prompt=300, max_tokens=2, tier=Tier.P0))
+        eng.step()
+    assert long_p0.num_computed_tokens - before >= 3 * 512 * P0_FLOOR_SHARE
+
+
+def test_a_waiting_p0_prompt_goes_ahead_of_lower_tiers_running_prefills() -> None:
+    eng = engine(blocks=4000, max_num_batched_tokens=256)
+    p1 = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P1)
+    eng.add_request(p1)
+    eng.step()
+    p0 = make_request(num_prompt=100, max_tokens=2, tier=Tier.P0)
+    eng.add_request(p0)
+    eng.step()
+    assert p0.first_token_time is not None, "P0's prompt waited for a P1 prefill chunk"

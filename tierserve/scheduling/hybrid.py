@@ -30,6 +30,11 @@ against vllm-priority's near 100 %). Three choices decide what happens beyond ca
   (`StepBudget.has_prefill_room`), so the queue order, not the order of prefills inside
   the seats, decides who runs, and no seat is held by a request doing nothing.
 
+P0 prompts prefill ahead of every other tier's chunks, and among themselves the shortest
+remaining first (`prefill_chunk_cap`): on the public traces a P0 prompt of a few hundred
+tokens otherwise waited seconds behind another P0's prefill of tens of thousands, and
+the P95 of P0's per-request slowdown was 9x on Mooncake at half its rate (2x after).
+
 Beyond the queue, hybrid shapes each step (`hybrid_step.py`: a step-time bound while a
 P0 is likely, P0-only prefill steps, background yields), lets P0 take a seat or memory
 from lower tiers, sheds P3 requests that have waited `p3_shed_after_s` while more urgent
@@ -49,7 +54,7 @@ floor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
@@ -67,6 +72,7 @@ if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
 RESCUE_FRACTION = 0.25  # of the TTFT target a P1-P2 request may wait before it is rescued
+P0_FLOOR_SHARE = 1 / 8  # of a step's tokens a P0 prompt keeps while shorter P0 prompts go first
 FAIR_TIERS = (Tier.P1, Tier.P2)
 FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
 
@@ -110,6 +116,10 @@ class HybridPolicy(FairQueuePolicy):
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
         self._waiting = OldestWaiting()  # every waiting request: aging
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
+        self._p0_waiting: dict[Request, None] = {}  # insertion-ordered set
+        self._step: StepBudget | None = None  # the step being built, between the hooks
+        self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
+        self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
 
     def _choose(self, now: float) -> Choice | None:
         sfq = self._sfq
@@ -184,13 +194,17 @@ class HybridPolicy(FairQueuePolicy):
         self._untrack(req)
 
     def _track(self, req: Request) -> None:
-        """Note a waiting request where aging (P1-P3) and the rescue (P1-P2) look for it."""
+        """Note a waiting request where aging (P1-P3), the rescue (P1-P2) and the P0
+        prompt order look for it."""
+        if req.tier == Tier.P0:
+            self._p0_waiting[req] = None
         if req.tier in FAIR_TIERS_WITH_P3:
             self._waiting.add(req)
         if req.tier in FAIR_TIERS:
             self._savable.add(req)
 
     def _untrack(self, req: Request) -> None:
+        self._p0_waiting.pop(req, None)
         self._waiting.discard(req)
         self._savable.discard(req)
 
@@ -220,10 +234,50 @@ class HybridPolicy(FairQueuePolicy):
         return [(r, reason) for r in self if r.tier == Tier.P3 and now - r.arrival_time > limit]
 
     def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
+        self._step = step
+        self._p0_by_length = self._p0_prompts(running)
         self._shaper.begin(step, self.num_waiting(Tier.P0), running, now)
 
     def end_step(self, step: StepBudget, now: float) -> None:
-        self._shaper.end(step)
+        queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
+        self._shaper.end(step, queued)
+        self._step, self._p0_by_length = None, []
+
+    def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:
+        """The P0 prompts with tokens left to prefill, running or waiting, shortest first."""
+        prompts = [r for r in running if r.tier == Tier.P0 and r.is_prefilling]
+        prompts.extend(self._p0_waiting)
+        return sorted(prompts, key=lambda r: (_tokens_left(r), r.arrival_time))
+
+    def prefill_chunk_cap(self, req: Request) -> int | None:
+        """P0 prompts prefill first, and among them the shortest remaining first: a first
+        token of a short prompt must not wait for a long one's prefill, which can take
+        seconds. A chunk leaves room in the step for the P0 prompts that go ahead of it
+        and are not in the step yet (waiting ones are admitted after the running
+        requests' chunks); a P0 prompt keeps P0_FLOOR_SHARE of the step, so a long one
+        still moves."""
+        cap = super().prefill_chunk_cap(req)
+        step = self._step
+        if step is None or not self._p0_by_length:
+            return cap
+        reserve = sum(_tokens_left(r) for r in self._ahead_of(req) if r not in step.prefills)
+        if reserve == 0:
+            return cap
+        floor = self._p0_floor_tokens if req.tier == Tier.P0 else 0
+        room = max(floor, step.tokens_left - reserve)
+        return room if cap is None else min(cap, room)
+
+    def _ahead_of(self, req: Request) -> Iterator[Request]:
+        """This step's P0 prompts that prefill before `req`: every one for a lower tier,
+        the shorter ones (ties: the older) for a P0 prompt."""
+        for other in self._p0_by_length:
+            if other is req:
+                return
+            yield other
 
     def steady_step(self) -> None:
         self._shaper.steady_step()
+
+
+def _tokens_left(req: Request) -> int:
+    return req.num_tokens - req.num_computed_tokens

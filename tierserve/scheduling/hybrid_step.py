@@ -9,8 +9,10 @@
 - P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
   only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
   stopped.
-- Background yields (`p3_yields`): a step that prefills P0-P2 leaves P3's prompt chunks
-  out (in at most half of any window) and P3's decodes (in at most a quarter).
+- Background yields (`p3_yields`): a step that prefills P0-P2 while more P0-P2 requests
+  wait leaves P3's prompt chunks out (in at most half of any window) and P3's decodes (in
+  at most a quarter). With nobody waiting, P3's work delays no one: it stays (at 32
+  closed-loop clients, yielding then cost 1 % of the goodput).
 """
 
 from __future__ import annotations
@@ -80,14 +82,15 @@ class StepShaper:
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
             step.cap_prefill(OTHER_TIERS, cap)
 
-    def end(self, step: StepBudget) -> None:
+    def end(self, step: StepBudget, queued: bool = True) -> None:
+        """`queued`: whether P0-P2 requests still wait after this pass."""
         if self.options.p0_solo_prefill:
             solo = sum(self._solo) < SHAPING_WINDOW // 2 and Tier.P0 in step.tiers_prefilling()
             self._solo.append(solo)
             if solo:
                 step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
-            self._p3_yields(step)
+            self._p3_yields(step, queued)
 
     def steady_step(self) -> None:
         """What `end` records for a step with no prefill chunk: nothing solo, nothing yields."""
@@ -97,13 +100,13 @@ class StepShaper:
             self._yield_prompts.append(False)
             self._yield_decodes.append(False)
 
-    def _p3_yields(self, step: StepBudget) -> None:
-        urgent = step.tiers_prefilling() - {Tier.P3}
+    def _p3_yields(self, step: StepBudget, queued: bool) -> None:
+        urgent = queued and bool(step.tiers_prefilling() - {Tier.P3})
         for history, limit, decodes in (
             (self._yield_prompts, SHAPING_WINDOW // 2, False),
             (self._yield_decodes, SHAPING_WINDOW // 4, True),
         ):
-            yields = bool(urgent) and sum(history) < limit
+            yields = urgent and sum(history) < limit
             yields = yields and step.has_work(Tier.P3, decodes=decodes, prefills=not decodes)
             history.append(yields)
             if yields:
