@@ -48,6 +48,16 @@ def test_p0_slowdown_is_per_request_not_a_ratio_of_percentiles() -> None:
     ratio_of_p95s = np.percentile([1.0, 0.2, 0.3], 95) / np.percentile([1.0, 0.1, 0.3], 95)
     assert out["p0_slowdown_p95"] != pytest.approx(ratio_of_p95s)
     assert out["p0_idle_over_slo_share"] == pytest.approx(1 / 3)  # the 1 s prompt alone misses 0.5 s
+    # The split the P0 target judges by: the 1 s prompt by its slowdown, the others by the SLO.
+    long_alone = out["p0_long_alone"]
+    assert long_alone["requests"] == 1 and long_alone["slowdown_p95"] == pytest.approx(1.0)
+    assert out["p0_fits_alone"] == {"requests": 2, "slo_attainment": pytest.approx(1.0)}
+
+
+def test_a_rejected_p0_request_is_a_miss_among_the_prompts_that_fit() -> None:
+    records = [record(0, Tier.P0, 0.0, 0.2), record(1, Tier.P0, 1.0, None, RequestStatus.REJECTED, "x")]
+    out = summarize([result(records, {0: 0.1, 1: 0.1})], EngineConfig())
+    assert out["p0_fits_alone"] == {"requests": 2, "slo_attainment": pytest.approx(0.5)}
 
 
 def test_attainment_goodput_and_p3_shed_reasons() -> None:

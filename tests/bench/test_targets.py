@@ -25,6 +25,8 @@ def run(policy: str, p0: float, p1: float, goodput: float, load: float = 1.5, **
         "p3_shed_reasons": {},
         "p0_slowdown_p95": 1.2,
         "p0_idle_over_slo_share": 0.0,
+        "p0_fits_alone": {"requests": 10, "slo_attainment": p0},
+        "p0_long_alone": {"requests": 0, "slowdown_p95": None},
         **extra,
     }
 
@@ -38,12 +40,22 @@ def test_hybrid_is_judged_against_the_numbers_and_the_baselines() -> None:
     assert [met for target, met in got.items() if target.startswith("P1 SLO")] == [None]  # no cell <= 1.0x
 
 
-def test_long_prompt_cells_are_judged_by_per_request_slowdown() -> None:
-    slow = run("hybrid", 0.5, 1.0, 1.0, p0_idle_over_slo_share=0.4, p0_slowdown_p95=1.4)
-    p0 = next(v for v in judge([slow]) if v.target.startswith("P0"))
-    assert p0.met is True and "slowdown" in p0.detail
-    slower = {**slow, "p0_slowdown_p95": 1.6}
-    assert next(v for v in judge([slower]) if v.target.startswith("P0")).met is False
+def test_p0_prompts_too_long_for_the_slo_alone_are_judged_by_slowdown_the_others_by_the_slo() -> None:
+    def verdict(fits: float | None, long_slowdown: float | None) -> bool | None:
+        cell = run("hybrid", 0.5, 1.0, 1.0)
+        cell["p0_fits_alone"] = {"requests": 0 if fits is None else 60, "slo_attainment": fits}
+        cell["p0_long_alone"] = {
+            "requests": 0 if long_slowdown is None else 40,
+            "slowdown_p95": long_slowdown,
+        }
+        return next(v for v in judge([cell]) if v.target.startswith("P0")).met
+
+    assert verdict(None, 1.4) is True  # only long prompts: slowdown decides, whatever the tier's 50 %
+    assert verdict(None, 1.6) is False
+    assert verdict(0.995, 1.4) is True
+    assert verdict(0.98, 1.4) is False  # the short prompts still answer to the SLO
+    assert verdict(0.995, 1.6) is False
+    assert verdict(None, None) is None  # no P0 request: not judged
 
 
 def test_a_p3_request_without_a_reason_fails_the_p3_target() -> None:

@@ -64,6 +64,14 @@ def _preempt(run: Run) -> str:
     )
 
 
+def _split(run: Run, part: str) -> str:
+    group = run[f"p0_{part}_alone"]
+    if not group["requests"]:
+        return "–"
+    value = group["slo_attainment"] if part == "fits" else group["slowdown_p95"]
+    return f"{_fmt(value, '%' if part == 'fits' else 'x')} ({group['requests']})"
+
+
 def _p3(run: Run) -> str:
     reasons = ", ".join(f"{n} {why}" for why, n in run["p3_shed_reasons"].items())
     return f"{run['p3_completed']} done / {run['p3_shed']} shed" + (f" ({reasons})" if reasons else "")
@@ -73,6 +81,8 @@ TABLES: Sequence[tuple[str, Callable[[Run], str]]] = (
     ("P0 SLO attainment (TTFT <= target)", lambda r: _fmt(r["tiers"]["P0"]["slo_attainment"], "%")),
     ("P0 P95 TTFT, s [95 % CI]", lambda r: _ci(r, "P0")),
     ("P0 slowdown P95 (each request's TTFT / its TTFT alone)", lambda r: _fmt(r["p0_slowdown_p95"], "x")),
+    ("P0 whose prompt alone meets the SLO: SLO attainment (requests)", lambda r: _split(r, "fits")),
+    ("P0 whose prompt alone misses the SLO: slowdown P95 (requests)", lambda r: _split(r, "long")),
     ("P1 SLO attainment", lambda r: _fmt(r["tiers"]["P1"]["slo_attainment"], "%")),
     ("P1 P95 TTFT, s [95 % CI]", lambda r: _ci(r, "P1")),
     ("P2 SLO attainment", lambda r: _fmt(r["tiers"]["P2"]["slo_attainment"], "%")),

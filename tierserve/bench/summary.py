@@ -12,6 +12,9 @@ Definitions (docs/benchmark.md restates them):
   requests that meet their SLO are served). Throughput = tokens generated in the window
   (first measured arrival to last measured end) / its length.
 - P0 slowdown of a request = its TTFT / its own TTFT alone on an idle engine (`IdleTtft`).
+  The P0 requests split by that idle TTFT: those whose prompt alone meets the SLO
+  (`p0_fits_alone`, judged by attainment) and those whose prompt alone misses it
+  (`p0_long_alone`, judged by slowdown).
 - A preemption is a reclaim when a request of a more urgent tier was admitted in the same
   step (memory taken back for it), whatever its mode (swap or recompute).
 """
@@ -104,6 +107,44 @@ def _preemptions(results: Sequence[CellResult]) -> dict[str, Any]:
     }
 
 
+def _p0_against_idle(results: Sequence[CellResult], target_s: float, seed: int) -> dict[str, Any]:
+    """Each measured P0 request against its own TTFT alone on an idle engine: the slowdown
+    of all of them, and the split the P0 target judges by: the prompts that alone meet the
+    SLO (judged by attainment) and those that alone miss it (judged by slowdown)."""
+    slowdowns: list[float] = []
+    fits: list[bool] = []  # TTFT <= target, for the prompts that fit alone
+    long_slowdowns: list[float] = []
+    for res in results:
+        for r in res.run.records:
+            idle = res.p0_idle_ttft_s.get(r.index)
+            if not r.measured or r.tier is not Tier.P0 or idle is None:
+                continue
+            if (ttft := _ttft(r)) is None:  # rejected: a miss, whatever its prompt
+                fits.append(False)
+                continue
+            slowdowns.append(ttft / idle)
+            if idle > target_s:
+                long_slowdowns.append(ttft / idle)
+            else:
+                fits.append(_attained(r, target_s))
+    slow = percentile_ci(slowdowns, 95, seed)
+    long_slow = percentile_ci(long_slowdowns, 95, seed)
+    return {
+        "p0_slowdown_p95": None if slow is None else _r(slow.value),
+        "p0_slowdown_p95_ci": None if slow is None else slow.interval(),
+        "p0_idle_over_slo_share": _r(len(long_slowdowns) / len(slowdowns)) if slowdowns else None,
+        "p0_fits_alone": {
+            "requests": len(fits),
+            "slo_attainment": _r(sum(fits) / len(fits)) if fits else None,
+        },
+        "p0_long_alone": {
+            "requests": len(long_slowdowns),
+            "slowdown_p95": None if long_slow is None else _r(long_slow.value),
+            "slowdown_p95_ci": None if long_slow is None else long_slow.interval(),
+        },
+    }
+
+
 def _arrival_span(result: CellResult) -> float:
     """From the first measured arrival to the last: goodput's denominator (the window runs
     on until the slowest measured request ends, which says nothing about the rate served)."""
@@ -125,16 +166,7 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         t.name: _tier([r for r in measured if r.tier is t], config.tier(t).ttft_target_s, arrivals, seed)
         for t in ALL_TIERS
     }
-    slowdowns, idle_over = [], 0
-    p0_target = config.tier(Tier.P0).ttft_target_s
-    for res in results:
-        for r in res.run.records:
-            idle = res.p0_idle_ttft_s.get(r.index)
-            if not r.measured or r.tier is not Tier.P0 or idle is None or (ttft := _ttft(r)) is None:
-                continue
-            slowdowns.append(ttft / idle)
-            idle_over += idle > p0_target
-    slow = percentile_ci(slowdowns, 95, seed)
+    p0 = _p0_against_idle(results, config.tier(Tier.P0).ttft_target_s, seed)
     peak = max(res.run.window.peak_used_blocks / res.num_device_blocks for res in results)
     seeds = [res.cell.seed for res in results]
     return {
@@ -148,9 +180,7 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         "tiers": tiers,
         "p0_requests": tiers["P0"]["requests"],
         "low_sample": tiers["P0"]["requests"] < MIN_P0_REQUESTS,
-        "p0_slowdown_p95": None if slow is None else _r(slow.value),
-        "p0_slowdown_p95_ci": None if slow is None else slow.interval(),
-        "p0_idle_over_slo_share": _r(idle_over / len(slowdowns)) if slowdowns else None,
+        **p0,
         "goodput_rps": _r(sum(t["goodput_rps"] or 0.0 for t in tiers.values())),
         "throughput_tokens_per_s": _r(tokens / span) if span > 0 else None,
         "throughput_vs_fcfs": None,  # filled in once fcfs's cell is known
