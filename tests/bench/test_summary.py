@@ -51,13 +51,24 @@ def test_p0_slowdown_is_per_request_not_a_ratio_of_percentiles() -> None:
     # The split the P0 target judges by: the 1 s prompt by its slowdown, the others by the SLO.
     long_alone = out["p0_long_alone"]
     assert long_alone["requests"] == 1 and long_alone["slowdown_p95"] == pytest.approx(1.0)
-    assert out["p0_fits_alone"] == {"requests": 2, "slo_attainment": pytest.approx(1.0)}
+    fits_alone = out["p0_fits_alone"]
+    assert fits_alone["requests"] == 2 and fits_alone["slo_attainment"] == pytest.approx(1.0)
+    # Apart in time, P0's own traffic alone never waits.
+    assert fits_alone["p0_alone_attainment"] == 1.0 and long_alone["p0_alone_slowdown_p95"] == 1.0
 
 
 def test_a_rejected_p0_request_is_a_miss_among_the_prompts_that_fit() -> None:
     records = [record(0, Tier.P0, 0.0, 0.2), record(1, Tier.P0, 1.0, None, RequestStatus.REJECTED, "x")]
     out = summarize([result(records, {0: 0.1, 1: 0.1})], EngineConfig())
-    assert out["p0_fits_alone"] == {"requests": 2, "slo_attainment": pytest.approx(0.5)}
+    assert out["p0_fits_alone"]["requests"] == 2
+    assert out["p0_fits_alone"]["slo_attainment"] == pytest.approx(0.5)
+
+
+def test_p0_alone_reference_counts_what_p0_requests_arriving_together_cost_each_other() -> None:
+    # Three 0.3 s prompts at once: alone on an ideal server two end after 0.5 s (0.6, 0.9).
+    records = [record(i, Tier.P0, 0.0, 0.3) for i in range(3)]
+    out = summarize([result(records, {0: 0.3, 1: 0.3, 2: 0.3})], EngineConfig())
+    assert out["p0_fits_alone"]["p0_alone_attainment"] == pytest.approx(1 / 3)
 
 
 def test_attainment_goodput_and_p3_shed_reasons() -> None:

@@ -65,11 +65,15 @@ def _preempt(run: Run) -> str:
 
 
 def _split(run: Run, part: str) -> str:
+    """The figure P0's target judges the group by, its size, and the same figure for P0's
+    traffic alone on an ideal server (`p0_reference`)."""
     group = run[f"p0_{part}_alone"]
     if not group["requests"]:
         return "–"
-    value = group["slo_attainment"] if part == "fits" else group["slowdown_p95"]
-    return f"{_fmt(value, '%' if part == 'fits' else 'x')} ({group['requests']})"
+    kind = "%" if part == "fits" else "x"
+    mine = group["slo_attainment"] if part == "fits" else group["slowdown_p95"]
+    alone = group["p0_alone_attainment"] if part == "fits" else group["p0_alone_slowdown_p95"]
+    return f"{_fmt(mine, kind)} ({group['requests']}; P0 alone {_fmt(alone, kind)})"
 
 
 def _p3(run: Run) -> str:

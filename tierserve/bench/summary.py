@@ -14,7 +14,9 @@ Definitions (docs/benchmark.md restates them):
 - P0 slowdown of a request = its TTFT / its own TTFT alone on an idle engine (`IdleTtft`).
   The P0 requests split by that idle TTFT: those whose prompt alone meets the SLO
   (`p0_fits_alone`, judged by attainment) and those whose prompt alone misses it
-  (`p0_long_alone`, judged by slowdown).
+  (`p0_long_alone`, judged by slowdown). Beside each, the same figure for P0's own
+  traffic alone under an ideal shortest-first server (`p0_reference`): what P0 requests
+  arriving together cost each other whatever the policy.
 - A preemption is a reclaim when a request of a more urgent tier was admitted in the same
   step (memory taken back for it), whatever its mode (swap or recompute).
 """
@@ -25,9 +27,12 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from tierserve.bench.bootstrap import percentile_ci, percentiles_ci
 from tierserve.bench.cell import CellResult
 from tierserve.bench.metrics import RequestRecord
+from tierserve.bench.p0_reference import srpt_slowdowns
 from tierserve.config import EngineConfig
 from tierserve.request import RequestStatus
 from tierserve.tiers import ALL_TIERS, Tier
@@ -114,7 +119,10 @@ def _p0_against_idle(results: Sequence[CellResult], target_s: float, seed: int) 
     slowdowns: list[float] = []
     fits: list[bool] = []  # TTFT <= target, for the prompts that fit alone
     long_slowdowns: list[float] = []
+    ref_fits: list[bool] = []  # the same, for P0's own traffic alone (`p0_reference`)
+    ref_long: list[float] = []
     for res in results:
+        jobs: list[tuple[float, float]] = []
         for r in res.run.records:
             idle = res.p0_idle_ttft_s.get(r.index)
             if not r.measured or r.tier is not Tier.P0 or idle is None:
@@ -122,11 +130,17 @@ def _p0_against_idle(results: Sequence[CellResult], target_s: float, seed: int) 
             if (ttft := _ttft(r)) is None:  # rejected: a miss, whatever its prompt
                 fits.append(False)
                 continue
+            jobs.append((r.arrival_s, idle))
             slowdowns.append(ttft / idle)
             if idle > target_s:
                 long_slowdowns.append(ttft / idle)
             else:
                 fits.append(_attained(r, target_s))
+        for (_, idle), ref in zip(jobs, srpt_slowdowns(jobs), strict=True):
+            if idle > target_s:
+                ref_long.append(ref)
+            else:
+                ref_fits.append(ref * idle <= target_s)
     slow = percentile_ci(slowdowns, 95, seed)
     long_slow = percentile_ci(long_slowdowns, 95, seed)
     return {
@@ -136,11 +150,13 @@ def _p0_against_idle(results: Sequence[CellResult], target_s: float, seed: int) 
         "p0_fits_alone": {
             "requests": len(fits),
             "slo_attainment": _r(sum(fits) / len(fits)) if fits else None,
+            "p0_alone_attainment": _r(sum(ref_fits) / len(ref_fits)) if ref_fits else None,
         },
         "p0_long_alone": {
             "requests": len(long_slowdowns),
             "slowdown_p95": None if long_slow is None else _r(long_slow.value),
             "slowdown_p95_ci": None if long_slow is None else long_slow.interval(),
+            "p0_alone_slowdown_p95": _r(float(np.percentile(ref_long, 95))) if ref_long else None,
         },
     }
 
