@@ -25,7 +25,7 @@ def test_memory_pressure_runs_on_fewer_gpus_with_longer_outputs_than_default() -
 
 @pytest.mark.parametrize("policy", ["fcfs", "vllm-priority", "hybrid"])
 def test_the_memory_pressure_workload_fills_the_kv_cache(policy: str) -> None:
-    setup = BenchSetup(num_measured=300, think_time_s=0.5, drain_timeout_s=30.0)
+    setup = BenchSetup(num_measured=600, think_time_s=0.5, drain_timeout_s=30.0)
     res = run_cell(setup, Cell("memory-pressure", "closed", 256, policy, 0))
     out = summarize([res], setup.engine_config())
     if policy == "hybrid":

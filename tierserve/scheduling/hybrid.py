@@ -1,31 +1,31 @@
-"""The production policy: P0 strict with reserved memory and the right to reclaim;
-P1–P2 by weighted fair queuing, with an SLO rescue; P3 best effort; aging so nothing
+"""The production policy: P0 strict with reserved memory and the right to reclaim; P1
+ahead of P2, with an SLO rescue; P2 and P3 by weighted fair queuing; aging so nothing
 waits forever.
 
-Order of service: P0; then the rescue of P1; then aged requests; then the rescue of P2;
-then the fair order (P3 joins it only while no P1 request waits). Under overload the loss
-thus falls on P3, then P2: P1 at risk is served ahead of both instead of sharing the
-delay by weight.
+Order of service: P0; then the rescue of P1; then aged requests; then the rest of P1 in
+its tenant-fair order; then the rescue of P2; then P2 and P3 in their fair order. Under
+overload the loss thus falls on P3, then P2, and P1 degrades last (issue 13).
+
+P1 used to share the GPUs with P2 by weight (the design's "P1-P2 by wfq") until a P1
+request was at risk. Beyond capacity that put the loss on P1 before P2: the P1 requests
+already late waited behind P2's rescue and fair share, and at 1.2x capacity with bursty
+arrivals P1's P95 TTFT was 244 s (P2's 200 s). Served ahead of P2, P1's P95 there is
+26 s, more P1 requests meet their target (87 % against 85 %) and, since P1's rescue still
+comes first, so does the goodput of all tiers; P2 keeps its aging threshold, so it is
+delayed, never starved.
 
 The rescue of a tier serves, oldest first, its requests that have waited over a quarter
 of their TTFT target but can still meet it (they have waited less than the whole
-target). Until then P1 shares the GPUs with P2 by weight; from then on the rest of the
-target is the backlog P1 can absorb and still meet it, so the earlier the rescue starts,
-the more of a P1 burst makes its target (at half, P1's P95 TTFT sat at ~3.4 s at 1.0x
-capacity and P1 missed its target for a few requests under memory pressure at 1.5x,
-against vllm-priority's near 100 %). Three choices decide what happens beyond capacity
-(issue 13):
+target). Three choices decide what happens beyond capacity (issue 13):
 - a tier is judged by its oldest waiting request, not by its fair head: inside a tier the
   tenant-fair order puts a returning tenant's fresh request first, and judged by that head
-  a backlogged tier looked in no danger while its other requests waited a minute, so P2
-  and aged P3 went ahead of it;
+  a backlogged tier looked in no danger while its other requests waited a minute;
 - a request that has already missed its target gains nothing from going first, while
   every request served ahead of it that can still make its target counts. So under
-  sustained overload the requests that can still make it are served first (earliest
-  deadline first among them), and the late ones join the fair order, behind the rescues.
-  P1 then meets its target for as many requests as the GPUs can serve in time, instead of
-  every request of a growing queue missing it a little (first come, first served); the
-  price is a longer wait for the few that were already late;
+  sustained overload the requests that can still make it are served first (oldest first
+  among them), and the late ones follow in the tier's fair order. P1 then meets its
+  target for as many requests as the GPUs can serve in time, instead of every request of
+  a growing queue missing it a little (first come, first served);
 - the scheduler admits no prompt that a capped step leaves without a token
   (`StepBudget.has_prefill_room`), so the queue order, not the order of prefills inside
   the seats, decides who runs, and no seat is held by a request doing nothing.
@@ -73,8 +73,8 @@ if TYPE_CHECKING:
 
 RESCUE_FRACTION = 0.25  # of the TTFT target a P1-P2 request may wait before it is rescued
 P0_FLOOR_SHARE = 1 / 8  # of a step's tokens a P0 prompt keeps while shorter P0 prompts go first
-FAIR_TIERS = (Tier.P1, Tier.P2)
-FAIR_TIERS_WITH_P3 = (Tier.P1, Tier.P2, Tier.P3)
+RESCUED_TIERS = (Tier.P1, Tier.P2)  # rescued when at risk
+AGED_TIERS = (Tier.P1, Tier.P2, Tier.P3)  # aged
 
 
 class Choice(NamedTuple):
@@ -125,13 +125,16 @@ class HybridPolicy(FairQueuePolicy):
         sfq = self._sfq
         if sfq.count(Tier.P0):
             return Choice(Tier.P0, None, in_order=False)
-        # Under overload the loss falls on P3, then P2: a P1 request at risk goes first.
-        for urgent in (self._rescue(Tier.P1, now), self._aged(now), self._rescue(Tier.P2, now)):
+        for urgent in (self._rescue(Tier.P1, now), self._aged(now)):
             if urgent is not None:
                 return Choice(urgent.tier, urgent, in_order=False)
-        # P3 is best effort: it competes only while no P1 request waits.
-        eligible = FAIR_TIERS if sfq.count(Tier.P1) else FAIR_TIERS_WITH_P3
-        fair = sfq.best(eligible)
+        # Under overload the loss falls on P3, then P2: P1 goes first, in its fair order.
+        if sfq.count(Tier.P1):
+            return Choice(Tier.P1, None, in_order=True)
+        rescued = self._rescue(Tier.P2, now)
+        if rescued is not None:
+            return Choice(Tier.P2, rescued, in_order=False)
+        fair = sfq.best((Tier.P2, Tier.P3))
         return None if fair is None else Choice(fair, None, in_order=True)
 
     def _rescue(self, tier: Tier, now: float) -> Request | None:
@@ -147,7 +150,7 @@ class HybridPolicy(FairQueuePolicy):
         """The oldest request past its tier's aging threshold, unless a more urgent tier's
         oldest is older still (aging never overtakes an older, more urgent request)."""
         aged: Request | None = None
-        for tier in FAIR_TIERS_WITH_P3:
+        for tier in AGED_TIERS:
             oldest = self._waiting.oldest(tier)
             if oldest is None or now - oldest.arrival_time <= self._aging_s[tier]:
                 continue
@@ -155,7 +158,7 @@ class HybridPolicy(FairQueuePolicy):
                 aged = oldest
         if aged is None:
             return None
-        for tier in FAIR_TIERS[: aged.tier - 1]:
+        for tier in RESCUED_TIERS[: aged.tier - 1]:
             oldest = self._waiting.oldest(tier)
             if oldest is not None and oldest.arrival_time <= aged.arrival_time:
                 return None
@@ -198,9 +201,9 @@ class HybridPolicy(FairQueuePolicy):
         prompt order look for it."""
         if req.tier == Tier.P0:
             self._p0_waiting[req] = None
-        if req.tier in FAIR_TIERS_WITH_P3:
+        if req.tier in AGED_TIERS:
             self._waiting.add(req)
-        if req.tier in FAIR_TIERS:
+        if req.tier in RESCUED_TIERS:
             self._savable.add(req)
 
     def _untrack(self, req: Request) -> None:
