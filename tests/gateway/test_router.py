@@ -72,6 +72,28 @@ def test_waiting_queue_and_kv_usage_saturate_and_requests_sent_since_the_scrape_
     assert not router.saturated(router.state("u2"), Tier.P1)
 
 
+def test_an_upstream_never_seen_full_takes_a_burst_sent_between_scrapes() -> None:
+    router, clock = _router(n=1, max_waiting=4)
+    _load(router, clock, "u0", 0, 2)
+    for _ in range(200):
+        assert router.route(Tier.P1, "p", M) is not None
+        router.started("u0", Tier.P1)  # nothing shows it has run out of seats
+
+
+def test_once_seen_full_what_was_sent_past_its_free_seats_counts_as_waiting() -> None:
+    router, clock = _router(n=1, max_waiting=2)
+    _load(router, clock, "u0", 1, 8)  # a queue: it seats 8
+    _load(router, clock, "u0", 0, 5)  # 3 seats free now
+    u0 = router.state("u0")
+    for _ in range(4):
+        router.started("u0", Tier.P1)  # 3 seated, 1 waiting
+    assert not router.saturated(u0, Tier.P1)
+    router.started("u0", Tier.P1)  # 2 waiting
+    assert router.saturated(u0, Tier.P1)
+    _load(router, clock, "u0", 0, 8)  # the next scrape: all seated, no queue
+    assert not router.saturated(u0, Tier.P1)
+
+
 def test_p0_goes_where_it_starts_soonest_not_where_its_prefix_lives() -> None:
     router, clock = _router()
     for name, waiting, kv in (("u0", 2, 0.2), ("u1", 0, 0.7), ("u2", 0, 0.3)):

@@ -10,8 +10,16 @@ is reached, or the work it will run AHEAD of the request reaches `max_waiting`. 
 that orders by priority runs waiting work of tiers <= t first, so only that counts (its
 per-tier queue depth where exported, else its aggregate waiting apportioned by the tier mix
 of this gateway's requests in flight to it); a first-come-first-served one runs everything
-queued first. Requests sent since the last scrape count as waiting until the next one shows
-where they went.
+queued first.
+
+Requests sent since the last scrape could not be seen by it. They count as waiting beyond
+the upstream's free seats: its capacity is learned from its own metrics, as the number
+running in the latest scrape that also showed a queue (a full upstream), and the free
+seats are that less those running now. An upstream never yet seen full has shown no limit,
+so what was sent since the scrape counts as running. An idle fleet then takes a burst of
+hundreds of streams at once (counted as waiting, 200 streams to an idle replica were
+released a few per scrape interval, and took seconds to reach their first token), while
+a saturated one is throttled as before.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class UpstreamState:
     # per tier t: our requests at tiers <= t the last scrape could have seen, lowered as they end
     seen_upto: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))
     models: frozenset[str] = field(default_factory=frozenset)  # empty: not known, accept any
+    seats: float | None = None  # running in the latest scrape that showed a queue; None: never full
 
     @property
     def name(self) -> str:
@@ -60,6 +69,13 @@ class UpstreamState:
     def num_sent_since_sample(self, upto: Tier = Tier.P3) -> int:
         """Requests at tiers <= `upto` sent since the last scrape (it could not see them yet)."""
         return max(0, self.num_in_flight_upto(upto) - self.seen_upto[upto])
+
+    def num_unseated_since_sample(self, upto: Tier = Tier.P3) -> float:
+        """Of those, how many found no free seat: 0 while the upstream was never seen full."""
+        if self.seats is None or self.sample is None:
+            return 0.0
+        free = max(0.0, self.seats - self.sample.num_running)
+        return max(0.0, self.num_sent_since_sample(upto) - free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +107,8 @@ class Router:
         s = self.state(name)
         s.sample = sample
         s.seen_upto = [s.num_in_flight_upto(t) for t in ALL_TIERS]
+        if sample.num_waiting > 0:
+            s.seats = sample.num_running
 
     def record_success(self, name: str, models: frozenset[str] | None = None) -> bool:
         """A passed health check; returns True when it re-admits an ejected upstream."""
@@ -131,13 +149,13 @@ class Router:
         if s.sample is None or not s.has_metrics:
             return 0.0
         if not s.config.orders_by_priority:
-            return s.sample.num_waiting + s.num_sent_since_sample()
+            return s.sample.num_waiting + s.num_unseated_since_sample()
         by_tier = s.sample.waiting_by_tier
         if by_tier is not None:
             scraped = sum(by_tier[: tier + 1])
         else:
             scraped = s.sample.num_waiting * _share_upto(s, tier)
-        return scraped + s.num_sent_since_sample(tier)
+        return scraped + s.num_unseated_since_sample(tier)
 
     def stale(self, s: UpstreamState) -> bool:
         if not s.has_metrics:
