@@ -28,6 +28,9 @@ from tierserve.tiers import Tier
 MODEL = "llama-3.1-70b"
 TIER_MIX = {Tier.P0: 0.2, Tier.P1: 0.3, Tier.P2: 0.5}
 REQUEST_TIMEOUT_S = 30.0
+# The closed-loop probe of the fleet's capacity: long enough for many requests to complete
+# (3 s gave 0.63 requests/s for two replicas, and an overload arm of 7 requests).
+CAPACITY_PROBE_MIN_S, CAPACITY_PROBE_MAX_S = 3.0, 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--load", type=float, default=1.2, help="offered load, x the probed capacity (default 1.2)"
     )
     p.add_argument(
-        "--duration", type=float, default=6.0, help="seconds of open-loop load per arm (default 6)"
+        "--duration", type=float, default=30.0, help="seconds of open-loop load per arm (default 30)"
     )
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
@@ -183,7 +186,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     arms = {"flow_control": FLOW_CONTROL, "least_loaded": LEAST_LOADED}
     with local_fleet(args.replicas, engine, arms) as urls:
         clients = 2 * args.max_seqs * args.replicas
-        capacity = asyncio.run(_capacity(urls["least_loaded"], clients, 3.0, args.max_tokens))
+        probe_s = min(CAPACITY_PROBE_MAX_S, max(CAPACITY_PROBE_MIN_S, args.duration / 3))
+        capacity = asyncio.run(_capacity(urls["least_loaded"], clients, probe_s, args.max_tokens))
         rate = max(0.5, args.load * capacity)
         result["capacity_rps"] = round(capacity, 3)
         result["offered_rps"] = round(rate, 3)
