@@ -27,3 +27,26 @@ def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
         for t in tiers.values():
             assert t["slo_attainment"] is None or 0.0 <= t["slo_attainment"] <= 1.0
             assert t["goodput_rps"] >= 0.0
+
+
+def test_the_capacity_probe_counts_every_completion(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Concurrent clients: a `done += await ...` lost the completions counted meanwhile.
+    import asyncio
+    import time
+
+    from tierserve.bench import gateway_bench
+
+    calls = 0
+
+    async def fake_shot(client: object, url: str, tier: object, max_tokens: int, i: int) -> object:
+        nonlocal calls
+        await asyncio.sleep(0.005)
+        calls += 1
+        return gateway_bench.Shot(tier, True, 0.001)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gateway_bench, "_shot", fake_shot)
+    start = time.perf_counter()
+    rate = asyncio.run(gateway_bench._capacity("http://127.0.0.1:1", 8, 0.3, 1))
+    elapsed = time.perf_counter() - start
+    assert calls > 8
+    assert rate * elapsed >= 0.9 * calls

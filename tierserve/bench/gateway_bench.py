@@ -128,7 +128,10 @@ async def _capacity(url: str, clients: int, seconds: float, max_tokens: int) -> 
         nonlocal done
         i = 0
         while time.perf_counter() < stop:
-            done += (await _shot(client, url, Tier.P1, max_tokens, k * 10_000 + i)).ok
+            # Await first: `done += await ...` reads `done` before the await and loses
+            # every completion counted meanwhile (it probed a sixteenth of the capacity).
+            shot = await _shot(client, url, Tier.P1, max_tokens, k * 10_000 + i)
+            done += shot.ok
             i += 1
 
     start = time.perf_counter()
