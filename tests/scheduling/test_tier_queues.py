@@ -122,3 +122,22 @@ def test_the_oldest_waiting_heap_stays_bounded_while_an_old_request_holds_its_to
         waiting.discard(req)
     assert waiting.oldest(Tier.P1) is old
     assert waiting.heap_size(Tier.P1) < 100, "stale entries are dropped, not 5,000 kept"
+
+
+def test_a_waiting_heap_by_another_key_walks_its_smallest_as_far_as_asked() -> None:
+    waiting = OldestWaiting(key=lambda r: r.num_prompt_tokens)
+    sizes = [700, 100, 400, 300, 900]
+    reqs = [make_request(num_prompt=n, tier=Tier.P0) for n in sizes]
+    for r in reqs:
+        waiting.add(r)
+    waiting.discard(reqs[3])  # the 300 left the queue
+    total = 0
+
+    def enough(req: object) -> bool:
+        nonlocal total
+        total += req.num_prompt_tokens  # type: ignore[attr-defined]
+        return total >= 500
+
+    assert [r.num_prompt_tokens for r in waiting.first(Tier.P0, enough)] == [100, 400]
+    assert waiting.oldest(Tier.P0) is reqs[1], "the walk leaves the heap as it was"
+    assert [r.num_prompt_tokens for r in waiting.first(Tier.P0, lambda r: False)] == [100, 400, 700, 900]

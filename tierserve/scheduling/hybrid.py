@@ -116,7 +116,7 @@ class HybridPolicy(FairQueuePolicy):
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
         self._waiting = OldestWaiting()  # every waiting request: aging
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
-        self._p0_waiting: dict[Request, None] = {}  # insertion-ordered set
+        self._p0_waiting = OldestWaiting(key=_tokens_left)  # waiting P0 prompts, shortest first
         self._step: StepBudget | None = None  # the step being built, between the hooks
         self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
@@ -200,14 +200,14 @@ class HybridPolicy(FairQueuePolicy):
         """Note a waiting request where aging (P1-P3), the rescue (P1-P2) and the P0
         prompt order look for it."""
         if req.tier == Tier.P0:
-            self._p0_waiting[req] = None
+            self._p0_waiting.add(req)
         if req.tier in AGED_TIERS:
             self._waiting.add(req)
         if req.tier in RESCUED_TIERS:
             self._savable.add(req)
 
     def _untrack(self, req: Request) -> None:
-        self._p0_waiting.pop(req, None)
+        self._p0_waiting.discard(req)
         self._waiting.discard(req)
         self._savable.discard(req)
 
@@ -247,9 +247,20 @@ class HybridPolicy(FairQueuePolicy):
         self._step, self._p0_by_length = None, []
 
     def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:
-        """The P0 prompts with tokens left to prefill, running or waiting, shortest first."""
-        prompts = [r for r in running if r.tier == Tier.P0 and r.is_prefilling]
-        prompts.extend(self._p0_waiting)
+        """The P0 prompts with tokens left to prefill, running or waiting, shortest first:
+        the waiting ones only as far as a step's tokens reach (those beyond go after every
+        listed one, and `_ahead_of` treats them so)."""
+        p0 = Tier.P0  # `is`: an IntEnum's == costs five times as much, on every running request
+        prompts = [r for r in running if r.tier is p0 and r.is_prefilling]
+        if self.num_waiting(Tier.P0):
+            budget, total = self.config.scheduler.max_num_batched_tokens, 0
+
+            def enough(req: Request) -> bool:
+                nonlocal total
+                total += _tokens_left(req)
+                return total >= budget
+
+            prompts.extend(self._p0_waiting.first(Tier.P0, enough))
         return sorted(prompts, key=lambda r: (_tokens_left(r), r.arrival_time))
 
     def prefill_chunk_cap(self, req: Request) -> int | None:
@@ -271,8 +282,8 @@ class HybridPolicy(FairQueuePolicy):
         return room if cap is None else min(cap, room)
 
     def _ahead_of(self, req: Request) -> Iterator[Request]:
-        """This step's P0 prompts that prefill before `req`: every one for a lower tier,
-        the shorter ones (ties: the older) for a P0 prompt."""
+        """This step's P0 prompts that prefill before `req`: every one listed for a lower
+        tier or a P0 prompt not listed, the shorter ones (ties: the older) for a listed P0."""
         for other in self._p0_by_length:
             if other is req:
                 return

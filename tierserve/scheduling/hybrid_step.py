@@ -64,7 +64,8 @@ class StepShaper:
     def p0_likely(self, num_p0_waiting: int, running: Sequence[Request], now: float) -> bool:
         if num_p0_waiting or now - self.last_p0_arrival < self.options.p0_likely_s:
             return True
-        return any(r.tier == Tier.P0 and r.is_prefilling for r in running)
+        p0 = Tier.P0
+        return any(r.tier is p0 and r.is_prefilling for r in running)
 
     def bound_tokens(self, estimate_s: Callable[[int], float] | None) -> int:
         """Tokens of one step within `step_bound_s`, capped by `p0_step_tokens`."""
