@@ -17,6 +17,7 @@ def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert isinstance(result["overhead_p50_ms"], float) and isinstance(result["overhead_p99_ms"], float)
+    assert result["gateway_queued"] >= 0 and result["gateway_queue_wait_s"] >= 0
     assert result["capacity_rps"] > 0
     # offered = 1.2 x capacity, with a floor of 0.5 req/s for a very slow host
     assert result["offered_rps"] == pytest.approx(max(0.5, 1.2 * result["capacity_rps"]), abs=0.01)
@@ -50,3 +51,19 @@ def test_the_capacity_probe_counts_every_completion(monkeypatch: pytest.MonkeyPa
     elapsed = time.perf_counter() - start
     assert calls > 8
     assert rate * elapsed >= 0.9 * calls
+
+
+def test_the_overhead_run_reports_what_waited_in_the_gateways_queue() -> None:
+    from tierserve.bench.gateway_bench import _queued
+
+    text = "\n".join(
+        [
+            "# TYPE tierserve_gateway_queue_wait_seconds histogram",
+            'tierserve_gateway_queue_wait_seconds_count{priority="P0"} 2.0',
+            'tierserve_gateway_queue_wait_seconds_sum{priority="P0"} 0.25',
+            'tierserve_gateway_queue_wait_seconds_count{priority="P1"} 8.0',
+            'tierserve_gateway_queue_wait_seconds_sum{priority="P1"} 1.5',
+            'tierserve_gateway_queue_depth{priority="P1"} 3.0',
+        ]
+    )
+    assert _queued(text) == {"gateway_queued": 10.0, "gateway_queue_wait_s": 1.75}

@@ -107,6 +107,7 @@ async def _overhead(direct: str, gateway: str, streams: int, max_tokens: int) ->
                 *(_shot(client, url, Tier.P1, max_tokens, i) for i in range(streams))
             )
             out[name] = [s.ttft_s * 1000 for s in shots if s.ok and s.ttft_s is not None]
+        metrics = (await client.get(gateway + "/metrics")).text
     if not out["direct"] or not out["gateway"]:
         raise RuntimeError("no stream completed in the overhead run")
     return {
@@ -114,7 +115,19 @@ async def _overhead(direct: str, gateway: str, streams: int, max_tokens: int) ->
         "overhead_p99_ms": _pct(out["gateway"], 0.99) - _pct(out["direct"], 0.99),
         "direct_ttft_p50_ms": _pct(out["direct"], 0.5),
         "gateway_ttft_p50_ms": _pct(out["gateway"], 0.5),
+        **_queued(metrics),
     }
+
+
+def _queued(metrics: str) -> dict[str, float]:
+    """How many of the overhead run's requests waited in the gateway's queue, and for how
+    long in all (its flow control, not the proxy hop): from the gateway's own metrics."""
+    from tierserve.gateway.saturation import metric_values
+
+    def total(name: str) -> float:
+        return sum(metric_values(metrics, f"tierserve_gateway_queue_wait_seconds_{name}"))
+
+    return {"gateway_queued": total("count"), "gateway_queue_wait_s": round(total("sum"), 3)}
 
 
 async def _capacity(url: str, clients: int, seconds: float, max_tokens: int) -> float:
@@ -209,7 +222,9 @@ def run(args: argparse.Namespace) -> int:
     def table() -> None:
         print(
             f"gateway overhead to first token: P50 {result['overhead_p50_ms']:.2f} ms, "
-            f"P99 {result['overhead_p99_ms']:.2f} ms ({args.streams} streams)"
+            f"P99 {result['overhead_p99_ms']:.2f} ms ({args.streams} streams; "
+            f"{result['gateway_queued']:.0f} waited in the gateway's queue, "
+            f"{result['gateway_queue_wait_s']:.2f} s in all)"
         )
         print(f"overload: capacity {result['capacity_rps']} req/s, offered {result['offered_rps']} req/s")
         for arm in ("flow_control", "least_loaded"):

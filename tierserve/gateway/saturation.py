@@ -65,7 +65,8 @@ def _samples(text: str, name: str) -> Iterator[tuple[str, float]]:
             yield labels, number
 
 
-def _series(text: str, name: str) -> list[float]:
+def metric_values(text: str, name: str) -> list[float]:
+    """The finite values of every sample of the series `name` in Prometheus text `text`."""
     return [value for _, value in _samples(text, name)]
 
 
@@ -87,7 +88,7 @@ def parse_load(kind: str, text: str, at: float) -> LoadSample:
     names = METRIC_NAMES.get(kind)
     if names is None:
         raise MetricsParseError(f"upstreams of kind {kind!r} export no load metrics")
-    waiting, running, kv = (_series(text, n) for n in names)
+    waiting, running, kv = (metric_values(text, n) for n in names)
     if not waiting and not running:
         raise MetricsParseError(f"none of {names[0]}, {names[1]} in the scrape")
     by_tier = _by_tier(text, TIER_DEPTH_METRIC) if kind in TIER_DEPTH_KINDS else None
