@@ -19,6 +19,15 @@ def beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+@pytest.fixture
+def elsewhere(beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty data folder named by $TIERSERVE_DATA (the folder beside stays absent)."""
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    monkeypatch.setenv(data_dir.DATA_ENV, str(folder))
+    return folder
+
+
 def test_the_folder_beside_the_repository_is_found(beside: Path) -> None:
     assert data_dir.find_data_dir() is None
     (beside / "gpu-profiles").mkdir(parents=True)
@@ -53,14 +62,9 @@ def test_the_repositorys_tests_read_data_from_the_folder_found(shared_data: Path
     assert (shared_data / "gpu-profiles").is_dir()
 
 
-def test_the_bench_reads_its_traces_from_the_folder_found(
-    beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_bench_reads_its_traces_from_the_folder_found(elsewhere: Path) -> None:
     from tierserve.bench.cell import BenchSetup
 
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.setenv(data_dir.DATA_ENV, str(elsewhere))
     with pytest.raises(data_dir.DataNotFoundError, match=r"AzureLLMInferenceTrace_code\.csv is missing"):
         BenchSetup().trace_rows("azure-code")
     (elsewhere / "AzureLLMInferenceTrace_code.csv").write_text(
@@ -69,14 +73,9 @@ def test_the_bench_reads_its_traces_from_the_folder_found(
     assert len(BenchSetup().trace_rows("azure-code")) == 1
 
 
-def test_bench_fleet_takes_its_default_trace_from_the_folder_found(
-    beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bench_fleet_takes_its_default_trace_from_the_folder_found(elsewhere: Path) -> None:
     from tierserve.bench.fleet_bench import TRACE_FILE, default_trace
 
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.setenv(data_dir.DATA_ENV, str(elsewhere))
     with pytest.raises(data_dir.DataNotFoundError, match="is missing from the data folder"):
         default_trace()
     (elsewhere / TRACE_FILE).write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")

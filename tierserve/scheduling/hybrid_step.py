@@ -83,7 +83,7 @@ class StepShaper:
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
             step.cap_prefill(OTHER_TIERS, cap)
 
-    def end(self, step: StepBudget, queued: bool = True) -> None:
+    def end(self, step: StepBudget, queued: bool) -> None:
         """`queued`: whether P0-P2 requests still wait after this pass."""
         if self.options.p0_solo_prefill:
             solo = sum(self._solo) < SHAPING_WINDOW // 2 and Tier.P0 in step.tiers_prefilling()
