@@ -90,3 +90,19 @@ def _next_step_outputs(conn: Connection, wanted: Callable[[StepOutputs], bool]) 
         if isinstance(message, StepOutputs) and wanted(message):
             return message
     raise AssertionError("the engine sent no such StepOutputs within 10 s")
+
+
+def test_requests_taken_in_between_steps_are_not_reported_as_waiting_before_a_pass_sees_them() -> None:
+    """The state the server exports is the one the last step left (vLLM counts waiting after
+    its scheduling pass): a new request waits only for the step boundary, and a gateway that
+    read it as a queue held streams back from an idle replica."""
+    server, engine_end = multiprocessing.get_context("spawn").Pipe(duplex=True)
+    core = EngineCore.build(_recipe(), engine_end)
+    assert isinstance(server.recv(), EngineReady)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=8), tier=Tier.P1, arrival_time=0.0)
+    core._inbox.append(AddRequest(req, Tier.P1))
+    core._apply_inbox()
+    message = server.recv()
+    assert isinstance(message, StepOutputs) and message.accepted == ["a"]
+    assert core.engine.num_waiting(Tier.P1) == 1  # in the engine's queue until the next pass
+    assert message.snapshot is None and message.applied is None  # admission counts it as sent

@@ -3,9 +3,13 @@
 Local replicas (`serve --backend sim`, in their own processes) and gateways in front of
 them, loopback only, bounded in requests and time:
 
-1. Overhead: `--streams` concurrent streams to one replica directly, then through a
-   gateway with that replica alone; the added time to the first token is the difference
-   of the P50s and of the P99s (client side: it holds the gateway's extra hop).
+1. Overhead: `--streams` clients, each sending its next stream as its last ends, to one
+   replica directly, then through a gateway with that replica alone. Two measures of what
+   the gateway adds to the first token: the difference of the two runs' TTFT P50s and P99s
+   (client side: it holds the extra hop, but also the replica's step timing, which moves
+   each run's TTFTs by up to a step), and the gateway's own share of each stream's first
+   bytes from its `tierserve_gateway_added_seconds` histogram (per request, exact to its
+   buckets).
 2. Overload: replicas capped at `--max-seqs` running requests; their capacity is probed
    (closed loop), then an open-loop, seeded Poisson load at `--load` x that capacity with a
    tier mix runs for `--duration` seconds against a gateway with flow control (upstreams
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -28,6 +33,7 @@ from tierserve.tiers import Tier
 MODEL = "llama-3.1-70b"
 TIER_MIX = {Tier.P0: 0.2, Tier.P1: 0.3, Tier.P2: 0.5}
 REQUEST_TIMEOUT_S = 30.0
+OVERHEAD_WARMUP_S = 3.0
 # The closed-loop probe of the fleet's capacity: long enough for many requests to complete
 # (3 s gave 0.63 requests/s for two replicas, and an overload arm of 7 requests).
 CAPACITY_PROBE_MIN_S, CAPACITY_PROBE_MAX_S = 3.0, 10.0
@@ -49,6 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--streams", type=int, default=200, help="concurrent streams for the overhead (default 200)"
     )
+    p.add_argument(
+        "--overhead-seconds",
+        type=float,
+        default=15.0,
+        help="seconds each overhead arm runs after a 3 s warm-up (default 15)",
+    )
+    p.add_argument(
+        "--overhead-tokens", type=int, default=64, help="output tokens per overhead request (default 64)"
+    )
     p.add_argument("--replicas", type=int, default=2, help="local replicas (default 2)")
     p.add_argument("--max-seqs", type=int, default=4, help="running requests per replica in the overload run")
     p.add_argument(
@@ -62,8 +77,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
-async def _shot(client: Any, url: str, tier: Tier, max_tokens: int, i: int) -> Shot:
-    import httpx
+def _session(max_connections: int) -> Any:
+    """The load's client. aiohttp: httpx took 13-24 ms of CPU per stream at 200 streams on
+    this 2-core host, enough to make the client the bottleneck it measures."""
+    import aiohttp
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections),
+        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+    )
+
+
+async def _shot(session: Any, url: str, tier: Tier, max_tokens: int, i: int) -> Shot:
+    import aiohttp
 
     body = {
         "model": MODEL,
@@ -74,19 +100,19 @@ async def _shot(client: Any, url: str, tier: Tier, max_tokens: int, i: int) -> S
     start = time.perf_counter()
     ttft = None
     try:
-        async with client.stream(
-            "POST", url + "/v1/chat/completions", json=body, headers={"x-request-tier": tier.name}
+        async with session.post(
+            url + "/v1/chat/completions", json=body, headers={"x-request-tier": tier.name}
         ) as r:
-            if r.status_code != 200:
-                await r.aread()
+            if r.status != 200:
+                await r.read()
                 return Shot(tier, False, None)
             tail = b""
-            async for chunk in r.aiter_bytes():
+            async for chunk in r.content.iter_any():
                 if ttft is None and b'"content": "' in chunk.replace(b'"content": ""', b""):
                     ttft = time.perf_counter() - start
                 tail = (tail + chunk)[-64:]
             return Shot(tier, b"[DONE]" in tail and b'"error"' not in tail, ttft)
-    except httpx.HTTPError:
+    except (aiohttp.ClientError, TimeoutError):
         return Shot(tier, False, ttft)
 
 
@@ -95,28 +121,107 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _overhead(direct: str, gateway: str, streams: int, max_tokens: int) -> dict[str, float]:
-    import httpx
+async def _streams(url: str, streams: int, seconds: float, max_tokens: int, seed: int) -> list[float]:
+    """TTFTs (ms) of the requests `streams` clients send back to back for `seconds` (each
+    sends its next as its last ends), leaving out the first OVERHEAD_WARMUP_S. Starts spread
+    over the first second and lengths drawn from half to 1.5x `max_tokens` keep the streams
+    out of step (equal ones would start and end in waves)."""
+    rng = random.Random(seed)
+    ttfts: list[float] = []
+    async with _session(streams + 8) as session:
+        await _shot(session, url, Tier.P1, 1, -1)  # open a connection and the route
+        start = time.perf_counter()
+        stop = start + OVERHEAD_WARMUP_S + seconds
 
-    limits = httpx.Limits(max_connections=streams + 8)
+        async def client(k: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            i = 0
+            while time.perf_counter() < stop:
+                sent = time.perf_counter()
+                tokens = rng.randint(max(1, max_tokens // 2), max(1, 3 * max_tokens // 2))
+                shot = await _shot(session, url, Tier.P1, tokens, k * 100_000 + i)
+                if shot.ok and shot.ttft_s is not None and sent >= start + OVERHEAD_WARMUP_S:
+                    ttfts.append(shot.ttft_s * 1000)
+                i += 1
+
+        await asyncio.gather(*(client(k, rng.random()) for k in range(streams)))
+    return ttfts
+
+
+async def _metrics(url: str) -> str:
+    async with _session(2) as session, session.get(url + "/metrics") as r:
+        return str(await r.text())
+
+
+async def _overhead(
+    direct: str, gateway: str, streams: int, seconds: float, max_tokens: int, seed: int
+) -> dict[str, float]:
     out: dict[str, list[float]] = {}
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        for name, url in (("direct", direct), ("gateway", gateway)):
-            await _shot(client, url, Tier.P1, 1, -1)  # warm the connection pool and the route
-            shots = await asyncio.gather(
-                *(_shot(client, url, Tier.P1, max_tokens, i) for i in range(streams))
-            )
-            out[name] = [s.ttft_s * 1000 for s in shots if s.ok and s.ttft_s is not None]
-        metrics = (await client.get(gateway + "/metrics")).text
-    if not out["direct"] or not out["gateway"]:
-        raise RuntimeError("no stream completed in the overhead run")
+    before = await _metrics(gateway)
+    for name, url in (("direct", direct), ("gateway", gateway)):
+        out[name] = await _streams(url, streams, seconds, max_tokens, seed)
+        if not out[name]:
+            raise RuntimeError(f"no stream completed in the overhead run ({name})")
+    after = await _metrics(gateway)
+    added = _bucket_counts(after, ADDED) - _bucket_counts(before, ADDED)
     return {
-        "overhead_p50_ms": _pct(out["gateway"], 0.5) - _pct(out["direct"], 0.5),
-        "overhead_p99_ms": _pct(out["gateway"], 0.99) - _pct(out["direct"], 0.99),
-        "direct_ttft_p50_ms": _pct(out["direct"], 0.5),
-        "gateway_ttft_p50_ms": _pct(out["gateway"], 0.5),
-        **_queued(metrics),
+        "overhead_p50_ms": round(_pct(out["gateway"], 0.5) - _pct(out["direct"], 0.5), 2),
+        "overhead_p99_ms": round(_pct(out["gateway"], 0.99) - _pct(out["direct"], 0.99), 2),
+        "direct_ttft_p50_ms": round(_pct(out["direct"], 0.5), 2),
+        "direct_ttft_p99_ms": round(_pct(out["direct"], 0.99), 2),
+        "gateway_ttft_p50_ms": round(_pct(out["gateway"], 0.5), 2),
+        "gateway_ttft_p99_ms": round(_pct(out["gateway"], 0.99), 2),
+        "overhead_requests": min(len(out["direct"]), len(out["gateway"])),
+        "gateway_added_p50_ms": round(added.quantile(0.5) * 1000, 3),
+        "gateway_added_p99_ms": round(added.quantile(0.99) * 1000, 3),
+        "gateway_added_within_2ms": round(added.share_within(0.002), 4),
+        **_queued(after),
     }
+
+
+ADDED = "tierserve_gateway_added_seconds"
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A Prometheus histogram's cumulative bucket counts: (upper bound, count), ascending."""
+
+    counts: tuple[tuple[float, float], ...]
+
+    def __sub__(self, other: Buckets) -> Buckets:
+        was = dict(other.counts)
+        return Buckets(tuple((le, n - was.get(le, 0.0)) for le, n in self.counts))
+
+    def quantile(self, q: float) -> float:
+        """As Prometheus's histogram_quantile: linear inside the bucket that holds rank q."""
+        total = self.counts[-1][1] if self.counts else 0.0
+        if total <= 0:
+            return math.nan
+        rank, lower, below = q * total, 0.0, 0.0
+        for le, n in self.counts:
+            if n >= rank:
+                if math.isinf(le):
+                    return lower  # past the last finite bound: all one can say
+                return lower + (le - lower) * (rank - below) / max(n - below, 1e-12)
+            lower, below = le, n
+        return lower
+
+    def share_within(self, bound: float) -> float:
+        total = self.counts[-1][1] if self.counts else 0.0
+        within = next((n for le, n in self.counts if math.isclose(le, bound)), math.nan)
+        return within / total if total > 0 else math.nan
+
+
+def _bucket_counts(metrics: str, name: str) -> Buckets:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = [
+        (float(sample.labels["le"]), sample.value)
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == name + "_bucket"
+    ]
+    return Buckets(tuple(sorted(counts)))
 
 
 def _queued(metrics: str) -> dict[str, float]:
@@ -132,8 +237,6 @@ def _queued(metrics: str) -> dict[str, float]:
 
 async def _capacity(url: str, clients: int, seconds: float, max_tokens: int) -> float:
     """Requests per second the fleet completes with `clients` always waiting on it."""
-    import httpx
-
     done = 0
     stop = time.perf_counter() + seconds
 
@@ -148,20 +251,16 @@ async def _capacity(url: str, clients: int, seconds: float, max_tokens: int) -> 
             i += 1
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+    async with _session(clients + 8) as client:
         await asyncio.gather(*(loop(k) for k in range(clients)))
     return done / (time.perf_counter() - start)
 
 
 async def _open_loop(url: str, rate: float, seconds: float, max_tokens: int, seed: int) -> dict[str, Any]:
-    import httpx
-
     rng = random.Random(seed)
     tiers, weights = list(TIER_MIX), list(TIER_MIX.values())
     tasks: list[asyncio.Task[Shot]] = []
-    async with httpx.AsyncClient(
-        timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=2048)
-    ) as client:
+    async with _session(2048) as client:
         start = time.perf_counter()
         at = 0.0
         while at < seconds:
@@ -197,7 +296,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     one = "[gateway]\nscrape_interval_s = 0.5\n"
     with local_fleet(1, "", {"gw": one}) as urls:
-        result: dict[str, Any] = asyncio.run(_overhead(urls["u0"], urls["gw"], args.streams, 8))
+        result: dict[str, Any] = asyncio.run(
+            _overhead(
+                urls["u0"], urls["gw"], args.streams, args.overhead_seconds, args.overhead_tokens, args.seed
+            )
+        )
     engine = f"[scheduler]\nmax_num_seqs = {args.max_seqs}\n"
     arms = {"flow_control": FLOW_CONTROL, "least_loaded": LEAST_LOADED}
     with local_fleet(args.replicas, engine, arms) as urls:

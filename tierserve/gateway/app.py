@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,9 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierserve import __version__
-from tierserve.gateway.forward import forward
+from tierserve.gateway.forward import ARRIVED, forward
 from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
 from tierserve.server.body_limit import BodyLimitMiddleware
@@ -29,9 +31,22 @@ from tierserve.server.errors import ApiError, http_error
 log = logging.getLogger("tierserve.gateway")
 
 
+class StampArrival:
+    """Notes when a request reaches the app (before its routing and body), for the gateway's
+    added-latency metric."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ARRIVED] = time.perf_counter()
+        await self._app(scope, receive, send)
+
+
 def create_gateway_app(gw: GatewayState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw.open_streams()
         poller = UpstreamPoller(gw)
         await poller.poll_once()  # know the upstreams before the first request
         task = asyncio.get_running_loop().create_task(poller.run())
@@ -44,13 +59,14 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await gw.client.aclose()
+            await gw.close_clients()
             if gw.remote_buckets is not None:
                 await gw.remote_buckets.close()
 
     app = FastAPI(title="tierserve gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gw
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)
+    app.add_middleware(StampArrival)  # added last: the outermost of the two
 
     @app.exception_handler(ApiError)
     async def api_error(_: HttpRequest, exc: ApiError) -> Response:

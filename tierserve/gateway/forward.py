@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from pydantic import ValidationError
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
@@ -36,6 +37,7 @@ from tierserve.server.tenants import decide_tier, parse_declared_tier
 from tierserve.tiers import Tier
 
 log = logging.getLogger("tierserve.gateway")
+ARRIVED = "tierserve.arrived"  # the scope key `StampArrival` sets: perf_counter() at arrival
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 
@@ -50,6 +52,7 @@ class _Call:
     tenant: TenantConfig
     reservation: Reservation | None
     headers: dict[str, str]
+    arrived: float  # perf_counter() when the request reached the gateway
 
 
 async def _read_body(
@@ -80,6 +83,7 @@ def _check_model(gw: GatewayState, model: str) -> None:
 
 
 async def forward(gw: GatewayState, http: HttpRequest, chat: bool) -> Response:
+    arrived = http.scope.get(ARRIVED) or time.perf_counter()
     if gw.draining:
         gw.metrics.reject("draining", None)
         raise draining_error()
@@ -103,6 +107,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool) -> Response:
         tenant,
         rate.reservation,
         headers,
+        arrived,
     )
     gw.num_in_flight += 1
     try:
@@ -172,47 +177,52 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         call.tenant.name,
         sglang_threshold=gw.config.gateway.sglang_preemption_threshold,
     )
-    request = gw.client.build_request("POST", upstream.url + call.path, json=down.body, headers=down.headers)
+    sent = time.perf_counter()
     try:
-        reply = await gw.client.send(request, stream=True)
-    except httpx.TransportError as e:
+        # Returns once the reply's status and headers are in; its body is read as it comes.
+        reply = await gw.open_streams().post(upstream.url + call.path, json=down.body, headers=down.headers)
+    except (aiohttp.ClientError, TimeoutError) as e:
         if gw.router.record_failure(decision.upstream, eject_now=True):
             gw.metrics.ejections.labels(decision.upstream).inc()
         raise _Retry(f"{type(e).__name__}: {e}") from None
-    if reply.status_code in RETRYABLE_STATUS:
-        await reply.aclose()
-        raise _Retry(f"HTTP {reply.status_code}")
-    if not call.stream or reply.status_code != 200:
+    if reply.status in RETRYABLE_STATUS:
+        reply.release()
+        raise _Retry(f"HTTP {reply.status}")
+    if not call.stream or reply.status != 200:
         return await _whole(gw, call, decision, reply)
-    chunks = reply.aiter_raw()
+    chunks = reply.content.iter_any()
     try:
         first = await anext(chunks)
-    except (httpx.HTTPError, StopAsyncIteration) as e:
-        await reply.aclose()
+    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as e:
+        reply.close()
         raise _Retry(f"stream ended before any data: {type(e).__name__}") from None
+    # The gateway's own share of the first token: before the upstream call, and from the
+    # upstream's first bytes to the client's (the relay adds that part once it is sent).
+    before_s, first_in = sent - call.arrived, time.perf_counter()
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
     relay = Relay(gw, decision, call.reservation, reply, chunks, SseUsageTap(forward_usage))
+    relay.time_first_bytes(before_s, first_in)
     return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
 
 
-async def _whole(gw: GatewayState, call: _Call, decision: RouteDecision, reply: httpx.Response) -> Response:
+async def _whole(
+    gw: GatewayState, call: _Call, decision: RouteDecision, reply: aiohttp.ClientResponse
+) -> Response:
     name = decision.upstream
     try:
-        content = await reply.aread()
-    except httpx.HTTPError as e:
+        content = await reply.read()
+    except (aiohttp.ClientError, TimeoutError) as e:
         raise _Retry(f"reply cut: {type(e).__name__}") from None
     finally:
-        await reply.aclose()
+        reply.release()
     gw.dispatcher.finished(decision)
     usage: TokenUsage | None = None
-    if reply.status_code == 200:
+    if reply.status == 200:
         try:
             usage = usage_of(json.loads(content))
         except ValueError:
             usage = None
-    gw.metrics.upstream_requests.labels(
-        name, "ok" if reply.status_code == 200 else f"http_{reply.status_code}"
-    ).inc()
+    gw.metrics.upstream_requests.labels(name, "ok" if reply.status == 200 else f"http_{reply.status}").inc()
     gw.spawn(gw.limiter.settle(call.reservation, usage.total if usage else 0))
     media = reply.headers.get("content-type", "application/json")
-    return Response(content, status_code=reply.status_code, headers=call.headers, media_type=media)
+    return Response(content, status_code=reply.status, headers=call.headers, media_type=media)

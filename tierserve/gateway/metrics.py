@@ -19,6 +19,8 @@ from tierserve.server.ratelimit import RateLimiter
 from tierserve.tiers import ALL_TIERS, Tier
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Fine around the 2 ms target for the gateway's added latency (docs/gateway.md).
+ADDED_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 
 class _StateCollector(Collector):
@@ -93,6 +95,13 @@ class GatewayMetrics:
             "Time a request waited in the gateway's tier queues",
             ["priority"],
             buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.added = Histogram(
+            "tierserve_gateway_added_seconds",
+            "The gateway's own share of a stream's time to first token: from the request's "
+            "arrival to its upstream call, and from the upstream's first bytes to the client's",
+            buckets=ADDED_BUCKETS,
             registry=r,
         )
         self.decisions = Counter(

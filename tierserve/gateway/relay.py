@@ -10,9 +10,10 @@ usage the upstream reported (or kept whole when none came).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
@@ -31,7 +32,7 @@ class Relay:
         gw: GatewayState,
         decision: RouteDecision,
         reservation: Reservation | None,
-        reply: httpx.Response,
+        reply: aiohttp.ClientResponse,
         chunks: AsyncIterator[bytes],
         tap: SseUsageTap,
     ) -> None:
@@ -39,22 +40,33 @@ class Relay:
         self._name = decision.upstream
         self._reply, self._chunks, self._tap = reply, chunks, tap
         self._outcome = "ok"
+        self._added: tuple[float, float] | None = None
+
+    def time_first_bytes(self, before_s: float, first_in: float) -> None:
+        """Observe the gateway's added latency once the first bytes are out: `before_s` spent
+        before the upstream call, plus the time since the upstream's first bytes (`first_in`,
+        a perf_counter())."""
+        self._added = (before_s, first_in)
 
     def client_left(self) -> None:
         self._outcome = "client_left"
-        self._gw.spawn(self._reply.aclose())
+        self._reply.close()  # drops the upstream connection: the upstream sees the client go
 
     async def run(self, first: bytes) -> AsyncIterator[bytes]:
         tap = self._tap
         try:
             yield tap.feed(first)
+            # Resumed once the first bytes are with the server's transport.
+            if self._added is not None:
+                before_s, first_in = self._added
+                self._gw.metrics.added.observe(before_s + time.perf_counter() - first_in)
             try:
                 async for chunk in self._chunks:
                     out = tap.feed(chunk)
                     if out:
                         yield out
                 yield tap.flush()
-            except httpx.HTTPError as e:
+            except (aiohttp.ClientError, TimeoutError) as e:
                 if self._outcome == "client_left":
                     return
                 self._outcome = "broken"
@@ -76,4 +88,4 @@ class Relay:
         reservation = self._reservation
         used = usage.total if usage else (reservation.num_tokens if reservation else 0)
         gw.spawn(gw.limiter.settle(reservation, used))
-        gw.spawn(self._reply.aclose())
+        self._reply.release()  # back to the pool when read to the end; closed otherwise

@@ -7,6 +7,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 from tierserve.clock import Clock, WallClock
@@ -32,11 +33,29 @@ class GatewayState:
     limiter: RateLimiter
     tenants: TenantResolver
     metrics: GatewayMetrics
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # scrapes and health checks: a few requests per interval
+    # The requests themselves, opened with the event loop (`open_streams`). aiohttp, not
+    # httpx: at 200 concurrent streams httpx's pool took 13-24 ms of CPU per request here.
+    streams: aiohttp.ClientSession | None = None
     remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
     draining: bool = False
     num_in_flight: int = 0  # requests between arrival and their last byte
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def open_streams(self) -> aiohttp.ClientSession:
+        """The upstream session; made on first use, inside the running event loop."""
+        if self.streams is None:
+            settings = self.config.gateway
+            self.streams = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
+            )
+        return self.streams
+
+    async def close_clients(self) -> None:
+        await self.client.aclose()
+        if self.streams is not None:
+            await self.streams.close()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -187,7 +187,13 @@ class EngineCore:
                     self._account_end(live, live.request)
                     out.ends.append((cmd.request_id, final_delta(live.request, [])))
         if out.accepted or out.ends:
-            self._send(self._state_message(out))
+            # No snapshot here: the state a scrape reads is the one the last step left. Its
+            # waiting requests are those the scheduling pass found no room for, as vLLM
+            # counts them; ones that came in since wait only for the step boundary, and a
+            # gateway reading them as a queue held streams back from an idle replica.
+            # (Admission still counts them: they are submitted and not yet applied.)
+            self._send(out)
+            self._idle_reported = False  # so that an engine left idle still sends its state
 
     def _add(self, cmd: AddRequest, out: StepOutputs) -> None:
         req = cmd.request
