@@ -13,11 +13,16 @@ def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["bench", "gateway", "--json", "--streams", "4", "--replicas", "1", "--max-seqs", "2"]
-    argv += ["--duration", "1.5", "--max-tokens", "4"]
+    argv += ["--duration", "1.5", "--max-tokens", "4", "--overhead-seconds", "1", "--overhead-tokens", "4"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert isinstance(result["overhead_p50_ms"], float) and isinstance(result["overhead_p99_ms"], float)
     assert result["gateway_queued"] >= 0 and result["gateway_queue_wait_s"] >= 0
+    assert result["overhead_requests"] >= 1
+    # The gateway's own time, from its histogram: every stream through it was observed.
+    assert 0 < result["gateway_added_p50_ms"] <= result["gateway_added_p99_ms"]
+    assert 0.0 <= result["gateway_added_within_2ms"] <= 1.0
+    assert result["upstream_policy"] == "fcfs"
     assert result["capacity_rps"] > 0
     # offered = 1.2 x capacity, with a floor of 0.5 req/s for a very slow host
     assert result["offered_rps"] == pytest.approx(max(0.5, 1.2 * result["capacity_rps"]), abs=0.01)
@@ -67,3 +72,20 @@ def test_the_overhead_run_reports_what_waited_in_the_gateways_queue() -> None:
         ]
     )
     assert _queued(text) == {"gateway_queued": 10.0, "gateway_queue_wait_s": 1.75}
+
+
+def test_the_gateways_added_latency_is_read_from_its_histogram_as_prometheus_would() -> None:
+    from tierserve.bench.gateway_bench import ADDED, _bucket_counts
+
+    def scrape(counts: dict[str, float]) -> str:
+        lines = [f"# TYPE {ADDED} histogram"]
+        lines += [f'{ADDED}_bucket{{le="{le}"}} {n}' for le, n in counts.items()]
+        return "\n".join([*lines, f"{ADDED}_count {counts['+Inf']}", f"{ADDED}_sum 1.0", ""])
+
+    before = _bucket_counts(scrape({"0.001": 5, "0.002": 5, "0.01": 5, "+Inf": 5}), ADDED)
+    after = _bucket_counts(scrape({"0.001": 55, "0.002": 95, "0.01": 104, "+Inf": 105}), ADDED)
+    run = after - before  # 50 under 1 ms, 40 in 1-2 ms, 9 in 2-10 ms, 1 beyond
+    assert run.share_within(0.002) == pytest.approx(0.9)
+    assert run.quantile(0.5) == pytest.approx(0.001)  # rank 50: the top of the first bucket
+    assert run.quantile(0.7) == pytest.approx(0.001 + 0.001 * 20 / 40)
+    assert run.quantile(0.995) == pytest.approx(0.01)  # past the last finite bound

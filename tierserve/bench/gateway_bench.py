@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tierserve.scheduling import POLICIES
 from tierserve.tiers import Tier
 
 MODEL = "llama-3.1-70b"
@@ -71,6 +72,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--duration", type=float, default=30.0, help="seconds of open-loop load per arm (default 30)"
+    )
+    p.add_argument(
+        "--upstream-policy",
+        default="fcfs",
+        choices=sorted(POLICIES),
+        help="the overload replicas' own scheduling: fcfs (vLLM's default, no tiers; the "
+        "default) shows what the gateway's tiers buy; hybrid, tierserve's engines",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
@@ -303,11 +311,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     engine = f"[scheduler]\nmax_num_seqs = {args.max_seqs}\n"
     arms = {"flow_control": FLOW_CONTROL, "least_loaded": LEAST_LOADED}
-    with local_fleet(args.replicas, engine, arms) as urls:
+    with local_fleet(args.replicas, engine, arms, args.upstream_policy) as urls:
         clients = 2 * args.max_seqs * args.replicas
         probe_s = min(CAPACITY_PROBE_MAX_S, max(CAPACITY_PROBE_MIN_S, args.duration / 3))
         capacity = asyncio.run(_capacity(urls["least_loaded"], clients, probe_s, args.max_tokens))
         rate = max(0.5, args.load * capacity)
+        result["upstream_policy"] = args.upstream_policy
         result["capacity_rps"] = round(capacity, 3)
         result["offered_rps"] = round(rate, 3)
         for arm in arms:
@@ -324,12 +333,22 @@ def run(args: argparse.Namespace) -> int:
 
     def table() -> None:
         print(
-            f"gateway overhead to first token: P50 {result['overhead_p50_ms']:.2f} ms, "
-            f"P99 {result['overhead_p99_ms']:.2f} ms ({args.streams} streams; "
-            f"{result['gateway_queued']:.0f} waited in the gateway's queue, "
+            f"gateway overhead to first token, client side: P50 {result['overhead_p50_ms']:.2f} ms, "
+            f"P99 {result['overhead_p99_ms']:.2f} ms ({args.streams} streams, "
+            f"{result['overhead_requests']} requests per arm; direct TTFT P50 "
+            f"{result['direct_ttft_p50_ms']:.1f} ms)"
+        )
+        print(
+            f"the gateway's own time to first bytes: P50 {result['gateway_added_p50_ms']:.2f} ms, "
+            f"P99 {result['gateway_added_p99_ms']:.2f} ms, "
+            f"{result['gateway_added_within_2ms']:.1%} within 2 ms "
+            f"({result['gateway_queued']:.0f} waited in its queue, "
             f"{result['gateway_queue_wait_s']:.2f} s in all)"
         )
-        print(f"overload: capacity {result['capacity_rps']} req/s, offered {result['offered_rps']} req/s")
+        print(
+            f"overload ({result['upstream_policy']} replicas): capacity {result['capacity_rps']} req/s, "
+            f"offered {result['offered_rps']} req/s"
+        )
         for arm in ("flow_control", "least_loaded"):
             cells = ", ".join(
                 f"{t}: SLO {v['slo_attainment']}, goodput {v['goodput_rps']}/s"

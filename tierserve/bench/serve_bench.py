@@ -1,6 +1,6 @@
 """`tierserve bench serve`: HTTP load against `serve --backend sim`, started by this process.
 
-A seeded, bounded, closed-loop load generator (httpx, loopback only): `--concurrency`
+A seeded, bounded, closed-loop load generator (aiohttp, loopback only): `--concurrency`
 clients stream `--requests` completions with tiers drawn from `--tier-mix`. The server is
 the real app (admission, rate limits, SSE) over the simulated deployment, so requests take
 the time the simulator predicts. As `tierserve serve` does, the HTTP server runs in this
@@ -25,7 +25,7 @@ reaching the app to the first token's chunk handed to the socket, minus the in-p
 split into the request path (parse, tokenize, limits, admission) and the response path
 (engine process -> pipe -> event loop -> detokenize -> SSE). `client_overhead_*`: as the
 clients see it, so it also holds the loopback network and the load generator's own time
-(httpx is CPU-hungry: on a small machine this is mostly the client). The load generator
+(on a small machine much of it is the client). The load generator
 runs in a child process so that its CPU does not queue behind the server's for the
 interpreter lock, and, on Linux with two CPUs or more, on a CPU of its own: the server
 process keeps off it for the run. Sharing a core, the generator's work on each response

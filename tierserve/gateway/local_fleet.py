@@ -68,11 +68,11 @@ def _process(args: list[str], port: int, log: Path) -> Iterator[str]:
 
 @contextmanager
 def local_fleet(
-    num_replicas: int, engine_toml: str, gateway_tomls: dict[str, str]
+    num_replicas: int, engine_toml: str, gateway_tomls: dict[str, str], policy: str = "hybrid"
 ) -> Iterator[dict[str, str]]:
-    """Start the replicas (with `engine_toml`), then one gateway per entry of `gateway_tomls`
-    (its [gateway] text; the replicas are appended as [[upstreams]]). Yields name -> URL
-    ("u0", "u1", ... and the gateways' names)."""
+    """Start the replicas (with `engine_toml` and scheduling `policy`), then one gateway per
+    entry of `gateway_tomls` (its [gateway] text; the replicas are appended as [[upstreams]],
+    first come first served for fcfs). Yields name -> URL ("u0", "u1", ... and the gateways')."""
     with tempfile.TemporaryDirectory(prefix="tierserve-fleet-") as tmp, ExitStack() as stack:
         root = Path(tmp)
         engine = root / "engine.toml"
@@ -90,10 +90,13 @@ def local_fleet(
                 str(engine),
                 "--log-level",
                 "warning",
+                "--policy",
+                policy,
             ]
             urls[f"u{i}"] = stack.enter_context(_process(args, port, root / f"u{i}.log"))
+        order = 'order = "fifo"\n' if policy == "fcfs" else ""
         ups = "".join(
-            f'\n[[upstreams]]\nname = "{name}"\nkind = "tierserve"\nurl = "{url}"\n'
+            f'\n[[upstreams]]\nname = "{name}"\nkind = "tierserve"\nurl = "{url}"\n{order}'
             for name, url in urls.items()
         )
         for name, text in gateway_tomls.items():
