@@ -192,19 +192,3 @@ def test_an_aggregate_waiting_count_is_shared_out_by_the_tiers_this_gateway_has_
     assert router.waiting_ahead(u0, Tier.P0) == 3  # 1 of our 4 in flight is P0
     assert [router.saturated(u0, t) for t in Tier] == [False, False, True, True]
 
-
-def test_our_requests_that_end_after_a_scrape_take_its_waiting_requests_off_one_each() -> None:
-    router, clock = _by_tier_router(("vllm", "fifo"))
-    for _ in range(6):
-        router.started("u0", Tier.P1)
-    router.record_sample("u0", LoadSample(6, 6, 0.5, clock.now()))  # full: 6 running, 6 waiting
-    u0 = router.state("u0")
-    assert router.saturated(u0, Tier.P1) and router.load(u0) == 12
-    for _ in range(2):
-        router.finished("u0", Tier.P1)  # two seats freed: two of the six start
-    assert router.waiting_ahead(u0, Tier.P1) == 4 and router.saturated(u0, Tier.P1)  # max_waiting 4
-    router.finished("u0", Tier.P1)
-    assert router.waiting_ahead(u0, Tier.P1) == 3 and not router.saturated(u0, Tier.P1)
-    assert router.load(u0) == 9
-    router.record_sample("u0", LoadSample(2, 6, 0.5, clock.now()))  # the next scrape starts afresh
-    assert router.waiting_ahead(u0, Tier.P1) == 2

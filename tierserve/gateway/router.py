@@ -19,9 +19,7 @@ seats are that less those running now. An upstream never yet seen full has shown
 so what was sent since the scrape counts as running. An idle fleet then takes a burst of
 hundreds of streams at once (counted as waiting, 200 streams to an idle replica were
 released a few per scrape interval, and took seconds to reach their first token), while
-a saturated one is throttled as before. Each of our requests that ends since the scrape
-frees a seat that a waiting request takes, so it takes one off the waiting count: a
-replica seen with a queue is not held full until the next scrape while it drains.
+a saturated one is throttled as before.
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ class UpstreamState:
     seen_upto: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))
     models: frozenset[str] = field(default_factory=frozenset)  # empty: not known, accept any
     seats: float | None = None  # running in the latest scrape that showed a queue; None: never full
-    num_ended_since_sample: int = 0  # our requests to it that ended since the last scrape
 
     @property
     def name(self) -> str:
@@ -79,12 +76,6 @@ class UpstreamState:
             return 0.0
         free = max(0.0, self.seats - self.sample.num_running)
         return max(0.0, self.num_sent_since_sample(upto) - free)
-
-    def num_waiting_now(self, scraped: float, upto: Tier = Tier.P3) -> float:
-        """`scraped` waiting requests as they stand now: plus ours that found no seat since
-        the scrape, less the seats our requests freed by ending since (each one starts a
-        waiting request; a gateway that sees only its own ends underestimates the drain)."""
-        return max(0.0, scraped + self.num_unseated_since_sample(upto) - self.num_ended_since_sample)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +107,6 @@ class Router:
         s = self.state(name)
         s.sample = sample
         s.seen_upto = [s.num_in_flight_upto(t) for t in ALL_TIERS]
-        s.num_ended_since_sample = 0
         if sample.num_waiting > 0:
             s.seats = sample.num_running
 
@@ -145,7 +135,6 @@ class Router:
     def finished(self, name: str, tier: Tier) -> None:
         s = self.state(name)
         s.in_flight[tier] = max(0, s.in_flight[tier] - 1)
-        s.num_ended_since_sample += 1
         s.seen_upto = [min(s.seen_upto[t], s.num_in_flight_upto(t)) for t in ALL_TIERS]
 
     # ---- what it concludes -------------------------------------------------------------------
@@ -153,21 +142,20 @@ class Router:
     def load(self, s: UpstreamState) -> float:
         if s.sample is None or not s.has_metrics:
             return float(s.num_in_flight)
-        scraped = s.sample.num_waiting + s.sample.num_running
-        return max(0.0, scraped + s.num_sent_since_sample() - s.num_ended_since_sample)
+        return s.sample.num_waiting + s.sample.num_running + s.num_sent_since_sample()
 
     def waiting_ahead(self, s: UpstreamState, tier: Tier) -> float:
         """Requests the upstream will start before a request of `tier` sent to it now."""
         if s.sample is None or not s.has_metrics:
             return 0.0
         if not s.config.orders_by_priority:
-            return s.num_waiting_now(s.sample.num_waiting)
+            return s.sample.num_waiting + s.num_unseated_since_sample()
         by_tier = s.sample.waiting_by_tier
         if by_tier is not None:
             scraped = sum(by_tier[: tier + 1])
         else:
             scraped = s.sample.num_waiting * _share_upto(s, tier)
-        return s.num_waiting_now(scraped, tier)
+        return scraped + s.num_unseated_since_sample(tier)
 
     def stale(self, s: UpstreamState) -> bool:
         if not s.has_metrics:
