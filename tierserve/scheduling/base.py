@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import EngineConfig, PolicyOptions
@@ -145,6 +146,13 @@ class Policy(ABC):
 
     def end_step(self, step: StepBudget, now: float) -> None:
         """Called once the pass has filled `step`; may leave work out of it (`step.drop_where`)."""
+        return None
+
+    def solo_tier(self, tiers_prefilling: AbstractSet[Tier]) -> Tier | None:
+        """For a step built outside tierserve's engine (the vLLM plug-in), called once per
+        step with the tiers that will prefill in it: the one tier whose work alone the step
+        should carry, or None for a mixed step. The call counts the step in the policy's
+        history, so a policy can bound how often the other tiers sit out."""
         return None
 
     # ---- fast simulation --------------------------------------------------------------

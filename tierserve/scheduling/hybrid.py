@@ -55,6 +55,7 @@ floor.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
@@ -245,6 +246,10 @@ class HybridPolicy(FairQueuePolicy):
         queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
         self._shaper.end(step, queued)
         self._step, self._p0_by_length = None, []
+
+    def solo_tier(self, tiers_prefilling: AbstractSet[Tier]) -> Tier | None:
+        # The engine's P0-only prefill steps (`p0_solo_prefill`), same window of steps.
+        return Tier.P0 if self._shaper.solo(Tier.P0 in tiers_prefilling) else None
 
     def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:
         """The P0 prompts with tokens left to prefill, running or waiting, shortest first:

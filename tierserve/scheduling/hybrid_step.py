@@ -83,13 +83,20 @@ class StepShaper:
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
             step.cap_prefill(OTHER_TIERS, cap)
 
+    def solo(self, prefills_p0: bool) -> bool:
+        """Whether a step that prefills P0 (`prefills_p0`) carries P0 work only: with
+        `p0_solo_prefill`, in at most half of any SHAPING_WINDOW steps. Called once per
+        step, it records the answer (tierserve's engine and the vLLM plug-in both ask)."""
+        if not self.options.p0_solo_prefill:
+            return False
+        solo = prefills_p0 and sum(self._solo) < SHAPING_WINDOW // 2
+        self._solo.append(solo)
+        return solo
+
     def end(self, step: StepBudget, queued: bool) -> None:
         """`queued`: whether P0-P2 requests still wait after this pass."""
-        if self.options.p0_solo_prefill:
-            solo = sum(self._solo) < SHAPING_WINDOW // 2 and Tier.P0 in step.tiers_prefilling()
-            self._solo.append(solo)
-            if solo:
-                step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
+        if self.solo(Tier.P0 in step.tiers_prefilling()):
+            step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
             self._p3_yields(step, queued)
 

@@ -70,3 +70,19 @@ def test_a_request_ends_exactly_once() -> None:
     with pytest.raises(BookError):
         book.end("x")
     assert (book.num_added, book.num_ended, len(book)) == (1, 1, 0)
+
+
+def test_show_only_hides_the_other_tiers_until_lifted() -> None:
+    q, book = _queue()
+    q.tick(100.0)
+    for rid, tier in (("p1", Tier.P1), ("p0", Tier.P0)):
+        req = _req(rid, 1.0)
+        book.add(req, tier, "default")
+        q.add_request(req)
+    q.show_only(Tier.P0)
+    assert q.pop_request().request_id == "p0"
+    assert not q and len(q) == 1  # the P1 is still queued, unseen
+    with pytest.raises(IndexError):
+        q.pop_request()
+    q.show_only(None)
+    assert q and q.pop_request().request_id == "p1"

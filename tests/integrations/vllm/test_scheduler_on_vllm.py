@@ -23,6 +23,7 @@ from tests.integrations.vllm.engines import (
     prompt,
     scheduler_of,
 )
+from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
 from tierserve.tiers import Tier
 
 pytestmark = pytest.mark.timeout(900)
@@ -145,3 +146,77 @@ def test_pool_is_whole_and_every_request_ends_once(plugin: Driver) -> None:
     assert sched.book.num_added - added == sched.book.num_ended - ended == len(rids) + 1
     assert len(sched.book) == 0 and not sched.running and not sched.waiting
     assert pool.get_num_free_blocks() == start_free == sched.num_pool_blocks
+
+
+def _record_steps(sched: Any, monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
+    """From now on, the ids of the requests each step schedules, one set per step."""
+    steps: list[set[str]] = []
+    schedule = sched.schedule
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        # vLLM's own ids are the caller's with "-" and a random suffix appended.
+        steps.append({rid.rsplit("-", 1)[0] for rid in output.num_scheduled_tokens})
+        return output
+
+    monkeypatch.setattr(sched, "schedule", recording)
+    return steps
+
+
+def test_the_step_that_prefills_p0_carries_no_other_tier(
+    plugin: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched = scheduler_of(plugin.llm)
+    p3 = [f"solo-p3-{i}" for i in range(4)]
+    for i, rid in enumerate(p3):
+        plugin.submit(rid, prompt(400 + i, 60), 120, Tier.P3)
+    plugin.run(50, until=lambda: all(rid in plugin.first_token_step for rid in p3))
+    steps = _record_steps(sched, monkeypatch)
+    plugin.submit("solo-p0", prompt(8, 40), 4, Tier.P0)
+    plugin.submit("solo-p1", prompt(9, 40), 4, Tier.P1)
+    plugin.run(20, until=lambda: "solo-p0" in plugin.first_token_step)
+    plugin.steps(2)
+    first = next(i for i, ids in enumerate(steps) if "solo-p0" in ids)
+    # Four P3 requests were decoding and a P1 waited (seats, tokens and memory to spare
+    # for all): P0's prefill ran alone, and the others came back the step after.
+    assert steps[first] == {"solo-p0"}
+    assert {*p3, "solo-p1"} <= steps[first + 1]
+    assert not any(plugin.finished[rid] for rid in p3)
+
+
+def test_p0_only_steps_leave_the_others_half_of_any_8_steps(
+    plugin: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched = scheduler_of(plugin.llm)
+    p3 = [f"burst-p3-{i}" for i in range(3)]
+    for i, rid in enumerate(p3):
+        plugin.submit(rid, prompt(450 + i, 60), 200, Tier.P3)
+    plugin.run(50, until=lambda: all(rid in plugin.first_token_step for rid in p3))
+    steps = _record_steps(sched, monkeypatch)
+    for k in range(20):  # a new P0 prompt every step: each step could be P0-only
+        plugin.submit(f"burst-p0-{k}", prompt(500 + k, 40), 2, Tier.P0)
+        plugin.step()
+    others_ran = [set(p3) <= ids for ids in steps]
+    assert not all(others_ran)
+    window = SHAPING_WINDOW
+    assert all(sum(others_ran[i : i + window]) >= window // 2 for i in range(len(steps) - window + 1))
+
+
+def test_outputs_match_vanilla_vllm_through_p0_only_steps(
+    plugin: Driver, vanilla: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched = scheduler_of(plugin.llm)
+    steps = _record_steps(sched, monkeypatch)
+    for d in (plugin, vanilla):
+        for i in range(5):
+            d.submit(f"same-p{i % 3 + 1}-{i}", prompt(600 + i, 50 + 20 * i), 24, Tier(i % 3 + 1))
+        d.steps(3)
+        for k in range(3):
+            d.submit(f"same-p0-{k}", prompt(650 + k, 40), 6, Tier.P0)
+            d.step()
+        d.run(500)
+    assert any(ids and all(rid.startswith("same-p0") for rid in ids) for ids in steps)
+    assert set(plugin.tokens) == set(vanilla.tokens)
+    for rid, ids in vanilla.tokens.items():
+        assert plugin.tokens[rid] == ids, rid
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.num_pool_blocks

@@ -5,6 +5,8 @@ objects (hybrid with aging by default) that order tierserve's own engine. The po
 clock is frozen for a whole scheduling pass (`tick`), so a `peek` and the `pop` that
 follows it always agree. Removing a request that is not queued here is a no-op, as in
 vLLM's own queues (vLLM removes finished requests from every waiting queue at once).
+For a step that carries one tier's work only, `show_only(tier)` hides every request
+behind the last of that tier at the head: vLLM's admission loop then sees an empty queue.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from vllm.v1.request import Request
 
 from tierserve.integrations.vllm.book import RequestBook
 from tierserve.scheduling import Policy
+from tierserve.tiers import Tier
 
 
 class PolicyRequestQueue(RequestQueue):
@@ -25,6 +28,17 @@ class PolicyRequestQueue(RequestQueue):
         self._book = book
         self._now = time.time()
         self._queued: set[str] = set()
+        self._only: Tier | None = None
+
+    def show_only(self, tier: Tier | None) -> None:
+        """Until the next call, show only `tier`'s requests at the head (None: show all)."""
+        self._only = tier
+
+    def _head(self) -> Request | None:
+        shadow = self.policy.peek(self._now)
+        if shadow is None or (self._only is not None and shadow.tier != self._only):
+            return None
+        return self._book.get(shadow.request_id).vllm
 
     def tick(self, now: float) -> None:
         """Set the time the policy sees until the next tick (aging is evaluated against it)."""
@@ -35,17 +49,17 @@ class PolicyRequestQueue(RequestQueue):
         self._queued.add(request.request_id)
 
     def pop_request(self) -> Request:
-        if not len(self.policy):
+        if self._head() is None:
             raise IndexError("pop from an empty queue")
         rid = self.policy.pop(self._now).request_id
         self._queued.discard(rid)
         return self._book.get(rid).vllm
 
     def peek_request(self) -> Request:
-        shadow = self.policy.peek(self._now)
-        if shadow is None:
+        head = self._head()
+        if head is None:
             raise IndexError("peek from an empty queue")
-        return self._book.get(shadow.request_id).vllm
+        return head
 
     def prepend_request(self, request: Request) -> None:
         self.policy.prepend(self._book.get(request.request_id).shadow, self._now)
@@ -67,7 +81,8 @@ class PolicyRequestQueue(RequestQueue):
             self.remove_request(request)
 
     def __bool__(self) -> bool:
-        return len(self.policy) > 0
+        # What vLLM's admission loop asks before it peeks; `len` still counts every request.
+        return len(self.policy) > 0 if self._only is None else self._head() is not None
 
     def __len__(self) -> int:
         return len(self.policy)

@@ -7,6 +7,9 @@ What it changes, and nothing else (vLLM's `schedule()` still builds every step):
   * at the step boundary, before vLLM schedules, a waiting request that does not fit
     preempts running requests the policy lets it take from (P0: any lower tier; others:
     borrowers of their reserve), lowest tier and least work lost first;
+  * a step that prefills P0 carries P0 work only (hybrid's `p0_solo_prefill`, in at most
+    half of any 8 steps): the other running requests sit that step out, as when vLLM's
+    token budget runs out before them, and the queue shows vLLM only its P0 requests;
   * every block allocation is held to the tier partition (see `kv_guard.py`), and a
     request's vLLM `priority` is set to its tier, so vLLM's own preemption on a failed
     allocation picks the lowest tier;
@@ -132,14 +135,43 @@ class TierScheduler(Scheduler):
         now = time.time()
         self.waiting.tick(now)
         self._recount()
-        self._make_room(now)
+        admitted = self._make_room(now)
         # vLLM hands the token budget to running requests in list order: most urgent first.
         self.running.sort(key=lambda r: r.priority)
-        output = super().schedule(*args, **kwargs)
+        solo = self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
+        if solo is None:
+            output = super().schedule(*args, **kwargs)
+        else:
+            output = self._schedule_solo(solo, *args, **kwargs)
         self.tier_metrics.publish_state(
             [self.tier_policy.num_waiting(t) for t in ALL_TIERS], self.ledger.used, self.ledger.borrowed()
         )
         return output
+
+    def _tiers_prefilling(self, admitted: Tier | None) -> set[Tier]:
+        """The tiers with prompt tokens to compute in the coming step: the running
+        requests' prefill chunks, and `admitted`, the tier of the queue's head if it fits."""
+        tiers = {self.book.tier(r.request_id) for r in self.running if r.is_prefill_chunk}
+        if admitted is not None:
+            tiers.add(admitted)
+        return tiers
+
+    def _schedule_solo(self, tier: Tier, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """A step of `tier`'s work only. The other running requests stay in `running`
+        (their seats, blocks and state untouched, and still vLLM's victims if memory runs
+        short) but are not eligible this step, through the same per-request field vLLM's
+        own schedulers use to hold a request back a step; the queue shows vLLM only
+        `tier`'s requests. (Waiting requests that hold blocks, during KV transfers, are
+        admitted from vLLM's own queue ahead of ours, whatever their tier.)"""
+        next_step = self.current_step + 2  # vLLM's schedule() first advances current_step
+        for req in self.running:
+            if self.book.tier(req.request_id) != tier:
+                req.next_decode_eligible_step = max(req.next_decode_eligible_step, next_step)
+        self.waiting.show_only(tier)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.waiting.show_only(None)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -165,17 +197,18 @@ class TierScheduler(Scheduler):
                 used[entry.shadow.tier] += blocks_held(inner, req.request_id)
         self.ledger.reset(used)
 
-    def _make_room(self, now: float) -> None:
-        """Preempt, between steps, the running requests the waiting head may take from."""
+    def _make_room(self, now: float) -> Tier | None:
+        """Preempt, between steps, the running requests the waiting head may take from.
+        Returns the head's tier if it fits now (vLLM admits it this step), else None."""
         if not self.waiting:
-            return
+            return None
         head = self.book.get(self.waiting.peek_request().request_id)
         need = self._blocks_to_admit(head.vllm)
         if self._fits(head.shadow.tier, need, 0, 0):
-            return
+            return head.shadow.tier
         memory = cast("TierserveKVCacheManager", self.ledger)  # the policies ask only what the ledger answers
         if not self.tier_policy.preempts_for_admission(head.shadow, memory, need):
-            return
+            return None
         borrowed = self.ledger.borrowed()
         inner = self.kv_cache_manager.inner
         candidates = [
@@ -193,10 +226,11 @@ class TierScheduler(Scheduler):
             if self._fits(head.shadow.tier, need, freed, len(chosen)):
                 break
         else:
-            return  # even every allowed victim would not make room: preempt nobody
+            return None  # even every allowed victim would not make room: preempt nobody
         for victim in chosen:
             self.running.remove(victim)
             self._preempt_request(victim, now)
+        return head.shadow.tier
 
     def _blocks_to_admit(self, request: Request) -> int:
         num_tokens = int(request.num_tokens) + int(self.num_lookahead_tokens)
