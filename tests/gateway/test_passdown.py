@@ -66,3 +66,21 @@ def test_load_is_read_from_vllm_and_sglang_names_and_a_scrape_without_them_fails
     assert (sg.num_waiting, sg.num_running, sg.kv_usage) == (2.0, 8.0, 0.9)
     with pytest.raises(MetricsParseError):
         parse_load("tierserve", "sglang:num_queue_reqs 2\n", 0.0)
+
+
+def test_the_tap_parses_only_the_events_whose_usage_is_not_null(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierserve.gateway import usage as usage_module
+
+    parsed: list[bytes] = []
+    real_loads = usage_module.json.loads
+
+    def counting_loads(raw: bytes) -> object:
+        parsed.append(raw)
+        return real_loads(raw)
+
+    monkeypatch.setattr(usage_module.json, "loads", counting_loads)
+    # Every chunk of a stream that asked for usage carries `"usage": null` but the last one.
+    tokens = b"".join(_event({"choices": [{"delta": {"content": t}}], "usage": None}) for t in "abc")
+    tap = SseUsageTap(forward_usage=True)
+    tap.feed(tokens + _event({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}))
+    assert len(parsed) == 1 and tap.usage is not None and tap.usage.total == 5

@@ -9,8 +9,11 @@ event (no choices) before it reaches the client.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
+
+_NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +58,9 @@ class SseUsageTap:
         return rest
 
     def _event(self, event: bytes) -> bytes:
-        if b'"usage"' not in event or not event.startswith(b"data: {"):
+        # With usage asked for, every chunk carries `"usage": null` (OpenAI's format, and
+        # tierserve's and vLLM's): only one whose usage is not null is worth parsing.
+        if b'"usage"' not in event or not event.startswith(b"data: {") or _NULL_USAGE.search(event):
             return event
         try:
             payload = json.loads(event[len(b"data: ") :])
