@@ -109,7 +109,9 @@ class HybridPolicy(FairQueuePolicy):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = config.options(self.name, HybridOptions)
-        self._shaper = StepShaper(self.options, config.scheduler.max_num_batched_tokens)
+        self._shaper = StepShaper(
+            self.options, config.scheduler.max_num_batched_tokens, config.tiers[Tier.P0].ttft_target_s
+        )
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
         self._sfq = TierFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
@@ -242,9 +244,19 @@ class HybridPolicy(FairQueuePolicy):
         self._shaper.begin(step, self.num_waiting(Tier.P0), running, now)
 
     def end_step(self, step: StepBudget, now: float) -> None:
-        queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
-        self._shaper.end(step, queued)
+        self._shaper.end(step, self._urgent_at_risk(now), now)
         self._step, self._p0_by_length = None, []
+
+    def _urgent_at_risk(self, now: float) -> bool:
+        """Whether a P0 request waits, or a P1-P2 request has waited over RESCUE_FRACTION of
+        its target (late ones included: under overload the backlog is what P3 yields to)."""
+        if self.num_waiting(Tier.P0):
+            return True
+        for tier in RESCUED_TIERS:
+            oldest = self._waiting.oldest(tier)
+            if oldest is not None and now - oldest.arrival_time > RESCUE_FRACTION * self._target_s[tier]:
+                return True
+        return False
 
     def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:
         """The P0 prompts with tokens left to prefill, running or waiting, shortest first:
