@@ -88,8 +88,8 @@ class HybridOptions(PolicyOptions):
     step_bound_s: float = 0.15  # predicted step duration P1-P3 prefill may fill while a P0 is likely
     p0_step_tokens: int = 2048  # ... and at most this many tokens of it
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
-    p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
-    p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4)
+    p0_solo_prefill: bool = True  # a P0 prompt at risk prefills in P0-only steps (<= half the steps)
+    p3_yields: bool = True  # with P0-P2 at risk, their prefill steps leave P3 out (<= 1/2, 1/4)
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
     def check(self, path: str) -> None:
