@@ -89,7 +89,7 @@ class HybridOptions(PolicyOptions):
     p0_step_tokens: int = 2048  # ... and at most this many tokens of it
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
     p0_solo_prefill: bool = True  # a P0 prompt at risk prefills in P0-only steps (<= half the steps)
-    p3_yields: bool = True  # with P0-P2 at risk, their prefill steps leave P3 out (<= 1/2, 1/4)
+    p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4)
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
     def check(self, path: str) -> None:
@@ -244,19 +244,9 @@ class HybridPolicy(FairQueuePolicy):
         self._shaper.begin(step, self.num_waiting(Tier.P0), running, now)
 
     def end_step(self, step: StepBudget, now: float) -> None:
-        self._shaper.end(step, self._urgent_at_risk(now), now)
+        queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
+        self._shaper.end(step, queued, now)
         self._step, self._p0_by_length = None, []
-
-    def _urgent_at_risk(self, now: float) -> bool:
-        """Whether a P0 request waits, or a P1-P2 request has waited over RESCUE_FRACTION of
-        its target (late ones included: under overload the backlog is what P3 yields to)."""
-        if self.num_waiting(Tier.P0):
-            return True
-        for tier in RESCUED_TIERS:
-            oldest = self._waiting.oldest(tier)
-            if oldest is not None and now - oldest.arrival_time > RESCUE_FRACTION * self._target_s[tier]:
-                return True
-        return False
 
     def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:
         """The P0 prompts with tokens left to prefill, running or waiting, shortest first:

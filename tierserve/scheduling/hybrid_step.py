@@ -12,11 +12,13 @@
   A P0 prompt with time to spare shares the step: a solo step costs every other running
   request a step of decoding, and in closed loops (128 clients) that cost 0.4 % of the
   goodput for P0 TTFTs already far inside the target.
-- Background yields (`p3_yields`): a step that prefills P0-P2 while a P0-P2 request waits
-  at risk (the policy says which) leaves P3's prompt chunks out (in at most half of any
-  window) and P3's decodes (in at most a quarter). With nobody at risk, yielding delays
-  P3 for nothing: at 32 closed-loop clients yielding whenever anyone waited cost 1 % of
-  the goodput, and at 128 the P3 requests' decodes ran 6 % slower.
+- Background yields (`p3_yields`): a step that prefills P0-P2 while more P0-P2 requests
+  wait leaves P3's prompt chunks out (in at most half of any window) and P3's decodes (in
+  at most a quarter). With nobody waiting, P3's work delays no one: it stays (at 32
+  closed-loop clients, yielding then cost 1 % of the goodput). Yielding only to requests
+  at risk of their target (waited over a quarter of it) was tried: +0.3 % goodput at 128
+  closed-loop clients, -1.1 % at 256, where the P1 requests decoded 5 % slower beside
+  P3's long contexts.
 """
 
 from __future__ import annotations
@@ -92,15 +94,15 @@ class StepShaper:
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
             step.cap_prefill(OTHER_TIERS, cap)
 
-    def end(self, step: StepBudget, at_risk: bool, now: float) -> None:
-        """`at_risk`: whether a P0-P2 request still waits after this pass at risk of its target."""
+    def end(self, step: StepBudget, queued: bool, now: float) -> None:
+        """`queued`: whether P0-P2 requests still wait after this pass."""
         if self.options.p0_solo_prefill:
             solo = sum(self._solo) < SHAPING_WINDOW // 2 and self.p0_needs_solo(step, now)
             self._solo.append(solo)
             if solo:
                 step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
-            self._p3_yields(step, at_risk)
+            self._p3_yields(step, queued)
 
     def p0_needs_solo(self, step: StepBudget, now: float) -> bool:
         """Whether a P0 prompt prefilling in `step` would, sharing the step with the other
@@ -127,8 +129,8 @@ class StepShaper:
             self._yield_prompts.append(False)
             self._yield_decodes.append(False)
 
-    def _p3_yields(self, step: StepBudget, at_risk: bool) -> None:
-        urgent = at_risk and bool(step.tiers_prefilling() - {Tier.P3})
+    def _p3_yields(self, step: StepBudget, queued: bool) -> None:
+        urgent = queued and bool(step.tiers_prefilling() - {Tier.P3})
         for history, limit, decodes in (
             (self._yield_prompts, SHAPING_WINDOW // 2, False),
             (self._yield_decodes, SHAPING_WINDOW // 4, True),
