@@ -88,7 +88,7 @@ class HybridOptions(PolicyOptions):
     step_bound_s: float = 0.15  # predicted step duration P1-P3 prefill may fill while a P0 is likely
     p0_step_tokens: int = 2048  # ... and at most this many tokens of it
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
-    p0_solo_prefill: bool = True  # a P0 prompt at risk prefills in P0-only steps (<= half the steps)
+    p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
     p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4)
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
@@ -109,9 +109,7 @@ class HybridPolicy(FairQueuePolicy):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = config.options(self.name, HybridOptions)
-        self._shaper = StepShaper(
-            self.options, config.scheduler.max_num_batched_tokens, config.tiers[Tier.P0].ttft_target_s
-        )
+        self._shaper = StepShaper(self.options, config.scheduler.max_num_batched_tokens)
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
         self._sfq = TierFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
@@ -245,7 +243,7 @@ class HybridPolicy(FairQueuePolicy):
 
     def end_step(self, step: StepBudget, now: float) -> None:
         queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
-        self._shaper.end(step, queued, now)
+        self._shaper.end(step, queued)
         self._step, self._p0_by_length = None, []
 
     def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:

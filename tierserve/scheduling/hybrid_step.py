@@ -6,19 +6,13 @@
   within `p0_step_tokens`, but never under MIN_OTHER_PREFILL_TOKENS, so the other tiers
   keep moving. A P0 arriving at the worst moment then waits for at most one such step
   before its own. With no P0 in sight the full step budget is used.
-- P0-only prefill steps (`p0_solo_prefill`): a step that prefills a P0 prompt which,
-  sharing the step, would use over SOLO_SHARE of its TTFT target carries P0 work only,
-  in at most half of any SHAPING_WINDOW steps, so the others are delayed, never stopped.
-  A P0 prompt with time to spare shares the step: a solo step costs every other running
-  request a step of decoding, and in closed loops (128 clients) that cost 0.4 % of the
-  goodput for P0 TTFTs already far inside the target.
+- P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
+  only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
+  stopped.
 - Background yields (`p3_yields`): a step that prefills P0-P2 while more P0-P2 requests
   wait leaves P3's prompt chunks out (in at most half of any window) and P3's decodes (in
   at most a quarter). With nobody waiting, P3's work delays no one: it stays (at 32
-  closed-loop clients, yielding then cost 1 % of the goodput). Yielding only to requests
-  at risk of their target (waited over a quarter of it) was tried: +0.3 % goodput at 128
-  closed-loop clients, -1.1 % at 256, where the P1 requests decoded 5 % slower beside
-  P3's long contexts.
+  closed-loop clients, yielding then cost 1 % of the goodput).
 """
 
 from __future__ import annotations
@@ -40,10 +34,6 @@ OTHER_TIERS = (Tier.P1, Tier.P2, Tier.P3)
 # The other tiers' prefill gets at least this many tokens a step under the bound: delayed,
 # never stopped (a bound below one step's fixed cost, or many decodes, would leave 0).
 MIN_OTHER_PREFILL_TOKENS = 64
-# A P0 prompt runs solo when, sharing the step, its predicted TTFT passes this share of its
-# target: the prediction leaves out the attention over the context and what later steps
-# carry, so half the target is kept as margin.
-SOLO_SHARE = 0.5
 
 
 def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int) -> int:
@@ -62,10 +52,9 @@ def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int)
 
 
 class StepShaper:
-    def __init__(self, options: HybridOptions, max_step_tokens: int, p0_target_s: float) -> None:
+    def __init__(self, options: HybridOptions, max_step_tokens: int) -> None:
         self.options = options
         self.max_step_tokens = max_step_tokens
-        self.p0_target_s = p0_target_s
         self.last_p0_arrival = -math.inf
         self._bound_tokens: int | None = None  # from the cost model, found once
         self._solo: deque[bool] = deque(maxlen=SHAPING_WINDOW)
@@ -94,32 +83,15 @@ class StepShaper:
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
             step.cap_prefill(OTHER_TIERS, cap)
 
-    def end(self, step: StepBudget, queued: bool, now: float) -> None:
+    def end(self, step: StepBudget, queued: bool) -> None:
         """`queued`: whether P0-P2 requests still wait after this pass."""
         if self.options.p0_solo_prefill:
-            solo = sum(self._solo) < SHAPING_WINDOW // 2 and self.p0_needs_solo(step, now)
+            solo = sum(self._solo) < SHAPING_WINDOW // 2 and Tier.P0 in step.tiers_prefilling()
             self._solo.append(solo)
             if solo:
                 step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
             self._p3_yields(step, queued)
-
-    def p0_needs_solo(self, step: StepBudget, now: float) -> bool:
-        """Whether a P0 prompt prefilling in `step` would, sharing the step with the other
-        tiers' work, pass SOLO_SHARE of its target: its wait so far plus the step as built,
-        once for each step its prompt still needs."""
-        p0 = Tier.P0
-        prompts = [(r, n) for r, n in step.prefills.items() if r.tier is p0]
-        if not prompts or step.estimate_s is None:
-            return bool(prompts)
-        shared_s = step.estimate_s(len(step.decodes) + sum(step.prefills.values()))
-        limit = SOLO_SHARE * self.p0_target_s
-        for req, num_tokens in prompts:
-            num_later = req.num_tokens - req.num_computed_tokens - num_tokens
-            steps = 1 + math.ceil(num_later / self.max_step_tokens)
-            if now - req.arrival_time + steps * shared_s > limit:
-                return True
-        return False
 
     def steady_step(self) -> None:
         """What `end` records for a step with no prefill chunk: nothing solo, nothing yields."""
