@@ -6,7 +6,10 @@ Each vLLM contender runs in vLLM's virtualenv (`--vllm-python`, default `.venv-v
 subprocess (`tierserve.integrations.vllm.bench_worker`); tierserve's engine runs here.
 Phases: P0 requests alone, one at a time; then a lower-tier flood (P1/P2/P3 60/30/10 %)
 arriving open-loop with P0 requests arriving through it. TTFT counts from each request's
-scheduled arrival. Importing this module is cheap.
+scheduled arrival. The two phases run `--rounds` times on the same engine, each round with
+prompts of its own, and the figures pool the rounds (8 P0 requests a phase make its "P95"
+its largest, which one slow step sets); one untimed request warms the engine up first.
+Importing this module is cheap.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class BenchRequest:
     tier: int
     prompt: list[int]
     max_tokens: int
+    round: int = 0  # the phases run once per round, round by round
 
 
 @dataclass(frozen=True)
@@ -59,23 +63,33 @@ class Workload:
     time_limit_s: float = 300.0
 
 
-def make_workload(seed: int, num_flood: int, num_p0: int, flood_s: float) -> Workload:
+def make_workload(seed: int, num_flood: int, num_p0: int, flood_s: float, rounds: int = 1) -> Workload:
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(2, 300) for _ in range(n)]
 
-    alone = [BenchRequest(f"alone-p0-{i}", "alone", 0.0, 0, prompt(48), 8) for i in range(num_p0)]
-    flood = [
-        BenchRequest(
-            f"flood-{i}", "flood", rng.uniform(0, flood_s), rng.choices((1, 2, 3), (6, 3, 1))[0],
-            prompt(rng.randint(96, 256)), rng.randint(32, 96),
-        )
-        for i in range(num_flood)
-    ]  # fmt: skip
+    alone: list[BenchRequest] = []
+    flood: list[BenchRequest] = []
     step = flood_s / max(1, num_p0)
-    flood += [BenchRequest(f"flood-p0-{i}", "flood", 0.2 + i * step, 0, prompt(48), 8) for i in range(num_p0)]
-    return Workload(alone, sorted(flood, key=lambda r: r.arrival_s))
+    for k in range(rounds):
+        tag = f"r{k}-" if rounds > 1 else ""
+        alone += [
+            BenchRequest(f"{tag}alone-p0-{i}", "alone", 0.0, 0, prompt(48), 8, k) for i in range(num_p0)
+        ]
+        this = [
+            BenchRequest(
+                f"{tag}flood-{i}", "flood", rng.uniform(0, flood_s), rng.choices((1, 2, 3), (6, 3, 1))[0],
+                prompt(rng.randint(96, 256)), rng.randint(32, 96), k,
+            )
+            for i in range(num_flood)
+        ]  # fmt: skip
+        this += [
+            BenchRequest(f"{tag}flood-p0-{i}", "flood", 0.2 + i * step, 0, prompt(48), 8, k)
+            for i in range(num_p0)
+        ]
+        flood += sorted(this, key=lambda r: r.arrival_s)
+    return Workload(alone, flood)
 
 
 def save_workload(w: Workload, path: Path) -> None:
@@ -106,7 +120,9 @@ def _drive(c: Contender, arrivals: dict[str, float], records: dict[str, dict[str
     t = time.time()
     for rid, num_tokens, finished in c.step():
         t = time.time()
-        rec = records[rid]
+        rec = records.get(rid)
+        if rec is None:  # the warm-up request
+            continue
         if num_tokens and rec["ttft_s"] is None:
             rec["ttft_s"] = t - arrivals[rid]
         rec["tokens"] = num_tokens
@@ -119,21 +135,44 @@ def run_open_loop(c: Contender, w: Workload) -> dict[str, Any]:
     records: dict[str, dict[str, Any]] = {}
     arrivals: dict[str, float] = {}
     deadline = time.time() + w.time_limit_s
-    for req in w.alone:
-        records[req.request_id] = {"tier": req.tier, "phase": "alone", "ttft_s": None, "tokens": 0}
-        arrivals[req.request_id] = time.time()
-        c.submit(req, arrivals[req.request_id])
+
+    def drain() -> None:
         while c.has_unfinished():
             if time.time() > deadline:
                 raise BenchTimeout(f"not done in {w.time_limit_s} s")
             _drive(c, arrivals, records)
+
+    # Untimed: the first forward passes of a fresh engine are slower than any later one.
+    warm = w.alone[0] if w.alone else w.flood[0]
+    c.submit(BenchRequest("warm-up", "alone", 0.0, warm.tier, warm.prompt, 2), time.time())
+    drain()
+    flood_s = 0.0
+    for k in sorted({r.round for r in w.alone} | {r.round for r in w.flood}):
+        for req in (r for r in w.alone if r.round == k):
+            records[req.request_id] = {"tier": req.tier, "phase": "alone", "ttft_s": None, "tokens": 0}
+            arrivals[req.request_id] = time.time()
+            c.submit(req, arrivals[req.request_id])
+            drain()
+        this_round = [r for r in w.flood if r.round == k]
+        flood_s += _flood(c, this_round, arrivals, records, deadline, w.time_limit_s)
+    return {"requests": records, "flood_makespan_s": flood_s}
+
+
+def _flood(
+    c: Contender,
+    pending: list[BenchRequest],
+    arrivals: dict[str, float],
+    records: dict[str, dict[str, Any]],
+    deadline: float,
+    limit_s: float,
+) -> float:
+    """One round's flood phase, open loop; returns its makespan (start to last output)."""
     start = time.time()
-    pending = list(w.flood)
     last = start
     while pending or c.has_unfinished():
         now = time.time()
         if now > deadline:
-            raise BenchTimeout(f"not done in {w.time_limit_s} s")
+            raise BenchTimeout(f"not done in {limit_s} s")
         while pending and start + pending[0].arrival_s <= now:
             req = pending.pop(0)
             records[req.request_id] = {"tier": req.tier, "phase": "flood", "ttft_s": None, "tokens": 0}
@@ -143,7 +182,7 @@ def run_open_loop(c: Contender, w: Workload) -> dict[str, Any]:
             time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - now)))
             continue
         last = _drive(c, arrivals, records)
-    return {"requests": records, "flood_makespan_s": last - start}
+    return last - start
 
 
 class TierserveEngineContender:
@@ -210,7 +249,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     out = Path(args.out)
     model = write_tiny_llama(out / "tiny-llama")
-    workload = make_workload(args.seed, args.num_flood, args.num_p0, args.flood_s)
+    workload = make_workload(args.seed, args.num_flood, args.num_p0, args.flood_s, args.rounds)
     workload_path = out / "workload.json"
     save_workload(workload, workload_path)
     runs: dict[str, Any] = {}
@@ -227,7 +266,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs["tierserve-engine"] = summarize(result)
     return {"runs": runs, "comparisons": compare(runs), "workload": {
         "seed": args.seed, "num_flood": args.num_flood, "num_p0": args.num_p0, "flood_s": args.flood_s,
-        **asdict(workload.settings)}}  # fmt: skip
+        "rounds": args.rounds, **asdict(workload.settings)}}  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -252,6 +291,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=float,
         default=0.5,
         help="the flood arrives over this many seconds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="run both phases this many times on each engine, new prompts each round, and pool "
+        "the figures (default: %(default)s)",
     )
     p.add_argument("--vllm-python", type=Path, default=default_vllm_python(), help="python of vLLM's venv")
     p.add_argument(

@@ -103,3 +103,16 @@ def test_comparisons_are_ratios_of_the_runs() -> None:
 def test_cli_has_bench_vllm() -> None:
     args = build_parser().parse_args(["bench", "vllm", "--json", "--num-flood", "4"])
     assert args.json and args.num_flood == 4
+
+
+def test_rounds_bring_new_prompts_and_pool_into_one_summary_after_an_untimed_warm_up() -> None:
+    w = make_workload(seed=1, num_flood=5, num_p0=2, flood_s=0.02, rounds=3)
+    assert len(w.alone) == 6 and len(w.flood) == 21
+    assert len({r.request_id for r in w.alone + w.flood}) == 27
+    assert len({tuple(r.prompt) for r in w.alone}) == 6  # no round repeats another's prompts
+    assert [r.round for r in w.flood] == sorted(r.round for r in w.flood)  # round by round
+    contender = FakeContender()
+    result = run_open_loop(contender, w)
+    assert "warm-up" in contender.done and "warm-up" not in result["requests"]
+    assert len(result["requests"]) == 27
+    assert summarize(result)["num_requests"] == 27
