@@ -4,7 +4,8 @@ Local replicas (`serve --backend sim`, in their own processes) and gateways in f
 them, loopback only, bounded in requests and time:
 
 1. Overhead: `--streams` clients, each sending its next stream as its last ends, to one
-   replica directly, then through a gateway with that replica alone. Two measures of what
+   replica directly for half the time, then through a gateway with that replica alone,
+   then directly again for the other half (what drifts with time falls on both sides). Two measures of what
    the gateway adds to the first token: the difference of the two runs' TTFT P50s and P99s
    (client side: it holds the extra hop, but also the replica's step timing, which moves
    each run's TTFTs by up to a step), and the gateway's own share of each stream's first
@@ -129,7 +130,9 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _streams(url: str, streams: int, seconds: float, max_tokens: int, seed: int) -> list[float]:
+async def _streams(
+    url: str, streams: int, seconds: float, max_tokens: int, seed: int, first_id: int = 0
+) -> list[float]:
     """TTFTs (ms) of the requests `streams` clients send back to back for `seconds` (each
     sends its next as its last ends), leaving out the first OVERHEAD_WARMUP_S. Starts spread
     over the first second and lengths drawn from half to 1.5x `max_tokens` keep the streams
@@ -147,7 +150,7 @@ async def _streams(url: str, streams: int, seconds: float, max_tokens: int, seed
             while time.perf_counter() < stop:
                 sent = time.perf_counter()
                 tokens = rng.randint(max(1, max_tokens // 2), max(1, 3 * max_tokens // 2))
-                shot = await _shot(session, url, Tier.P1, tokens, k * 100_000 + i)
+                shot = await _shot(session, url, Tier.P1, tokens, first_id + k * 100_000 + i)
                 if shot.ok and shot.ttft_s is not None and sent >= start + OVERHEAD_WARMUP_S:
                     ttfts.append(shot.ttft_s * 1000)
                 i += 1
@@ -164,13 +167,20 @@ async def _metrics(url: str) -> str:
 async def _overhead(
     direct: str, gateway: str, streams: int, seconds: float, max_tokens: int, seed: int
 ) -> dict[str, float]:
-    out: dict[str, list[float]] = {}
-    before = await _metrics(gateway)
-    for name, url in (("direct", direct), ("gateway", gateway)):
-        out[name] = await _streams(url, streams, seconds, max_tokens, seed)
-        if not out[name]:
+    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+    # Direct, through the gateway, direct again (seeds apart): whatever drifts with time —
+    # the replica warming up, its prefix cache filling — falls on both sides.
+    for k, (name, url) in enumerate((("direct", direct), ("gateway", gateway), ("direct", direct))):
+        if name == "gateway":
+            before = await _metrics(gateway)
+        span = seconds / 2 if name == "direct" else seconds
+        # Prompts of their own in each part: none finds another part's in the prefix cache.
+        ttfts = await _streams(url, streams, span, max_tokens, seed + k, first_id=k * 100_000_000)
+        if not ttfts:
             raise RuntimeError(f"no stream completed in the overhead run ({name})")
-    after = await _metrics(gateway)
+        out[name] += ttfts
+        if name == "gateway":
+            after = await _metrics(gateway)
     added = _bucket_counts(after, ADDED) - _bucket_counts(before, ADDED)
     return {
         "overhead_p50_ms": round(_pct(out["gateway"], 0.5) - _pct(out["direct"], 0.5), 2),
