@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import signal
+import socket
 import threading
+import time
 
 import httpx
+import pytest
 
 from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
 
@@ -79,3 +83,21 @@ def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests() ->
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert ready.status_code == 503
     assert result["text"].count('"delta"') == 10 and result["text"].endswith("data: [DONE]\n\n")
+
+
+def test_a_client_gone_mid_body_is_no_server_error_and_the_gateway_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeUpstream("ok")
+    with fake_upstream(fake) as url, gateway([url]) as (gw, _):
+        host, port = gw.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b'content-length: 1000\r\n\r\n{"model": '
+            )
+        time.sleep(0.5)  # the gateway notices the close while it reads the body
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 200, r.text
+    assert not fake.bodies[:-1]  # nothing of the cut request reached the upstream
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
