@@ -61,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--overhead-seconds",
         type=float,
         default=15.0,
-        help="seconds each overhead arm runs after a 3 s warm-up (default 15)",
+        help="seconds each overhead arm is measured, the direct one in two halves around the "
+        "gateway's, each part after a 3 s warm-up (default 15)",
     )
     p.add_argument(
         "--overhead-tokens", type=int, default=64, help="output tokens per overhead request (default 64)"
