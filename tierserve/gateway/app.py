@@ -10,8 +10,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,25 +23,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierserve import __version__
-from tierserve.gateway.forward import ARRIVED, forward
+from tierserve.gateway.forward import forward
 from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error
 
 log = logging.getLogger("tierserve.gateway")
-
-
-class StampArrival:
-    """Notes when a request reaches the app (before its routing and body), for the gateway's
-    added-latency metric."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self._app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[ARRIVED] = time.perf_counter()
-        await self._app(scope, receive, send)
 
 
 CHAT_BY_PATH = {"/v1/chat/completions": True, "/v1/completions": False}
@@ -58,12 +46,13 @@ class GenerationRoutes:
         self._gw = gw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.perf_counter()  # for the gateway's added-latency metric
         chat = CHAT_BY_PATH.get(scope["path"]) if scope["type"] == "http" else None
         if chat is None or scope["method"] != "POST":
             await self._app(scope, receive, send)  # other methods get FastAPI's 405
             return
         try:
-            response = await forward(self._gw, HttpRequest(scope, receive), chat)
+            response = await forward(self._gw, HttpRequest(scope, receive), chat, arrived)
         except ApiError as e:
             response = e.response()
         except HTTPException as e:  # the body limit, while reading a chunked body
@@ -74,9 +63,12 @@ class GenerationRoutes:
         await response(scope, receive, send)
 
 
-def create_gateway_app(gw: GatewayState) -> FastAPI:
+def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Open the upstream session and poll the upstreams once before serving; poll on a
+    timer while serving; close everything on the way out."""
+
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gw.open_streams()
         poller = UpstreamPoller(gw)
         await poller.poll_once()  # know the upstreams before the first request
@@ -94,11 +86,14 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
             if gw.remote_buckets is not None:
                 await gw.remote_buckets.close()
 
-    app = FastAPI(title="tierserve gateway", version=__version__, lifespan=lifespan)
+    return lifespan
+
+
+def create_gateway_app(gw: GatewayState) -> FastAPI:
+    app = FastAPI(title="tierserve gateway", version=__version__, lifespan=_lifespan(gw))
     app.state.gateway = gw
     app.add_middleware(GenerationRoutes, gw=gw)  # innermost: inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)
-    app.add_middleware(StampArrival)  # added last: the outermost
 
     @app.exception_handler(ApiError)
     async def api_error(_: HttpRequest, exc: ApiError) -> Response:
@@ -116,11 +111,11 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
     # Served by `GenerationRoutes` ahead of FastAPI's router; declared here for the schema.
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(http: HttpRequest) -> Response:
-        return await forward(gw, http, chat=True)
+        return await forward(gw, http, True, time.perf_counter())
 
     @app.post("/v1/completions", response_model=None)
     async def completions(http: HttpRequest) -> Response:
-        return await forward(gw, http, chat=False)
+        return await forward(gw, http, False, time.perf_counter())
 
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:

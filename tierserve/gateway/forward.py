@@ -37,7 +37,6 @@ from tierserve.server.tenants import decide_tier, parse_declared_tier
 from tierserve.tiers import Tier
 
 log = logging.getLogger("tierserve.gateway")
-ARRIVED = "tierserve.arrived"  # the scope key `StampArrival` sets: perf_counter() at arrival
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 
@@ -82,8 +81,8 @@ def _check_model(gw: GatewayState, model: str) -> None:
         )
 
 
-async def forward(gw: GatewayState, http: HttpRequest, chat: bool) -> Response:
-    arrived = http.scope.get(ARRIVED) or time.perf_counter()
+async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: float) -> Response:
+    """`arrived`: perf_counter() when the request reached the gateway's app."""
     if gw.draining:
         gw.metrics.reject("draining", None)
         raise draining_error()
@@ -200,8 +199,8 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
     # upstream's first bytes to the client's (the relay adds that part once it is sent).
     before_s, first_in = sent - call.arrived, time.perf_counter()
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
-    relay = Relay(gw, decision, call.reservation, reply, chunks, SseUsageTap(forward_usage))
-    relay.time_first_bytes(before_s, first_in)
+    tap = SseUsageTap(forward_usage)
+    relay = Relay(gw, decision, call.reservation, reply, chunks, tap, first_bytes=(before_s, first_in))
     return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
 
 

@@ -35,18 +35,16 @@ class Relay:
         reply: aiohttp.ClientResponse,
         chunks: AsyncIterator[bytes],
         tap: SseUsageTap,
+        first_bytes: tuple[float, float],
     ) -> None:
+        """`first_bytes`: the gateway's time before the upstream call (s), and when the
+        upstream's first bytes came in (a perf_counter()); once they are out, the two give
+        the gateway's added latency."""
         self._gw, self._decision, self._reservation = gw, decision, reservation
         self._name = decision.upstream
         self._reply, self._chunks, self._tap = reply, chunks, tap
         self._outcome = "ok"
-        self._added: tuple[float, float] | None = None
-
-    def time_first_bytes(self, before_s: float, first_in: float) -> None:
-        """Observe the gateway's added latency once the first bytes are out: `before_s` spent
-        before the upstream call, plus the time since the upstream's first bytes (`first_in`,
-        a perf_counter())."""
-        self._added = (before_s, first_in)
+        self._first_bytes = first_bytes
 
     def client_left(self) -> None:
         self._outcome = "client_left"
@@ -57,9 +55,8 @@ class Relay:
         try:
             yield tap.feed(first)
             # Resumed once the first bytes are with the server's transport.
-            if self._added is not None:
-                before_s, first_in = self._added
-                self._gw.metrics.added.observe(before_s + time.perf_counter() - first_in)
+            before_s, first_in = self._first_bytes
+            self._gw.metrics.added.observe(before_s + time.perf_counter() - first_in)
             try:
                 async for chunk in self._chunks:
                     out = tap.feed(chunk)
