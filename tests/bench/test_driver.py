@@ -139,6 +139,10 @@ def test_a_turn_waits_for_its_conversations_previous_answer_and_others_go_first(
     result = run_workload(engine, clock, [first, second, other], config)
     by_index = {r.index: r for r in result.records}
     assert by_index[1].arrival_s >= by_index[0].finish_s, "the next turn is sent after the answer"
+    if open_loop:  # the workload's own time is kept beside the real one (goodput's span)
+        assert by_index[1].scheduled_s == 0.0 < by_index[1].arrival_s
+    else:
+        assert all(r.scheduled_s is None for r in result.records)
     assert by_index[2].arrival_s < by_index[0].finish_s, "a free client sends the next request meanwhile"
     assert prompts["r1"] == [1, 2, 3, *[7] * 20, 50]  # the real answer: the history is all cached
     assert by_index[1].num_cached_tokens > 0

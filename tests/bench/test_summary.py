@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,15 @@ def test_attainment_goodput_and_p3_shed_reasons() -> None:
     assert (out["p3_completed"], out["p3_shed"]) == (1, 2)
     assert out["p3_shed_reasons"] == {"still unfinished when the run ended": 1, "too long": 1}
     assert out["tiers"]["P3"]["ttft_p95_s"] is not None  # the aborted one counts its wait
+
+
+def test_open_loop_goodput_counts_over_the_workloads_own_arrivals() -> None:
+    # The last turn of a conversation was held until its previous answer came (at 10 s,
+    # under some policy), though the workload sent it at 4 s: the offered load spans 4 s.
+    records = [record(0, Tier.P1, 0.0, 1.0), record(1, Tier.P1, 10.0, 1.0)]
+    records = [replace(records[0], scheduled_s=0.0), replace(records[1], scheduled_s=4.0)]
+    out = summarize([result(records, {})], EngineConfig())
+    assert out["tiers"]["P1"]["goodput_rps"] == pytest.approx(2 / 4)
 
 
 def test_a_preemption_in_a_step_that_admitted_a_more_urgent_request_is_a_reclaim() -> None:

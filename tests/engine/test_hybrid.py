@@ -310,3 +310,56 @@ def test_a_waiting_p0_prompt_goes_ahead_of_lower_tiers_running_prefills() -> Non
     eng.add_request(p0)
     eng.step()
     assert p0.first_token_time is not None, "P0's prompt waited for a P1 prefill chunk"
+
+
+def test_a_chunk_deep_into_a_long_prompt_is_priced_at_its_context() -> None:
+    # On the simulator's cost model (70B on 8 x A100) a chunk's attention reads every
+    # cached token before it: under the P0 step bound, the chunks of a long P1 prompt shrink
+    # as it goes, so each step stays within the bound instead of growing with the context.
+    from tierserve.executors.sim.executor import build_sim_executor
+
+    bound_s = 0.15
+    base = parse_config({"policy": {"hybrid": {"step_bound_s": bound_s, "p0_likely_s": 1e9}}})
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+        tiers=base.tiers,
+        policy_options=base.policy_options,
+    )
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))  # a P0 is now likely
+    run(eng)
+    p1 = make_request(num_prompt=60_000, max_tokens=1, tier=Tier.P1)
+    eng.add_request(p1)
+    chunks: list[tuple[int, int]] = []  # (context, tokens)
+    while p1.first_token_time is None:
+        context = p1.num_computed_tokens
+        eng.step()
+        chunks.append((context, p1.num_computed_tokens - context))
+    first, deepest = chunks[0][1], chunks[-2][1]
+    assert first > 1000 and deepest < first / 2, "chunks deep into the prompt are smaller"
+    for context, tokens in chunks[:-1]:
+        assert executor.estimate_prefill_s(tokens, context) <= bound_s, "a step outgrew the bound"
+    # Priced at an empty context (as before) the last chunks alone would take far longer.
+    assert executor.estimate_prefill_s(first, chunks[-2][0]) > 1.5 * bound_s
+
+
+def test_pricing_at_the_context_never_cuts_a_chunk_below_the_floor() -> None:
+    from tierserve.scheduling.step import StepBudget
+
+    def estimate(n: int, context: int) -> float:  # attention over the context dominates
+        return 0.01 + 1e-5 * n + 1e-7 * n * context
+
+    step = StepBudget(4096, 256, estimate_s=estimate)
+    step.cap_prefill([Tier.P1], 1000, at_least=64)
+    fresh = make_request(num_prompt=3000, max_tokens=1, tier=Tier.P1)
+    assert step.chunk_for(fresh) == 1000
+    deep = make_request(num_prompt=300_000, max_tokens=1, tier=Tier.P1)
+    deep.num_computed_tokens = 200_000  # 1e-7 x 200,000 = 0.02 s a token: one fits at most
+    assert step.chunk_for(deep) == 64, "the floor keeps a long prompt moving"
+    mid = make_request(num_prompt=2_000, max_tokens=1, tier=Tier.P1)
+    mid.num_computed_tokens = 200  # 1e-5 + 1e-7 x 200 = 3e-5 s a token: a third of the fresh count
+    n = step.chunk_for(mid)
+    assert n == 333 and estimate(n, 200) <= estimate(1000, 0) < estimate(n + 1, 200)
+    step.add_prefill(mid, n)
+    assert 0 <= step.capped_tokens_left <= 10, "it was charged the fresh tokens it costs"

@@ -191,4 +191,3 @@ def test_an_aggregate_waiting_count_is_shared_out_by_the_tiers_this_gateway_has_
     router.record_sample("u0", LoadSample(12, 8, 0.5, clock.now()))
     assert router.waiting_ahead(u0, Tier.P0) == 3  # 1 of our 4 in flight is P0
     assert [router.saturated(u0, t) for t in Tier] == [False, False, True, True]
-

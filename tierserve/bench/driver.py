@@ -85,7 +85,8 @@ class _Run:
         self.specs: Iterator[RequestSpec] = iter(specs)
         self.next_spec: RequestSpec | None = next(self.specs, None)
         self.max_requests = config.max_requests or 4 * (config.num_warmup + config.num_measured)
-        self.live: dict[str, tuple[Request, int, bool]] = {}  # request id -> (request, index, measured)
+        # request id -> (request, index, measured, the workload's own arrival time)
+        self.live: dict[str, tuple[Request, int, bool, float | None]] = {}
         self.records: list[RequestRecord] = []
         self.num_submitted = 0
         self.num_measured_live = 0
@@ -197,6 +198,7 @@ class _Run:
             arrival_time=arrival,
         )
         measured = self.config.is_measured(spec, arrival)
+        scheduled = spec.arrival_s if self.config.concurrency is None else None
         if measured and self.start is None:
             s = self.engine.stats
             self.start = (now, s.num_generated_tokens, s.roofline_s, s.busy_s)
@@ -206,10 +208,10 @@ class _Run:
         if self._all_measured_submitted() and math.isinf(self.deadline):
             self.deadline = now + self.config.drain_timeout_s
         if self.engine.add_request(req):
-            self.live[req.request_id] = (req, spec.index, measured)
+            self.live[req.request_id] = (req, spec.index, measured, scheduled)
             self.num_measured_live += measured
         else:
-            self.records.append(RequestRecord.of(req, spec.index, measured))
+            self.records.append(RequestRecord.of(req, spec.index, measured, scheduled_s=scheduled))
             self._client_free(now)
 
     def _client_free(self, now: float) -> None:
@@ -229,8 +231,8 @@ class _Run:
     # ---- stepping ------------------------------------------------------------------------
 
     def _end(self, req: Request, reason: str = "") -> None:
-        _, index, measured = self.live.pop(req.request_id)
-        self.records.append(RequestRecord.of(req, index, measured, reason))
+        _, index, measured, scheduled = self.live.pop(req.request_id)
+        self.records.append(RequestRecord.of(req, index, measured, reason, scheduled))
         self.num_measured_live -= measured
         self._client_free(self.clock.now())
 

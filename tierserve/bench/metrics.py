@@ -32,9 +32,19 @@ class RequestRecord:
     preemptions: tuple[Preemption, ...] = ()
     admitted_s: tuple[float, ...] = ()  # every admission and readmission
     num_memory_waits: int = 0  # passes it waited for memory a lower tier held
+    # Open loop: when the workload sends it (a conversation's next turn is held until the
+    # previous answer is in, then arrives later); None in a closed loop.
+    scheduled_s: float | None = None
 
     @classmethod
-    def of(cls, req: Request, index: int, measured: bool, end_reason: str = "") -> RequestRecord:
+    def of(
+        cls,
+        req: Request,
+        index: int,
+        measured: bool,
+        end_reason: str = "",
+        scheduled_s: float | None = None,
+    ) -> RequestRecord:
         if not req.status.is_final or req.finish_time is None:
             raise ValueError(f"{req.request_id} is not final")
         kinds = [e.kind for e in req.events]
@@ -62,6 +72,7 @@ class RequestRecord:
             tuple(Preemption.of(e) for e in req.events if e.kind in _PREEMPTED),
             tuple(e.time for e in req.events if e.kind in _ADMITTED),
             req.num_memory_waits,
+            scheduled_s,
         )
 
 

@@ -163,8 +163,12 @@ def _p0_against_idle(results: Sequence[CellResult], target_s: float, seed: int) 
 
 def _arrival_span(result: CellResult) -> float:
     """From the first measured arrival to the last: goodput's denominator (the window runs
-    on until the slowest measured request ends, which says nothing about the rate served)."""
-    times = [r.arrival_s for r in result.run.records if r.measured]
+    on until the slowest measured request ends, which says nothing about the rate served).
+    Open loop, the arrivals are the workload's own: a conversation turn held for its previous
+    answer is sent later under a slower policy, and that must not lengthen the span over
+    which the same offered load is counted."""
+    records = result.run.records
+    times = [r.arrival_s if r.scheduled_s is None else r.scheduled_s for r in records if r.measured]
     return max(times) - min(times) if times else 0.0
 
 

@@ -83,8 +83,9 @@ class Executor(Protocol):
         """Copy (host_block, device_block) pairs back to the device; return seconds taken."""
         ...
 
-    def estimate_prefill_s(self, num_tokens: int) -> float:
-        """Predicted time to prefill `num_tokens` from scratch (for swap-vs-recompute)."""
+    def estimate_prefill_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
+        """Predicted time of one step that prefills `num_tokens` of a prompt after
+        `num_context_tokens` already cached (0: from scratch, as for swap-vs-recompute)."""
         ...
 
     def estimate_swap_s(self, num_blocks: int) -> float:

@@ -61,7 +61,7 @@ class NullExecutor:
         self.swapped_in.extend(mapping)
         return self.estimate_swap_s(len(mapping))
 
-    def estimate_prefill_s(self, num_tokens: int) -> float:
+    def estimate_prefill_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
         return self.step_s + self.per_token_s * num_tokens
 
     def estimate_swap_s(self, num_blocks: int) -> float:

@@ -4,8 +4,10 @@
   within `p0_likely_s`), the prefill chunks of P1-P3 in a step are capped so that the
   step's predicted duration (the executor's cost model) stays under `step_bound_s` and
   within `p0_step_tokens`, but never under MIN_OTHER_PREFILL_TOKENS, so the other tiers
-  keep moving. A P0 arriving at the worst moment then waits for at most one such step
-  before its own. With no P0 in sight the full step budget is used.
+  keep moving. A chunk deep into a long prompt is priced at its context (its attention
+  reads every cached token before it), so it gets fewer tokens than a fresh one. A P0
+  arriving at the worst moment then waits for at most one such step before its own.
+  With no P0 in sight the full step budget is used.
 - P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
   only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
   stopped.
@@ -67,12 +69,14 @@ class StepShaper:
         p0 = Tier.P0
         return any(r.tier is p0 and r.is_prefilling for r in running)
 
-    def bound_tokens(self, estimate_s: Callable[[int], float] | None) -> int:
+    def bound_tokens(self, estimate_s: Callable[[int, int], float] | None) -> int:
         """Tokens of one step within `step_bound_s`, capped by `p0_step_tokens`."""
         if self._bound_tokens is None:
             most = self.max_step_tokens
             by_time = (
-                most if estimate_s is None else tokens_within(estimate_s, self.options.step_bound_s, most)
+                most
+                if estimate_s is None
+                else tokens_within(lambda n: estimate_s(n, 0), self.options.step_bound_s, most)
             )
             self._bound_tokens = min(by_time, self.options.p0_step_tokens)
         return self._bound_tokens
@@ -81,7 +85,7 @@ class StepShaper:
         if self.p0_likely(num_p0_waiting, running, now):
             num_decodes = sum(1 for r in running if not r.is_prefilling)
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
-            step.cap_prefill(OTHER_TIERS, cap)
+            step.cap_prefill(OTHER_TIERS, cap, at_least=MIN_OTHER_PREFILL_TOKENS)
 
     def solo(self, prefills_p0: bool) -> bool:
         """Whether a step that prefills P0 (`prefills_p0`) carries P0 work only: with

@@ -32,22 +32,34 @@ class StepBudget:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     fresh: set[Request] = field(default_factory=set)  # admitted or swapped in this pass: no victims
-    # The executor's predicted duration of a step of n tokens (for hooks that bound steps).
-    estimate_s: Callable[[int], float] | None = None
-    # A shared cap on the prefill tokens of some tiers in this step (set by a policy hook).
+    # The executor's predicted duration of one step that prefills n tokens after ctx cached
+    # tokens, as estimate_s(n, ctx) (for hooks that bound steps).
+    estimate_s: Callable[[int, int], float] | None = None
+    # A shared cap on the prefill tokens of some tiers in this step (set by a policy hook),
+    # counted in tokens of a fresh prompt: a chunk deep into a long prompt also pays for
+    # attention over its context, so it is charged the fresh tokens that cost as much.
     capped_tiers: frozenset[Tier] = frozenset()
     capped_tokens_left: int = 0
+    capped_at_least: int = 1  # pricing at the context never cuts a chunk below this
 
-    def cap_prefill(self, tiers: Collection[Tier], num_tokens: int) -> None:
-        """Let the prefill chunks of `tiers` take at most `num_tokens` of this step together."""
+    def cap_prefill(self, tiers: Collection[Tier], num_tokens: int, *, at_least: int = 1) -> None:
+        """Let the prefill chunks of `tiers` take at most `num_tokens` of this step together,
+        priced at their context when `estimate_s` is known (but each chunk gets at least
+        `at_least` tokens while the cap has them, so that long prompts keep moving)."""
         self.capped_tiers = frozenset(tiers)
         self.capped_tokens_left = max(0, num_tokens)
+        self.capped_at_least = max(1, at_least)
 
     def chunk_for(self, req: Request, cap: int | None = None) -> int:
         """How many of `req`'s uncomputed tokens fit in this step (`cap`: the policy's own)."""
         n = min(req.num_tokens - req.num_computed_tokens, self.tokens_left)
         if req.tier in self.capped_tiers:
             n = min(n, self.capped_tokens_left)
+            context = req.num_computed_tokens
+            if n > 1 and context and self.estimate_s is not None:
+                bound_s = self.estimate_s(self.capped_tokens_left, 0)
+                fit = _most_tokens_within(self.estimate_s, context, n, bound_s)
+                n = max(fit, min(n, self.capped_at_least))
         return n if cap is None else min(n, cap)
 
     def has_prefill_room(self, tier: Tier) -> bool:
@@ -62,7 +74,23 @@ class StepBudget:
         self.prefills[req] = num_tokens
         self.tokens_left -= num_tokens
         if req.tier in self.capped_tiers:
-            self.capped_tokens_left -= num_tokens
+            self.capped_tokens_left -= self._fresh_tokens(num_tokens, req.num_computed_tokens)
+
+    def _fresh_tokens(self, num_tokens: int, context: int) -> int:
+        """The tokens of a fresh prompt that cost as much as `num_tokens` after `context`
+        (at most what the cap has left)."""
+        left = self.capped_tokens_left
+        if not context or self.estimate_s is None or num_tokens >= left:
+            return min(num_tokens, left)
+        estimate, cost = self.estimate_s, self.estimate_s(num_tokens, context)
+        lo, hi = num_tokens, left  # the smallest fresh count in [lo, hi] costing >= cost
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if estimate(mid, 0) >= cost:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def give_back(self, req: Request) -> int:
         """Take `req`'s work out of the step (a victim, or shaping); returns the tokens freed."""
@@ -85,3 +113,18 @@ class StepBudget:
         return (decodes and any(r.tier == tier for r in self.decodes)) or (
             prefills and any(r.tier == tier for r in self.prefills)
         )
+
+
+def _most_tokens_within(
+    estimate_s: Callable[[int, int], float], context: int, most: int, bound_s: float
+) -> int:
+    """The largest chunk in [1, most] after `context` tokens whose step is predicted within
+    `bound_s` (1 if none is; `estimate_s` grows with the tokens)."""
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_s(mid, context) <= bound_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -52,8 +52,8 @@ class ServedExecutor:
         self._hold(started, seconds)
         return seconds
 
-    def estimate_prefill_s(self, num_tokens: int) -> float:
-        return self._inner.estimate_prefill_s(num_tokens)
+    def estimate_prefill_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
+        return self._inner.estimate_prefill_s(num_tokens, num_context_tokens)
 
     def estimate_swap_s(self, num_blocks: int) -> float:
         return self._inner.estimate_swap_s(num_blocks)

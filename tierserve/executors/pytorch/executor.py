@@ -115,7 +115,8 @@ class TorchExecutor:
     def swap_in(self, mapping: Sequence[tuple[int, int]]) -> float:
         return self.pool.swap_in(mapping)
 
-    def estimate_prefill_s(self, num_tokens: int) -> float:
+    def estimate_prefill_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
+        # The start-up calibration times fresh prompts only: a chunk is priced by its tokens.
         return self.calibration.prefill_s(num_tokens)
 
     def estimate_swap_s(self, num_blocks: int) -> float:

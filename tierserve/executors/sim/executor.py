@@ -142,8 +142,8 @@ class SimExecutor:
     def swap_in(self, mapping: Sequence[tuple[int, int]]) -> float:
         return self.estimate_swap_s(len(mapping))
 
-    def estimate_prefill_s(self, num_tokens: int) -> float:
-        return self.cost.prefill_s(num_tokens)
+    def estimate_prefill_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
+        return self.cost.prefill_s(num_tokens, num_context_tokens)
 
     def estimate_swap_s(self, num_blocks: int) -> float:
         return self.cost.swap_s(num_blocks, self._spec.block_size)
