@@ -132,7 +132,7 @@ class KVCacheManager:
 
     def grow(self, req: Request, num_tokens: int) -> Alloc:
         """Make sure the request's blocks cover its first `num_tokens` tokens."""
-        num_new = self.blocks_for(num_tokens) - len(req.block_ids)
+        num_new = -(-num_tokens // self.block_size) - len(req.block_ids)  # blocks_for, inlined
         if num_new <= 0:
             return Alloc.OK
         status = self.check(req.tier, num_new)
