@@ -138,7 +138,8 @@ class Lifecycle:
     def apply(self, batch: StepBatch, result: StepResult, eos: tuple[int, ...]) -> list[RequestOutput]:
         """Record a step's computed tokens and samples; end the requests that finished."""
         now = self.clock.now()
-        stats, cache_computed_blocks = self.stats, self.memory.cache_computed_blocks
+        stats, memory = self.stats, self.memory
+        block_size, caching_behind = memory.block_size, memory.caching_behind
         sampled_token_ids = result.sampled_token_ids
         outputs: list[RequestOutput] = []
         for seq in batch.prefills:
@@ -148,7 +149,11 @@ class Lifecycle:
             for req, num_tokens in seqs:
                 computed = req.num_computed_tokens + num_tokens
                 req.num_computed_tokens = computed
-                cache_computed_blocks(req)
+                # Only a chunk that completes a block, or a request still behind, can have
+                # full blocks for the prefix cache (`computed % block_size < num_tokens`:
+                # a block boundary lies among the chunk's tokens).
+                if computed % block_size < num_tokens or req.request_id in caching_behind:
+                    memory.cache_computed_blocks(req)
                 token_ids = req.token_ids
                 if computed != len(token_ids):
                     continue  # the chunk did not reach the last token: nothing sampled

@@ -46,6 +46,11 @@ class KVCacheManager:
         self._swapped: dict[str, Request] = {}  # requests holding host blocks
         self._hashes: dict[str, list[BlockKey]] = {}  # chained keys of each request's full blocks
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
+        # Requests whose full blocks may not all be in the prefix cache although no chunk
+        # has completed a block since their last `cache_computed_blocks` (back from swap on
+        # new blocks, or computed beyond their blocks): the only ones whose call can enter
+        # a block without a block boundary crossed (see `Lifecycle.apply`).
+        self.caching_behind: set[str] = set()
         self._prefix_queried = [0] * len(ALL_TIERS)
         self._prefix_hit = [0] * len(ALL_TIERS)
 
@@ -153,12 +158,18 @@ class KVCacheManager:
         self._swapped.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        self.caching_behind.discard(req.request_id)
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Enter the request's newly completed full blocks into the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        num_computed_blocks = req.num_computed_tokens // self.block_size
+        num_full = min(num_computed_blocks, len(req.block_ids))
+        if num_full < num_computed_blocks:
+            self.caching_behind.add(req.request_id)
+        else:
+            self.caching_behind.discard(req.request_id)
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return
@@ -184,6 +195,7 @@ class KVCacheManager:
         del self._holders[req.request_id]
         self._swapped[req.request_id] = req
         self._num_registered[req.request_id] = 0
+        self.caching_behind.discard(req.request_id)
         return mapping
 
     def swap_in(self, req: Request) -> list[tuple[int, int]] | Alloc:
@@ -198,6 +210,7 @@ class KVCacheManager:
         req.block_ids = device_ids
         del self._swapped[req.request_id]
         self._holders[req.request_id] = req
+        self.caching_behind.add(req.request_id)  # its blocks are new: none is in the cache
         return mapping
 
     # ---- prefix cache --------------------------------------------------------------------
