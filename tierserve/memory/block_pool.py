@@ -25,6 +25,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 NO_TIER = -1
 BlockKey = bytes
+_sha256 = hashlib.sha256
 HashFn = Callable[[BlockKey | None, Sequence[int]], BlockKey]
 
 
@@ -33,6 +34,19 @@ def hash_block(parent_key: BlockKey | None, token_ids: Sequence[int]) -> BlockKe
     digest = hashlib.sha256(parent_key or b"")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def hash_blocks(parent_key: BlockKey | None, token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
+    """`hash_block` of each full block of `token_ids` in turn, each chained to the key
+    before it (the ids are converted to bytes once for all the blocks)."""
+    data = array("q", token_ids).tobytes()
+    stride = block_size * 8  # bytes of one block's ids ("q": 8 bytes each)
+    keys: list[BlockKey] = []
+    parent = parent_key or b""
+    for offset in range(0, len(token_ids) // block_size * stride, stride):
+        parent = _sha256(parent + data[offset : offset + stride]).digest()
+        keys.append(parent)
+    return keys
 
 
 class BlockPool:

@@ -9,7 +9,7 @@ import enum
 from collections import Counter
 from collections.abc import Sequence
 
-from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block
+from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.host_pool import HostPool
 from tierserve.memory.partition import TierPartition
@@ -219,6 +219,9 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens, size = req.token_ids, self.block_size
         parent = hashes[-1] if hashes else None
+        if self._hash_fn is hash_block:  # the same keys, from one conversion of the ids
+            hashes.extend(hash_blocks(parent, tokens[len(hashes) * size : num_blocks * size], size))
+            return hashes
         for i in range(len(hashes), num_blocks):
             parent = self._hash_fn(parent, tokens[i * size : (i + 1) * size])
             hashes.append(parent)
