@@ -20,7 +20,7 @@ from tierserve.clock import Clock
 from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle
 from tierserve.engine.preemption import Preemptor
-from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
+from tierserve.executors.base import Executor, ScheduledSeq, StepBatch, decode_seqs
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import FinishReason, Request, RequestStatus
 from tierserve.scheduling.base import Policy, RunningPass
@@ -89,9 +89,7 @@ class Scheduler:
         for victim, mode in step.preempted:
             if mode is PreemptMode.RECOMPUTE:
                 self.lifecycle.requeue(victim, now)
-        batch = StepBatch(
-            [ScheduledSeq(r, 1) for r in step.decodes], [ScheduledSeq(r, n) for r, n in step.prefills.items()]
-        )
+        batch = StepBatch(decode_seqs(step.decodes), [ScheduledSeq(r, n) for r, n in step.prefills.items()])
         return SchedulerOutput(batch, step.swap_out, step.swap_in, step.preempted, shed)
 
     def _begin(self, step: StepBudget, now: float) -> list[Request]:
