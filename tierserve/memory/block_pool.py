@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.tiers import ALL_TIERS, Tier
@@ -107,20 +107,27 @@ class BlockPool:
 
     def release(self, block_id: int) -> None:
         """Drop one reference; at zero the block becomes cached-free (if hashed) or free."""
-        count = self.ref_count[block_id] - 1
-        if count < 0:
-            raise KVIntegrityError(f"block {block_id} released more often than taken")
-        self.ref_count[block_id] = count
-        if count:
-            return
-        tier = self.charged_tier[block_id]
-        self.used_by_tier[tier] -= 1
-        if self.block_hash[block_id] is None:
-            self.charged_tier[block_id] = NO_TIER
-            self._free.append(block_id)
-        else:
-            self._evictable[tier][block_id] = None  # most recently used at the end
-            self._num_evictable += 1
+        self.release_all((block_id,))
+
+    def release_all(self, block_ids: Iterable[int]) -> None:
+        """`release` each block in turn (a request's blocks in its table's order: the
+        later ones become the more recently used)."""
+        ref_count, charged_tier, block_hash = self.ref_count, self.charged_tier, self.block_hash
+        for block_id in block_ids:
+            count = ref_count[block_id] - 1
+            if count < 0:
+                raise KVIntegrityError(f"block {block_id} released more often than taken")
+            ref_count[block_id] = count
+            if count:
+                continue
+            tier = charged_tier[block_id]
+            self.used_by_tier[tier] -= 1
+            if block_hash[block_id] is None:
+                charged_tier[block_id] = NO_TIER
+                self._free.append(block_id)
+            else:
+                self._evictable[tier][block_id] = None  # most recently used at the end
+                self._num_evictable += 1
 
     def register(
         self, block_id: int, block_hash: BlockKey, parent: BlockKey | None, token_ids: Sequence[int]

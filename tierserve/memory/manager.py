@@ -148,8 +148,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release every device and host block of the request and forget it."""
-        for b in req.block_ids:
-            self.pool.release(b)
+        self.pool.release_all(req.block_ids)
         req.block_ids = []
         self._holders.pop(req.request_id, None)
         if req.host_block_ids:
@@ -188,8 +187,7 @@ class KVCacheManager:
         if host_ids is None:
             return None
         mapping = list(zip(req.block_ids, host_ids, strict=True))
-        for b in req.block_ids:
-            self.pool.release(b)
+        self.pool.release_all(req.block_ids)
         req.block_ids = []
         req.host_block_ids = host_ids
         del self._holders[req.request_id]
