@@ -109,7 +109,7 @@ class Scheduler:
         takes blocks from the least protected requests after it, or yields its own.
         Returns the running requests that still prefill, in protection order."""
         life, memory = self.lifecycle, self.memory
-        running = life.running
+        running, block_size = life.running, memory.block_size
         if life.unsorted:
             running.sort(key=self.policy.running_key)
             life.unsorted = False
@@ -120,7 +120,10 @@ class Scheduler:
             if req.is_prefilling:
                 prefilling.append(req)
             elif step.tokens_left >= 1:
-                status = memory.grow(req, req.num_tokens)
+                num_tokens = req.num_tokens
+                # Most decodes need no new block: `grow`'s first check, without the call.
+                covered = len(req.block_ids) * block_size >= num_tokens
+                status = Alloc.OK if covered else memory.grow(req, num_tokens)
                 while status is not Alloc.OK:
                     same_tier = status is Alloc.OVER_CEILING
                     victim = self.preemptor.decode_victim(req, running[i + 1 :], same_tier=same_tier)
