@@ -167,13 +167,18 @@ def test_a_capped_step_admits_no_prompt_it_cannot_start() -> None:
     run(eng)
 
 
-def _first_p1_chunk(likely_s: float, bound_s: float) -> int:
+def _first_p1_chunk(likely_s: float, bound_s: float, from_slack: bool = False, p0_prompt: int = 16) -> int:
     eng = engine(
         blocks=8000,
         max_num_batched_tokens=4096,
-        hybrid={"step_bound_s": bound_s, "p0_step_tokens": 4096, "p0_likely_s": likely_s},
+        hybrid={
+            "step_bound_s": bound_s,
+            "p0_step_tokens": 4096,
+            "p0_likely_s": likely_s,
+            "step_bound_from_slack": from_slack,
+        },
     )
-    eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))
+    eng.add_request(make_request(num_prompt=p0_prompt, max_tokens=1, tier=Tier.P0))
     run(eng)
     eng.add_request(make_request(num_prompt=3000, max_tokens=1, tier=Tier.P1))
     eng.step()
@@ -188,6 +193,31 @@ def test_the_step_time_bound_comes_from_the_executors_cost_model() -> None:
     assert _first_p1_chunk(likely_s=1000.0, bound_s=0.015) == 500
     assert _first_p1_chunk(likely_s=1000.0, bound_s=0.02) == 1000
     assert _first_p1_chunk(likely_s=0.0, bound_s=0.015) == 3000, "no P0 in sight: the full budget"
+
+
+def test_the_step_bound_widens_to_the_slack_short_p0_prompts_leave() -> None:
+    # P0's target is 0.5 s. A 16-token P0 prompt alone is predicted at 0.01016 s, so a
+    # step may take 0.48984 s: the whole 3,000-token prompt (0.04 s) fits.
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.015, from_slack=True) == 3000
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.015, from_slack=False) == 500
+    from tierserve.scheduling.hybrid import HybridOptions
+    from tierserve.scheduling.hybrid_step import RECENT_P0_PROMPTS, StepShaper
+
+    def estimate(n: int, context: int) -> float:
+        return 0.01 + 1e-5 * (n + context)
+
+    shaper = StepShaper(HybridOptions(step_bound_s=0.015), 100_000, p0_target_s=0.5)
+    shaper.p0_admitted(16)
+    assert shaper.bound_s(estimate) == pytest.approx(0.5 - 0.01016)
+    # A 48,000-token P0 prompt (0.49 s alone) leaves less than `step_bound_s`, which holds
+    # until it is no longer among the recent P0 prompts.
+    shaper.p0_admitted(48_000)
+    assert shaper.bound_s(estimate) == 0.015 and shaper.bound_tokens(estimate) == 500
+    for _ in range(RECENT_P0_PROMPTS - 1):
+        shaper.p0_admitted(16)
+    assert shaper.bound_tokens(estimate) == 500
+    shaper.p0_admitted(16)
+    assert shaper.bound_tokens(estimate) == HybridOptions().p0_step_tokens  # 48,984 by time
 
 
 def test_p0_takes_a_seat_from_a_lower_tier() -> None:
@@ -319,7 +349,8 @@ def test_a_chunk_deep_into_a_long_prompt_is_priced_at_its_context() -> None:
     from tierserve.executors.sim.executor import build_sim_executor
 
     bound_s = 0.15
-    base = parse_config({"policy": {"hybrid": {"step_bound_s": bound_s, "p0_likely_s": 1e9}}})
+    hybrid = {"step_bound_s": bound_s, "p0_likely_s": 1e9, "step_bound_from_slack": False}
+    base = parse_config({"policy": {"hybrid": hybrid}})
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
         tiers=base.tiers,

@@ -165,7 +165,8 @@ def markdown(results: Mapping[str, Any]) -> str:
     lines += ["## What was simulated", "", *_setup_lines(results), "", DIFFERENCES, ""]
     lines += [
         f"Every figure is pooled over the seeds {seeds}: their measured requests together, "
-        "percentiles over all of them, goodput and throughput over their summed windows. "
+        "percentiles over all of them, goodput over their summed arrival spans and throughput over "
+        "their summed windows. "
         "Definitions: docs/benchmark.md.",
         "",
     ]

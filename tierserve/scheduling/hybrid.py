@@ -87,6 +87,7 @@ class Choice(NamedTuple):
 @dataclass(frozen=True)
 class HybridOptions(PolicyOptions):
     step_bound_s: float = 0.15  # predicted step duration P1-P3 prefill may fill while a P0 is likely
+    step_bound_from_slack: bool = True  # ... or more: P0's target less its longest recent prompt alone
     p0_step_tokens: int = 2048  # ... and at most this many tokens of it
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
     p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
@@ -110,7 +111,9 @@ class HybridPolicy(FairQueuePolicy):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = config.options(self.name, HybridOptions)
-        self._shaper = StepShaper(self.options, config.scheduler.max_num_batched_tokens)
+        self._shaper = StepShaper(
+            self.options, config.scheduler.max_num_batched_tokens, config.tiers[Tier.P0].ttft_target_s
+        )
         weights = [config.tiers[t].wfq_weight for t in ALL_TIERS]
         self._sfq = TierFairQueues(weights, expected_cost)
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
@@ -181,6 +184,8 @@ class HybridPolicy(FairQueuePolicy):
         else:
             self._sfq.take(req)
         self._untrack(req)
+        if req.tier == Tier.P0:  # popped once admitted: its cached prefix is known
+            self._shaper.p0_admitted(req.num_tokens - req.num_computed_tokens)
         return req
 
     def _push(self, req: Request, now: float) -> None:

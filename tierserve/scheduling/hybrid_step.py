@@ -7,7 +7,11 @@
   keep moving. A chunk deep into a long prompt is priced at its context (its attention
   reads every cached token before it), so it gets fewer tokens than a fresh one. A P0
   arriving at the worst moment then waits for at most one such step before its own.
-  With no P0 in sight the full step budget is used.
+  With no P0 in sight the full step budget is used. With `step_bound_from_slack` the
+  bound widens to the slack P0's recent prompts leave inside its TTFT target (the
+  target less the predicted time of the longest of the last RECENT_P0_PROMPTS alone,
+  past their cached prefix):
+  short P0 prompts need no tight bound, and the other tiers keep their throughput.
 - P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
   only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
   stopped.
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from tierserve.scheduling.hybrid import HybridOptions
 
 SHAPING_WINDOW = 8
+RECENT_P0_PROMPTS = 32  # P0 prompts whose longest sets the slack of the step bound
 OTHER_TIERS = (Tier.P1, Tier.P2, Tier.P3)
 # The other tiers' prefill gets at least this many tokens a step under the bound: delayed,
 # never stopped (a bound below one step's fixed cost, or many decodes, would leave 0).
@@ -54,11 +59,14 @@ def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int)
 
 
 class StepShaper:
-    def __init__(self, options: HybridOptions, max_step_tokens: int) -> None:
+    def __init__(self, options: HybridOptions, max_step_tokens: int, p0_target_s: float) -> None:
         self.options = options
         self.max_step_tokens = max_step_tokens
+        self.p0_target_s = p0_target_s
         self.last_p0_arrival = -math.inf
-        self._bound_tokens: int | None = None  # from the cost model, found once
+        self._recent_p0: deque[int] = deque(maxlen=RECENT_P0_PROMPTS)  # their prompt tokens
+        self._longest_p0 = 0  # of `_recent_p0`
+        self._bound: tuple[int, int] | None = None  # (longest recent P0, the bound's tokens)
         self._solo: deque[bool] = deque(maxlen=SHAPING_WINDOW)
         self._yield_prompts: deque[bool] = deque(maxlen=SHAPING_WINDOW)
         self._yield_decodes: deque[bool] = deque(maxlen=SHAPING_WINDOW)
@@ -69,17 +77,36 @@ class StepShaper:
         p0 = Tier.P0
         return any(r.tier is p0 and r.is_prefilling for r in running)
 
+    def p0_admitted(self, num_prompt_tokens: int) -> None:
+        """A P0 prompt starts, with `num_prompt_tokens` to compute (past its cached prefix)."""
+        recent = self._recent_p0
+        dropped = recent[0] if len(recent) == recent.maxlen else 0
+        recent.append(num_prompt_tokens)
+        if num_prompt_tokens >= self._longest_p0:
+            self._longest_p0 = num_prompt_tokens
+        elif dropped == self._longest_p0:
+            self._longest_p0 = max(recent)
+
+    def bound_s(self, estimate_s: Callable[[int, int], float]) -> float:
+        """The predicted step duration P1-P3 prefill may fill while a P0 is likely."""
+        bound = self.options.step_bound_s
+        if self.options.step_bound_from_slack and self._longest_p0 and math.isfinite(self.p0_target_s):
+            bound = max(bound, self.p0_target_s - estimate_s(self._longest_p0, 0))
+        return bound
+
     def bound_tokens(self, estimate_s: Callable[[int, int], float] | None) -> int:
-        """Tokens of one step within `step_bound_s`, capped by `p0_step_tokens`."""
-        if self._bound_tokens is None:
+        """Tokens of one step within `bound_s`, capped by `p0_step_tokens` (found again
+        only when the longest recent P0 prompt changes)."""
+        key = self._longest_p0
+        if self._bound is None or self._bound[0] != key:
             most = self.max_step_tokens
             by_time = (
                 most
                 if estimate_s is None
-                else tokens_within(lambda n: estimate_s(n, 0), self.options.step_bound_s, most)
+                else tokens_within(lambda n: estimate_s(n, 0), self.bound_s(estimate_s), most)
             )
-            self._bound_tokens = min(by_time, self.options.p0_step_tokens)
-        return self._bound_tokens
+            self._bound = (key, min(by_time, self.options.p0_step_tokens))
+        return self._bound[1]
 
     def begin(self, step: StepBudget, num_p0_waiting: int, running: Sequence[Request], now: float) -> None:
         if self.p0_likely(num_p0_waiting, running, now):

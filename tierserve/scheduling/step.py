@@ -58,8 +58,9 @@ class StepBudget:
             context = req.num_computed_tokens
             if n > 1 and context and self.estimate_s is not None:
                 bound_s = self.estimate_s(self.capped_tokens_left, 0)
-                fit = _most_tokens_within(self.estimate_s, context, n, bound_s)
-                n = max(fit, min(n, self.capped_at_least))
+                if self.estimate_s(n, context) > bound_s:  # else the whole chunk fits
+                    fit = _most_tokens_within(self.estimate_s, context, n, bound_s)
+                    n = max(fit, min(n, self.capped_at_least))
         return n if cap is None else min(n, cap)
 
     def has_prefill_room(self, tier: Tier) -> bool:
