@@ -153,7 +153,10 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         """True until the K/V of every known token but the last sampled one is computed."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
+        # `num_tokens` and `num_output_tokens` spelled out: the scheduler asks this of every
+        # running request in every pass.
+        num_tokens = len(self.token_ids)
+        return self.num_computed_tokens < num_tokens - 1 or num_tokens == self.num_prompt_tokens
 
     @property
     def expected_cost_tokens(self) -> int:

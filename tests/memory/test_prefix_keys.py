@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tests.conftest import make_request
-from tierserve.memory.block_pool import BlockKey, hash_block
+from tierserve.memory.block_pool import BlockKey, hash_block, hash_blocks
 from tierserve.memory.manager import KVCacheManager
 from tierserve.request import Request
 
@@ -63,3 +63,12 @@ def test_the_default_keys_reuse_identical_prefixes() -> None:
     assert _reused(mem, list(range(9))) == 2 * BLOCK
     assert _reused(mem, [0, 1, 2, 3, 99, 5, 6, 7, 8]) == BLOCK
     assert mem.pool.num_key_collisions == 0
+
+
+def test_hash_blocks_chains_hash_block_over_full_blocks() -> None:
+    tokens = [7, 1, 9, 9, 4, 0, 2, 8, 5, 5, 3]  # two full blocks of 4 and a partial one
+    first = hash_block(None, tokens[:4])
+    expected = [first, hash_block(first, tokens[4:8])]
+    assert hash_blocks(None, tokens, BLOCK) == expected
+    assert hash_blocks(first, tokens[4:8], BLOCK) == expected[1:]
+    assert hash_blocks(None, tokens[:3], BLOCK) == []

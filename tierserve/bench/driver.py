@@ -263,12 +263,16 @@ class _Run:
         """One engine step; False if it neither took time nor ended a request."""
         if self._leap():
             return True
-        memory = self.engine.memory
-        used = [memory.used_blocks(t) for t in ALL_TIERS]
-        borrowed = memory.borrowed_by_tier()
+        # The blocks held as the step begins, noted while the window samples (only this
+        # driver opens and closes it, never a step).
+        sampling = self._sampling()
+        if sampling:
+            memory = self.engine.memory
+            used = [memory.used_blocks(t) for t in ALL_TIERS]
+            borrowed = memory.borrowed_by_tier()
         before = self.clock.now()
         outputs = self.engine.step()
-        if self._sampling():
+        if sampling:
             self.sampler.add(self.clock.now() - before, used, borrowed)
         ended = [o.request for o in outputs if o.finished]
         for req in ended:

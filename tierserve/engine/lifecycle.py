@@ -138,29 +138,39 @@ class Lifecycle:
     def apply(self, batch: StepBatch, result: StepResult, eos: tuple[int, ...]) -> list[RequestOutput]:
         """Record a step's computed tokens and samples; end the requests that finished."""
         now = self.clock.now()
+        stats, memory = self.stats, self.memory
+        block_size, caching_behind = memory.block_size, memory.caching_behind
+        sampled_token_ids = result.sampled_token_ids
         outputs: list[RequestOutput] = []
         for seq in batch.prefills:
-            self.stats.num_computed_prompt_tokens += seq.num_tokens
-        for seq in batch.seqs:
-            req = seq.request
-            samples = seq.samples
-            req.num_computed_tokens += seq.num_tokens
-            self.memory.cache_computed_blocks(req)
-            if not samples:
-                continue
-            token = result.sampled_token_ids[req.request_id]
-            req.token_ids.append(token)
-            self.stats.num_generated_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-                req.record(now, EventKind.FIRST_TOKEN)
-            params = req.sampling
-            reason: FinishReason | None = None
-            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
-                reason = FinishReason.STOP
-            elif req.num_output_tokens >= params.max_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                self.end(req, reason)
-            outputs.append(RequestOutput(req, [token], reason is not None))
+            stats.num_computed_prompt_tokens += seq.num_tokens
+        num_sampled = 0
+        for seqs in (batch.decodes, batch.prefills):
+            for req, num_tokens in seqs:
+                computed = req.num_computed_tokens + num_tokens
+                req.num_computed_tokens = computed
+                # Only a chunk that completes a block, or a request still behind, can have
+                # full blocks for the prefix cache (`computed % block_size < num_tokens`:
+                # a block boundary lies among the chunk's tokens).
+                if computed % block_size < num_tokens or req.request_id in caching_behind:
+                    memory.cache_computed_blocks(req)
+                token_ids = req.token_ids
+                if computed != len(token_ids):
+                    continue  # the chunk did not reach the last token: nothing sampled
+                token = sampled_token_ids[req.request_id]
+                token_ids.append(token)
+                num_sampled += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    req.record(now, EventKind.FIRST_TOKEN)
+                params = req.sampling
+                reason: FinishReason | None = None
+                if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
+                    reason = FinishReason.STOP
+                elif len(token_ids) - req.num_prompt_tokens >= params.max_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    self.end(req, reason)
+                outputs.append(RequestOutput(req, [token], reason is not None))
+        stats.num_generated_tokens += num_sampled
         return outputs

@@ -20,7 +20,7 @@ from tierserve.clock import Clock
 from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle
 from tierserve.engine.preemption import Preemptor
-from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
+from tierserve.executors.base import Executor, ScheduledSeq, StepBatch, decode_seqs
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import FinishReason, Request, RequestStatus
 from tierserve.scheduling.base import Policy, RunningPass
@@ -89,9 +89,7 @@ class Scheduler:
         for victim, mode in step.preempted:
             if mode is PreemptMode.RECOMPUTE:
                 self.lifecycle.requeue(victim, now)
-        batch = StepBatch(
-            [ScheduledSeq(r, 1) for r in step.decodes], [ScheduledSeq(r, n) for r, n in step.prefills.items()]
-        )
+        batch = StepBatch(decode_seqs(step.decodes), [ScheduledSeq(r, n) for r, n in step.prefills.items()])
         return SchedulerOutput(batch, step.swap_out, step.swap_in, step.preempted, shed)
 
     def _begin(self, step: StepBudget, now: float) -> list[Request]:
@@ -111,7 +109,7 @@ class Scheduler:
         takes blocks from the least protected requests after it, or yields its own.
         Returns the running requests that still prefill, in protection order."""
         life, memory = self.lifecycle, self.memory
-        running = life.running
+        running, block_size = life.running, memory.block_size
         if life.unsorted:
             running.sort(key=self.policy.running_key)
             life.unsorted = False
@@ -122,7 +120,10 @@ class Scheduler:
             if req.is_prefilling:
                 prefilling.append(req)
             elif step.tokens_left >= 1:
-                status = memory.grow(req, req.num_tokens)
+                num_tokens = req.num_tokens
+                # Most decodes need no new block: `grow`'s first check, without the call.
+                covered = len(req.block_ids) * block_size >= num_tokens
+                status = Alloc.OK if covered else memory.grow(req, num_tokens)
                 while status is not Alloc.OK:
                     same_tier = status is Alloc.OVER_CEILING
                     victim = self.preemptor.decode_victim(req, running[i + 1 :], same_tier=same_tier)

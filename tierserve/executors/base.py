@@ -8,9 +8,10 @@ block ids with host block ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from itertools import repeat
+from typing import NamedTuple, Protocol, cast
 
 from tierserve.request import Request
 
@@ -29,6 +30,14 @@ class ScheduledSeq(NamedTuple):
     def samples(self) -> bool:
         """Whether this chunk reaches the last known token, so a new token is sampled."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+def decode_seqs(requests: Iterable[Request]) -> list[ScheduledSeq]:
+    """`ScheduledSeq(r, 1)` for each of `requests`, made by `tuple.__new__` as the
+    NamedTuple's own constructor does, but without a Python call per tuple (a step has
+    one for every decoding request)."""
+    make = cast(Callable[[type[ScheduledSeq], tuple[Request, int]], ScheduledSeq], tuple.__new__)
+    return list(map(make, repeat(ScheduledSeq), zip(requests, repeat(1))))
 
 
 @dataclass(frozen=True, slots=True)

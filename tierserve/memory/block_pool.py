@@ -18,13 +18,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.tiers import ALL_TIERS, Tier
 
 NO_TIER = -1
 BlockKey = bytes
+_sha256 = hashlib.sha256
 HashFn = Callable[[BlockKey | None, Sequence[int]], BlockKey]
 
 
@@ -33,6 +34,19 @@ def hash_block(parent_key: BlockKey | None, token_ids: Sequence[int]) -> BlockKe
     digest = hashlib.sha256(parent_key or b"")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def hash_blocks(parent_key: BlockKey | None, token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
+    """`hash_block` of each full block of `token_ids` in turn, each chained to the key
+    before it (the ids are converted to bytes once for all the blocks)."""
+    data = array("q", token_ids).tobytes()
+    stride = block_size * 8  # bytes of one block's ids ("q": 8 bytes each)
+    keys: list[BlockKey] = []
+    parent = parent_key or b""
+    for offset in range(0, len(token_ids) // block_size * stride, stride):
+        parent = _sha256(parent + data[offset : offset + stride]).digest()
+        keys.append(parent)
+    return keys
 
 
 class BlockPool:
@@ -93,20 +107,27 @@ class BlockPool:
 
     def release(self, block_id: int) -> None:
         """Drop one reference; at zero the block becomes cached-free (if hashed) or free."""
-        count = self.ref_count[block_id] - 1
-        if count < 0:
-            raise KVIntegrityError(f"block {block_id} released more often than taken")
-        self.ref_count[block_id] = count
-        if count:
-            return
-        tier = self.charged_tier[block_id]
-        self.used_by_tier[tier] -= 1
-        if self.block_hash[block_id] is None:
-            self.charged_tier[block_id] = NO_TIER
-            self._free.append(block_id)
-        else:
-            self._evictable[tier][block_id] = None  # most recently used at the end
-            self._num_evictable += 1
+        self.release_all((block_id,))
+
+    def release_all(self, block_ids: Iterable[int]) -> None:
+        """`release` each block in turn (a request's blocks in its table's order: the
+        later ones become the more recently used)."""
+        ref_count, charged_tier, block_hash = self.ref_count, self.charged_tier, self.block_hash
+        for block_id in block_ids:
+            count = ref_count[block_id] - 1
+            if count < 0:
+                raise KVIntegrityError(f"block {block_id} released more often than taken")
+            ref_count[block_id] = count
+            if count:
+                continue
+            tier = charged_tier[block_id]
+            self.used_by_tier[tier] -= 1
+            if block_hash[block_id] is None:
+                charged_tier[block_id] = NO_TIER
+                self._free.append(block_id)
+            else:
+                self._evictable[tier][block_id] = None  # most recently used at the end
+                self._num_evictable += 1
 
     def register(
         self, block_id: int, block_hash: BlockKey, parent: BlockKey | None, token_ids: Sequence[int]

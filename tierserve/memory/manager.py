@@ -9,7 +9,7 @@ import enum
 from collections import Counter
 from collections.abc import Sequence
 
-from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block
+from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.host_pool import HostPool
 from tierserve.memory.partition import TierPartition
@@ -46,6 +46,11 @@ class KVCacheManager:
         self._swapped: dict[str, Request] = {}  # requests holding host blocks
         self._hashes: dict[str, list[BlockKey]] = {}  # chained keys of each request's full blocks
         self._num_registered: dict[str, int] = {}  # leading blocks already in the prefix cache
+        # Requests whose full blocks may not all be in the prefix cache although no chunk
+        # has completed a block since their last `cache_computed_blocks` (back from swap on
+        # new blocks, or computed beyond their blocks): the only ones whose call can enter
+        # a block without a block boundary crossed (see `Lifecycle.apply`).
+        self.caching_behind: set[str] = set()
         self._prefix_queried = [0] * len(ALL_TIERS)
         self._prefix_hit = [0] * len(ALL_TIERS)
 
@@ -132,7 +137,7 @@ class KVCacheManager:
 
     def grow(self, req: Request, num_tokens: int) -> Alloc:
         """Make sure the request's blocks cover its first `num_tokens` tokens."""
-        num_new = self.blocks_for(num_tokens) - len(req.block_ids)
+        num_new = -(-num_tokens // self.block_size) - len(req.block_ids)  # blocks_for, inlined
         if num_new <= 0:
             return Alloc.OK
         status = self.check(req.tier, num_new)
@@ -143,8 +148,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release every device and host block of the request and forget it."""
-        for b in req.block_ids:
-            self.pool.release(b)
+        self.pool.release_all(req.block_ids)
         req.block_ids = []
         self._holders.pop(req.request_id, None)
         if req.host_block_ids:
@@ -153,12 +157,18 @@ class KVCacheManager:
         self._swapped.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        self.caching_behind.discard(req.request_id)
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Enter the request's newly completed full blocks into the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        num_computed_blocks = req.num_computed_tokens // self.block_size
+        num_full = min(num_computed_blocks, len(req.block_ids))
+        if num_full < num_computed_blocks:
+            self.caching_behind.add(req.request_id)
+        else:
+            self.caching_behind.discard(req.request_id)
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return
@@ -177,13 +187,13 @@ class KVCacheManager:
         if host_ids is None:
             return None
         mapping = list(zip(req.block_ids, host_ids, strict=True))
-        for b in req.block_ids:
-            self.pool.release(b)
+        self.pool.release_all(req.block_ids)
         req.block_ids = []
         req.host_block_ids = host_ids
         del self._holders[req.request_id]
         self._swapped[req.request_id] = req
         self._num_registered[req.request_id] = 0
+        self.caching_behind.discard(req.request_id)
         return mapping
 
     def swap_in(self, req: Request) -> list[tuple[int, int]] | Alloc:
@@ -198,6 +208,7 @@ class KVCacheManager:
         req.block_ids = device_ids
         del self._swapped[req.request_id]
         self._holders[req.request_id] = req
+        self.caching_behind.add(req.request_id)  # its blocks are new: none is in the cache
         return mapping
 
     # ---- prefix cache --------------------------------------------------------------------
@@ -206,6 +217,9 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.request_id, [])
         tokens, size = req.token_ids, self.block_size
         parent = hashes[-1] if hashes else None
+        if self._hash_fn is hash_block:  # the same keys, from one conversion of the ids
+            hashes.extend(hash_blocks(parent, tokens[len(hashes) * size : num_blocks * size], size))
+            return hashes
         for i in range(len(hashes), num_blocks):
             parent = self._hash_fn(parent, tokens[i * size : (i + 1) * size])
             hashes.append(parent)

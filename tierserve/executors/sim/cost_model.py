@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tierserve.executors.sim.gpus import GiB, GpuProfile
 from tierserve.model_config import ModelConfig
@@ -23,6 +24,7 @@ from tierserve.model_config import ModelConfig
 DEFAULT_ACTIVATION_RESERVE_BYTES = 2 * GiB  # per GPU: activation peak + CUDA/NCCL context (estimate)
 LOGIT_BYTES = 4  # logits are computed in float32
 GEMMS_PER_LAYER = 4  # QKV, output projection, gate+up, down
+PARTS_MEMO_SIZE = 1 << 14  # (tokens, sequences) pairs whose costs `CostModel` keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,19 @@ class SeqChunk:
 
     num_tokens: int
     num_context_tokens: int = 0
+
+
+class _Parts(NamedTuple):
+    """The terms of a step's cost that do not depend on its attention (see `CostModel._cost`)."""
+
+    linear_s: float
+    elementwise_s: float
+    lm_head_s: float
+    allreduce_s: float
+    linear_roofline_s: float  # of one layer
+    elementwise_roofline_s: float
+    lm_head_roofline_s: float
+    comm_roofline_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +106,7 @@ class CostModel:
         # in place, SiLU×mul (read gate and up, write one).
         self.elementwise_act = 8 * h + 2 * (self.q_dim + self.kv_dim) + 3 * i
         self.lm_head_weights = h * model.vocab_size // tp
+        self._parts: dict[tuple[int, int], _Parts] = {}  # (tokens, sequences) -> _cost's parts
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -129,14 +145,18 @@ class CostModel:
 
     def attention_work(self, chunks: Sequence[SeqChunk]) -> tuple[float, float]:
         """(FLOPs, bytes) of one layer's attention on one GPU."""
-        dt = self.model.dtype_bytes
+        num_pairs, num_elems = self._attention_sums(chunks)
+        return 4.0 * self.q_dim * num_pairs, float(self.model.dtype_bytes * num_elems)
+
+    def _attention_sums(self, chunks: Sequence[SeqChunk]) -> tuple[int, int]:
+        """(query-key pairs, K/V and Q elements moved) of one layer's attention on one GPU."""
         num_pairs = 0
         num_elems = 0
         for c in chunks:
             n, ctx = c.num_tokens, c.num_context_tokens
             num_pairs += n * ctx + n * (n + 1) // 2  # causal: query j sees ctx + j + 1 keys
             num_elems += 2 * n * self.q_dim + 2 * (ctx + n) * self.kv_dim + 2 * n * self.kv_dim
-        return 4.0 * self.q_dim * num_pairs, float(dt * num_elems)
+        return num_pairs, num_elems
 
     def all_reduce_s(self, num_bytes: float) -> float:
         if self.tp == 1:
@@ -145,33 +165,67 @@ class CostModel:
         ring_bytes = 2 * (self.tp - 1) / self.tp * num_bytes
         return eff.allreduce_latency_s + ring_bytes / (self.gpu.nvlink_one_way_bytes_per_s * eff.link_eff)
 
-    def step_cost(self, chunks: Sequence[SeqChunk]) -> StepCost:
-        """Predicted duration of one step over `chunks`; all zeros when there is nothing to run."""
+    def step_cost(
+        self, chunks: Sequence[SeqChunk], num_decodes: int = 0, num_decode_context_tokens: int = 0
+    ) -> StepCost:
+        """Predicted duration of one step over `chunks` and `num_decodes` more one-token
+        chunks over `num_decode_context_tokens` cached tokens in all (the same figures as
+        those chunks listed one by one); all zeros when there is nothing to run."""
         chunks = [c for c in chunks if c.num_tokens > 0]
-        if not chunks:
+        if not chunks and num_decodes < 1:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        num_tokens = sum(c.num_tokens for c in chunks)
-        return self._cost(num_tokens, len(chunks), *self.attention_work(chunks))
+        num_tokens = sum(c.num_tokens for c in chunks) + num_decodes
+        # attention_work's sums over the chunks, with n = 1 for each decode (integers, so
+        # the order of the terms cannot change them).
+        num_pairs, num_elems = self._attention_sums(chunks)
+        num_pairs += num_decode_context_tokens + num_decodes
+        num_elems += (
+            num_decodes * (2 * self.q_dim + 4 * self.kv_dim) + 2 * self.kv_dim * num_decode_context_tokens
+        )
+        attn_flops, attn_bytes = 4.0 * self.q_dim * num_pairs, float(self.model.dtype_bytes * num_elems)
+        return self._cost(num_tokens, len(chunks) + num_decodes, attn_flops, attn_bytes)
 
     def decode_step_cost(self, num_seqs: int, num_context_tokens: int) -> StepCost:
         """`step_cost` of `num_seqs` one-token decodes over `num_context_tokens` cached
         tokens in all: the same figures, from sums instead of a list of chunks."""
-        if num_seqs < 1:
-            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        # attention_work with n = 1 per chunk, summed (integers, so exactly the same).
-        num_pairs = num_context_tokens + num_seqs
-        num_elems = num_seqs * (2 * self.q_dim + 4 * self.kv_dim) + 2 * self.kv_dim * num_context_tokens
-        attn_flops, attn_bytes = 4.0 * self.q_dim * num_pairs, float(self.model.dtype_bytes * num_elems)
-        return self._cost(num_seqs, num_seqs, attn_flops, attn_bytes)
+        return self.step_cost((), num_seqs, num_context_tokens)
 
     def _cost(self, num_tokens: int, num_seqs: int, attn_flops: float, attn_bytes: float) -> StepCost:
+        gpu, eff = self.gpu, self.gpu.efficiency
+        peak, hbm = gpu.peak_flops, gpu.hbm_bytes_per_s
+        key = (num_tokens, num_seqs)
+        parts = self._parts.get(key)
+        if parts is None:
+            if len(self._parts) >= PARTS_MEMO_SIZE:
+                self._parts.clear()
+            parts = self._parts[key] = self._parts_without_attention(num_tokens, num_seqs)
+        attn_s = max(attn_flops / (peak * eff.attention_eff), attn_bytes / (hbm * eff.mem_eff))
+        layers = self.model.num_hidden_layers
+        return StepCost(
+            linear_s=parts.linear_s,
+            attention_s=layers * attn_s,
+            elementwise_s=parts.elementwise_s,
+            lm_head_s=parts.lm_head_s,
+            allreduce_s=parts.allreduce_s,
+            overhead_s=eff.step_overhead_s,
+            # The same sum, in the same order, as over the parts' terms written out.
+            roofline_s=(
+                layers * (parts.linear_roofline_s + max(attn_flops / peak, attn_bytes / hbm))
+                + parts.elementwise_roofline_s
+                + parts.lm_head_roofline_s
+                + parts.comm_roofline_s
+            ),
+        )
+
+    def _parts_without_attention(self, num_tokens: int, num_seqs: int) -> _Parts:
+        """Everything in a step's cost but its attention: a function of the step's tokens
+        and sequences only, so worked out once for each pair (`_cost` remembers them)."""
         gpu, eff, m = self.gpu, self.gpu.efficiency, self.model
         layers, dt, h = m.num_hidden_layers, m.dtype_bytes, m.hidden_size
         peak, hbm = gpu.peak_flops, gpu.hbm_bytes_per_s
 
         lin_flops, lin_bytes = self.linear_work(num_tokens)
         elem_bytes = dt * num_tokens * self.elementwise_act
-        attn_s = max(attn_flops / (peak * eff.attention_eff), attn_bytes / (hbm * eff.mem_eff))
         # The embedding gather happens once per step; count it with the element-wise traffic.
         elementwise_s = (layers * elem_bytes + dt * num_tokens * h) / (hbm * eff.mem_eff)
 
@@ -189,20 +243,15 @@ class CostModel:
         if self.tp > 1:
             link = gpu.nvlink_one_way_bytes_per_s * eff.link_eff
             allreduce_s += eff.allreduce_latency_s + (self.tp - 1) * logits_bytes / link
-        roofline_s = (
-            layers * (max(lin_flops / peak, lin_bytes / hbm) + max(attn_flops / peak, attn_bytes / hbm))
-            + (layers * elem_bytes + dt * num_tokens * h) / hbm
-            + max(head_flops / peak, head_bytes / hbm)
-            + comm_bytes / gpu.nvlink_one_way_bytes_per_s
-        )
-        return StepCost(
+        return _Parts(
             linear_s=layers * self.linear_layer_s(num_tokens),
-            attention_s=layers * attn_s,
             elementwise_s=elementwise_s,
             lm_head_s=lm_head_s,
             allreduce_s=allreduce_s,
-            overhead_s=eff.step_overhead_s,
-            roofline_s=roofline_s,
+            linear_roofline_s=max(lin_flops / peak, lin_bytes / hbm),
+            elementwise_roofline_s=(layers * elem_bytes + dt * num_tokens * h) / hbm,
+            lm_head_roofline_s=max(head_flops / peak, head_bytes / hbm),
+            comm_roofline_s=comm_bytes / gpu.nvlink_one_way_bytes_per_s,
         )
 
     def step_s(self, chunks: Sequence[SeqChunk]) -> float:

@@ -9,6 +9,7 @@ by a stop the caller detects, or by abort, exactly as configured.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,9 @@ from tierserve.executors.sim.gpus import GiB, GpuProfile, get_gpu
 from tierserve.model_config import KNOWN_MODELS, ModelConfig
 
 DEFAULT_HOST_SWAP_BYTES_PER_GPU = 64 * GiB  # pinned host memory set aside for swapped K/V, per GPU
+PREFILL_MEMO_SIZE = 1 << 16  # estimate_prefill_s answers kept (then forgotten all at once)
+_blake2b = hashlib.blake2b
+_unpack_u64 = struct.Struct("<Q").unpack
 
 
 def get_model(name: str) -> ModelConfig:
@@ -51,15 +55,24 @@ class PlaceholderTokens:
         return cls(max(1, limit), model.vocab_size, frozenset([*model.eos_token_ids, *bos]))
 
     def token(self, request_id: str, position: int) -> int:
-        digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-        token = int.from_bytes(digest, "little") % self.limit
+        digest = _blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
+        token: int = _unpack_u64(digest)[0] % self.limit  # the digest as a little-endian integer
         while token in self.special:
             token = (token + 1) % self.vocab_size
         return token
 
     def tokens(self, request_id: str, start: int, stop: int) -> list[int]:
-        """`token` at each position in [start, stop)."""
-        return [self.token(request_id, p) for p in range(start, stop)]
+        """`token` at each position in [start, stop) (its body inlined: a leap draws a
+        request's tokens in runs)."""
+        limit, special, vocab_size = self.limit, self.special, self.vocab_size
+        tokens: list[int] = []
+        for position in range(start, stop):
+            digest = _blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
+            token: int = _unpack_u64(digest)[0] % limit
+            while token in special:
+                token = (token + 1) % vocab_size
+            tokens.append(token)
+        return tokens
 
 
 def placeholder_token(model: ModelConfig, request_id: str, position: int) -> int:
@@ -90,6 +103,7 @@ class SimExecutor:
         self.tp = tp
         self.cost = CostModel(gpu, model, tp)
         self._tokens = PlaceholderTokens.of(model)
+        self._prefill_s: dict[tuple[int, int], float] = {}  # estimate_prefill_s's answers
         if num_device_blocks is None:
             capacity = self.cost.kv_capacity_tokens(gpu_memory_utilization, activation_reserve_bytes)
             num_device_blocks = capacity // block_size
@@ -116,14 +130,24 @@ class SimExecutor:
         return self._spec
 
     def execute(self, batch: StepBatch) -> StepResult:
-        chunks = [SeqChunk(s.num_tokens, s.start) for s in batch.seqs]
-        cost = self.cost.step_cost(chunks)
         token = self._tokens.token
-        sampled = {
-            s.request.request_id: token(s.request.request_id, s.request.num_tokens)
-            for s in batch.seqs
-            if s.samples
-        }
+        sampled: dict[str, int] = {}
+        chunks: list[SeqChunk] = []
+        # One-token decodes go to the cost model as a count and a summed context, not as
+        # chunks (the same figures, see `CostModel.step_cost`).
+        num_decodes = decode_context = 0
+        decodes = batch.decodes
+        for seqs in (decodes, batch.prefills):
+            for req, n in seqs:
+                computed, num_tokens = req.num_computed_tokens, len(req.token_ids)
+                if n == 1 and seqs is decodes:
+                    num_decodes += 1
+                    decode_context += computed
+                else:
+                    chunks.append(SeqChunk(n, computed))
+                if computed + n == num_tokens:  # ScheduledSeq.samples
+                    sampled[req.request_id] = token(req.request_id, num_tokens)
+        cost = self.cost.step_cost(chunks, num_decodes, decode_context)
         return StepResult(duration_s=cost.total_s, sampled_token_ids=sampled, roofline_s=cost.roofline_s)
 
     def decode_step_cost(self, num_seqs: int, num_context_tokens: int) -> StepCost:
@@ -143,7 +167,15 @@ class SimExecutor:
         return self.estimate_swap_s(len(mapping))
 
     def estimate_prefill_s(self, num_tokens: int, num_context_tokens: int = 0) -> float:
-        return self.cost.prefill_s(num_tokens, num_context_tokens)
+        # A pure function of its integers, asked again and again by the scheduler's binary
+        # searches over chunk sizes (hybrid's step bound), so remembered.
+        key = (num_tokens, num_context_tokens)
+        seconds = self._prefill_s.get(key)
+        if seconds is None:
+            if len(self._prefill_s) >= PREFILL_MEMO_SIZE:
+                self._prefill_s.clear()
+            seconds = self._prefill_s[key] = self.cost.prefill_s(num_tokens, num_context_tokens)
+        return seconds
 
     def estimate_swap_s(self, num_blocks: int) -> float:
         return self.cost.swap_s(num_blocks, self._spec.block_size)
