@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tierserve.request import Request
-from tierserve.scheduling.step import StepBudget
+from tierserve.scheduling.step import StepBudget, tokens_within
 from tierserve.tiers import Tier
 
 if TYPE_CHECKING:
@@ -41,21 +41,6 @@ OTHER_TIERS = (Tier.P1, Tier.P2, Tier.P3)
 # The other tiers' prefill gets at least this many tokens a step under the bound: delayed,
 # never stopped (a bound below one step's fixed cost, or many decodes, would leave 0).
 MIN_OTHER_PREFILL_TOKENS = 64
-
-
-def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int) -> int:
-    """The largest token count whose predicted step time is within `bound_s` (binary search;
-    `estimate_s` grows with the tokens)."""
-    if estimate_s(1) > bound_s:
-        return 1
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if estimate_s(mid) <= bound_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class StepShaper:
@@ -79,13 +64,8 @@ class StepShaper:
 
     def p0_admitted(self, num_prompt_tokens: int) -> None:
         """A P0 prompt starts, with `num_prompt_tokens` to compute (past its cached prefix)."""
-        recent = self._recent_p0
-        dropped = recent[0] if len(recent) == recent.maxlen else 0
-        recent.append(num_prompt_tokens)
-        if num_prompt_tokens >= self._longest_p0:
-            self._longest_p0 = num_prompt_tokens
-        elif dropped == self._longest_p0:
-            self._longest_p0 = max(recent)
+        self._recent_p0.append(num_prompt_tokens)
+        self._longest_p0 = max(self._recent_p0)
 
     def bound_s(self, estimate_s: Callable[[int, int], float]) -> float:
         """The predicted step duration P1-P3 prefill may fill while a P0 is likely."""

@@ -58,8 +58,9 @@ class StepBudget:
             context = req.num_computed_tokens
             if n > 1 and context and self.estimate_s is not None:
                 bound_s = self.estimate_s(self.capped_tokens_left, 0)
-                if self.estimate_s(n, context) > bound_s:  # else the whole chunk fits
-                    fit = _most_tokens_within(self.estimate_s, context, n, bound_s)
+                estimate = self.estimate_s
+                if estimate(n, context) > bound_s:  # else the whole chunk fits
+                    fit = tokens_within(lambda m: estimate(m, context), bound_s, n)
                     n = max(fit, min(n, self.capped_at_least))
         return n if cap is None else min(n, cap)
 
@@ -116,15 +117,13 @@ class StepBudget:
         )
 
 
-def _most_tokens_within(
-    estimate_s: Callable[[int, int], float], context: int, most: int, bound_s: float
-) -> int:
-    """The largest chunk in [1, most] after `context` tokens whose step is predicted within
-    `bound_s` (1 if none is; `estimate_s` grows with the tokens)."""
+def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int) -> int:
+    """The largest token count in [1, most] whose predicted step time is within `bound_s`
+    (1 if none is; binary search, `estimate_s` grows with the tokens)."""
     lo, hi = 1, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate_s(mid, context) <= bound_s:
+        if estimate_s(mid) <= bound_s:
             lo = mid
         else:
             hi = mid - 1

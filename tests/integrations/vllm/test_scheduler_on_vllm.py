@@ -163,15 +163,20 @@ def _record_steps(sched: Any, monkeypatch: pytest.MonkeyPatch) -> list[set[str]]
     return steps
 
 
+def _p3_decoding(plugin: Driver, name: str, count: int, seed: int, max_tokens: int) -> list[str]:
+    """`count` P3 requests of 60-token prompts, run until each has its first token."""
+    p3 = [f"{name}-{i}" for i in range(count)]
+    for i, rid in enumerate(p3):
+        plugin.submit(rid, prompt(seed + i, 60), max_tokens, Tier.P3)
+    plugin.run(50, until=lambda: all(rid in plugin.first_token_step for rid in p3))
+    return p3
+
+
 def test_the_step_that_prefills_p0_carries_no_other_tier(
     plugin: Driver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sched = scheduler_of(plugin.llm)
-    p3 = [f"solo-p3-{i}" for i in range(4)]
-    for i, rid in enumerate(p3):
-        plugin.submit(rid, prompt(400 + i, 60), 120, Tier.P3)
-    plugin.run(50, until=lambda: all(rid in plugin.first_token_step for rid in p3))
-    steps = _record_steps(sched, monkeypatch)
+    p3 = _p3_decoding(plugin, "solo-p3", 4, seed=400, max_tokens=120)
+    steps = _record_steps(scheduler_of(plugin.llm), monkeypatch)
     plugin.submit("solo-p0", prompt(8, 40), 4, Tier.P0)
     plugin.submit("solo-p1", prompt(9, 40), 4, Tier.P1)
     plugin.run(20, until=lambda: "solo-p0" in plugin.first_token_step)
@@ -187,12 +192,8 @@ def test_the_step_that_prefills_p0_carries_no_other_tier(
 def test_p0_only_steps_leave_the_others_half_of_any_8_steps(
     plugin: Driver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sched = scheduler_of(plugin.llm)
-    p3 = [f"burst-p3-{i}" for i in range(3)]
-    for i, rid in enumerate(p3):
-        plugin.submit(rid, prompt(450 + i, 60), 200, Tier.P3)
-    plugin.run(50, until=lambda: all(rid in plugin.first_token_step for rid in p3))
-    steps = _record_steps(sched, monkeypatch)
+    p3 = _p3_decoding(plugin, "burst-p3", 3, seed=450, max_tokens=200)
+    steps = _record_steps(scheduler_of(plugin.llm), monkeypatch)
     for k in range(20):  # a new P0 prompt every step: each step could be P0-only
         plugin.submit(f"burst-p0-{k}", prompt(500 + k, 40), 2, Tier.P0)
         plugin.step()
