@@ -78,10 +78,11 @@ def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
 
 
 def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> None:
-    # Four seats: two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) hold
-    # three, so each step admits one P1 prompt and the others wait.
+    # Two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) run; P1 prompts
+    # arrive faster than a step's 4,096 tokens take them, so every step prefills P1 and some
+    # wait (for tokens, not seats: a P1 request waiting for a seat would take a P3's).
     eng = engine(
-        blocks=8000, max_num_batched_tokens=4096, max_num_seqs=4, long_prompt_tokens=2000,
+        blocks=8000, max_num_batched_tokens=4096, max_num_seqs=64, long_prompt_tokens=2000,
         long_prompt_chunk_tokens=1024,
     )  # fmt: skip
     background = [make_request(num_prompt=16, max_tokens=1000, tier=Tier.P3) for _ in range(2)]
@@ -93,8 +94,8 @@ def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> No
     assert isinstance(executor, NullExecutor)
     seen = len(executor.batches)
     for _ in range(40):  # a stream of P1 prompts: every step prefills P1, and some wait
-        for _ in range(3):
-            eng.add_request(make_request(num_prompt=32, max_tokens=1, tier=Tier.P1))
+        for _ in range(4):
+            eng.add_request(make_request(num_prompt=1500, max_tokens=1, tier=Tier.P1))
         eng.step()
         eng.memory.check_integrity()
     steps = executor.batches[seen:]
@@ -235,7 +236,7 @@ def test_p0_takes_a_seat_from_a_lower_tier() -> None:
     run(eng)
 
 
-def test_p1_does_not_take_seats() -> None:
+def test_p1_does_not_take_seats_before_it_is_in_danger() -> None:
     eng = engine(blocks=2000, max_num_seqs=1, hybrid={"p0_likely_s": 0.0})
     low = make_request(num_prompt=32, max_tokens=50, tier=Tier.P3)
     eng.add_request(low)
@@ -245,6 +246,48 @@ def test_p1_does_not_take_seats() -> None:
     eng.step()
     assert p1.status is RequestStatus.WAITING and eng.stats.num_preemptions() == 0
     run(eng)
+
+
+@pytest.mark.parametrize("holder", [Tier.P3, Tier.P2])
+def test_p1_in_danger_takes_the_seat_of_p3_not_of_p2(holder: Tier) -> None:
+    # One seat. A P1 request that has waited over half its 5 s target (and can still meet
+    # it) makes P3 step aside: it takes a P3's seat, never a P2's.
+    eng = engine(blocks=2000, max_num_seqs=1, hybrid={"p0_likely_s": 0.0})
+    low = make_request(num_prompt=32, max_tokens=50, tier=holder)
+    eng.add_request(low)
+    eng.step()
+    p1 = make_request(num_prompt=32, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now() - 3.0)
+    eng.add_request(p1)
+    eng.step()
+    if holder is Tier.P3:
+        assert p1.status is RequestStatus.RUNNING and low.status is not RequestStatus.RUNNING
+        assert eng.stats.num_preemptions() == 1
+    else:
+        assert p1.status is RequestStatus.WAITING and eng.stats.num_preemptions() == 0
+    run(eng)
+    assert low.finish_reason is FinishReason.LENGTH and p1.finish_reason is FinishReason.LENGTH
+
+
+def test_a_swapped_p3_stays_out_while_p1_is_in_danger() -> None:
+    # The P3 request swaps out for a P1 in danger; with more P1 requests in danger behind
+    # it, the seat goes to them, and P3 comes back only when none is.
+    eng = engine(blocks=2000, max_num_seqs=1, hybrid={"p0_likely_s": 0.0}, swap_factor=100.0)
+    low = make_request(num_prompt=32, max_tokens=50, tier=Tier.P3)
+    eng.add_request(low)
+    eng.step()
+    now = eng.clock.now()
+    p1s = [make_request(num_prompt=32, max_tokens=2, tier=Tier.P1, arrival=now - 3.0) for _ in range(3)]
+    for r in p1s:
+        eng.add_request(r)
+    order: list[object] = []
+    while eng.has_unfinished():
+        eng.step()
+        eng.memory.check_integrity()
+        holder = eng.lifecycle.running[0] if eng.lifecycle.running else None
+        if holder is not None and (not order or order[-1] is not holder):
+            order.append(holder)
+    assert eng.stats.preemptions[(Tier.P3, "swap")] == 1
+    assert order == [*p1s, low], "every P1 in danger ran before the swapped P3 came back"
 
 
 def _overloaded(shed_after_s: float, with_p1_backlog: bool) -> tuple[Engine, list[Any]]:

@@ -11,6 +11,7 @@ from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling import POLICIES, create_policy
 from tierserve.scheduling.base import Policy
+from tierserve.scheduling.step import StepBudget
 from tierserve.tiers import ALL_TIERS, Tier
 
 
@@ -144,6 +145,26 @@ def test_hybrid_aging_is_evaluated_while_requests_wait() -> None:
     # Nothing was re-enqueued: the same queue, a later pass, and P3 is now first.
     assert policy.peek(aging + 0.1) is p3
     assert p3.tier is Tier.P3, "aging reorders; it never changes the entitled tier"
+
+
+def test_hybrid_p3_steps_aside_only_while_a_p2_request_is_in_danger() -> None:
+    policy = create_policy("hybrid", EngineConfig())
+    p3 = make_request(tier=Tier.P3, arrival=0.0)  # aged after 5 s
+    p2 = make_request(tier=Tier.P2, arrival=1.0)  # target 60 s: in danger after 30 s, lost after 60 s
+    policy.add(p3, 0.0)
+    policy.add(p2, 1.0)
+    swapped_p3 = make_request(tier=Tier.P3, arrival=0.0)
+
+    def at(now: float) -> Request | None:
+        policy.begin_step(StepBudget(2048, 256), [], now)  # the pass judges the danger
+        return policy.peek(now)
+
+    assert at(20.0) is p3, "P2 has waited 19 s: the aged, older P3 goes first"
+    assert policy.may_swap_in(swapped_p3)
+    assert at(40.0) is p2, "P2 has waited 39 s of its 60: P3 steps aside, aged or not"
+    assert not policy.may_swap_in(swapped_p3) and not policy.returns_first(swapped_p3, p2)
+    assert at(70.0) is p3, "P2 has missed its target: going first no longer saves it"
+    assert policy.may_swap_in(swapped_p3)
 
 
 def test_hybrid_p0_still_beats_an_aged_request() -> None:

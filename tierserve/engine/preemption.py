@@ -3,7 +3,7 @@ or recompute, whichever the cost rule picks for it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle
@@ -62,22 +62,21 @@ class Preemptor:
         key, borrowed = self.policy.victim_key, self._borrowed()
         return min(running, key=lambda r: key(r, borrowed))
 
-    def _admission_candidates(self, req: Request, step: StepBudget) -> list[Request]:
-        policy, memory = self.policy, self.memory
+    def _admission_candidates(
+        self, req: Request, step: StepBudget, ok: Callable[[Request, Request, KVCacheManager], bool]
+    ) -> list[Request]:
+        """The running requests `ok` lets `req` take, first victim first."""
+        memory, victim_key = self.memory, self.policy.victim_key
         borrowed = self._borrowed()
-        candidates = [
-            r
-            for r in self.lifecycle.running
-            if r not in step.fresh and policy.admission_victim_ok(req, r, memory)
-        ]
-        candidates.sort(key=lambda r: policy.victim_key(r, borrowed))
+        candidates = [r for r in self.lifecycle.running if r not in step.fresh and ok(req, r, memory)]
+        candidates.sort(key=lambda r: victim_key(r, borrowed))
         return candidates
 
     def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
         """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
         if not self.policy.preempts_for_seat(req):
             return False
-        candidates = self._admission_candidates(req, step)
+        candidates = self._admission_candidates(req, step, self.policy.seat_victim_ok)
         if not candidates:
             return False
         self.preempt(candidates[0], step, now)
@@ -89,7 +88,7 @@ class Preemptor:
         memory = self.memory
         if not self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
             return Alloc.NO_SPACE
-        candidates = self._admission_candidates(req, step)
+        candidates = self._admission_candidates(req, step, self.policy.admission_victim_ok)
         if memory.num_free_blocks + sum(len(r.block_ids) for r in candidates) < memory.blocks_for(
             req.num_tokens
         ):

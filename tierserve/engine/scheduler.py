@@ -170,6 +170,8 @@ class Scheduler:
         for req in list(life.swapped):
             if len(life.running) >= step.seats or req in just_preempted:
                 break
+            if not self.policy.may_swap_in(req):
+                continue  # held out by its policy; others may still come back
             mapping = memory.swap_in(req)
             if mapping is Alloc.OVER_CEILING:
                 continue  # its tier is full; others may still come back

@@ -127,12 +127,20 @@ class Policy(ABC):
 
     def preempts_for_seat(self, req: Request) -> bool:
         """Whether a waiting request may preempt a running one when `max_num_seqs` are
-        running (victims as for memory: `admission_victim_ok`, `victim_key`)."""
+        running (victims: `seat_victim_ok`, in `victim_key` order)."""
         return False
+
+    def seat_victim_ok(self, req: Request, victim: Request, memory: KVCacheManager) -> bool:
+        """Whether a waiting request may take `victim`'s seat (as it may take its blocks)."""
+        return self.admission_victim_ok(req, victim, memory)
 
     def returns_first(self, swapped: Request, head: Request) -> bool:
         """Whether a swapped request must come back before `head` is admitted."""
         return swapped.tier <= head.tier
+
+    def may_swap_in(self, swapped: Request) -> bool:
+        """Whether a swapped-out request may come back now (seats and memory permitting)."""
+        return True
 
     # ---- shaping the step (hooks every policy may use; the defaults do nothing) -----------
 
