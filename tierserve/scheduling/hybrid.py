@@ -46,8 +46,8 @@ admitted while the queue was still short otherwise held their seats through the 
 it is 89 and 72 %. The threshold is half, not any wait: under a deep, steady overload
 (512 closed-loop clients) P2 meets its target whether or not P3 runs, and a P3 request
 deferred whenever anything waited was shed after `p3_shed_after_s` (63 of 215), which
-cost goodput and throughput.
-The vLLM plug-in does not call `begin_step`, so there P3 never steps aside this way.
+cost goodput and throughput. The vLLM plug-in does not call `begin_step`, so there P3
+never steps aside this way.
 
 Beyond the queue, hybrid shapes each step (`hybrid_step.py`: a step-time bound while a
 P0 is likely, P0-only prefill steps, background yields), lets P0 take a seat or memory
@@ -159,12 +159,12 @@ class HybridPolicy(FairQueuePolicy):
         fair = sfq.best((Tier.P2, Tier.P3))
         return None if fair is None else Choice(fair, None, in_order=True)
 
-    def _rescue(self, tier: Tier, now: float) -> Request | None:
+    def _rescue(self, tier: Tier, now: float, fraction: float = RESCUE_FRACTION) -> Request | None:
         """The oldest request of `tier` that can still meet its TTFT target, if it has
-        waited over RESCUE_FRACTION of it."""
+        waited over `fraction` of it."""
         target = self._target_s[tier]
         req = self._savable.oldest(tier, arrived_after=now - target)
-        if req is None or now - req.arrival_time <= RESCUE_FRACTION * target:
+        if req is None or now - req.arrival_time <= fraction * target:
             return None
         return req
 
@@ -263,12 +263,7 @@ class HybridPolicy(FairQueuePolicy):
     def _p1_p2_in_danger(self, now: float) -> bool:
         """Whether a waiting P1 or P2 request that can still meet its target has waited
         over DEFER_FRACTION of it."""
-        for tier in RESCUED_TIERS:
-            target = self._target_s[tier]
-            req = self._savable.oldest(tier, arrived_after=now - target)
-            if req is not None and now - req.arrival_time > DEFER_FRACTION * target:
-                return True
-        return False
+        return any(self._rescue(tier, now, DEFER_FRACTION) is not None for tier in RESCUED_TIERS)
 
     # ---- the step ------------------------------------------------------------------------
 
