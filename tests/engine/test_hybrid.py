@@ -22,13 +22,14 @@ def engine(
     host: int = 256,
     hybrid: dict[str, Any] | None = None,
     policy: str = "hybrid",
+    step_s: float = 0.01,
     **sched: Any,
 ) -> Engine:
     base = parse_config({"policy": {"hybrid": hybrid or {}}})
     config = EngineConfig(
         scheduler=SchedulerConfig(**sched), tiers=base.tiers, policy_options=base.policy_options
     )
-    executor = NullExecutor(num_device_blocks=blocks, num_host_blocks=host, block_size=16)
+    executor = NullExecutor(num_device_blocks=blocks, num_host_blocks=host, block_size=16, step_s=step_s)
     return Engine(config, policy, executor, VirtualClock())
 
 
@@ -41,27 +42,64 @@ def run(eng: Engine, limit: int = 100_000) -> None:
     raise AssertionError("engine did not finish")
 
 
-def test_p0_solo_prefill_runs_p0_only_steps_at_most_half_the_time() -> None:
-    eng = engine(blocks=4000, max_num_batched_tokens=64)  # p0_solo_prefill is the default
+def p0_prefill_steps(eng: Engine, num_prompt: int) -> list[bool]:
+    """Three P1-P2 requests decode; a P0 prompt of `num_prompt` tokens arrives. For each
+    step until its first token: whether the step carried P0 work only."""
     others = [make_request(num_prompt=20, max_tokens=400, tier=t) for t in (Tier.P1, Tier.P2, Tier.P2)]
     for r in others:
         eng.add_request(r)
     eng.step()
     eng.step()
-    p0 = make_request(num_prompt=1000, max_tokens=2, tier=Tier.P0)  # 16 chunks of 64 tokens
+    p0 = make_request(num_prompt=num_prompt, max_tokens=2, tier=Tier.P0, arrival=eng.clock.now())
     eng.add_request(p0)
     executor = eng.executor
     assert isinstance(executor, NullExecutor)
     seen = len(executor.batches)
     while p0.first_token_time is None:
         eng.step()
-    p0_steps = executor.batches[seen:]
-    solo = [all(s.request.tier is Tier.P0 for s in b.seqs) for b in p0_steps]
+    return [all(s.request.tier is Tier.P0 for s in b.seqs) for b in executor.batches[seen:]]
+
+
+def test_p0_solo_prefill_runs_a_p0_prompt_at_risk_in_p0_only_steps_at_most_half_the_time() -> None:
+    # 16 chunks of 64 tokens at about 0.05 s a step: sharing its steps, the prompt would
+    # take 0.8 s, past P0's 0.5 s target.
+    eng = engine(blocks=4000, max_num_batched_tokens=64, step_s=0.05)  # p0_solo_prefill is the default
+    solo = p0_prefill_steps(eng, num_prompt=1000)
     assert solo[0] and solo[1], "P0's first prefill steps carry no other tier's work"
     window = SHAPING_WINDOW
     for start in range(len(solo) - window + 1):
         assert sum(solo[start : start + window]) <= window // 2, "the others run in half of any window"
     assert not all(solo), "the other tiers' decodes still ran while P0 prefilled"
+
+
+def test_a_p0_prompt_with_time_to_spare_shares_its_steps() -> None:
+    # 4 chunks at about 0.01 s a step: 0.04 s shared, far inside the 0.5 s target.
+    solo = p0_prefill_steps(engine(blocks=4000, max_num_batched_tokens=64), num_prompt=250)
+    assert solo and not any(solo), "a P0 prompt in no danger leaves the others' decodes in its steps"
+    # Always solo (the share at 0), the same prompt runs alone.
+    always = engine(blocks=4000, max_num_batched_tokens=64, hybrid={"p0_solo_share": 0.0})
+    assert p0_prefill_steps(always, num_prompt=250)[0]
+
+
+def test_a_p0_prompt_that_waited_runs_solo() -> None:
+    # The same short prompt (about 0.04 s of shared steps), but it has waited most of its
+    # 0.5 s target already (a long step ran when it arrived): its wait counts, so it
+    # prefills alone.
+    eng = engine(blocks=4000, max_num_batched_tokens=64)
+    executor = eng.executor
+    assert isinstance(executor, NullExecutor)
+    others = [make_request(num_prompt=20, max_tokens=400, tier=Tier.P2) for _ in range(3)]
+    for r in others:
+        eng.add_request(r)
+    eng.step()
+    p0 = make_request(num_prompt=250, max_tokens=2, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    clock = eng.clock
+    assert isinstance(clock, VirtualClock)
+    clock.elapse(0.47)  # as if the step in flight had taken 0.47 s
+    seen = len(executor.batches)
+    eng.step()
+    assert all(s.request.tier is Tier.P0 for s in executor.batches[seen].seqs)
 
 
 def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:

@@ -12,9 +12,14 @@
   target less the predicted time of the longest of the last RECENT_P0_PROMPTS alone,
   past their cached prefix):
   short P0 prompts need no tight bound, and the other tiers keep their throughput.
-- P0-only prefill steps (`p0_solo_prefill`): a step that prefills P0 carries P0 work
-  only, in at most half of any SHAPING_WINDOW steps, so the others are delayed, never
-  stopped.
+- P0-only prefill steps (`p0_solo_prefill`): a step that prefills a P0 prompt which,
+  sharing the step with the other tiers' work, would pass `p0_solo_share` of its TTFT
+  target (its wait so far plus the step as built, once for each step its prompt still
+  needs) carries P0 work only, in at most half of any SHAPING_WINDOW steps, so the others
+  are delayed, never stopped. A P0 prompt with time to spare shares its step: a P0-only
+  step costs every other running request a step of decoding, and in closed loops of
+  32 and 128 clients P0-only steps for every P0 prefill cost 0.2-0.5 % of the goodput
+  for P0 TTFTs already far inside the target.
 - Background yields (`p3_yields`): a step that prefills P0-P2 while more P0-P2 requests
   wait leaves P3's prompt chunks out (in at most half of any window) and P3's decodes (in
   at most a quarter). With nobody waiting, P3's work delays no one: it stays (at 32
@@ -94,22 +99,46 @@ class StepShaper:
             cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
             step.cap_prefill(OTHER_TIERS, cap, at_least=MIN_OTHER_PREFILL_TOKENS)
 
-    def solo(self, prefills_p0: bool) -> bool:
-        """Whether a step that prefills P0 (`prefills_p0`) carries P0 work only: with
+    def solo(self, wanted: bool) -> bool:
+        """Whether a step for which P0-only work is `wanted` carries P0 work only: with
         `p0_solo_prefill`, in at most half of any SHAPING_WINDOW steps. Called once per
         step, it records the answer (tierserve's engine and the vLLM plug-in both ask)."""
         if not self.options.p0_solo_prefill:
             return False
-        solo = prefills_p0 and sum(self._solo) < SHAPING_WINDOW // 2
+        solo = wanted and sum(self._solo) < SHAPING_WINDOW // 2
         self._solo.append(solo)
         return solo
 
-    def end(self, step: StepBudget, queued: bool) -> None:
+    def end(self, step: StepBudget, queued: bool, now: float) -> None:
         """`queued`: whether P0-P2 requests still wait after this pass."""
-        if self.solo(Tier.P0 in step.tiers_prefilling()):
+        if self.solo(self.p0_at_risk(step, now)):
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
             self._p3_yields(step, queued)
+
+    def p0_at_risk(self, step: StepBudget, now: float) -> bool:
+        """Whether a P0 prompt prefilling in `step` would, sharing the step with the other
+        tiers' work, pass `p0_solo_share` of its TTFT target: its wait so far plus the step
+        as built, once for each step its prompt still needs. The step is priced as one
+        chunk of all its tokens after their mean context (weighted by tokens: a decode reads
+        its whole context, as a chunk does), which leaves out what later steps carry.
+        Without a cost model every P0 prefill counts as at risk."""
+        p0 = Tier.P0
+        prompts = [(r, n) for r, n in step.prefills.items() if r.tier is p0]
+        share = self.options.p0_solo_share
+        if not prompts or share == 0 or step.estimate_s is None or not math.isfinite(self.p0_target_s):
+            return bool(prompts)
+        num_tokens = len(step.decodes) + sum(step.prefills.values())
+        context = sum(r.num_computed_tokens for r in step.decodes)
+        context += sum(n * r.num_computed_tokens for r, n in step.prefills.items())
+        shared_s = step.estimate_s(num_tokens, context // num_tokens)
+        limit = share * self.p0_target_s
+        for req, num_tokens in prompts:
+            num_later = req.num_tokens - req.num_computed_tokens - num_tokens
+            steps = 1 + -(-num_later // self.max_step_tokens)
+            if now - req.arrival_time + steps * shared_s > limit:
+                return True
+        return False
 
     def steady_step(self) -> None:
         """What `end` records for a step with no prefill chunk: nothing solo, nothing yields."""
