@@ -107,7 +107,7 @@ class HybridOptions(PolicyOptions):
     p0_step_tokens: int = 2048  # ... and at most this many tokens of it
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
     p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
-    p0_solo_share: float = 1.0  # ... if, sharing it, a P0 prompt would pass this share of its TTFT target
+    p0_solo_share: float = 0.75  # ... if, sharing it, a P0 prompt would pass this share of its TTFT target
     p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4)
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
