@@ -47,8 +47,8 @@ it is 89 and 72 %. The threshold is a third, not any wait: under a deep, steady 
 (512 closed-loop clients) P2 meets its target whether or not P3 runs, and a P3 request
 deferred whenever anything waited was shed after `p3_shed_after_s` (63 of 215), which
 cost goodput and throughput; at a quarter 46 were shed, at a third none. Over seeds 0-2
-at 1.2x a third gave goodput 8.18 requests/s against 8.13 at a half. The vLLM plug-in
-does not call `begin_step`, so there P3 never steps aside this way.
+at 1.2x (P0-only steps for P0 at risk) a third gave goodput 8.18 requests/s, a half
+8.13. The vLLM plug-in does not call `begin_step`, so there P3 never steps aside this way.
 
 Beyond the queue, hybrid shapes each step (`hybrid_step.py`: a step-time bound while a
 P0 is likely, P0-only prefill steps, background yields), lets P0 take a seat or memory
