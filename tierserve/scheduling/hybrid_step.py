@@ -122,7 +122,7 @@ class StepShaper:
         as built, once for each step its prompt still needs. The step is priced as one
         chunk of all its tokens after their mean context (weighted by tokens: a decode reads
         its whole context, as a chunk does), which leaves out what later steps carry.
-        Without a cost model every P0 prefill counts as at risk."""
+        Without a cost model or a finite P0 target every P0 prefill counts as at risk."""
         p0 = Tier.P0
         prompts = [(r, n) for r, n in step.prefills.items() if r.tier is p0]
         share = self.options.p0_solo_share
@@ -133,8 +133,8 @@ class StepShaper:
         context += sum(n * r.num_computed_tokens for r, n in step.prefills.items())
         shared_s = step.estimate_s(num_tokens, context // num_tokens)
         limit = share * self.p0_target_s
-        for req, num_tokens in prompts:
-            num_later = req.num_tokens - req.num_computed_tokens - num_tokens
+        for req, chunk in prompts:
+            num_later = req.num_tokens - req.num_computed_tokens - chunk
             steps = 1 + -(-num_later // self.max_step_tokens)
             if now - req.arrival_time + steps * shared_s > limit:
                 return True
