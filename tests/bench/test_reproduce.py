@@ -151,3 +151,35 @@ def test_explicit_cells_and_traces() -> None:
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert run(parse(*argv)) == 2
     assert "tierserve bench reproduce:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows", [400, 12])
+def test_a_trace_cell_reports_its_offered_load_against_the_measured_capacity(
+    rows: int, shared_data: Path, tmp_path: Path
+) -> None:
+    setup = BenchSetup(
+        limits=EngineLimits("small", 2048, 8),
+        num_measured=rows // 2,
+        drain_timeout_s=60.0,
+        capacity_requests=100,
+        max_trace_rows=rows,
+        data_dir=str(shared_data),
+    )
+    matrix = Matrix(setup, ("fcfs",), (0,), (("azure-code", "trace", 2.0),))
+    doc = {"setup": setup_json(matrix, quick=True), **run_matrix(matrix, workers=1, progress=False)}
+    (run_,) = doc["pooled"]
+    if rows == 12:  # too short to saturate 16 clients: no capacity, no offered load, no failure
+        assert doc["capacity"] == {} and run_["offered_load_x_capacity"] is None
+        return
+    capacity = doc["capacity"]["azure-code"]["requests_per_s"]
+    trace = setup.trace_rows("azure-code")
+    warmup = setup.num_measured // 10
+    measured = trace[warmup : warmup + setup.num_measured]
+    rate = (len(measured) - 1) / ((measured[-1].arrival_s - measured[0].arrival_s) / 2.0)
+    assert run_["offered_load_x_capacity"] == pytest.approx(rate / capacity, rel=1e-3)
+    assert run_["peak_offered_load_x_capacity"] >= run_["offered_load_x_capacity"]
+    write_all(tmp_path, doc)
+    assert (
+        f"({run_['offered_load_x_capacity']:.2f}x capacity; busiest minute"
+        in (tmp_path / "report.md").read_text()
+    )

@@ -130,3 +130,30 @@ def test_cells_with_too_few_p0_requests_are_warned_about() -> None:
     assert few["low_sample"] and not enough["low_sample"]
     warned = warnings([few, enough])
     assert len(warned) == 1 and "10 requests" in warned[0]
+
+
+def test_open_loop_offered_load_is_against_capacity_over_the_window_and_its_busiest_minute() -> None:
+    # 45 arrivals over 300 s, 20 of them inside one minute; capacity 0.5 requests/s.
+    grid = [float(t) for t in range(0, 300, 10) if not 100 <= t < 160]
+    times = [*sorted(grid + [100.0 + 3 * k for k in range(20)]), 300.0]
+    records = [record(i, Tier.P1, t, 0.1) for i, t in enumerate(times)]
+    res = replace(result(records, {}), capacity_rps=0.5)
+    out = summarize([res], EngineConfig())
+    assert out["offered_load_x_capacity"] == pytest.approx((len(times) - 1) / 300 / 0.5, rel=1e-4)
+    busiest = max(sum(1 for u in times if t <= u < t + 60) for t in times)
+    assert busiest == 20
+    assert out["peak_offered_load_x_capacity"] == pytest.approx(20 / 60 / 0.5, rel=1e-4)
+    # Pooled over seeds: the same offered load, and the busiest minute of either.
+    pooled = summarize([res, replace(res, cell=replace(res.cell, seed=1))], EngineConfig())
+    assert pooled["offered_load_x_capacity"] == pytest.approx(out["offered_load_x_capacity"], rel=1e-4)
+    assert pooled["peak_offered_load_x_capacity"] == out["peak_offered_load_x_capacity"]
+
+
+def test_closed_loops_and_unmeasured_capacity_report_no_offered_load() -> None:
+    records = [record(i, Tier.P1, float(i), 0.1) for i in range(10)]
+    closed = replace(result(records, {}), capacity_rps=0.5)
+    closed = replace(closed, cell=replace(closed.cell, pattern="closed", load=8.0))
+    unknown = replace(result(records, {}), capacity_rps=None)
+    for res in (closed, unknown):
+        out = summarize([res], EngineConfig())
+        assert out["offered_load_x_capacity"] is None and out["peak_offered_load_x_capacity"] is None

@@ -104,6 +104,7 @@ class CellResult:
     num_device_blocks: int
     preemption_cost_s: Mapping[tuple[bool, int], float]  # (swapped, blocks or tokens) -> GPU seconds
     rate_rps: float | None  # open loop, synthetic: the arrival rate
+    capacity_rps: float | None = None  # the workload's measured capacity, where it was measured
 
 
 def _warmup(setup: BenchSetup, cell: Cell) -> int:
@@ -174,7 +175,15 @@ def cell_result(setup: BenchSetup, cell: Cell, driven: Driven) -> CellResult:
             2 * executor.estimate_swap_s(p.amount) if p.swapped else executor.estimate_prefill_s(p.amount)
         )
         cost[(p.swapped, p.amount)] = seconds
-    return CellResult(cell, result, p0_idle, executor.spec.num_device_blocks, cost, driven.rate_rps)
+    return CellResult(
+        cell,
+        result,
+        p0_idle,
+        executor.spec.num_device_blocks,
+        cost,
+        driven.rate_rps,
+        setup.capacity_rps.get(cell.workload),
+    )
 
 
 @functools.lru_cache(maxsize=8)

@@ -2,8 +2,9 @@
 
 A job is one (workload, pattern, load, policy) over every seed, run in one worker: it
 returns each seed's summary and the summary pooled over the seeds, so only figures cross
-between processes. Capacities (fcfs's saturated request rate, one per synthetic workload
-that runs open loop) are measured first, since open-loop rates are fractions of them.
+between processes. Capacities (fcfs's saturated request rate, one per workload that runs
+open loop) are measured first: synthetic open-loop rates are fractions of them, and each
+open-loop cell's offered load (a trace's too) is reported against them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from tierserve.bench.capacity import Capacity, measure_capacity
 from tierserve.bench.cell import BenchSetup, Cell, Pattern, run_cell
 from tierserve.bench.summary import add_throughput_vs_fcfs, summarize
+from tierserve.workloads import get_preset
 
 Group = tuple[str, Pattern, float]  # workload, pattern, load
 
@@ -35,7 +37,9 @@ class Matrix:
             raise ValueError("the matrix needs at least one policy and one cell")
 
     def open_loop_workloads(self) -> list[str]:
-        return sorted({w for w, p, _ in self.groups if p in ("poisson", "bursty")})
+        """The workloads whose capacity the bench measures: open-loop loads are fractions of
+        it, and a trace's offered load is reported against it."""
+        return sorted({w for w, p, _ in self.groups if p in ("poisson", "bursty", "trace")})
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,17 @@ def _run_job(job: _Job) -> tuple[_Job, list[dict[str, Any]], dict[str, Any]]:
     return job, [summarize([r], config) for r in results], summarize(results, config)
 
 
-def _capacity(args: tuple[str, BenchSetup, int]) -> Capacity:
-    return measure_capacity(*args)
+def _capacity(args: tuple[str, BenchSetup, int]) -> Capacity | None:
+    """The workload's capacity; None for a trace too short to saturate the engine (its
+    offered load is then not reported; a synthetic workload always has enough)."""
+    workload = args[0]
+    try:
+        return measure_capacity(*args)
+    except RuntimeError:
+        if get_preset(workload).trace_file is None:
+            raise
+        print(f"capacity of {workload}: too few rows to measure; offered load not reported", file=sys.stderr)
+        return None
 
 
 def _pool_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> Any:
@@ -75,7 +88,7 @@ def _pool_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> A
 
 def measure_capacities(matrix: Matrix, workers: int) -> dict[str, Capacity]:
     items = [(w, matrix.setup, matrix.seeds[0]) for w in matrix.open_loop_workloads()]
-    return {c.workload: c for c in _pool_map(_capacity, items, workers)}
+    return {c.workload: c for c in _pool_map(_capacity, items, workers) if c is not None}
 
 
 def run_matrix(matrix: Matrix, workers: int = 2, progress: bool = True) -> dict[str, Any]:

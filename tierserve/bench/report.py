@@ -99,6 +99,18 @@ TABLES: Sequence[tuple[str, Callable[[Run], str]]] = (
 )
 
 
+def _load_label(run: Run) -> str:
+    """The load as the cell names it, and for open loops the arrivals it offered against
+    the measured capacity: over the window (a trace's) and in its busiest minute."""
+    label = cell_name(run).split(" ", 1)[1]
+    mean, peak = run.get("offered_load_x_capacity"), run.get("peak_offered_load_x_capacity")
+    if peak is None:
+        return label
+    if run["pattern"] == "trace" and mean is not None:
+        return f"{label} ({mean:.2f}x capacity; busiest minute {peak:.2f}x)"
+    return f"{label} (busiest minute {peak:.2f}x)"
+
+
 def _sections(runs: Sequence[Run]) -> list[tuple[str, str]]:
     return list(dict.fromkeys((r["workload"], r["pattern"]) for r in runs))
 
@@ -111,7 +123,7 @@ def table(runs: Sequence[Run], title: str, value: Callable[[Run], str], article:
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for load in dict.fromkeys(r["load"] for r in runs):
         cells = [r for r in runs if r["load"] == load]
-        row = [cell_name(cells[0]).split(" ", 1)[1]]
+        row = [_load_label(cells[0])]
         row += [next((value(r) for r in cells if r["policy"] == p), "–") for p in policies]
         if article:
             row.append(" / ".join(ARTICLE_P0_P95_S.get(int(load), ("–", "–", "–"))))

@@ -161,15 +161,49 @@ def _p0_against_idle(results: Sequence[CellResult], target_s: float, seed: int) 
     }
 
 
+OFFERED_LOAD_WINDOW_S = 60.0  # the busiest such window of arrivals is reported too
+
+
+def _sent_times(result: CellResult) -> list[float]:
+    """When the workload sent each measured request (a held conversation turn: when sent)."""
+    records = result.run.records
+    return sorted(r.arrival_s if r.scheduled_s is None else r.scheduled_s for r in records if r.measured)
+
+
+def _offered_load(results: Sequence[CellResult]) -> dict[str, float | None]:
+    """Open loop: the measured requests' arrival rate as a multiple of the workload's
+    capacity, over the whole window and in its busiest OFFERED_LOAD_WINDOW_S (a trace's
+    mean can sit well under capacity while its bursts are several times over it). None
+    for closed loops, whose arrivals follow the policy, and where no capacity was measured."""
+    capacity = results[0].capacity_rps
+    if results[0].cell.arrival != "open" or not capacity:
+        return {"offered_load_x_capacity": None, "peak_offered_load_x_capacity": None}
+    count, span, peak_rps = 0, 0.0, 0.0
+    for res in results:
+        times, seed_span = _sent_times(res), _arrival_span(res)
+        count += max(0, len(times) - 1)  # arrivals after the first, over the span
+        span += seed_span
+        busiest, start = 0, 0
+        for end, t in enumerate(times):
+            while t - times[start] >= OFFERED_LOAD_WINDOW_S:
+                start += 1
+            busiest = max(busiest, end - start + 1)
+        if seed_span > 0:
+            peak_rps = max(peak_rps, busiest / min(OFFERED_LOAD_WINDOW_S, seed_span))
+    return {
+        "offered_load_x_capacity": _r(count / span / capacity) if span > 0 else None,
+        "peak_offered_load_x_capacity": _r(peak_rps / capacity) if span > 0 else None,
+    }
+
+
 def _arrival_span(result: CellResult) -> float:
     """From the first measured arrival to the last: goodput's denominator (the window runs
     on until the slowest measured request ends, which says nothing about the rate served).
     Open loop, the arrivals are the workload's own: a conversation turn held for its previous
     answer is sent later under a slower policy, and that must not lengthen the span over
     which the same offered load is counted."""
-    records = result.run.records
-    times = [r.arrival_s if r.scheduled_s is None else r.scheduled_s for r in records if r.measured]
-    return max(times) - min(times) if times else 0.0
+    times = _sent_times(result)
+    return times[-1] - times[0] if times else 0.0
 
 
 def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, Any]:
@@ -197,6 +231,7 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         "load": first.load if first.pattern != "closed" else int(first.load),
         "seed": seeds[0] if len(seeds) == 1 else seeds,
         "rate_rps": _r(results[0].rate_rps),
+        **_offered_load(results),
         "tiers": tiers,
         "p0_requests": tiers["P0"]["requests"],
         "low_sample": tiers["P0"]["requests"] < MIN_P0_REQUESTS,
