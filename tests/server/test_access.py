@@ -16,7 +16,7 @@ import pytest
 
 from tests.server.helpers import MODEL, LiveServer, live_server, make_state
 from tierserve.cli import build_parser, main
-from tierserve.server import fast_routes
+from tierserve.server import body_parser, fast_routes
 from tierserve.server.config import ServeConfig, parse_serve_config
 from tierserve.server.http_limits import http_overrides, parse_http_limits
 from tierserve.server.permissive import log_permissive_settings, permissive_settings
@@ -154,17 +154,19 @@ def test_http_limit_flags_override_the_file_and_are_checked(capsys: pytest.Captu
 def test_a_large_body_is_validated_off_the_event_loop(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While a large body's validation is held up, the event loop still answers others."""
+    """While a large body's validation is held up (on the thread the parser uses until its
+    process runs), the event loop still answers others."""
     release = threading.Event()
     entered = threading.Event()
-    real = fast_routes._validate
+    real = body_parser.parse
 
-    def held(model: fast_routes.Model, raw: bytes) -> object:
+    def held(kind: body_parser.Kind, raw: bytes) -> body_parser.Parsed:
         entered.set()
         release.wait(timeout=10)  # on the event loop, this would stall every other client
-        return real(model, raw)
+        return real(kind, raw)
 
-    monkeypatch.setattr(fast_routes, "_validate", held)
+    monkeypatch.setattr(body_parser, "parse", held)
+    monkeypatch.setattr(server.state, "body_parser", body_parser.BodyParser(use_process=False))
     body = {
         "model": MODEL,
         "prompt": [65] * 1000,

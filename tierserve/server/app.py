@@ -71,6 +71,7 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         finally:
             state.draining = True
             await state.engine.stop()
+            await state.body_parser.aclose()
             if state.remote_buckets is not None:
                 await state.remote_buckets.close()
 

@@ -7,13 +7,15 @@ thread keeps that off the event loop's own turn; the gate also bounds how often 
 happens: after a job that took `t` seconds the next one starts `t * (1 - share) / share`
 seconds later, so a client sending large bodies back to back costs other clients at most
 `share` of the CPU (10 % by default). At most `max_waiting` jobs wait; more get a 503.
+`admit` applies the same bounds to a job done elsewhere (the body parser's process,
+body_parser.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 from tierserve.server.errors import ApiError
@@ -35,6 +37,10 @@ class BodyGate:
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on a worker thread, within the gate's share of time."""
+        return await self.admit(lambda: asyncio.to_thread(fn, *args, **kwargs))
+
+    async def admit(self, job: Callable[[], Awaitable[T]]) -> T:
+        """Await `job()` (work done elsewhere: a thread, a process) within the gate's share."""
         if self._num_waiting >= self._max_waiting:
             raise ApiError(
                 503,
@@ -51,7 +57,7 @@ class BodyGate:
                     await asyncio.sleep(pause)
                 started = time.monotonic()
                 try:
-                    return await asyncio.to_thread(fn, *args, **kwargs)
+                    return await job()
                 finally:
                     spent = time.monotonic() - started
                     self._next_start = time.monotonic() + spent * (1 - self._share) / self._share

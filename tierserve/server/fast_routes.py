@@ -8,8 +8,9 @@ answers `POST /v1/chat/completions` and `POST /v1/completions` itself.
 Order: the API key, from the headers alone (a 401 goes out before a byte of the body is
 read, with `connection: close`); then the body; then one validation pass with the same
 pydantic models (`model_validate_json`) and the same `generate`. A body larger than
-`OFFLOAD_BYTES` is validated and prepared on a worker thread through a `BodyGate`
-(body_gate.py), so the event loop keeps sending tokens meanwhile. A client gone while
+`OFFLOAD_BYTES` is validated in the body parser's process (body_parser.py) and prepared on
+a worker thread, both through a `BodyGate` (body_gate.py), so the event loop keeps sending
+tokens meanwhile. A client gone while
 sending its body is an aborted upload: one log line, a metric, nothing answered. Errors leave as the app's
 handlers would send them (400 naming the field, 413, the `ApiError` envelope); anything
 unexpected goes up to the app's 500 handler. The FastAPI routes stay declared, so the
@@ -28,6 +29,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierserve.server.body_gate import BodyGate
+from tierserve.server.body_parser import BodyInvalid, Kind
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
 from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
@@ -77,11 +79,15 @@ class GenerationRoutes:
             return http_error(e).response()
         try:
             if len(raw) > OFFLOAD_BYTES:
-                body = await self._gate.run(_validate, model, raw)
+                kind: Kind = "chat" if model is ChatCompletionRequest else "completion"
+                parser = self._state.body_parser
+                body = await self._gate.admit(lambda: parser.parse(kind, raw))
                 return await generate(self._state, http, body, tenant, offload=self._gate)
             return await generate(self._state, http, _validate(model, raw), tenant)
         except ValidationError as e:
             return invalid_body(e.errors()).response()
+        except BodyInvalid as e:
+            return invalid_body(e.errors).response()
         except ApiError as e:
             return e.response()
 

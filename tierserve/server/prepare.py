@@ -8,6 +8,9 @@ prompt or `max_tokens` beyond the context, or beyond the KV blocks the tier may 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from tierserve.request import SamplingParams
 from tierserve.server.errors import ApiError, bad_request
@@ -74,7 +77,9 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
 
 
-def _prompt_ids(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def _prompt_ids(
+    state: ServerState, body: ChatCompletionRequest | CompletionRequest
+) -> list[int] | np.ndarray:
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -82,31 +87,42 @@ def _prompt_ids(state: ServerState, body: ChatCompletionRequest | CompletionRequ
             return list(tok.apply_chat_template(messages))
         except ValueError as e:
             raise bad_request(f"messages: {e}", "messages") from None
-    prompt = body.prompt
+    prompt: Any = body.prompt
     if isinstance(prompt, str):
         return tok.encode(prompt)
+    if isinstance(prompt, np.ndarray):  # token ids of a large body (body_parser.py)
+        return _checked_ids(state, prompt, prompt)
     if len(prompt) == 0:
         raise bad_request("prompt: must not be empty", "prompt")
     first = prompt[0]
-    if isinstance(first, (str, list)):
+    if isinstance(first, (str, list, np.ndarray)):
         if len(prompt) != 1:
             raise bad_request("prompt: only one prompt per request is supported", "prompt")
         if isinstance(first, str):
             return tok.encode(first)
-        ids = list(first)
-    else:
-        ids = list(prompt)  # type: ignore[arg-type]  # ints: the body's validation made them so
+        return _checked_ids(state, first, first if isinstance(first, np.ndarray) else None)
+    return _checked_ids(state, prompt, None)  # ints: the body's validation made them so
+
+
+def _checked_ids(state: ServerState, ids: Any, array: np.ndarray | None) -> list[int] | np.ndarray:
+    """The ids, checked against the vocabulary; an array stays one (a list of a large
+    prompt is made only once it passes every check, in `prepare`)."""
     vocab = state.model.vocab_size
-    if ids and (min(ids) < 0 or max(ids) >= vocab):
+    if array is not None:
+        if len(array) and (int(array.min()) < 0 or int(array.max()) >= vocab):
+            raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
+        return array
+    checked: list[int] = list(ids)
+    if checked and (min(checked) < 0 or max(checked) >= vocab):
         raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
-    return ids
+    return checked
 
 
 def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest, tier: Tier) -> Prepared:
     _check_options(body)
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     ids = _prompt_ids(state, body)
-    if not ids:
+    if len(ids) == 0:
         raise bad_request(f"{prompt_param}: the prompt is empty", prompt_param)
     num_prompt = len(ids)
     context = state.model.max_model_len
@@ -158,6 +174,8 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
     except ValueError as e:
         raise bad_request(str(e), None) from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
     return Prepared(
         ids, sampling, tuple(s for s in body.stop_strings() if s), bool(body.stream), include_usage
     )

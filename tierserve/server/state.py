@@ -14,6 +14,7 @@ from typing import Any
 from tierserve.clock import Clock, WallClock
 from tierserve.server.admission import AdmissionController, ThroughputMeter
 from tierserve.server.backends import Backend
+from tierserve.server.body_parser import BodyParser
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.config import ServeConfig
 from tierserve.server.engine_client import EngineClient
@@ -54,6 +55,7 @@ class ServerState:
     remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
     trace: ServeTrace | None = None  # set before create_app to record per-request timestamps
     draining: bool = False
+    body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies, in a process of its own
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _id_prefix: str = field(default_factory=lambda: os.urandom(3).hex())  # tells replicas' ids apart

@@ -1,0 +1,140 @@
+"""Large bodies parsed in a process of their own: what crosses back is cheap to take, the
+answers are the ones a small body gets, and a dead worker costs no request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server.helpers import MODEL, LiveServer, live_server, make_state
+from tierserve.server import fast_routes
+from tierserve.server.body_parser import BodyInvalid, BodyParser, parse
+from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+CONTEXT = 512
+
+
+def _raw(**body: Any) -> bytes:
+    return json.dumps({"model": MODEL, **body}).encode()
+
+
+def test_a_token_id_prompt_comes_back_as_one_array_and_other_prompts_as_they_were() -> None:
+    ids = list(range(200, 200 + 50_000))
+    body, errors = parse("completion", _raw(prompt=ids, max_tokens=4))
+    assert errors is None and isinstance(body, CompletionRequest)
+    assert isinstance(body.prompt, np.ndarray) and body.prompt.tolist() == ids
+    # One buffer to unpickle, not 50,000 int objects.
+    back = pickle.loads(pickle.dumps(body))
+    assert isinstance(back.prompt, np.ndarray) and back.prompt.dtype == np.int64
+    # Ids beyond int64 stay a list (prepare.py then names them outside the vocabulary).
+    huge, _ = parse("completion", _raw(prompt=[1, 10**30]))
+    assert isinstance(huge, CompletionRequest) and huge.prompt == [1, 10**30]
+    nested, _ = parse("completion", _raw(prompt=[ids[:10]]))
+    assert isinstance(nested, CompletionRequest) and isinstance(nested.prompt, list)
+    assert isinstance(nested.prompt[0], np.ndarray) and nested.prompt[0].tolist() == ids[:10]
+    text, _ = parse("completion", _raw(prompt="hello"))
+    assert isinstance(text, CompletionRequest) and text.prompt == "hello"
+    chat, _ = parse("chat", _raw(messages=[{"role": "user", "content": "hi"}]))
+    assert isinstance(chat, ChatCompletionRequest) and chat.messages[0].text() == "hi"
+
+
+def test_an_invalid_body_comes_back_as_its_first_error_in_plain_data() -> None:
+    body, errors = parse("completion", _raw(prompt=[1, 2, 3])[:-5])  # cut short: invalid JSON
+    assert body is None and errors is not None
+    assert errors[0]["type"] == "json_invalid" and isinstance(errors[0]["ctx"]["error"], str)
+    body, errors = parse("completion", _raw(prompt=[1, 2], max_tokens="many"))
+    assert body is None and errors is not None
+    assert errors[0]["loc"] == ["max_tokens"] and "input" not in errors[0]
+    pickle.loads(pickle.dumps(errors))  # crosses the process boundary
+
+
+def _worker_pid(parser: BodyParser) -> int:
+    pool = parser._pool
+    assert pool is not None
+    (pid,) = pool._processes  # type: ignore[attr-defined]  # one worker
+    return int(pid)
+
+
+def test_the_worker_parses_in_another_process_and_a_dead_one_is_replaced() -> None:
+    async def main() -> None:
+        parser = BodyParser()
+        raw = _raw(prompt=list(range(1000)))
+        first = await parser.parse("completion", raw)  # the worker starts meanwhile
+        assert isinstance(first, CompletionRequest) and parser.num_parsed_in_process == 0
+        deadline = time.monotonic() + 60
+        while not parser.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert parser.running
+        body = await parser.parse("completion", raw)
+        assert parser.num_parsed_in_process == 1 and _worker_pid(parser) != os.getpid()
+        assert isinstance(body, CompletionRequest) and isinstance(body.prompt, np.ndarray)
+        with pytest.raises(BodyInvalid) as invalid:
+            await parser.parse("completion", raw[:-3])
+        assert invalid.value.errors[0]["type"] == "json_invalid"
+        os.kill(_worker_pid(parser), signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        again = await parser.parse("completion", raw)  # answered on a thread while it restarts
+        assert isinstance(again, CompletionRequest)
+        while parser.num_parsed_in_process < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            await parser.parse("completion", raw)
+        assert parser.num_parsed_in_process >= 3  # a new worker took over
+        await parser.aclose()
+        assert not parser.running
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server(make_state(max_model_len=CONTEXT)) as srv:
+        yield srv
+
+
+def _post(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.base_url + "/completions", json=body, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [65] * 600,  # beyond the context
+        [65, 999_999],  # a token id outside the vocabulary
+        [65, 10**30],  # ... and beyond int64
+        [[65] * 600],  # one prompt of ids, nested
+        [],  # empty
+        [[]],  # one empty prompt of ids
+    ],
+)
+def test_a_large_body_gets_the_answer_a_small_one_gets(server: LiveServer, prompt: list[Any]) -> None:
+    small = _post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    padding = "u" * (fast_routes.OFFLOAD_BYTES + 1)  # same body, over the offload size
+    answers = []
+    for _ in range(2):  # the first on a thread while the worker starts, then in the worker
+        answers.append(_post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 1, "user": padding}))
+        deadline = time.monotonic() + 60
+        while not server.state.body_parser.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert server.state.body_parser.running
+    for large in answers:
+        assert (large.status_code, large.json()) == (small.status_code, small.json())
+    assert small.status_code == 400
+
+
+def test_a_large_valid_prompt_is_served_whole(server: LiveServer) -> None:
+    padding = "u" * (fast_routes.OFFLOAD_BYTES + 1)
+    before = server.state.body_parser.num_parsed_in_process
+    r = _post(server, {"model": MODEL, "prompt": [65] * 300, "max_tokens": 2, "user": padding})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 300
+    assert server.state.body_parser.num_parsed_in_process == before + 1
