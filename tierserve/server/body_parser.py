@@ -117,13 +117,19 @@ class BodyParser:
         return self._pool is not None
 
     def start(self) -> None:
-        """Spawn the worker and wait for its imports (the first job would otherwise pay them)."""
+        """Spawn the worker and wait for its imports (the first job would otherwise pay
+        them); jobs go to it only once it has answered."""
         if self._pool is not None:
             return
-        self._pool = ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_background_priority
         )
-        self._pool.submit(parse, "completion", b'{"model": "warm-up", "prompt": [0]}').result(timeout=120)
+        try:
+            pool.submit(parse, "completion", b'{"model": "warm-up", "prompt": [0]}').result(timeout=120)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        self._pool = pool
 
     def stop(self) -> None:
         pool, self._pool = self._pool, None
