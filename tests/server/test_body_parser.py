@@ -18,7 +18,7 @@ import pytest
 
 from tests.server.helpers import MODEL, LiveServer, live_server, make_state
 from tierserve.server import fast_routes
-from tierserve.server.body_parser import BodyInvalid, BodyParser, parse
+from tierserve.server.body_parser import WORKER_NICENESS, BodyInvalid, BodyParser, parse
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 CONTEXT = 512
@@ -77,6 +77,8 @@ def test_the_worker_parses_in_another_process_and_a_dead_one_is_replaced() -> No
         assert parser.running
         body = await parser.parse("completion", raw)
         assert parser.num_parsed_in_process == 1 and _worker_pid(parser) != os.getpid()
+        assert parser._pool is not None  # at the lowest CPU priority, beside the server
+        assert parser._pool.submit(os.nice, 0).result(timeout=10) == WORKER_NICENESS
         assert isinstance(body, CompletionRequest) and isinstance(body.prompt, np.ndarray)
         with pytest.raises(BodyInvalid) as invalid:
             await parser.parse("completion", raw[:-3])

@@ -91,7 +91,7 @@ def _prompt_ids(
     if isinstance(prompt, str):
         return tok.encode(prompt)
     if isinstance(prompt, np.ndarray):  # token ids of a large body (body_parser.py)
-        return _checked_ids(state, prompt, prompt)
+        return _checked_ids(state, prompt)
     if len(prompt) == 0:
         raise bad_request("prompt: must not be empty", "prompt")
     first = prompt[0]
@@ -100,31 +100,33 @@ def _prompt_ids(
             raise bad_request("prompt: only one prompt per request is supported", "prompt")
         if isinstance(first, str):
             return tok.encode(first)
-        return _checked_ids(state, first, first if isinstance(first, np.ndarray) else None)
-    return _checked_ids(state, prompt, None)  # ints: the body's validation made them so
+        return _checked_ids(state, first)
+    return _checked_ids(state, prompt)  # ints: the body's validation made them so
 
 
-def _checked_ids(state: ServerState, ids: Any, array: np.ndarray | None) -> list[int] | np.ndarray:
+def _checked_ids(state: ServerState, ids: Any) -> list[int] | np.ndarray:
     """The ids, checked against the vocabulary; an array stays one (a list of a large
     prompt is made only once it passes every check, in `prepare`)."""
     vocab = state.model.vocab_size
-    if array is not None:
-        if len(array) and (int(array.min()) < 0 or int(array.max()) >= vocab):
+    if isinstance(ids, np.ndarray):
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
-        return array
+        return ids
     checked: list[int] = list(ids)
     if checked and (min(checked) < 0 or max(checked) >= vocab):
         raise bad_request(f"prompt: token ids must be in [0, {vocab})", "prompt")
     return checked
 
 
-def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest, tier: Tier) -> Prepared:
-    _check_options(body)
-    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    ids = _prompt_ids(state, body)
-    if len(ids) == 0:
-        raise bad_request(f"{prompt_param}: the prompt is empty", prompt_param)
-    num_prompt = len(ids)
+def _max_tokens(
+    state: ServerState,
+    body: ChatCompletionRequest | CompletionRequest,
+    tier: Tier,
+    num_prompt: int,
+    prompt_param: str,
+) -> int:
+    """The prompt and its output against the model's context and the tier's KV ceiling:
+    the output's length (the server's default where the body names none), or the 400."""
     context = state.model.max_model_len
     if num_prompt >= context:
         raise ApiError(
@@ -160,6 +162,16 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
             f"{tier_tokens} tokens of KV cache tier {tier.name} may hold",
             field,
         )
+    return max_tokens
+
+
+def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest, tier: Tier) -> Prepared:
+    _check_options(body)
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    ids = _prompt_ids(state, body)
+    if len(ids) == 0:
+        raise bad_request(f"{prompt_param}: the prompt is empty", prompt_param)
+    max_tokens = _max_tokens(state, body, tier, len(ids), prompt_param)
     temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     try:
         sampling = SamplingParams(
