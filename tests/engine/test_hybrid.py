@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -206,7 +207,9 @@ def test_a_capped_step_admits_no_prompt_it_cannot_start() -> None:
     run(eng)
 
 
-def _first_p1_chunk(likely_s: float, bound_s: float, from_slack: bool = False, p0_prompt: int = 16) -> int:
+def _first_p1_chunk(
+    likely_s: float, bound_s: float, from_slack: bool = False, p0_prompt: int = 16, x_p0: float = math.inf
+) -> int:
     eng = engine(
         blocks=8000,
         max_num_batched_tokens=4096,
@@ -215,6 +218,7 @@ def _first_p1_chunk(likely_s: float, bound_s: float, from_slack: bool = False, p
             "p0_step_tokens": 4096,
             "p0_likely_s": likely_s,
             "step_bound_from_slack": from_slack,
+            "step_bound_x_p0": x_p0,
         },
     )
     eng.add_request(make_request(num_prompt=p0_prompt, max_tokens=1, tier=Tier.P0))
@@ -257,6 +261,46 @@ def test_the_step_bound_widens_to_the_slack_short_p0_prompts_leave() -> None:
     assert shaper.bound_tokens(estimate) == 500
     shaper.p0_admitted(16)
     assert shaper.bound_tokens(estimate) == HybridOptions().p0_step_tokens  # 48,984 by time
+
+
+def test_the_step_bound_can_be_held_to_a_multiple_of_p0s_own_step() -> None:
+    # A 2,000-token P0 prompt alone: 0.01 + 0.02 = 0.03 s. Half of it, 0.015 s, holds 500
+    # tokens, under the 0.05 s `step_bound_s` (4,096) and the slack (0.47 s).
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.05, p0_prompt=2000) == 3000
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.05, p0_prompt=2000, x_p0=0.5) == 500
+    assert _first_p1_chunk(likely_s=1000.0, bound_s=0.05, from_slack=True, p0_prompt=2000, x_p0=0.5) == 500
+    # Below one step's fixed cost the other tiers keep MIN_OTHER_PREFILL_TOKENS.
+    from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS
+
+    chunk = _first_p1_chunk(likely_s=1000.0, bound_s=0.05, p0_prompt=2000, x_p0=0.1)
+    assert chunk == MIN_OTHER_PREFILL_TOKENS
+
+
+def test_prefill_cap_answers_for_steps_built_elsewhere() -> None:
+    """The vLLM plug-in's question: the same bound, asked with counts, not a StepBudget."""
+    from tierserve.scheduling.hybrid import HybridOptions
+    from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS, StepShaper
+
+    def estimate(n: int, context: int) -> float:
+        return 0.00205 + 2e-5 * n
+
+    options = HybridOptions(step_bound_x_p0=2.0, p0_likely_s=10.0)
+    shaper = StepShaper(options, 512, p0_target_s=0.5)
+    assert shaper.prefill_cap(0, False, 8, now=0.0, estimate_s=estimate) is None, "no P0 seen"
+    shaper.last_p0_arrival = 0.0
+    shaper.p0_admitted(48)  # alone 0.00301 s; twice that holds 198 tokens
+    assert shaper.prefill_cap(0, False, 8, now=1.0, estimate_s=estimate) == 198 - 8
+    assert shaper.prefill_cap(0, False, 8, now=20.0, estimate_s=estimate) is None, "P0 long gone"
+    assert shaper.prefill_cap(1, False, 8, now=20.0, estimate_s=estimate) == 190, "a P0 waits"
+    assert shaper.prefill_cap(0, True, 8, now=20.0, estimate_s=estimate) == 190, "a P0 prefills"
+    assert shaper.prefill_cap(0, True, 190, now=1.0, estimate_s=estimate) == MIN_OTHER_PREFILL_TOKENS
+
+    def slower(n: int, context: int) -> float:
+        return 0.0011 + 4e-5 * n  # a new cost model: the bound is found again
+
+    assert shaper.prefill_cap(0, True, 0, now=1.0, estimate_s=slower) == 123
+    # Without a cost model only the token limits bound the step.
+    assert shaper.prefill_cap(0, True, 0, now=1.0, estimate_s=None) == 512
 
 
 def test_p0_takes_a_seat_from_a_lower_tier() -> None:

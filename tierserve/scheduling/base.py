@@ -20,7 +20,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
-    from tierserve.scheduling.step import StepBudget
+    from tierserve.scheduling.step import StepBudget, StepEstimate
 
 
 class RunningPass(enum.Enum):
@@ -161,6 +161,15 @@ class Policy(ABC):
         step with the tiers that will prefill in it: the one tier whose work alone the step
         should carry, or None for a mixed step. The call counts the step in the policy's
         history, so a policy can bound how often the other tiers sit out."""
+        return None
+
+    def prefill_cap(
+        self, num_decodes: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
+    ) -> int | None:
+        """For a step built outside tierserve's engine (the vLLM plug-in): the prompt tokens
+        the tiers below P0 may have in it beside `num_decodes` one-token decodes, with
+        `estimate_s(num_tokens, context)` the step time predicted (None: unknown), or None
+        for no cap."""
         return None
 
     # ---- fast simulation --------------------------------------------------------------

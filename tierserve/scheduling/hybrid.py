@@ -69,6 +69,7 @@ floor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper
 from tierserve.scheduling.oldest import OldestWaiting
 from tierserve.scheduling.sfq import TierFairQueues
-from tierserve.scheduling.step import StepBudget
+from tierserve.scheduling.step import StepBudget, StepEstimate
 from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -105,6 +106,7 @@ class HybridOptions(PolicyOptions):
     step_bound_s: float = 0.15  # predicted step duration P1-P3 prefill may fill while a P0 is likely
     step_bound_from_slack: bool = True  # ... or more: P0's target less its longest recent prompt alone
     p0_step_tokens: int = 2048  # ... and at most this many tokens of it
+    step_bound_x_p0: float = math.inf  # ... and at most this multiple of a recent P0 prompt's time alone
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
     p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
     p0_solo_share: float = 0.75  # ... if, sharing it, a P0 prompt would pass this share of its TTFT target
@@ -112,7 +114,7 @@ class HybridOptions(PolicyOptions):
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
     def check(self, path: str) -> None:
-        for name in ("step_bound_s", "p0_likely_s", "p3_shed_after_s", "p0_solo_share"):
+        for name in ("step_bound_s", "step_bound_x_p0", "p0_likely_s", "p3_shed_after_s", "p0_solo_share"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ConfigError(f"{path}.{name}: must be >= 0, got {value}")
@@ -290,6 +292,13 @@ class HybridPolicy(FairQueuePolicy):
         queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
         self._shaper.end(step, queued, now)
         self._step, self._p0_by_length = None, []
+
+    def prefill_cap(
+        self, num_decodes: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
+    ) -> int | None:
+        # The vLLM plug-in's question: the engine's own passes cap in `begin_step`.
+        num_p0_waiting = self.num_waiting(Tier.P0)
+        return self._shaper.prefill_cap(num_p0_waiting, p0_prefilling, num_decodes, now, estimate_s)
 
     def solo_tier(self, tiers_prefilling: AbstractSet[Tier]) -> Tier | None:
         # The engine's P0-only prefill steps (`p0_solo_prefill`), same window of steps.

@@ -12,6 +12,11 @@
   target less the predicted time of the longest of the last RECENT_P0_PROMPTS alone,
   past their cached prefix):
   short P0 prompts need no tight bound, and the other tiers keep their throughput.
+  `step_bound_x_p0` (off by default) holds the bound to that multiple of the longest
+  recent P0 prompt's own predicted time alone: 0.5 keeps a P0 that arrives mid-step near
+  1.5x its idle TTFT, where the SLO alone would leave it far more room (a small model
+  whose P0 prompt takes milliseconds), for some of the other tiers' throughput. The
+  vLLM plug-in asks the same question (`prefill_cap`) with a step-time fit of its own.
 - P0-only prefill steps (`p0_solo_prefill`): a step that prefills a P0 prompt which,
   sharing the step with the other tiers' work, would pass `p0_solo_share` of its TTFT
   target (its wait so far plus the step as built, once for each step its prompt still
@@ -30,11 +35,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tierserve.request import Request
-from tierserve.scheduling.step import StepBudget, tokens_within
+from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_within
 from tierserve.tiers import Tier
 
 if TYPE_CHECKING:
@@ -56,33 +61,33 @@ class StepShaper:
         self.last_p0_arrival = -math.inf
         self._recent_p0: deque[int] = deque(maxlen=RECENT_P0_PROMPTS)  # their prompt tokens
         self._longest_p0 = 0  # of `_recent_p0`
-        self._bound: tuple[int, int] | None = None  # (longest recent P0, the bound's tokens)
+        self._bound: tuple[tuple[int, object], int] | None = None  # ((longest recent P0, cost model), tokens)
         self._solo: deque[bool] = deque(maxlen=SHAPING_WINDOW)
         self._yield_prompts: deque[bool] = deque(maxlen=SHAPING_WINDOW)
         self._yield_decodes: deque[bool] = deque(maxlen=SHAPING_WINDOW)
 
-    def p0_likely(self, num_p0_waiting: int, running: Sequence[Request], now: float) -> bool:
-        if num_p0_waiting or now - self.last_p0_arrival < self.options.p0_likely_s:
-            return True
-        p0 = Tier.P0
-        return any(r.tier is p0 and r.is_prefilling for r in running)
+    def p0_likely(self, num_p0_waiting: int, p0_prefilling: bool, now: float) -> bool:
+        return bool(num_p0_waiting) or p0_prefilling or now - self.last_p0_arrival < self.options.p0_likely_s
 
     def p0_admitted(self, num_prompt_tokens: int) -> None:
         """A P0 prompt starts, with `num_prompt_tokens` to compute (past its cached prefix)."""
         self._recent_p0.append(num_prompt_tokens)
         self._longest_p0 = max(self._recent_p0)
 
-    def bound_s(self, estimate_s: Callable[[int, int], float]) -> float:
+    def bound_s(self, estimate_s: StepEstimate) -> float:
         """The predicted step duration P1-P3 prefill may fill while a P0 is likely."""
-        bound = self.options.step_bound_s
-        if self.options.step_bound_from_slack and self._longest_p0 and math.isfinite(self.p0_target_s):
-            bound = max(bound, self.p0_target_s - estimate_s(self._longest_p0, 0))
+        options, longest = self.options, self._longest_p0
+        bound = options.step_bound_s
+        if options.step_bound_from_slack and longest and math.isfinite(self.p0_target_s):
+            bound = max(bound, self.p0_target_s - estimate_s(longest, 0))
+        if longest and math.isfinite(options.step_bound_x_p0):
+            bound = min(bound, options.step_bound_x_p0 * estimate_s(longest, 0))
         return bound
 
-    def bound_tokens(self, estimate_s: Callable[[int, int], float] | None) -> int:
+    def bound_tokens(self, estimate_s: StepEstimate | None) -> int:
         """Tokens of one step within `bound_s`, capped by `p0_step_tokens` (found again
-        only when the longest recent P0 prompt changes)."""
-        key = self._longest_p0
+        only when the longest recent P0 prompt or the cost model changes)."""
+        key = (self._longest_p0, estimate_s)  # a bound method is equal to its next lookup
         if self._bound is None or self._bound[0] != key:
             most = self.max_step_tokens
             by_time = (
@@ -93,10 +98,29 @@ class StepShaper:
             self._bound = (key, min(by_time, self.options.p0_step_tokens))
         return self._bound[1]
 
+    def prefill_cap(
+        self,
+        num_p0_waiting: int,
+        p0_prefilling: bool,
+        num_decodes: int,
+        now: float,
+        estimate_s: StepEstimate | None,
+    ) -> int | None:
+        """The prompt tokens P1-P3 may have in the coming step beside `num_decodes`
+        one-token decodes (None: no cap, no P0 is likely)."""
+        if not self.p0_likely(num_p0_waiting, p0_prefilling, now):
+            return None
+        return self._cap(num_decodes, estimate_s)
+
+    def _cap(self, num_decodes: int, estimate_s: StepEstimate | None) -> int:
+        """What the step bound leaves the other tiers' prompts, but MIN_OTHER_PREFILL_TOKENS."""
+        return max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(estimate_s) - num_decodes)
+
     def begin(self, step: StepBudget, num_p0_waiting: int, running: Sequence[Request], now: float) -> None:
-        if self.p0_likely(num_p0_waiting, running, now):
+        p0 = Tier.P0
+        if self.p0_likely(num_p0_waiting, any(r.tier is p0 and r.is_prefilling for r in running), now):
             num_decodes = sum(1 for r in running if not r.is_prefilling)
-            cap = max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(step.estimate_s) - num_decodes)
+            cap = self._cap(num_decodes, step.estimate_s)
             step.cap_prefill(OTHER_TIERS, cap, at_least=MIN_OTHER_PREFILL_TOKENS)
 
     def solo(self, wanted: bool) -> bool:

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from tierserve.request import Request
 from tierserve.tiers import Tier
 
+# A step's predicted duration in seconds from its tokens and their mean context.
+StepEstimate = Callable[[int, int], float]
+
 
 class PreemptMode(enum.Enum):
     SWAP = "swap"
@@ -34,7 +37,7 @@ class StepBudget:
     fresh: set[Request] = field(default_factory=set)  # admitted or swapped in this pass: no victims
     # The executor's predicted duration of one step that prefills n tokens after ctx cached
     # tokens, as estimate_s(n, ctx) (for hooks that bound steps).
-    estimate_s: Callable[[int, int], float] | None = None
+    estimate_s: StepEstimate | None = None
     # A shared cap on the prefill tokens of some tiers in this step (set by a policy hook),
     # counted in tokens of a fresh prompt: a chunk deep into a long prompt also pays for
     # attention over its context, so it is charged the fresh tokens that cost as much.
