@@ -7,6 +7,7 @@ Two engines for the whole module, built once: vLLM with the plug-in, and vanilla
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from tests.integrations.vllm.engines import (
     prompt,
     scheduler_of,
 )
-from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
+from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS, SHAPING_WINDOW
 from tierserve.tiers import Tier
 
 pytestmark = pytest.mark.timeout(900)
@@ -221,3 +222,39 @@ def test_outputs_match_vanilla_vllm_through_p0_only_steps(
     for rid, ids in vanilla.tokens.items():
         assert plugin.tokens[rid] == ids, rid
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.num_pool_blocks
+
+
+def test_while_a_p0_is_likely_the_step_bound_caps_the_other_tiers_prompts(
+    plugin: Driver, vanilla: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched = scheduler_of(plugin.llm)
+    shaper = sched.tier_policy._shaper
+    # A bound of no time at all: the other tiers keep the least a step gives them.
+    monkeypatch.setattr(shaper, "options", replace(shaper.options, step_bound_x_p0=0.0, p0_likely_s=1e9))
+    monkeypatch.setattr(sched.step_times, "estimate_s", lambda n, context: 0.002 + 2e-5 * n)
+    tokens: list[dict[str, int]] = []
+    schedule = sched.schedule
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        tokens.append({rid.rsplit("-", 1)[0]: n for rid, n in output.num_scheduled_tokens.items()})
+        return output
+
+    for d in (plugin, vanilla):
+        p3 = _p3_decoding(d, "cap-p3", 3, seed=700, max_tokens=60)
+        d.submit("cap-p0", prompt(710, 40), 2, Tier.P0)
+        d.run(20, until=lambda d=d: d.finished["cap-p0"] == 1)
+        if d is plugin:
+            monkeypatch.setattr(sched, "schedule", recording)
+        for i in range(2):
+            d.submit(f"cap-p1-{i}", prompt(720 + i, 300), 8, Tier.P1)
+        d.run(500)
+    p1 = [f"cap-p1-{i}" for i in range(2)]
+    chunks = [step for step in tokens if any(rid in step and step[rid] > 1 for rid in p1)]
+    assert len(chunks) >= 2 * 300 // MIN_OTHER_PREFILL_TOKENS
+    for step in chunks:
+        assert sum(n for rid, n in step.items() if rid in p1 and n > 1) <= MIN_OTHER_PREFILL_TOKENS
+        assert all(step[rid] == 1 for rid in p3 if rid in step), "a decode keeps its one token"
+    assert set(p3) <= set().union(*chunks[:2]), "the P3 decodes ran beside the capped chunks"
+    for rid in (*p1, *p3):
+        assert plugin.tokens[rid] == vanilla.tokens[rid], rid

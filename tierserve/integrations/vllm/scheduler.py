@@ -10,6 +10,11 @@ What it changes, and nothing else (vLLM's `schedule()` still builds every step):
   * a step that prefills P0 carries P0 work only (hybrid's `p0_solo_prefill`, in at most
     half of any 8 steps): the other running requests sit that step out, as when vLLM's
     token budget runs out before them, and the queue shows vLLM only its P0 requests;
+  * while a P0 is likely, the other tiers' prompt tokens in a step are capped by hybrid's
+    step bound (`Policy.prefill_cap`), priced by a fit of this engine's own step times
+    (`step_times.py`): the step's token budget is cut to its decodes, P0's prompts and
+    the cap, and the decodes go ahead of the other tiers' chunks, so none of them loses
+    its token to the cap;
   * every block allocation is held to the tier partition (see `kv_guard.py`), and a
     request's vLLM `priority` is set to its tier, so vLLM's own preemption on a failed
     allocation picks the lowest tier;
@@ -40,6 +45,7 @@ from tierserve.integrations.vllm.ledger import TierLedger
 from tierserve.integrations.vllm.plugin_config import PluginConfig, load_plugin_config
 from tierserve.integrations.vllm.queue import PolicyRequestQueue
 from tierserve.integrations.vllm.request_tier import TierArgsError, TierLabel, label_request
+from tierserve.integrations.vllm.step_times import StepTimes
 from tierserve.integrations.vllm.tier_metrics import TierMetrics, on_vllm_endpoint
 from tierserve.memory.partition import TierPartition
 from tierserve.scheduling import create_policy
@@ -80,6 +86,7 @@ class TierScheduler(Scheduler):
         self.ledger = TierLedger(partition)
         self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)
         self.tier_metrics = TierMetrics()
+        self.step_times = StepTimes()
         if not on_vllm_endpoint():
             logger.warning(
                 "tierserve: PROMETHEUS_MULTIPROC_DIR is not set, so the per-tier metrics are not on "
@@ -139,10 +146,14 @@ class TierScheduler(Scheduler):
         # vLLM hands the token budget to running requests in list order: most urgent first.
         self.running.sort(key=lambda r: r.priority)
         solo = self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
-        if solo is None:
-            output = super().schedule(*args, **kwargs)
-        else:
+        budget = self._token_budget(now) if solo is None else None
+        if solo is not None:
             output = self._schedule_solo(solo, *args, **kwargs)
+        elif budget is not None and budget < self.max_num_scheduled_tokens:
+            output = self._schedule_capped(budget, *args, **kwargs)
+        else:
+            output = super().schedule(*args, **kwargs)
+        self.step_times.scheduled(output, output.total_num_scheduled_tokens, time.monotonic())
         self.tier_metrics.publish_state(
             [self.tier_policy.num_waiting(t) for t in ALL_TIERS], self.ledger.used, self.ledger.borrowed()
         )
@@ -173,9 +184,46 @@ class TierScheduler(Scheduler):
         finally:
             self.waiting.show_only(None)
 
+    def _token_budget(self, now: float) -> int | None:
+        """This step's token budget under the policy's cap on the tiers below P0 (None: no
+        cap): every running decode's token, P0's prompt tokens, running and waiting, and the
+        cap. Without chunked prefill a prompt is never cut, so nothing is capped."""
+        estimate = self.step_times.estimate_s
+        if not self.scheduler_config.enable_chunked_prefill:
+            return None
+        p0, book = Tier.P0, self.book
+        num_decodes, p0_tokens, p0_prefilling = 0, 0, False
+        for r in self.running:
+            if not r.is_prefill_chunk:
+                num_decodes += 1
+            elif book.tier(r.request_id) is p0:
+                p0_prefilling = True
+                p0_tokens += r.num_tokens - r.num_computed_tokens
+        cap = self.tier_policy.prefill_cap(num_decodes, p0_prefilling, now, estimate)
+        if cap is None:
+            return None
+        if self.tier_policy.num_waiting(p0):
+            p0_tokens += sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
+        return num_decodes + p0_tokens + cap
+
+    def _schedule_capped(self, budget: int, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """vLLM's pass with `budget` tokens: P0's work first, then every other decode,
+        then the other tiers' prompt chunks, most urgent first."""
+        p0, book = Tier.P0, self.book
+        self.running.sort(
+            key=lambda r: (r.is_prefill_chunk and book.tier(r.request_id) is not p0, r.priority)
+        )
+        full = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = budget
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = full
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> Any:
+        self.step_times.finished(scheduler_output, time.monotonic())
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         now = time.time()
         for rid in scheduler_output.num_scheduled_tokens:
