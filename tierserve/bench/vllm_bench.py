@@ -116,9 +116,18 @@ class Contender(Protocol):
     def has_unfinished(self) -> bool: ...
 
 
-def _drive(c: Contender, arrivals: dict[str, float], records: dict[str, dict[str, Any]]) -> float:
-    t = time.time()
-    for rid, num_tokens, finished in c.step():
+def _drive(
+    c: Contender,
+    arrivals: dict[str, float],
+    records: dict[str, dict[str, Any]],
+    step_times: list[float] | None = None,
+) -> float:
+    """One step; `step_times` (if given) gets its duration as this driver sees it."""
+    began = t = time.time()
+    moved = c.step()
+    if step_times is not None:
+        step_times.append(time.time() - began)
+    for rid, num_tokens, finished in moved:
         t = time.time()
         rec = records.get(rid)
         if rec is None:  # the warm-up request
@@ -147,6 +156,7 @@ def run_open_loop(c: Contender, w: Workload) -> dict[str, Any]:
     c.submit(BenchRequest("warm-up", "alone", 0.0, warm.tier, warm.prompt, 2), time.time())
     drain()
     flood_s = 0.0
+    flood_steps: list[float] = []
     for k in sorted({r.round for r in w.alone} | {r.round for r in w.flood}):
         for req in (r for r in w.alone if r.round == k):
             records[req.request_id] = {"tier": req.tier, "phase": "alone", "ttft_s": None, "tokens": 0}
@@ -154,8 +164,8 @@ def run_open_loop(c: Contender, w: Workload) -> dict[str, Any]:
             c.submit(req, arrivals[req.request_id])
             drain()
         this_round = [r for r in w.flood if r.round == k]
-        flood_s += _flood(c, this_round, arrivals, records, deadline, w.time_limit_s)
-    return {"requests": records, "flood_makespan_s": flood_s}
+        flood_s += _flood(c, this_round, arrivals, records, deadline, w.time_limit_s, flood_steps)
+    return {"requests": records, "flood_makespan_s": flood_s, "flood_step_s": flood_steps}
 
 
 def _flood(
@@ -165,8 +175,11 @@ def _flood(
     records: dict[str, dict[str, Any]],
     deadline: float,
     limit_s: float,
+    step_times: list[float],
 ) -> float:
-    """One round's flood phase, open loop; returns its makespan (start to last output)."""
+    """One round's flood phase, open loop; returns its makespan (start to last output).
+    A request that arrives during a step is submitted when the step returns, as vLLM's
+    engine core takes new requests between steps: its record's `wait_s` is that delay."""
     start = time.time()
     last = start
     while pending or c.has_unfinished():
@@ -175,13 +188,16 @@ def _flood(
             raise BenchTimeout(f"not done in {limit_s} s")
         while pending and start + pending[0].arrival_s <= now:
             req = pending.pop(0)
-            records[req.request_id] = {"tier": req.tier, "phase": "flood", "ttft_s": None, "tokens": 0}
-            arrivals[req.request_id] = start + req.arrival_s
-            c.submit(req, arrivals[req.request_id])
+            arrival = start + req.arrival_s
+            records[req.request_id] = {
+                "tier": req.tier, "phase": "flood", "ttft_s": None, "tokens": 0, "wait_s": now - arrival,
+            }  # fmt: skip
+            arrivals[req.request_id] = arrival
+            c.submit(req, arrival)
         if not c.has_unfinished():
             time.sleep(max(0.0, min(0.01, start + pending[0].arrival_s - now)))
             continue
-        last = _drive(c, arrivals, records)
+        last = _drive(c, arrivals, records, step_times)
     return last - start
 
 
@@ -189,16 +205,22 @@ class TierserveEngineContender:
     """tierserve's own engine (hybrid) on the torch executor, same checkpoint and memory."""
 
     def __init__(self, model: Path, s: EngineSettings) -> None:
+        from dataclasses import replace
+
         from tierserve.clock import WallClock
-        from tierserve.config import EngineConfig, SchedulerConfig
+        from tierserve.config import SchedulerConfig
         from tierserve.engine import Engine
         from tierserve.executors.pytorch.executor import build_torch_executor
+        from tierserve.integrations.vllm.plugin_config import load_plugin_config
 
         executor, _ = build_torch_executor(model, "cpu", num_device_blocks=s.num_blocks * s.block_size // 16)
         scheduler = SchedulerConfig(
             max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs
         )
-        self.engine = Engine(EngineConfig(scheduler=scheduler), "hybrid", executor, WallClock())
+        # The plug-in's tiers and policy settings ($TIERSERVE_CONFIG), on the bench's limits.
+        plugin = load_plugin_config(None)
+        config = replace(plugin.engine, scheduler=scheduler)
+        self.engine = Engine(config, plugin.policy, executor, WallClock())
         self._reqs: dict[str, Any] = {}
 
     def submit(self, req: BenchRequest, arrival: float) -> None:

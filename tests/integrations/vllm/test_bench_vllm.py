@@ -116,3 +116,24 @@ def test_rounds_bring_new_prompts_and_pool_into_one_summary_after_an_untimed_war
     assert "warm-up" in contender.done and "warm-up" not in result["requests"]
     assert len(result["requests"]) == 27
     assert summarize(result)["num_requests"] == 27
+
+
+def test_the_flood_records_each_requests_wait_for_the_step_in_flight_and_each_step() -> None:
+    class Counting(FakeContender):
+        num_steps = 0
+
+        def step(self) -> list[tuple[str, int, bool]]:
+            self.num_steps += 1
+            return super().step()
+
+    w = make_workload(seed=2, num_flood=8, num_p0=2, flood_s=0.02)
+    contender = Counting()
+    result = run_open_loop(contender, w)
+    flood = [r for r in result["requests"].values() if r["phase"] == "flood"]
+    assert all(0.0 <= r["wait_s"] <= r["ttft_s"] for r in flood)
+    alone_steps = sum(r.max_tokens for r in w.alone) + 2  # and the warm-up's
+    assert len(result["flood_step_s"]) == contender.num_steps - alone_steps
+    summary = summarize(result)
+    p0_waits = sorted(r["wait_s"] for r in flood if r["tier"] == 0)
+    assert p0_waits[0] <= summary["p0_wait_for_step_p95_flood_s"] <= p0_waits[-1]
+    assert summary["flood_step_p50_s"] is not None
