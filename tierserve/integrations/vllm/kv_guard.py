@@ -21,8 +21,10 @@ from tierserve.integrations.vllm.ledger import TierLedger
 
 
 def blocks_held(manager: KVCacheManager, request_id: str) -> int:
-    """Blocks the request holds in vLLM's pool, over all KV cache groups."""
-    return sum(len(ids) for ids in manager.get_block_ids(request_id))
+    """Blocks the request holds in vLLM's pool, over all KV cache groups (counted on the
+    coordinator's lists: `get_block_ids` would build a list of ids for each, several
+    times a step for every running request)."""
+    return sum(len(blocks) for blocks in manager.coordinator.get_blocks(request_id))
 
 
 class TierGuardedKVCacheManager:

@@ -67,12 +67,20 @@ class TierMetrics:
             self.wait.labels(t.name)
             self.preemptions.labels(t.name, "recompute")
             self.preemptions.labels(t.name, "swap")
+        # The state gauges, one per tier, looked up once; set on every step, so each is
+        # written only when its value changed (in multiprocess mode a write is a file's).
+        self._state = [
+            [g.labels(t.name) for t in ALL_TIERS]
+            for g in (self.queue_depth, self.blocks_used, self.blocks_borrowed)
+        ]
+        self._published: list[list[float]] = [[0.0] * len(ALL_TIERS) for _ in self._state]
 
     def publish_state(self, waiting: Sequence[int], used: Sequence[int], borrowed: Sequence[int]) -> None:
-        for t in ALL_TIERS:
-            self.queue_depth.labels(t.name).set(waiting[t])
-            self.blocks_used.labels(t.name).set(used[t])
-            self.blocks_borrowed.labels(t.name).set(borrowed[t])
+        for gauges, last, values in zip(self._state, self._published, (waiting, used, borrowed), strict=True):
+            for t, value in enumerate(values):
+                if value != last[t]:
+                    gauges[t].set(value)
+                    last[t] = value
 
     def observe_first_token(self, tier: Tier, wait_s: float) -> None:
         self.wait.labels(tier.name).observe(max(0.0, wait_s))
