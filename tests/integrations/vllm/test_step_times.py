@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tierserve.integrations.vllm.step_times import MIN_STEPS, REFIT, StepTimes
+from tierserve.integrations.vllm.step_times import MAX_IN_FLIGHT, MIN_STEPS, REFIT, StepTimes
 
 
 def test_no_estimate_until_enough_steps_of_two_sizes() -> None:
@@ -47,3 +47,13 @@ def test_a_step_counts_from_when_it_could_start() -> None:
     times.finished(b, at=0.010)
     times.finished(object(), at=0.02)  # never scheduled here: ignored
     assert list(times._samples) == [(10, 0.004), (20, pytest.approx(0.006))]
+
+
+def test_steps_that_never_come_back_are_not_kept() -> None:
+    times = StepTimes()
+    times.scheduled(object(), 0, at=0.0)  # an empty step: not timed
+    assert not times._scheduled
+    kept = [object() for _ in range(3 * MAX_IN_FLIGHT)]
+    for i, output in enumerate(kept):
+        times.scheduled(output, 8, at=float(i))
+    assert len(times._scheduled) <= MAX_IN_FLIGHT

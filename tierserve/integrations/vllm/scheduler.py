@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 class TierScheduler(Scheduler):
     kv_cache_manager: Any  # vLLM's manager, wrapped in a TierGuardedKVCacheManager
+    max_num_scheduled_tokens: int  # vLLM's token budget of a step (cut for capped steps)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TierScheduler:
         # vLLM turns async scheduling on by default; it needs AsyncScheduler's bookkeeping.

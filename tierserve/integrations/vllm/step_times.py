@@ -23,6 +23,7 @@ from tierserve.scheduling.step import StepEstimate
 WINDOW = 256  # steps the fit covers
 REFIT = 32  # steps between fits
 MIN_STEPS = 32  # steps before the first fit
+MAX_IN_FLIGHT = 64  # scheduled steps awaiting their output (vLLM keeps one or two)
 
 
 class StepTimes:
@@ -36,6 +37,10 @@ class StepTimes:
         self.per_token_s = 0.0
 
     def scheduled(self, output: object, num_tokens: int, at: float) -> None:
+        if num_tokens <= 0:
+            return  # nothing to time; vLLM need not hand such a step back
+        if len(self._scheduled) >= MAX_IN_FLIGHT:
+            self._scheduled.clear()  # outputs never handed back: forget them, not leak
         self._scheduled[id(output)] = (at, num_tokens)
 
     def finished(self, output: object, at: float) -> None:
