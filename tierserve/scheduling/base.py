@@ -164,10 +164,10 @@ class Policy(ABC):
         return None
 
     def prefill_cap(
-        self, num_decodes: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
+        self, decode_tokens: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
     ) -> int | None:
         """For a step built outside tierserve's engine (the vLLM plug-in): the prompt tokens
-        the tiers below P0 may have in it beside `num_decodes` one-token decodes, with
+        the tiers below P0 may have in it beside `decode_tokens` tokens of decodes, with
         `estimate_s(num_tokens, context)` the step time predicted (None: unknown), or None
         for no cap."""
         return None

@@ -294,11 +294,11 @@ class HybridPolicy(FairQueuePolicy):
         self._step, self._p0_by_length = None, []
 
     def prefill_cap(
-        self, num_decodes: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
+        self, decode_tokens: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
     ) -> int | None:
         # The vLLM plug-in's question: the engine's own passes cap in `begin_step`.
         num_p0_waiting = self.num_waiting(Tier.P0)
-        return self._shaper.prefill_cap(num_p0_waiting, p0_prefilling, num_decodes, now, estimate_s)
+        return self._shaper.prefill_cap(num_p0_waiting, p0_prefilling, decode_tokens, now, estimate_s)
 
     def solo_tier(self, tiers_prefilling: AbstractSet[Tier]) -> Tier | None:
         # The engine's P0-only prefill steps (`p0_solo_prefill`), same window of steps.

@@ -102,15 +102,15 @@ class StepShaper:
         self,
         num_p0_waiting: int,
         p0_prefilling: bool,
-        num_decodes: int,
+        decode_tokens: int,
         now: float,
         estimate_s: StepEstimate | None,
     ) -> int | None:
-        """The prompt tokens P1-P3 may have in the coming step beside `num_decodes`
-        one-token decodes (None: no cap, no P0 is likely)."""
+        """The prompt tokens P1-P3 may have in the coming step beside `decode_tokens`
+        tokens of decodes (None: no cap, no P0 is likely)."""
         if not self.p0_likely(num_p0_waiting, p0_prefilling, now):
             return None
-        return self._cap(num_decodes, estimate_s)
+        return self._cap(decode_tokens, estimate_s)
 
     def _cap(self, num_decodes: int, estimate_s: StepEstimate | None) -> int:
         """What the step bound leaves the other tiers' prompts, but MIN_OTHER_PREFILL_TOKENS."""

@@ -187,25 +187,28 @@ class TierScheduler(Scheduler):
 
     def _token_budget(self, now: float) -> int | None:
         """This step's token budget under the policy's cap on the tiers below P0 (None: no
-        cap): every running decode's token, P0's prompt tokens, running and waiting, and the
-        cap. Without chunked prefill a prompt is never cut, so nothing is capped."""
+        cap): every running decode's tokens (one, or more with speculative decoding: what
+        vLLM's pass gives it), P0's prompt tokens, running and waiting, and the cap.
+        Without chunked prefill a prompt is never cut, so nothing is capped."""
         estimate = self.step_times.estimate_s
         if not self.scheduler_config.enable_chunked_prefill:
             return None
         p0, book = Tier.P0, self.book
-        num_decodes, p0_tokens, p0_prefilling = 0, 0, False
+        decode_tokens, p0_tokens, p0_prefilling = 0, 0, False
         for r in self.running:
             if not r.is_prefill_chunk:
-                num_decodes += 1
+                decode_tokens += max(
+                    1, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens
+                )
             elif book.tier(r.request_id) is p0:
                 p0_prefilling = True
                 p0_tokens += r.num_tokens - r.num_computed_tokens
-        cap = self.tier_policy.prefill_cap(num_decodes, p0_prefilling, now, estimate)
+        cap = self.tier_policy.prefill_cap(decode_tokens, p0_prefilling, now, estimate)
         if cap is None:
             return None
         if self.tier_policy.num_waiting(p0):
             p0_tokens += sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
-        return num_decodes + p0_tokens + cap
+        return decode_tokens + p0_tokens + cap
 
     def _schedule_capped(self, budget: int, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's pass with `budget` tokens: P0's work first, then every other decode,
