@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tierserve.bench.vllm_report import compare, render, summarize
+from tierserve.cli_args import positive_int
 
 RUN_NAMES = ("vllm-fcfs", "vllm-priority", "tierserve-plugin", "tierserve-engine")
 VLLM_KINDS = RUN_NAMES[:3]
@@ -274,21 +276,52 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = make_workload(args.seed, args.num_flood, args.num_p0, args.flood_s, args.rounds)
     workload_path = out / "workload.json"
     save_workload(workload, workload_path)
-    runs: dict[str, Any] = {}
-    for kind in VLLM_KINDS:
-        print(f"[bench vllm] {kind} ...", file=sys.stderr, flush=True)
-        runs[kind] = summarize(
-            run_vllm_contender(args.vllm_python, kind, model, workload_path, args.timeout_s)
-        )
-    if not args.skip_engine:
-        print("[bench vllm] tierserve-engine ...", file=sys.stderr, flush=True)
-        engine = TierserveEngineContender(model, workload.settings)
-        result = run_open_loop(engine, workload)
-        result["preemptions"] = engine.num_preemptions()
-        runs["tierserve-engine"] = summarize(result)
-    return {"runs": runs, "comparisons": compare(runs), "workload": {
-        "seed": args.seed, "num_flood": args.num_flood, "num_p0": args.num_p0, "flood_s": args.flood_s,
-        "rounds": args.rounds, **asdict(workload.settings)}}  # fmt: skip
+    repeats: list[dict[str, Any]] = []
+    for k in range(args.repeats):
+        runs: dict[str, Any] = {}
+        tag = f" (repeat {k + 1} of {args.repeats})" if args.repeats > 1 else ""
+        for kind in VLLM_KINDS:
+            print(f"[bench vllm] {kind}{tag} ...", file=sys.stderr, flush=True)
+            runs[kind] = summarize(
+                run_vllm_contender(args.vllm_python, kind, model, workload_path, args.timeout_s)
+            )
+        if not args.skip_engine:
+            print(f"[bench vllm] tierserve-engine{tag} ...", file=sys.stderr, flush=True)
+            engine = TierserveEngineContender(model, workload.settings)
+            result = run_open_loop(engine, workload)
+            result["preemptions"] = engine.num_preemptions()
+            runs["tierserve-engine"] = summarize(result)
+        repeats.append({"runs": runs, "comparisons": compare(runs)})
+    res: dict[str, Any] = {
+        "runs": median_of([r["runs"] for r in repeats]),
+        "comparisons": median_of([r["comparisons"] for r in repeats]),
+        "workload": {
+            "seed": args.seed, "num_flood": args.num_flood, "num_p0": args.num_p0,
+            "flood_s": args.flood_s, "rounds": args.rounds, **asdict(workload.settings),
+        },
+    }  # fmt: skip
+    if args.repeats > 1:
+        res["repeats"] = repeats  # each one's figures; `runs` and `comparisons` are medians
+    return res
+
+
+def median_of(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over `items` of each number (None where none has one), the
+    same inside nested maps; one item comes back as it is."""
+    if len(items) == 1:
+        return items[0]
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for item in items for k in item):
+        values = [item[key] for item in items if key in item]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = median_of(values)
+        else:
+            numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+            median = statistics.median(numbers) if numbers else None
+            if median is not None and median == int(median) and all(isinstance(v, int) for v in numbers):
+                median = int(median)  # a count stays a count
+            out[key] = median
+    return out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -320,6 +353,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=4,
         help="run both phases this many times on each engine, new prompts each round, and pool "
         "the figures (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="run every contender this many times in turn and report each figure's median, "
+        "each repeat's figures under `repeats` (default: %(default)s)",
     )
     p.add_argument("--vllm-python", type=Path, default=default_vllm_python(), help="python of vLLM's venv")
     p.add_argument(

@@ -92,6 +92,12 @@ def render(res: dict[str, Any]) -> str:
             f"{_fmt(r.get('p0_wait_for_step_p95_flood_s')):>34}  {_fmt(r.get('flood_step_p50_s')):>8}  "
             f"{_fmt(r['throughput_tokens_per_s']):>8}  {_fmt(r['preemptions']):>7}  {slo}"
         )
-    lines += [f"{k}: {_fmt(v)}" for k, v in res["comparisons"].items()]
+    repeats = res.get("repeats") or []
+    for k, v in res["comparisons"].items():
+        each = ", ".join(_fmt(r["comparisons"].get(k)) for r in repeats)
+        each = f"  (each repeat: {each})" if repeats else ""
+        lines.append(f"{k}: {_fmt(v)}{each}")
     lines.append("(seconds; the step p50 is the flood phase's, as the driver times it)")
+    if repeats:
+        lines.append(f"(every figure is the median of {len(repeats)} repeats, the contenders in turn)")
     return "\n".join(lines)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,3 +138,41 @@ def test_the_flood_records_each_requests_wait_for_the_step_in_flight_and_each_st
     p0_waits = sorted(r["wait_s"] for r in flood if r["tier"] == 0)
     assert p0_waits[0] <= summary["p0_wait_for_step_p95_flood_s"] <= p0_waits[-1]
     assert summary["flood_step_p50_s"] is not None
+
+
+def test_repeats_report_each_figures_median_and_keep_each_repeat() -> None:
+    from tierserve.bench.vllm_bench import median_of
+    from tierserve.bench.vllm_report import render
+
+    def run(p95: float, p1: float, preempt: int | None) -> dict[str, Any]:
+        return {"p0_ttft_p95_flood_s": p95, "slo_attainment": {"P1": p1}, "preemptions": preempt}
+
+    repeats = [
+        {"runs": {"tierserve-plugin": run(0.009, 1.0, 3)}, "comparisons": {"ratio": 2.0}},
+        {"runs": {"tierserve-plugin": run(0.005, 0.5, None)}, "comparisons": {"ratio": 1.0}},
+        {"runs": {"tierserve-plugin": run(0.007, 0.9, 5)}, "comparisons": {"ratio": None}},
+    ]
+    runs = median_of([r["runs"] for r in repeats])
+    assert runs["tierserve-plugin"] == {
+        "p0_ttft_p95_flood_s": 0.007, "slo_attainment": {"P1": 0.9}, "preemptions": 4,
+    }  # fmt: skip
+    assert median_of([r["comparisons"] for r in repeats]) == {"ratio": 1.5}
+    assert median_of([{"a": None}, {"a": None}]) == {"a": None}
+    assert median_of([{"n": 3}, {"n": 4}]) == {"n": 3.5}, "a count's median may fall between"
+    assert isinstance(median_of([{"n": 3}, {"n": 5}])["n"], int)
+    one = {"runs": {"x": 1}}
+    assert median_of([one]) is one
+
+    full = {
+        "p0_ttft_p95_alone_s": 0.003, "p0_ttft_p95_flood_s": 0.007, "throughput_tokens_per_s": 10.0,
+        "preemptions": 4, "slo_attainment": {"P0": 1.0},
+    }  # fmt: skip
+    text = render({"runs": {"tierserve-plugin": full}, "comparisons": {"ratio": 1.5}, "repeats": repeats})
+    assert "ratio: 1.500  (each repeat: 2.000, 1.000, -)" in text
+    assert "median of 3 repeats" in text
+
+
+def test_cli_takes_repeats_and_refuses_zero() -> None:
+    assert build_parser().parse_args(["bench", "vllm", "--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "vllm", "--repeats", "0"])
