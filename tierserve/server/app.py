@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -58,6 +58,26 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
     """`freeze_heap`: once started, move every live object out of the cyclic collector's
     reach (`gc.freeze`) — modules, the model, the block pool. For a server process: a full
     collection that walks them all pauses every thread (~0.1 s measured under load)."""
+    app = FastAPI(
+        title="tierserve",
+        version=__version__,
+        lifespan=_lifespan(state, freeze_heap),
+        description="OpenAI-compatible API with priority tiers, tenants and rate limits.",
+    )
+    app.state.tierserve = state
+    app.add_middleware(GenerationRoutes, state=state)  # innermost: inside the body limit
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
+    if state.trace is not None:
+        app.add_middleware(ReceivedAtMiddleware)  # outermost: added last
+    _add_error_handlers(app, state)
+    _add_routes(app, state)
+    return app
+
+
+def _lifespan(
+    state: ServerState, freeze_heap: bool
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start the engine (and freeze the heap) before serving; drain and close after."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,17 +95,11 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
             if state.remote_buckets is not None:
                 await state.remote_buckets.close()
 
-    app = FastAPI(
-        title="tierserve",
-        version=__version__,
-        lifespan=lifespan,
-        description="OpenAI-compatible API with priority tiers, tenants and rate limits.",
-    )
-    app.state.tierserve = state
-    app.add_middleware(GenerationRoutes, state=state)  # innermost: inside the body limit
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
-    if state.trace is not None:
-        app.add_middleware(ReceivedAtMiddleware)  # outermost: added last
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error as the API's JSON error body; an aborted upload counted, not a 500."""
 
     @app.exception_handler(ApiError)
     async def api_error(_: HttpRequest, exc: ApiError) -> Response:
@@ -109,6 +123,8 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         log.exception("unhandled error")
         return ApiError(500, "Internal server error.", type="server_error").response()
 
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
     # Served by `GenerationRoutes` ahead of FastAPI's router; declared here for the schema.
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=_HEADERS_DOC)
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
@@ -151,5 +167,3 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
     async def metrics() -> Response:
         families = await state.engine.metric_families()  # the engine process's, if it has its own
         return Response(state.metrics.render(families), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -147,10 +147,9 @@ class TierScheduler(Scheduler):
         # vLLM hands the token budget to running requests in list order: most urgent first.
         self.running.sort(key=lambda r: r.priority)
         solo = self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
-        budget = self._token_budget(now) if solo is None else None
         if solo is not None:
             output = self._schedule_solo(solo, *args, **kwargs)
-        elif budget is not None and budget < self.max_num_scheduled_tokens:
+        elif (budget := self._capped_budget(now)) is not None:
             output = self._schedule_capped(budget, *args, **kwargs)
         else:
             output = super().schedule(*args, **kwargs)
@@ -185,12 +184,12 @@ class TierScheduler(Scheduler):
         finally:
             self.waiting.show_only(None)
 
-    def _token_budget(self, now: float) -> int | None:
+    def _capped_budget(self, now: float) -> int | None:
         """This step's token budget under the policy's cap on the tiers below P0 (None: no
-        cap): every running decode's tokens (one, or more with speculative decoding: what
-        vLLM's pass gives it), P0's prompt tokens, running and waiting, and the cap.
-        Without chunked prefill a prompt is never cut, so nothing is capped."""
-        estimate = self.step_times.estimate_s
+        cap, or one no tighter than vLLM's own budget): every running decode's tokens (one,
+        or more with speculative decoding: what vLLM's pass gives it), P0's prompt tokens,
+        running and waiting, and the cap. Without chunked prefill a prompt is never cut, so
+        nothing is capped."""
         if not self.scheduler_config.enable_chunked_prefill:
             return None
         p0, book = Tier.P0, self.book
@@ -203,12 +202,13 @@ class TierScheduler(Scheduler):
             elif book.tier(r.request_id) is p0:
                 p0_prefilling = True
                 p0_tokens += r.num_tokens - r.num_computed_tokens
-        cap = self.tier_policy.prefill_cap(decode_tokens, p0_prefilling, now, estimate)
+        cap = self.tier_policy.prefill_cap(decode_tokens, p0_prefilling, now, self.step_times.estimate_s)
         if cap is None:
             return None
         if self.tier_policy.num_waiting(p0):
             p0_tokens += sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
-        return decode_tokens + p0_tokens + cap
+        budget = decode_tokens + p0_tokens + cap
+        return budget if budget < self.max_num_scheduled_tokens else None
 
     def _schedule_capped(self, budget: int, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's pass with `budget` tokens: P0's work first, then every other decode,

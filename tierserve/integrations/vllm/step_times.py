@@ -51,7 +51,7 @@ class StepTimes:
         scheduled_at, num_tokens = started
         begin = max(scheduled_at, self._last_end)
         self._last_end = at
-        if num_tokens > 0 and at > begin:
+        if at > begin:
             self.record(num_tokens, at - begin)
 
     def record(self, num_tokens: int, seconds: float) -> None:
