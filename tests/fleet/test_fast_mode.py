@@ -36,7 +36,7 @@ def _run(config: FleetConfig, workload: list[RequestSpec], fast: bool) -> tuple[
     leapt = sum(e.stats.num_leapt_steps for e in engines)
     reported = {
         "requests": [
-            (fr.spec.index, fr.outcome, fr.first_token_s, fr.finish_s, fr.attempts, tuple(fr.tried))
+            (fr.index, fr.outcome, fr.first_token_s, fr.finish_s, fr.attempts, tuple(fr.tried))
             for fr in result.requests
         ],
         "end_s": result.end_s,

@@ -23,7 +23,7 @@ def _fleet(workload: list, router: str) -> dict[int, tuple]:  # type: ignore[typ
     result = FleetSim(FleetConfig(1, router=router), build_engine).run(workload)
     status = {"completed": "finished"}
     return {
-        fr.spec.index: (fr.first_token_s, fr.finish_s, status.get(fr.outcome or "", fr.outcome))
+        fr.index: (fr.first_token_s, fr.finish_s, status.get(fr.outcome or "", fr.outcome))
         for fr in result.requests
     }
 

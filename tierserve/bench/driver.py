@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierserve.bench.collector import collector_paused
 from tierserve.bench.metrics import BlockSampler, RequestRecord, Window
 from tierserve.clock import VirtualClock
 from tierserve.engine import Engine, EngineStats
@@ -335,5 +336,7 @@ class _Run:
 def run_workload(
     engine: Engine, clock: VirtualClock, specs: Iterable[RequestSpec], config: DriverConfig
 ) -> DriverResult:
-    """Run `specs` through `engine` (which must run on `clock`) as `config` says."""
-    return _Run(engine, clock, specs, config).run()
+    """Run `specs` through `engine` (which must run on `clock`) as `config` says, with the
+    cyclic garbage collector paused (bench/collector.py)."""
+    with collector_paused():
+        return _Run(engine, clock, specs, config).run()

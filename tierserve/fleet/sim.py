@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from tierserve.bench.collector import collector_paused
 from tierserve.clock import VirtualClock
 from tierserve.engine import Engine
 from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation
@@ -90,6 +91,12 @@ class FleetSim:
     # ---- the loop -------------------------------------------------------------------------
 
     def run(self, specs: Iterable[RequestSpec]) -> FleetResult:
+        """Replay `specs` (with their arrival times) through the fleet, with the cyclic
+        garbage collector paused (bench/collector.py)."""
+        with collector_paused():
+            return self._run(specs)
+
+    def _run(self, specs: Iterable[RequestSpec]) -> FleetResult:
         self._specs = iter(specs)
         for _ in range(self.config.num_replicas):
             self._launch(0.0)
@@ -166,7 +173,7 @@ class FleetSim:
         fr.attempts += 1
         fr.tried.append(replica.name)
         fr.sent_s.append(self.clock.now())
-        spec = fr.spec
+        spec = fr.live_spec
         req = Request(
             f"r{spec.index}" if fr.attempts == 1 else f"r{spec.index}.{fr.attempts}",
             list(spec.prompt_token_ids),
@@ -175,7 +182,6 @@ class FleetSim:
             tenant=spec.tenant,
             arrival_time=self.clock.now(),  # when this replica receives it
         )
-        fr.engine_request = req
         self._live[req.request_id] = fr
         replica.send(req)
         if replica.next_boundary is None:
