@@ -153,3 +153,28 @@ def test_integrity_check_catches_a_lost_block() -> None:
     except KVIntegrityError:
         return
     raise AssertionError("a leaked block went unnoticed")
+
+
+def _pool_with_cached_and_free_blocks() -> BlockPool:
+    """12 blocks: 4 free, 8 cached-free across tiers (in an LRU order), none in use."""
+    pool = BlockPool(12, 2)
+    held = [(pool.allocate(tier), tier) for tier in (Tier.P3, Tier.P1, Tier.P2, Tier.P0) * 3]
+    keys = [bytes([i]) * 32 for i in range(len(held))]
+    for i, (block_id, _) in enumerate(held[:8]):
+        pool.register_run([block_id], [keys[i]], [i, i], 0, 1)
+    pool.release_all(b for b, _ in held)
+    return pool
+
+
+def test_allocate_many_hands_out_what_allocate_would_in_the_same_order() -> None:
+    for num_blocks in (0, 3, 4, 5, 12):  # from the free list only, to it exactly, into evictions
+        one_by_one, at_once = _pool_with_cached_and_free_blocks(), _pool_with_cached_and_free_blocks()
+        expected = [one_by_one.allocate(Tier.P1) for _ in range(num_blocks)]
+        assert at_once.allocate_many(Tier.P1, num_blocks) == expected
+        for pool in (one_by_one, at_once):
+            pool.check_integrity()
+        assert at_once.ref_count == one_by_one.ref_count
+        assert at_once.charged_tier == one_by_one.charged_tier
+        assert at_once.used_by_tier == one_by_one.used_by_tier
+        assert at_once.block_hash == one_by_one.block_hash
+        assert at_once.num_free == one_by_one.num_free == 12 - num_blocks

@@ -134,6 +134,10 @@ class Engine:
     def num_waiting(self, tier: Tier | None = None) -> int:
         return self.policy.num_waiting(tier)
 
+    def waiting_by_tier(self) -> tuple[int, ...]:
+        """`num_waiting(t)` for each tier, P0 first."""
+        return self.policy.waiting_by_tier()
+
     def num_running(self, tier: Tier | None = None) -> int:
         return self.lifecycle.num_running(tier)
 

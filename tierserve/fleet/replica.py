@@ -95,14 +95,14 @@ class Replica:
         self._export()
 
     def _export(self) -> None:
-        memory = self.engine.memory
-        used = sum(memory.used_blocks(t) for t in ALL_TIERS)
+        engine, memory = self.engine, self.engine.memory
+        waiting = engine.waiting_by_tier()
         self.exported = Exported(
-            self.engine.num_waiting(),
-            self.engine.num_running(),
-            used / max(1, memory.num_blocks),
-            self.engine.stats.busy_s,
-            tuple(float(self.engine.num_waiting(t)) for t in ALL_TIERS),
+            sum(waiting),
+            engine.num_running(),
+            memory.used_blocks_all_tiers() / max(1, memory.num_blocks),
+            engine.stats.busy_s,
+            tuple(map(float, waiting)),
         )
 
     def observe_busy(self, now: float) -> None:

@@ -105,6 +105,22 @@ class BlockPool:
         self.used_by_tier[tier] += 1
         return block_id
 
+    def allocate_many(self, tier: Tier, num_blocks: int) -> list[int]:
+        """`allocate` `num_blocks` times, in one go: the same blocks in the same order (the
+        free list's end first, then evictions); the caller has checked `num_free`."""
+        free = self._free
+        num_from_free = min(num_blocks, len(free))
+        block_ids = free[len(free) - num_from_free :]
+        del free[len(free) - num_from_free :]
+        block_ids.reverse()  # pop() order
+        block_ids.extend(self._evict_one() for _ in range(num_blocks - num_from_free))
+        ref_count, charged_tier = self.ref_count, self.charged_tier
+        for block_id in block_ids:
+            ref_count[block_id] = 1
+            charged_tier[block_id] = tier
+        self.used_by_tier[tier] += num_blocks
+        return block_ids
+
     def release(self, block_id: int) -> None:
         """Drop one reference; at zero the block becomes cached-free (if hashed) or free."""
         self.release_all((block_id,))
@@ -129,16 +145,26 @@ class BlockPool:
                 self._evictable[tier][block_id] = None  # most recently used at the end
                 self._num_evictable += 1
 
-    def register(
-        self, block_id: int, block_hash: BlockKey, parent: BlockKey | None, token_ids: Sequence[int]
+    def register_run(
+        self,
+        block_ids: Sequence[int],
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[int],
+        start: int,
+        stop: int,
     ) -> None:
-        """Record that `block_id` now holds `token_ids` after `parent`, under `block_hash`
-        (first writer wins)."""
-        if self.block_hash[block_id] is not None or block_hash in self._hash_to_block:
-            return
-        self.block_hash[block_id] = block_hash
-        self._content[block_id] = (parent, tuple(token_ids))
-        self._hash_to_block[block_hash] = block_id
+        """Record that blocks start..stop-1 of a request's table hold its tokens: block i holds
+        `token_ids[i * block_size : (i + 1) * block_size]` after `keys[i - 1]`, under
+        `keys[i]` (first writer wins: a block already keyed, or a key already held, stays)."""
+        block_hash, content, index = self.block_hash, self._content, self._hash_to_block
+        size = self.block_size
+        for i in range(start, stop):
+            block_id, key = block_ids[i], keys[i]
+            if block_hash[block_id] is not None or key in index:
+                continue
+            block_hash[block_id] = key
+            content[block_id] = (keys[i - 1] if i else None, tuple(token_ids[i * size : (i + 1) * size]))
+            index[key] = block_id
 
     def _evict_one(self) -> int:
         for lru in reversed(self._evictable):  # P3's blocks go first

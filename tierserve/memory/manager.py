@@ -70,6 +70,9 @@ class KVCacheManager:
     def used_blocks(self, tier: Tier) -> int:
         return self.pool.used_by_tier[tier]
 
+    def used_blocks_all_tiers(self) -> int:
+        return sum(self.pool.used_by_tier)
+
     def borrowed_blocks(self, tier: Tier) -> int:
         return self.partition.borrowed(self.pool.used_by_tier)[tier]
 
@@ -125,7 +128,7 @@ class KVCacheManager:
             return status
         for b in hits:
             self.pool.take(b, req.tier)
-        req.block_ids = hits + [self.pool.allocate(req.tier) for _ in range(num_new)]
+        req.block_ids = hits + self.pool.allocate_many(req.tier, num_new)
         req.num_computed_tokens = len(hits) * self.block_size
         self._num_registered[req.request_id] = len(hits)
         self._holders[req.request_id] = req
@@ -143,7 +146,7 @@ class KVCacheManager:
         status = self.check(req.tier, num_new)
         if status is Alloc.OK:
             tier = req.tier
-            req.block_ids.extend(self.pool.allocate(tier) for _ in range(num_new))
+            req.block_ids.extend(self.pool.allocate_many(tier, num_new))
         return status
 
     def free(self, req: Request) -> None:
@@ -173,10 +176,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
-        tokens, size = req.token_ids, self.block_size
-        for i in range(start, num_full):
-            parent = hashes[i - 1] if i else None
-            self.pool.register(req.block_ids[i], hashes[i], parent, tokens[i * size : (i + 1) * size])
+        self.pool.register_run(req.block_ids, hashes, req.token_ids, start, num_full)
         self._num_registered[req.request_id] = num_full
 
     # ---- swap ----------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class KVCacheManager:
         status = self.check(req.tier, len(req.host_block_ids))
         if status is not Alloc.OK:
             return status
-        device_ids = [self.pool.allocate(req.tier) for _ in req.host_block_ids]
+        device_ids = self.pool.allocate_many(req.tier, len(req.host_block_ids))
         mapping = list(zip(req.host_block_ids, device_ids, strict=True))
         self.host.free(req.host_block_ids)
         req.host_block_ids = []

@@ -77,6 +77,10 @@ class Policy(ABC):
     def num_waiting(self, tier: Tier | None = None) -> int:
         return sum(self._num_waiting) if tier is None else self._num_waiting[tier]
 
+    def waiting_by_tier(self) -> tuple[int, ...]:
+        """`num_waiting(t)` for each tier, P0 first."""
+        return tuple(self._num_waiting)
+
     def __len__(self) -> int:
         return sum(self._num_waiting)
 
