@@ -31,14 +31,21 @@ def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Ca
         print(f"wrote {out}")
 
 
-def source_commit() -> str | None:
-    """The short commit of the checkout this code runs from, for the results; None outside git."""
+def source_commit(checkout: Path | None = None) -> str | None:
+    """The short commit of the checkout this code runs from (or of `checkout`), for the
+    results, with "+uncommitted" when tracked files differ from it (the figures are then
+    not that commit's); None outside git."""
     import subprocess
 
+    here = checkout or Path(__file__).parent
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        head, status = (
+            subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
+            for args in (("rev-parse", "--short", "HEAD"), ("status", "--porcelain", "--untracked-files=no"))
         )
     except OSError:
         return None
-    return head.stdout.strip() or None
+    commit = head.stdout.strip()
+    if not commit:
+        return None
+    return f"{commit}+uncommitted" if status.returncode == 0 and status.stdout.strip() else commit

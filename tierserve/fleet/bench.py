@@ -70,7 +70,13 @@ class FleetBench:
             result = sim.run(self.specs())
         cpu_s = time.process_time() - started
         summary = summarize(result, self.engine_config, self.args.bin_s)
-        return {"router": router, "scaling": scaling, "cpu_s": cpu_s, "summary": summary}
+        return {
+            "router": router,
+            "scaling": scaling,
+            "cpu_s": cpu_s,
+            "requests_per_cpu_s": len(result.requests) / cpu_s if cpu_s > 0 else None,
+            "summary": summary,
+        }
 
     def meta(self, commit: str | None, cpu_s: float) -> dict[str, Any]:
         load = os.getloadavg()[0]

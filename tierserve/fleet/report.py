@@ -50,6 +50,14 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         *table(runs),
         "",
     ]
+    speeds = [
+        f"{r['router']} / {r['scaling']} {r['cpu_s']:.1f} CPU-s "
+        f"({r['requests_per_cpu_s']:.0f} requests per CPU-s)"
+        for r in runs
+        if r.get("requests_per_cpu_s")
+    ]
+    if speeds:
+        lines += [f"Simulation ({meta['sim_mode']} mode): " + "; ".join(speeds) + ".", ""]
     if meta.get("kills"):
         lines += [f"Replica faults: {meta['kills']} (time s, replica index).", ""]
     lines += [f"![{p}]({p})" for p in plots]

@@ -1,0 +1,28 @@
+"""Results name the commit they came from, and say when the tree was not that commit."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tierserve.bench.output import source_commit
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_the_commit_is_marked_when_tracked_files_differ_from_it(tmp_path: Path) -> None:
+    assert source_commit(tmp_path) is None  # not a checkout
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@example.invalid")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "code.py")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    head = _git(tmp_path, "rev-parse", "--short", "HEAD")
+    assert source_commit(tmp_path) == head
+    (tmp_path / "notes.txt").write_text("untracked files are not the code\n")
+    assert source_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert source_commit(tmp_path) == f"{head}+uncommitted"
