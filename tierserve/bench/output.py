@@ -38,14 +38,15 @@ def source_commit(checkout: Path | None = None) -> str | None:
     import subprocess
 
     here = checkout or Path(__file__).parent
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
+
     try:
-        head, status = (
-            subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)
-            for args in (("rev-parse", "--short", "HEAD"), ("status", "--porcelain", "--untracked-files=no"))
-        )
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        changed = commit and git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except OSError:
         return None
-    commit = head.stdout.strip()
     if not commit:
         return None
-    return f"{commit}+uncommitted" if status.returncode == 0 and status.stdout.strip() else commit
+    return f"{commit}+uncommitted" if changed else commit
