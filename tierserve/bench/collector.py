@@ -5,9 +5,10 @@ records, step outputs), and the collector, which runs on allocation counts, scan
 live container each time it does. On the Mooncake trace's long prompts that was about a
 fifth of a fleet run's CPU: for 2,500 requests on 16 replicas, 4,801 young, 436 middle
 and 23 full collections, the full ones ~150 ms each, 6.5 s of 34.6 s; the run took 25.7 s
-without them. The simulation makes no reference cycles (tests/bench/test_collector.py
-checks that a run leaves no object of tierserve's in cyclic garbage), so reference
-counting frees all of it as it goes; the collector only found work to do.
+without them. A simulation makes no reference cycles per request (a run's engine and
+workload stream may sit in one or two, freed once the pause is lifted), so reference
+counting frees what it lets go of as it goes; tests/bench/test_collector.py checks that
+what a run leaves to the collector does not grow with its requests.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ from tierserve.engine.lifecycle import RequestOutput
 from tierserve.request import Request
 from tierserve.tiers import ALL_TIERS
 
+NONE_WAITING = (0,) * len(ALL_TIERS)  # waiting by tier inside a leap
+
 
 class ReplicaState(enum.Enum):
     STARTING = "starting"  # loading the model: costs GPU time, serves nothing
@@ -105,19 +107,23 @@ class Replica:
         self._leapt_step = (engine.num_running(), engine.memory.used_blocks_all_tiers(), engine.stats.busy_s)
 
     def _export_last_leapt_step(self) -> None:
-        num_running, used, busy_s = self._leapt_step
-        num_blocks = max(1, self.engine.memory.num_blocks)
-        self.exported = Exported(0, num_running, used / num_blocks, busy_s, (0.0,) * len(ALL_TIERS))
+        self._set_exported(NONE_WAITING, *self._leapt_step)
 
     def _export(self) -> None:
-        engine, memory = self.engine, self.engine.memory
-        waiting = engine.waiting_by_tier()
-        self.exported = Exported(
-            sum(waiting),
+        engine = self.engine
+        self._set_exported(
+            engine.waiting_by_tier(),
             engine.num_running(),
-            memory.used_blocks_all_tiers() / max(1, memory.num_blocks),
+            engine.memory.used_blocks_all_tiers(),
             engine.stats.busy_s,
-            tuple(map(float, waiting)),
+        )
+
+    def _set_exported(
+        self, waiting: tuple[int, ...], num_running: int, used_blocks: int, busy_s: float
+    ) -> None:
+        num_blocks = max(1, self.engine.memory.num_blocks)
+        self.exported = Exported(
+            sum(waiting), num_running, used_blocks / num_blocks, busy_s, tuple(map(float, waiting))
         )
 
     def observe_busy(self, now: float) -> None:
