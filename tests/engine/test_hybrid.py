@@ -12,7 +12,7 @@ from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, SchedulerConfig, parse_config
 from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
-from tierserve.request import EventKind, FinishReason, RequestStatus
+from tierserve.request import EventKind, FinishReason, Request, RequestStatus
 from tierserve.scheduling.hybrid import P0_FLOOR_SHARE
 from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
 from tierserve.tiers import Tier
@@ -116,10 +116,12 @@ def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
     assert {s.request.tier for s in executor.batches[-1].seqs} == {Tier.P0, Tier.P2}
 
 
-def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> None:
-    # Two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) run; P1 prompts
-    # arrive faster than a step's 4,096 tokens take them, so every step prefills P1 and some
-    # wait (for tokens, not seats: a P1 request waiting for a seat would take a P3's).
+def p3_in_steps_beside_a_p1_queue(waited_s: float) -> tuple[list[bool], list[bool], Request]:
+    """Two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) run; P1 prompts
+    arrive faster than a step's 4,096 tokens take them, so every step prefills P1 and some
+    wait (for tokens, not seats: a P1 request waiting for a seat would take a P3's). Each
+    P1 request has waited `waited_s` when it is added. For each step: whether it carried
+    the long P3 prompt's chunk, whether it carried a P3 decode; and that prompt."""
     eng = engine(
         blocks=8000, max_num_batched_tokens=4096, max_num_seqs=64, long_prompt_tokens=2000,
         long_prompt_chunk_tokens=1024,
@@ -133,19 +135,34 @@ def test_p3_yields_its_prompt_chunks_and_some_decodes_to_urgent_prefills() -> No
     assert isinstance(executor, NullExecutor)
     seen = len(executor.batches)
     for _ in range(40):  # a stream of P1 prompts: every step prefills P1, and some wait
+        arrival = eng.clock.now() - waited_s
         for _ in range(4):
-            eng.add_request(make_request(num_prompt=1500, max_tokens=1, tier=Tier.P1))
+            eng.add_request(make_request(num_prompt=1500, max_tokens=1, tier=Tier.P1, arrival=arrival))
         eng.step()
         eng.memory.check_integrity()
     steps = executor.batches[seen:]
     p3_prefill = [any(s.request is long_p3 for s in b.prefills) for b in steps]
     p3_decode = [any(s.request in background for s in b.decodes) for b in steps]
+    return p3_prefill, p3_decode, long_p3
+
+
+def test_p3_yields_its_prompt_chunks_and_some_decodes_to_a_queue_of_p1() -> None:
+    # The P1 requests have waited 2 s, over a quarter of their 5 s target: a queue.
+    p3_prefill, p3_decode, long_p3 = p3_in_steps_beside_a_p1_queue(waited_s=2.0)
     assert not p3_prefill[0], "the long P3 prompt yields to the P1 prompt of the same step"
     assert long_p3.first_token_time is not None, "it still runs: in half of the steps at least"
     window = SHAPING_WINDOW
-    for start in range(len(steps) - window + 1):
+    for start in range(len(p3_decode) - window + 1):
         assert sum(p3_decode[start : start + window]) >= window - window // 4, "P3 decodes in 3/4 of steps"
     assert not all(p3_decode), "P3 decodes yielded to P1 prefills some of the time"
+
+
+def test_p3_does_not_yield_to_p1_requests_that_have_only_just_arrived() -> None:
+    # The same stream, each P1 request queued for 0.5 s only (a tenth of its target): the
+    # next steps admit them anyway, and yielding would only cost P3 its throughput.
+    p3_prefill, p3_decode, _ = p3_in_steps_beside_a_p1_queue(waited_s=0.5)
+    assert p3_prefill[0], "the long P3 prompt keeps its chunk"
+    assert all(p3_decode), "P3 decodes in every step"
 
 
 @pytest.mark.parametrize(

@@ -110,11 +110,19 @@ class HybridOptions(PolicyOptions):
     p0_likely_s: float = 60.0  # a P0 is likely for this long after a P0 arrival (inf: always)
     p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
     p0_solo_share: float = 0.75  # ... if, sharing it, a P0 prompt would pass this share of its TTFT target
-    p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4)
+    p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4) ...
+    p3_yield_wait_share: float = 0.25  # ... while a P0 waits or a P1/P2 one waited this share of its target
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
     def check(self, path: str) -> None:
-        for name in ("step_bound_s", "step_bound_x_p0", "p0_likely_s", "p3_shed_after_s", "p0_solo_share"):
+        for name in (
+            "step_bound_s",
+            "step_bound_x_p0",
+            "p0_likely_s",
+            "p3_shed_after_s",
+            "p0_solo_share",
+            "p3_yield_wait_share",
+        ):
             value = getattr(self, name)
             if not value >= 0:
                 raise ConfigError(f"{path}.{name}: must be >= 0, got {value}")
@@ -289,9 +297,21 @@ class HybridPolicy(FairQueuePolicy):
         self._shaper.begin(step, self.num_waiting(Tier.P0), running, now)
 
     def end_step(self, step: StepBudget, now: float) -> None:
-        queued = any(self.num_waiting(t) for t in (Tier.P0, Tier.P1, Tier.P2))
-        self._shaper.end(step, queued, now)
+        self._shaper.end(step, self._more_urgent_queued(now), now)
         self._step, self._p0_by_length = None, []
+
+    def _more_urgent_queued(self, now: float) -> bool:
+        """Whether, after this pass, a P0 request still waits, or a P1 or P2 one that has
+        waited over `p3_yield_wait_share` of its TTFT target: a queue, not the moment's
+        arrivals that the next step admits anyway."""
+        if self.num_waiting(Tier.P0):
+            return True
+        share = self.options.p3_yield_wait_share
+        for tier in RESCUED_TIERS:
+            oldest = self._waiting.oldest(tier)
+            if oldest is not None and now - oldest.arrival_time > share * self._target_s[tier]:
+                return True
+        return False
 
     def prefill_cap(
         self, decode_tokens: int, p0_prefilling: bool, now: float, estimate_s: StepEstimate | None
