@@ -116,7 +116,9 @@ def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
     assert {s.request.tier for s in executor.batches[-1].seqs} == {Tier.P0, Tier.P2}
 
 
-def p3_in_steps_beside_a_p1_queue(waited_s: float) -> tuple[list[bool], list[bool], Request]:
+def p3_in_steps_beside_a_p1_queue(
+    waited_s: float, hybrid: dict[str, Any] | None = None
+) -> tuple[list[bool], list[bool], Request]:
     """Two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) run; P1 prompts
     arrive faster than a step's 4,096 tokens take them, so every step prefills P1 and some
     wait (for tokens, not seats: a P1 request waiting for a seat would take a P3's). Each
@@ -124,7 +126,7 @@ def p3_in_steps_beside_a_p1_queue(waited_s: float) -> tuple[list[bool], list[boo
     the long P3 prompt's chunk, whether it carried a P3 decode; and that prompt."""
     eng = engine(
         blocks=8000, max_num_batched_tokens=4096, max_num_seqs=64, long_prompt_tokens=2000,
-        long_prompt_chunk_tokens=1024,
+        long_prompt_chunk_tokens=1024, hybrid=hybrid,
     )  # fmt: skip
     background = [make_request(num_prompt=16, max_tokens=1000, tier=Tier.P3) for _ in range(2)]
     long_p3 = make_request(num_prompt=3000, max_tokens=1, tier=Tier.P3)
@@ -146,9 +148,16 @@ def p3_in_steps_beside_a_p1_queue(waited_s: float) -> tuple[list[bool], list[boo
     return p3_prefill, p3_decode, long_p3
 
 
-def test_p3_yields_its_prompt_chunks_and_some_decodes_to_a_queue_of_p1() -> None:
-    # The P1 requests have waited 2 s, over a quarter of their 5 s target: a queue.
-    p3_prefill, p3_decode, long_p3 = p3_in_steps_beside_a_p1_queue(waited_s=2.0)
+@pytest.mark.parametrize(
+    ("waited_s", "share"),
+    [
+        (0.0, 0.0),  # the default: any waiting P1 request
+        (2.0, 0.25),  # 2 s is over a quarter of P1's 5 s target: a queue
+    ],
+)
+def test_p3_yields_its_prompt_chunks_and_some_decodes_to_waiting_p1(waited_s: float, share: float) -> None:
+    hybrid = {"p3_yield_wait_share": share}
+    p3_prefill, p3_decode, long_p3 = p3_in_steps_beside_a_p1_queue(waited_s, hybrid)
     assert not p3_prefill[0], "the long P3 prompt yields to the P1 prompt of the same step"
     assert long_p3.first_token_time is not None, "it still runs: in half of the steps at least"
     window = SHAPING_WINDOW
@@ -157,10 +166,10 @@ def test_p3_yields_its_prompt_chunks_and_some_decodes_to_a_queue_of_p1() -> None
     assert not all(p3_decode), "P3 decodes yielded to P1 prefills some of the time"
 
 
-def test_p3_does_not_yield_to_p1_requests_that_have_only_just_arrived() -> None:
-    # The same stream, each P1 request queued for 0.5 s only (a tenth of its target): the
-    # next steps admit them anyway, and yielding would only cost P3 its throughput.
-    p3_prefill, p3_decode, _ = p3_in_steps_beside_a_p1_queue(waited_s=0.5)
+def test_with_a_wait_share_p3_does_not_yield_to_p1_requests_that_have_only_just_arrived() -> None:
+    # The same stream, each P1 request queued for 0.5 s only (a tenth of its target), with
+    # `p3_yield_wait_share` at a quarter: the next steps admit them anyway.
+    p3_prefill, p3_decode, _ = p3_in_steps_beside_a_p1_queue(0.5, {"p3_yield_wait_share": 0.25})
     assert p3_prefill[0], "the long P3 prompt keeps its chunk"
     assert all(p3_decode), "P3 decodes in every step"
 

@@ -111,7 +111,7 @@ class HybridOptions(PolicyOptions):
     p0_solo_prefill: bool = True  # a step that prefills P0 runs P0 work only (at most half the steps)
     p0_solo_share: float = 0.75  # ... if, sharing it, a P0 prompt would pass this share of its TTFT target
     p3_yields: bool = True  # a P0-P2 prefill step leaves P3 out (prompts <= 1/2, decodes <= 1/4) ...
-    p3_yield_wait_share: float = 0.25  # ... while a P0 waits or a P1/P2 one waited this share of its target
+    p3_yield_wait_share: float = 0.0  # ... while a P0 waits or a P1/P2 one waited this share of its target
     p3_shed_after_s: float = 300.0  # shed a P3 request waiting this long while P1/P2 wait (inf: never)
 
     def check(self, path: str) -> None:
@@ -302,14 +302,15 @@ class HybridPolicy(FairQueuePolicy):
 
     def _more_urgent_queued(self, now: float) -> bool:
         """Whether, after this pass, a P0 request still waits, or a P1 or P2 one that has
-        waited over `p3_yield_wait_share` of its TTFT target: a queue, not the moment's
-        arrivals that the next step admits anyway."""
+        waited `p3_yield_wait_share` of its TTFT target or more (0, the default: any P1/P2
+        request waits; above 0, a queue rather than the moment's arrivals, which the next
+        step admits anyway)."""
         if self.num_waiting(Tier.P0):
             return True
         share = self.options.p3_yield_wait_share
         for tier in RESCUED_TIERS:
             oldest = self._waiting.oldest(tier)
-            if oldest is not None and now - oldest.arrival_time > share * self._target_s[tier]:
+            if oldest is not None and now - oldest.arrival_time >= share * self._target_s[tier]:
                 return True
         return False
 

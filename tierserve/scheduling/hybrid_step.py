@@ -25,13 +25,12 @@
   step costs every other running request a step of decoding, and in closed loops of
   32 and 128 clients P0-only steps for every P0 prefill cost 0.2-0.5 % of the goodput
   for P0 TTFTs already far inside the target.
-- Background yields (`p3_yields`): a step that prefills P0-P2 while a queue of more urgent
-  work remains (a P0 request waits, or a P1/P2 one has waited over `p3_yield_wait_share`
-  of its TTFT target) leaves P3's prompt chunks out (in at most half of any window) and
-  P3's decodes (in at most a quarter). Otherwise P3's work delays no one: it stays. A
-  request that arrived during the last step is admitted by the next one anyway; yielding
-  for it cost 1 % of the goodput at 32 closed-loop clients, and 0.02-0.04 % at 32 and
-  128 once only P0-P2 prefill steps yielded.
+- Background yields (`p3_yields`): a step that prefills P0-P2 while more urgent work
+  waits after the pass (a P0 request, or a P1/P2 one that has waited
+  `p3_yield_wait_share` of its TTFT target; at 0, the default, any) leaves P3's prompt
+  chunks out (in at most half of any window) and P3's decodes (in at most a quarter).
+  With nobody waiting, P3's work delays no one: it stays (at 32 closed-loop clients,
+  yielding then cost 1 % of the goodput).
 """
 
 from __future__ import annotations
