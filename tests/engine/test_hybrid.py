@@ -116,13 +116,13 @@ def test_p0_solo_prefill_off_keeps_other_decodes_in_p0_steps() -> None:
     assert {s.request.tier for s in executor.batches[-1].seqs} == {Tier.P0, Tier.P2}
 
 
-def p3_in_steps_beside_a_p1_queue(
-    waited_s: float, hybrid: dict[str, Any] | None = None
+def p3_in_steps_beside_a_queue(
+    waited_s: float, hybrid: dict[str, Any] | None = None, tier: Tier = Tier.P1
 ) -> tuple[list[bool], list[bool], Request]:
     """Two P3 decoders and a long P3 prompt (chunked 1,024 tokens a step) run; P1 prompts
     arrive faster than a step's 4,096 tokens take them, so every step prefills P1 and some
     wait (for tokens, not seats: a P1 request waiting for a seat would take a P3's). Each
-    P1 request has waited `waited_s` when it is added. For each step: whether it carried
+    P1 request (or of `tier`) has waited `waited_s` when it is added. For each step: whether it carried
     the long P3 prompt's chunk, whether it carried a P3 decode; and that prompt."""
     eng = engine(
         blocks=8000, max_num_batched_tokens=4096, max_num_seqs=64, long_prompt_tokens=2000,
@@ -139,7 +139,7 @@ def p3_in_steps_beside_a_p1_queue(
     for _ in range(40):  # a stream of P1 prompts: every step prefills P1, and some wait
         arrival = eng.clock.now() - waited_s
         for _ in range(4):
-            eng.add_request(make_request(num_prompt=1500, max_tokens=1, tier=Tier.P1, arrival=arrival))
+            eng.add_request(make_request(num_prompt=1500, max_tokens=1, tier=tier, arrival=arrival))
         eng.step()
         eng.memory.check_integrity()
     steps = executor.batches[seen:]
@@ -157,7 +157,7 @@ def p3_in_steps_beside_a_p1_queue(
 )
 def test_p3_yields_its_prompt_chunks_and_some_decodes_to_waiting_p1(waited_s: float, share: float) -> None:
     hybrid = {"p3_yield_wait_share": share}
-    p3_prefill, p3_decode, long_p3 = p3_in_steps_beside_a_p1_queue(waited_s, hybrid)
+    p3_prefill, p3_decode, long_p3 = p3_in_steps_beside_a_queue(waited_s, hybrid)
     assert not p3_prefill[0], "the long P3 prompt yields to the P1 prompt of the same step"
     assert long_p3.first_token_time is not None, "it still runs: in half of the steps at least"
     window = SHAPING_WINDOW
@@ -169,9 +169,18 @@ def test_p3_yields_its_prompt_chunks_and_some_decodes_to_waiting_p1(waited_s: fl
 def test_with_a_wait_share_p3_does_not_yield_to_p1_requests_that_have_only_just_arrived() -> None:
     # The same stream, each P1 request queued for 0.5 s only (a tenth of its target), with
     # `p3_yield_wait_share` at a quarter: the next steps admit them anyway.
-    p3_prefill, p3_decode, _ = p3_in_steps_beside_a_p1_queue(0.5, {"p3_yield_wait_share": 0.25})
+    p3_prefill, p3_decode, _ = p3_in_steps_beside_a_queue(0.5, {"p3_yield_wait_share": 0.25})
     assert p3_prefill[0], "the long P3 prompt keeps its chunk"
     assert all(p3_decode), "P3 decodes in every step"
+
+
+def test_with_a_wait_share_p3_still_yields_to_any_waiting_p0() -> None:
+    # A stream of P0 prompts that have only just arrived: unlike P1's, P0's wait counts at
+    # any length. (P0-only steps off, so that P3's place is decided by its yields alone;
+    # P3's prompt chunks already make room for waiting P0 prompts, its decodes do not.)
+    hybrid = {"p3_yield_wait_share": 0.25, "p0_solo_prefill": False}
+    _, p3_decode, _ = p3_in_steps_beside_a_queue(0.0, hybrid, tier=Tier.P0)
+    assert not all(p3_decode), "P3 decodes yielded to the waiting P0 prompts some of the time"
 
 
 @pytest.mark.parametrize(
