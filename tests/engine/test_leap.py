@@ -70,6 +70,25 @@ def test_fast_mode_equals_step_mode_when_memory_runs_out(policy: str) -> None:
         assert comparison.mismatches == 0 and comparison.max_rel_diff == 0.0
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fast_mode_leaps_while_requests_wait_and_gives_the_step_by_step_results(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a cache the clients outgrow, requests wait for memory (and some are swapped out)
+    through runs of decode steps: the fast mode leaps over those too, each step's pass
+    checked by `Scheduler.decodes_only`, and gives the step-by-step results; without
+    leaping while requests wait it leaps over fewer steps, to the same results."""
+    step, fast = _small_cache_run(False, policy), _small_cache_run(True, policy)
+    monkeypatch.setattr(POLICIES[policy], "leaps_while_waiting", False)
+    only_idle = _small_cache_run(True, policy)
+    assert sum(r.num_memory_waits for r in step.records) > 0
+    for run in (fast, only_idle):
+        for a, b in ((step.records, run.records), (step.window, run.window), (step.end_s, run.end_s)):
+            comparison = compare(a, b)
+            assert comparison.mismatches == 0 and comparison.max_rel_diff == 0.0
+    assert fast.stats.num_leapt_steps > only_idle.stats.num_leapt_steps
+
+
 def test_fast_mode_equals_step_mode_on_a_trace_slice(shared_data: Path) -> None:
     setup = BenchSetup(num_measured=150, max_trace_rows=200, data_dir=str(shared_data))
     _assert_same(setup, Cell("azure-code", "trace", 1.0, "hybrid", 0))

@@ -178,3 +178,79 @@ def test_allocate_many_hands_out_what_allocate_would_in_the_same_order() -> None
         assert at_once.used_by_tier == one_by_one.used_by_tier
         assert at_once.block_hash == one_by_one.block_hash
         assert at_once.num_free == one_by_one.num_free == 12 - num_blocks
+
+
+def test_next_evicted_names_the_blocks_allocations_would_evict() -> None:
+    for num_blocks in (0, 4, 5, 9, 12):  # the free list only, exactly, then into evictions
+        pool = _pool_with_cached_and_free_blocks()
+        predicted = pool.next_evicted(num_blocks)
+        cached = {b for b in range(12) if pool.block_hash[b] is not None}
+        taken = pool.allocate_many(Tier.P2, num_blocks)
+        assert predicted == cached & set(taken)
+        assert len(predicted) == max(0, num_blocks - 4)
+
+
+def _state_after_taking(mem: KVCacheManager, taken: list[int]) -> None:
+    """Give each tier t `taken[t]` more blocks, as a step's decodes would."""
+    for tier, n in zip(Tier, taken, strict=True):
+        if n:
+            mem.pool.allocate_many(tier, n)
+
+
+def test_the_what_if_checks_answer_as_the_real_ones_once_the_blocks_are_taken() -> None:
+    """`check_after` and `admit_status_after` (the fast simulation's look at the next
+    pass) agree with `check` and `admit` after the blocks have really been taken: floors,
+    ceilings, free blocks and prefix hits on cached blocks that the taking evicts."""
+    prompt = list(range(40))  # 10 blocks of 4
+    cases = 0
+    for taken in ([0, 0, 0, 0], [0, 3, 0, 0], [0, 0, 0, 9], [2, 0, 5, 0], [0, 12, 0, 0], [0, 0, 30, 0]):
+        for tier in Tier:
+            for hold in (0, 6, 25):
+                setups = []
+                for _ in range(2):
+                    mem = tiered(num_blocks=60)
+                    cached = make_request(tokens=list(prompt), tier=Tier.P3)
+                    assert mem.admit(cached) is Alloc.OK
+                    cached.num_computed_tokens = 40
+                    mem.cache_computed_blocks(cached)
+                    mem.free(cached)  # 10 cached-free blocks, evicted first (P3's)
+                    if hold:
+                        assert mem.admit(make_request(num_prompt=hold * 4, tier=Tier.P1)) is Alloc.OK
+                    setups.append(mem)
+                what_if, real = setups
+                head = make_request(tokens=[*prompt, 7, 7], tier=tier)
+                expected_check = [what_if.check_after(tier, n, taken) for n in (1, 8, 20)]
+                expected_admit = what_if.admit_status_after(head, taken)
+                assert not head.block_ids  # nothing taken
+                assert what_if.used_blocks_all_tiers() == real.used_blocks_all_tiers()
+                _state_after_taking(real, taken)
+                assert expected_check == [real.check(tier, n) for n in (1, 8, 20)]
+                assert expected_admit is real.admit(head)
+                cases += expected_admit is not Alloc.OK
+    assert cases > 0  # some heads are refused, some admitted
+
+
+def test_admit_status_after_loses_a_hit_that_the_taking_evicts() -> None:
+    """A shared prefix whose first block is cached-free and whose second is in use (two
+    requests prefilled it side by side: the first writer of each key won): once the
+    decodes' new blocks evict the first, the second is no hit either, and the head needs
+    one more block than the hits as they stand would say."""
+    mem = KVCacheManager(15, 4)
+    prefix = list(range(8))
+    a = make_request(tokens=[*prefix[:4], 100], tier=Tier.P3)
+    r = make_request(tokens=[*prefix, 200], tier=Tier.P1)
+    b = make_request(tokens=list(range(500, 512)), tier=Tier.P0)
+    for req in (a, r, b):
+        assert mem.admit(req) is Alloc.OK
+    for req in (a, r, b):
+        req.num_computed_tokens = req.num_tokens
+        mem.cache_computed_blocks(req)
+    assert r.block_ids[0] != a.block_ids[0] and mem.pool.block_hash[r.block_ids[1]] is not None
+    mem.free(a)  # its first block: cached-free, the first evicted
+    mem.free(b)  # three cached-free blocks, evicted after it
+    head = make_request(tokens=[*prefix, 300], tier=Tier.P1)
+    taken = [0, 0, 10, 0]  # P2's decodes: the 8 free blocks, then A's block and one of B's
+    assert mem.check(Tier.P1, 2) is Alloc.OK  # the hits as they stand: 1 new + 1 revived
+    status = mem.admit_status_after(head, taken)
+    mem.pool.allocate_many(Tier.P2, 10)
+    assert status is mem.admit(head) is Alloc.NO_SPACE

@@ -56,7 +56,7 @@ class Engine:
                     f"fast simulation needs the simulated executor, not {type(executor).__name__}"
                 )
             self._leap = DecodeLeap(
-                config, self.policy, self.memory, executor, clock, self.lifecycle, self.stats
+                config, self.policy, self.memory, executor, clock, self.lifecycle, self.scheduler, self.stats
             )
         self._in_step = False
         self._deferred: list[tuple[str, FinishReason]] = []  # ends asked for during a step

@@ -25,12 +25,14 @@ from typing import NamedTuple
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle, RequestOutput
+from tierserve.engine.scheduler import Scheduler
 from tierserve.engine.stats import EngineStats
 from tierserve.executors.sim.executor import SimExecutor
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import FinishReason, Request
 from tierserve.scheduling.base import Policy, RunningPass
+from tierserve.tiers import ALL_TIERS, Tier
 
 # Called as each leapt step begins (the state a step-by-step caller sees just before
 # `Engine.step`: the clock, the blocks held, the counters), with the step's duration.
@@ -60,6 +62,7 @@ class DecodeLeap:
         executor: SimExecutor,
         clock: Clock,
         lifecycle: Lifecycle,
+        scheduler: Scheduler,
         stats: EngineStats,
     ) -> None:
         self.config = config
@@ -68,14 +71,18 @@ class DecodeLeap:
         self.executor = executor
         self.clock = clock
         self.lifecycle = lifecycle
+        self.scheduler = scheduler
         self.stats = stats
 
     def steady(self) -> bool:
         """Whether the next pass would give every running request one decode token and
-        nothing else (the caller checks for forced preemptions and deferred ends)."""
-        life, cfg = self.lifecycle, self.config.scheduler
+        nothing else (the caller checks for forced preemptions and deferred ends; with
+        requests waiting or swapped out, `Scheduler.decodes_only` checks each step)."""
+        life, cfg, policy = self.lifecycle, self.config.scheduler, self.policy
         running = life.running
-        if not self.policy.leaps_decodes or not running or life.swapped or self.policy.num_waiting():
+        if not policy.leaps_decodes or not running:
+            return False
+        if (life.swapped or policy.num_waiting()) and not policy.leaps_while_waiting:
             return False
         if len(running) > min(cfg.max_num_batched_tokens, cfg.max_num_seqs):
             return False
@@ -104,14 +111,22 @@ class DecodeLeap:
             fills[(1 - d.num_tokens0) % size].append(d)
         num_seqs = len(decoders)
         context = sum(d.num_tokens0 - 1 for d in decoders)
+        # Requests that wait or are swapped out stay so through the leap (nobody is
+        # admitted, swapped in or shed in it; arrivals end it), but each step's pass must
+        # be known to leave them so.
+        queued = bool(self.lifecycle.swapped or self.policy.num_waiting())
         k = 0
         ended: list[RequestOutput] = []
         while k < last and self.clock.now() < until:
             step = k + 1
             growing = [d for d in grows[step % size] if self._needs_block(d, step)]
-            if growing and not self.memory.fits_one_each([d.request.tier for d in growing]):
+            tiers = [d.request.tier for d in growing]
+            if growing and not self.memory.fits_one_each(tiers):
                 break
-            self.policy.steady_step()
+            if not queued:
+                self.policy.steady_step()
+            elif not self.scheduler.decodes_only(_by_tier(tiers), self.clock.now()):
+                break
             cost = self.executor.decode_step_cost(num_seqs, context)
             if on_step is not None:
                 on_step(cost.total_s)
@@ -178,3 +193,11 @@ class DecodeLeap:
         )
         req.num_computed_tokens = d.num_tokens0 - 1 + num_steps
         d.num_done = num_steps
+
+
+def _by_tier(tiers: list[Tier]) -> list[int]:
+    """How many of `tiers` are each tier (the blocks a step's decodes take, by tier)."""
+    counts = [0] * len(ALL_TIERS)
+    for tier in tiers:
+        counts[tier] += 1
+    return counts

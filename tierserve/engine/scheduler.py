@@ -14,6 +14,7 @@ leaves the batch while a step runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tierserve.clock import Clock
@@ -223,6 +224,66 @@ class Scheduler:
             chunk = step.chunk_for(req, policy.prefill_chunk_cap(req))
             if chunk >= 1:
                 step.add_prefill(req, chunk)
+
+    # ---- fast simulation: a pass known to do nothing but decode ---------------------------
+
+    def decodes_only(self, taken: Sequence[int], now: float) -> bool:
+        """Fast simulation (engine/leap.py), for a step in which every running request
+        decodes and `taken[t]` new blocks go to tier t's decodes while requests wait or are
+        swapped out: whether the pass would shed, swap in, admit and preempt nobody. If so,
+        its policy hooks have run and its counts are kept, as the pass leaves them, and the
+        step is the leap's to run; if not (or where the pass might preempt), nothing has
+        changed that the pass does not redo. The checks are the pass's own, in its order,
+        on the memory as the decodes' blocks would leave it (`check_after`)."""
+        policy, life, memory = self.policy, self.lifecycle, self.memory
+        if self._forced or policy.to_shed(now):
+            return False
+        cfg = self.config.scheduler
+        step = StepBudget(
+            cfg.max_num_batched_tokens, cfg.max_num_seqs, estimate_s=self.executor.estimate_prefill_s
+        )
+        policy.begin_step(step, life.running, now)
+        step.add_decodes(life.running)
+        for req in life.swapped:  # `_swap_in`
+            if len(life.running) >= step.seats:
+                break
+            if not policy.may_swap_in(req):
+                continue
+            status = memory.check_after(req.tier, len(req.host_block_ids), taken)
+            if status is Alloc.OK:
+                return False  # it would come back
+            if status is not Alloc.OVER_CEILING:
+                break
+        waited = self._admits_nobody(step, taken, now)
+        if waited is False:
+            return False
+        policy.end_step(step, now)
+        if waited is not True:
+            waited.num_memory_waits += 1
+        return True
+
+    def _admits_nobody(self, step: StepBudget, taken: Sequence[int], now: float) -> bool | Request:
+        """`_admit`'s first round without its effects: False if it might admit or preempt;
+        else True, or the head if the pass counts a memory wait for it."""
+        policy, life, memory = self.policy, self.lifecycle, self.memory
+        if step.tokens_left < 1:
+            return True
+        req = policy.peek(now)
+        if req is None or not step.has_prefill_room(req.tier):
+            return True
+        if any(policy.returns_first(s, req) for s in life.swapped) or not policy.may_admit(req, memory):
+            return True
+        if len(life.running) >= step.seats:
+            return not policy.preempts_for_seat(req)
+        status = memory.admit_status_after(req, taken)
+        if status is Alloc.OK:
+            return False
+        if status is Alloc.NO_SPACE:
+            if policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
+                return False
+            if any(memory.used_blocks(t) + taken[t] for t in ALL_TIERS[req.tier + 1 :]):
+                return req  # `_note_memory_wait`
+        return True
 
     def _note_memory_wait(self, req: Request, status: Alloc) -> None:
         """Count a pass in which `req` found no room (after any reclaim its policy allows)

@@ -21,8 +21,6 @@ from tierserve.engine.lifecycle import RequestOutput
 from tierserve.request import Request
 from tierserve.tiers import ALL_TIERS
 
-NONE_WAITING = (0,) * len(ALL_TIERS)  # waiting by tier inside a leap
-
 
 class ReplicaState(enum.Enum):
     STARTING = "starting"  # loading the model: costs GPU time, serves nothing
@@ -101,13 +99,14 @@ class Replica:
 
     def _note_leapt_step(self, duration_s: float) -> None:
         """What the boundary before a leapt step would export, but cheap: only the last is
-        ever read (nothing reads the replica's state inside a leap), and in a leap nothing
-        waits, so the running count, the blocks held and the busy time say it all."""
+        ever read (nothing reads the replica's state inside a leap), and in a leap the
+        waiting requests stay as they were, so the running count, the blocks held and the
+        busy time say it all."""
         engine = self.engine
         self._leapt_step = (engine.num_running(), engine.memory.used_blocks_all_tiers(), engine.stats.busy_s)
 
     def _export_last_leapt_step(self) -> None:
-        self._set_exported(NONE_WAITING, *self._leapt_step)
+        self._set_exported(self.engine.waiting_by_tier(), *self._leapt_step)
 
     def _export(self) -> None:
         engine = self.engine

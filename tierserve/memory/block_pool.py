@@ -19,6 +19,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import islice
 
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.tiers import ALL_TIERS, Tier
@@ -75,13 +77,25 @@ class BlockPool:
         return len(self._free) + self._num_evictable
 
     @property
+    def num_free_uncached(self) -> int:
+        """Free blocks that hold nothing cached: handed out before any eviction."""
+        return len(self._free)
+
+    @property
     def num_cached_free(self) -> int:
         return self._num_evictable
 
-    def lookup(self, block_hash: BlockKey, parent: BlockKey | None, token_ids: Sequence[int]) -> int | None:
-        """The cached block with this key, if it holds exactly `token_ids` after `parent`."""
+    def lookup(
+        self,
+        block_hash: BlockKey,
+        parent: BlockKey | None,
+        token_ids: Sequence[int],
+        evicted: AbstractSet[int] = frozenset(),
+    ) -> int | None:
+        """The cached block with this key, if it holds exactly `token_ids` after `parent`
+        (and is not among `evicted`: blocks taken as if evicted already)."""
         block_id = self._hash_to_block.get(block_hash)
-        if block_id is None:
+        if block_id is None or block_id in evicted:
             return None
         if self._content[block_id] != (parent, tuple(token_ids)):
             self.num_key_collisions += 1
@@ -165,6 +179,18 @@ class BlockPool:
             block_hash[block_id] = key
             content[block_id] = (keys[i - 1] if i else None, tuple(token_ids[i * size : (i + 1) * size]))
             index[key] = block_id
+
+    def next_evicted(self, num_blocks: int) -> set[int]:
+        """The cached blocks that the next `num_blocks` allocations would evict (after the
+        free list runs out), in `_evict_one`'s order; nothing changes."""
+        num_evicted = num_blocks - len(self._free)
+        evicted: set[int] = set()
+        for lru in reversed(self._evictable):
+            if num_evicted <= 0:
+                break
+            evicted.update(islice(lru, num_evicted))
+            num_evicted -= len(lru)
+        return evicted
 
     def _evict_one(self) -> int:
         for lru in reversed(self._evictable):  # P3's blocks go first

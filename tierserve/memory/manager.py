@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks
 from tierserve.memory.errors import KVIntegrityError
@@ -106,6 +107,27 @@ class KVCacheManager:
             used[tier] += 1
             num_free -= 1
         return True
+
+    def check_after(self, tier: Tier, num_new_blocks: int, taken: Sequence[int]) -> Alloc:
+        """`check` as it would answer once `taken[t]` more blocks had gone to each tier t
+        (a step's decodes, before they take them)."""
+        used = [u + n for u, n in zip(self.pool.used_by_tier, taken, strict=True)]
+        if used[tier] + num_new_blocks > self.partition.ceiling[tier]:
+            return Alloc.OVER_CEILING
+        if self.pool.num_free - sum(taken) - num_new_blocks < self.partition.protected_free(tier, used):
+            return Alloc.NO_SPACE
+        return Alloc.OK
+
+    def admit_status_after(self, req: Request, taken: Sequence[int]) -> Alloc:
+        """What `admit(req)` would return once `taken[t]` more blocks had gone to each tier
+        t (whose allocation may evict cached blocks `req` would otherwise hit). Changes
+        nothing `admit` would not change on failure."""
+        num_taken = sum(taken)
+        evicted = self.pool.next_evicted(num_taken) if num_taken > self.pool.num_free_uncached else set()
+        hits = self._match_prefix(req, evicted)
+        num_revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        num_new = self.blocks_for(req.num_tokens) - len(hits)
+        return self.check_after(req.tier, num_new + num_revived, taken)
 
     def within_entitlement(self, tier: Tier, num_new_blocks: int) -> bool:
         """Whether the tier would still be inside its floor + reserve (so it may reclaim)."""
@@ -225,7 +247,8 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def _match_prefix(self, req: Request) -> list[int]:
+    def _match_prefix(self, req: Request, evicted: AbstractSet[int] = frozenset()) -> list[int]:
+        """The cached blocks that hold the request's leading full blocks (none of `evicted`)."""
         if not self.enable_prefix_caching:
             return []
         # Leave at least one token to compute: its logits give the next token.
@@ -234,7 +257,7 @@ class KVCacheManager:
         tokens, size = req.token_ids, self.block_size
         parent: BlockKey | None = None
         for i, key in enumerate(self._block_hashes(req, max_blocks)):
-            block = self.pool.lookup(key, parent, tokens[i * size : (i + 1) * size])
+            block = self.pool.lookup(key, parent, tokens[i * size : (i + 1) * size], evicted)
             if block is None:
                 break
             hits.append(block)

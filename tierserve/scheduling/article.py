@@ -57,6 +57,7 @@ class ArticleOptions(PolicyOptions):
 class ArticlePolicy(FairQueuePolicy):
     name: ClassVar[str] = "article"
     leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
+    leaps_while_waiting: ClassVar[bool] = True
     options_type: ClassVar[type[PolicyOptions] | None] = ArticleOptions
 
     def __init__(self, config: EngineConfig) -> None:

@@ -182,6 +182,13 @@ class Policy(ABC):
     # decodes and nothing waits or is swapped out: true where the pass's hooks, for such a
     # step, change nothing but what `steady_step` records.
     leaps_decodes: ClassVar[bool] = False
+    # Whether it may also leap while requests wait or are swapped out, each step's pass
+    # checked by `Scheduler.decodes_only` against the memory as the step's decodes would
+    # leave it: true where `to_shed` only asks, `begin_step`'s effects are redone by every
+    # pass, `peek` asked twice at one time changes nothing the first did not, and
+    # `may_admit` and `preempts_for_admission` (asked before the decodes take their
+    # blocks) never turn from False to True as blocks are taken.
+    leaps_while_waiting: ClassVar[bool] = False
 
     def steady_step(self) -> None:
         """Record a leapt step (all decodes, nothing waiting) as its pass's hooks would have."""

@@ -19,6 +19,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 class DrrPolicy(TierQueuesPolicy):
     name: ClassVar[str] = "drr"
     leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
+    leaps_while_waiting: ClassVar[bool] = True
     counts_tokens: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:

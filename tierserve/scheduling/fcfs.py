@@ -20,6 +20,7 @@ class FcfsPolicy(Policy):
     name: ClassVar[str] = "fcfs"
     tiered_memory: ClassVar[bool] = False
     leaps_decodes: ClassVar[bool] = True  # no hooks
+    leaps_while_waiting: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

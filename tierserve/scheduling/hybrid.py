@@ -134,6 +134,7 @@ class HybridPolicy(FairQueuePolicy):
     name: ClassVar[str] = "hybrid"
     options_type: ClassVar[type[PolicyOptions] | None] = HybridOptions
     leaps_decodes: ClassVar[bool] = True  # nothing to shed or cap; `end_step` keeps history
+    leaps_while_waiting: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -293,8 +294,11 @@ class HybridPolicy(FairQueuePolicy):
     def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
         self._step = step
         self._deferred = self._p1_p2_in_danger(now)
-        self._p0_by_length = self._p0_prompts(running)
-        self._shaper.begin(step, self.num_waiting(Tier.P0), running, now)
+        prefilling = [r for r in running if r.is_prefilling]  # one scan of the running
+        self._p0_by_length = self._p0_prompts(prefilling)
+        p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
+        num_decodes = len(running) - len(prefilling)
+        self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
 
     def end_step(self, step: StepBudget, now: float) -> None:
         self._shaper.end(step, self._more_urgent_queued(now), now)
@@ -325,12 +329,12 @@ class HybridPolicy(FairQueuePolicy):
         # The engine's P0-only prefill steps (`p0_solo_prefill`), same window of steps.
         return Tier.P0 if self._shaper.solo(Tier.P0 in tiers_prefilling) else None
 
-    def _p0_prompts(self, running: Sequence[Request]) -> list[Request]:
-        """The P0 prompts with tokens left to prefill, running or waiting, shortest first:
-        the waiting ones only as far as a step's tokens reach (those beyond go after every
-        listed one, and `_ahead_of` treats them so)."""
-        p0 = Tier.P0  # `is`: an IntEnum's == costs five times as much, on every running request
-        prompts = [r for r in running if r.tier is p0 and r.is_prefilling]
+    def _p0_prompts(self, prefilling: Sequence[Request]) -> list[Request]:
+        """The P0 prompts with tokens left to prefill, running (among `prefilling`) or
+        waiting, shortest first: the waiting ones only as far as a step's tokens reach
+        (those beyond go after every listed one, and `_ahead_of` treats them so)."""
+        p0 = Tier.P0  # `is`: an IntEnum's == costs five times as much
+        prompts = [r for r in prefilling if r.tier is p0]
         if self.num_waiting(Tier.P0):
             budget, total = self.config.scheduler.max_num_batched_tokens, 0
 

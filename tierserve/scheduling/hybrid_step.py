@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierserve.request import Request
 from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_within
 from tierserve.tiers import Tier
 
@@ -118,10 +116,12 @@ class StepShaper:
         """What the step bound leaves the other tiers' prompts, but MIN_OTHER_PREFILL_TOKENS."""
         return max(MIN_OTHER_PREFILL_TOKENS, self.bound_tokens(estimate_s) - num_decodes)
 
-    def begin(self, step: StepBudget, num_p0_waiting: int, running: Sequence[Request], now: float) -> None:
-        p0 = Tier.P0
-        if self.p0_likely(num_p0_waiting, any(r.tier is p0 and r.is_prefilling for r in running), now):
-            num_decodes = sum(1 for r in running if not r.is_prefilling)
+    def begin(
+        self, step: StepBudget, num_p0_waiting: int, p0_prefilling: bool, num_decodes: int, now: float
+    ) -> None:
+        """Cap the other tiers' prompt tokens in `step` (beside `num_decodes` decodes) while
+        a P0 is likely."""
+        if self.p0_likely(num_p0_waiting, p0_prefilling, now):
             cap = self._cap(num_decodes, step.estimate_s)
             step.cap_prefill(OTHER_TIERS, cap, at_least=MIN_OTHER_PREFILL_TOKENS)
 

@@ -55,6 +55,7 @@ class SglangOptions(PolicyOptions):
 class SglangPriorityPolicy(HeapPolicy):
     name: ClassVar[str] = "sglang-priority"
     leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
+    leaps_while_waiting: ClassVar[bool] = True
     tiered_memory: ClassVar[bool] = False
     allow_swap: ClassVar[bool] = False
     options_type: ClassVar[type[PolicyOptions] | None] = SglangOptions

@@ -75,6 +75,11 @@ class StepBudget:
         self.decodes[req] = 1
         self.tokens_left -= 1
 
+    def add_decodes(self, requests: Collection[Request]) -> None:
+        """`add_decode` for each of `requests` (distinct), in one go."""
+        self.decodes.update(dict.fromkeys(requests, 1))
+        self.tokens_left -= len(requests)
+
     def add_prefill(self, req: Request, num_tokens: int) -> None:
         self.prefills[req] = num_tokens
         self.tokens_left -= num_tokens

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class StrictPolicy(TierQueuesPolicy):
     name: ClassVar[str] = "strict"
     leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
+    leaps_while_waiting: ClassVar[bool] = True
 
     def peek(self, now: float) -> Request | None:
         for tier in ALL_TIERS:

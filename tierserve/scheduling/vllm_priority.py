@@ -39,6 +39,7 @@ class VllmPriorityPolicy(HeapPolicy):
     running_pass: ClassVar[RunningPass] = RunningPass.ADMISSION_ORDER
     admits_after_preemption: ClassVar[bool] = False
     leaps_decodes: ClassVar[bool] = True  # no hooks
+    leaps_while_waiting: ClassVar[bool] = True
 
     def victim_key(self, victim: Request, borrowed: Sequence[int]) -> tuple[float, ...]:
         return (-victim.tier, -victim.arrival_time)  # the largest (priority, arrival) first

@@ -38,6 +38,7 @@ class FairQueuePolicy(Policy):
 class WfqPolicy(FairQueuePolicy):
     name: ClassVar[str] = "wfq"
     leaps_decodes: ClassVar[bool] = True  # no step hooks; peek on an empty queue changes nothing
+    leaps_while_waiting: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

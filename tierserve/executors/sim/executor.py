@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.executors.base import ExecutorSpec, StepBatch, StepResult
@@ -26,8 +26,12 @@ from tierserve.model_config import KNOWN_MODELS, ModelConfig
 
 DEFAULT_HOST_SWAP_BYTES_PER_GPU = 64 * GiB  # pinned host memory set aside for swapped K/V, per GPU
 PREFILL_MEMO_SIZE = 1 << 16  # estimate_prefill_s answers kept (then forgotten all at once)
+SEED_MEMO_SIZE = 1 << 16  # placeholder-token seeds kept, one per request (then forgotten)
 _blake2b = hashlib.blake2b
 _unpack_u64 = struct.Struct("<Q").unpack
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: consecutive positions land far apart
+_MIX64 = 0xBF58476D1CE4E5B9  # SplitMix64's first multiplier (Steele, Lea, Flood, OOPSLA 2014)
 
 
 def get_model(name: str) -> ModelConfig:
@@ -41,11 +45,16 @@ def get_model(name: str) -> ModelConfig:
 @dataclass(frozen=True, slots=True)
 class PlaceholderTokens:
     """Pseudo-random ids from (request_id, position), below the special tokens and never
-    EOS/BOS; the model's limits are worked out once (a simulation draws one per token)."""
+    EOS/BOS; the model's limits are worked out once (a simulation draws one per token).
+
+    A request's ids come from a 64-bit seed (a BLAKE2b digest of its id, hashed once per
+    request) mixed with the position by a SplitMix64-style step: a few integer operations
+    a token instead of a digest each."""
 
     limit: int
     vocab_size: int
     special: frozenset[int]
+    _seeds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, model: ModelConfig) -> PlaceholderTokens:
@@ -54,9 +63,20 @@ class PlaceholderTokens:
         limit = model.bos_token_id if model.bos_token_id is not None else model.vocab_size
         return cls(max(1, limit), model.vocab_size, frozenset([*model.eos_token_ids, *bos]))
 
+    def _seed(self, request_id: str) -> int:
+        seeds = self._seeds
+        seed = seeds.get(request_id)
+        if seed is None:
+            if len(seeds) >= SEED_MEMO_SIZE:
+                seeds.clear()
+            digest = _blake2b(request_id.encode(), digest_size=8).digest()
+            seed = seeds[request_id] = _unpack_u64(digest)[0]  # little-endian
+        return seed
+
     def token(self, request_id: str, position: int) -> int:
-        digest = _blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-        token: int = _unpack_u64(digest)[0] % self.limit  # the digest as a little-endian integer
+        x = (self._seed(request_id) + position * _GOLDEN64) & _MASK64
+        x = ((x ^ (x >> 31)) * _MIX64) & _MASK64
+        token = (x ^ (x >> 29)) % self.limit
         while token in self.special:
             token = (token + 1) % self.vocab_size
         return token
@@ -64,11 +84,12 @@ class PlaceholderTokens:
     def tokens(self, request_id: str, start: int, stop: int) -> list[int]:
         """`token` at each position in [start, stop) (its body inlined: a leap draws a
         request's tokens in runs)."""
-        limit, special, vocab_size = self.limit, self.special, self.vocab_size
+        seed, limit, special, vocab_size = self._seed(request_id), self.limit, self.special, self.vocab_size
         tokens: list[int] = []
         for position in range(start, stop):
-            digest = _blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-            token: int = _unpack_u64(digest)[0] % limit
+            x = (seed + position * _GOLDEN64) & _MASK64
+            x = ((x ^ (x >> 31)) * _MIX64) & _MASK64
+            token = (x ^ (x >> 29)) % limit
             while token in special:
                 token = (token + 1) % vocab_size
             tokens.append(token)
