@@ -96,6 +96,10 @@ class LiveServer:
         assert loop is not None
         loop.call_soon_threadsafe(self.server.begin_drain)
 
+    def signal(self, sig: int = 15) -> None:
+        """What a signal (SIGTERM by default) does to the running server."""
+        self.server.handle_exit(sig, None)
+
     def inspect(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` in the engine process (or thread), between steps. In the engine
         process `fn` must pickle by name: a module-level function, not a lambda."""

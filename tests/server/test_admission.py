@@ -58,3 +58,17 @@ def test_background_tier_has_no_deadline_and_no_history_means_no_estimate() -> N
     cold = AdmissionController(DEFAULT_TIERS, CAPS, ThroughputMeter())
     verdict = cold.check(Tier.P1, {Tier.P1: 99}, now=10.0)
     assert verdict.admitted and verdict.estimated_wait_s is None
+
+
+def test_no_deadline_refusal_while_the_engine_left_nobody_ahead_waiting() -> None:
+    """A burst on a lightly loaded engine: the start rate is the recent demand, not the
+    capacity, and the engine's last pass found room for everyone it had. Nothing is
+    refused for its deadline until a pass leaves a request of the tier or above waiting."""
+    admission = AdmissionController(DEFAULT_TIERS, CAPS, _meter(rate_per_s=1.0))
+    queued = {Tier.P0: 2, Tier.P1: 0, Tier.P2: 0, Tier.P3: 0}
+    assert admission.check(Tier.P0, queued, now=10.0, left_waiting={}).admitted
+    assert admission.check(Tier.P0, queued, now=10.0, left_waiting={Tier.P2: 5}).admitted  # below it
+    verdict = admission.check(Tier.P0, queued, now=10.0, left_waiting={Tier.P0: 1})
+    assert not verdict.admitted and verdict.reason == "deadline"
+    # The queue cap still counts everything queued.
+    assert admission.check(Tier.P0, {Tier.P0: 4}, now=10.0, left_waiting={}).reason == "queue_full"

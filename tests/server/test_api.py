@@ -130,9 +130,13 @@ def test_estimated_wait_beyond_the_deadline_is_refused_early(
     for i in range(40):  # 4 starts per second over the last 10 s
         meter.record(now - 10 + (i + 1) * 0.25)
     monkeypatch.setattr(state.admission, "_meter", meter)
-    monkeypatch.setattr(
-        state.engine, "queued_by_tier", lambda: {Tier.P0: 0, Tier.P1: 30, Tier.P2: 0, Tier.P3: 0}
-    )
+    queued = {Tier.P0: 0, Tier.P1: 30, Tier.P2: 0, Tier.P3: 0}
+    monkeypatch.setattr(state.engine, "queued_by_tier", lambda: queued)
+    # The engine's last pass left none of them waiting (a burst since): all are admitted.
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    # It left some waiting: the engine is full, and 30 ahead at 4 a second is too long.
+    monkeypatch.setattr(state.engine, "waiting_by_tier", lambda: {**queued, Tier.P1: 1})
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     error = e.value.response.json()["error"]

@@ -67,6 +67,26 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
         assert not srv.thread.is_alive()  # it shut itself down once drained
 
 
+def test_a_second_signal_cuts_the_drain_short_with_clean_errors() -> None:
+    """SIGTERM drains; a second one aborts what is left at once, each stream ending with
+    the drain timeout's error event (not a cut connection), and the server exits."""
+    with live_server(make_state(), drain_timeout_s=60) as srv:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            started = time.monotonic()
+            srv.signal()
+            time.sleep(0.3)
+            assert srv.thread.is_alive() and not srv.server.should_exit  # still draining
+            srv.signal()
+            rest = [line for line in lines if line]
+        assert time.monotonic() - started < 20  # not the 60 s drain
+        assert any('"code": "aborted"' in line for line in rest) and rest[-1] == "data: [DONE]"
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive() and srv.server.exit_code == 0
+
+
 def test_drain_timeout_aborts_what_is_left_and_exits() -> None:
     with live_server(make_state(), drain_timeout_s=0.3) as srv:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "stream": True}

@@ -6,6 +6,12 @@ has recently been starting requests (first tokens per second). When that estimat
 already exceeds the tier's TTFT target, waiting is pointless: reject now with 503 and a
 Retry-After, rather than time out later. Without enough recent history there is no
 estimate and nothing is rejected for its deadline.
+
+The start rate is the engine's capacity only while the engine is full; on a lightly
+loaded one it is the recent demand, and a burst would look like minutes of queue. So the
+deadline applies only while the engine's last scheduling pass left a request of tier t or
+a more urgent one waiting (it found no room for it): until then everything queued is
+admitted at the next step boundary.
 """
 
 from __future__ import annotations
@@ -66,8 +72,16 @@ class AdmissionController:
         self._caps = dict(queue_caps)
         self._meter = meter
 
-    def check(self, tier: Tier, queued: Mapping[Tier, int], now: float) -> AdmissionVerdict:
-        """`queued[t]`: requests of tier t not yet started (engine waiting queue + inbox)."""
+    def check(
+        self,
+        tier: Tier,
+        queued: Mapping[Tier, int],
+        now: float,
+        left_waiting: Mapping[Tier, int] | None = None,
+    ) -> AdmissionVerdict:
+        """`queued[t]`: requests of tier t not yet started (engine waiting queue + inbox);
+        `left_waiting[t]`: those of tier t the engine's last pass found no room for (None:
+        not known, taken as some)."""
         depth = queued.get(tier, 0)
         ahead = sum(queued.get(t, 0) for t in ALL_TIERS if t <= tier)
         rate = self._meter.rate(now)
@@ -76,6 +90,7 @@ class AdmissionController:
             retry = 1.0 if rate is None else max(1.0, (depth - self._caps[tier] + 1) / rate)
             return AdmissionVerdict(False, "queue_full", depth, wait, retry)
         target = self._targets[tier]
-        if wait is not None and math.isfinite(target) and wait > target:
+        full = left_waiting is None or any(left_waiting.get(t, 0) for t in ALL_TIERS if t <= tier)
+        if full and wait is not None and math.isfinite(target) and wait > target:
             return AdmissionVerdict(False, "deadline", depth, wait, max(1.0, wait - target))
         return AdmissionVerdict(True, "", depth, wait, 0.0)

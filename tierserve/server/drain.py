@@ -5,7 +5,9 @@ uvicorn's own handling would close the listening socket at once (new clients get
 143). `DrainingServer` instead marks the server draining (new requests: 503, /ready:
 503), waits up to the drain timeout for in-flight requests, aborts whatever is left,
 and then lets uvicorn shut down normally, so the process exits with status 0.
-A second signal forces an immediate exit.
+A second signal cuts the drain short: what is left is aborted at once (each client gets
+the same 503 or stream error event as at the drain timeout) and the server exits; a third
+forces an immediate exit.
 
 If the engine process dies, the server cannot serve: requests in flight end with an error
 (503, or a stream's error event) and new ones get 503 for `engine_lost_linger_s` (so a
@@ -42,6 +44,7 @@ class DrainingServer(uvicorn.Server):
         self._linger_s = engine_lost_linger_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._hurry: asyncio.Event | None = None  # set by a second signal while draining
         self.exit_code = 0  # what the process should exit with once `run` returns
         self._lost_task: asyncio.Task[None] | None = None
         state.engine.on_lost = self._engine_lost
@@ -64,29 +67,44 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_task is not None or self._loop is None:
+        loop = self._loop
+        if loop is None or (self._hurry is not None and self._hurry.is_set()):
             self.force_exit = True
             self.should_exit = True
-            return
-        self._loop.call_soon_threadsafe(self.begin_drain)
+        elif self._drain_task is not None:
+            loop.call_soon_threadsafe(self.hurry_drain)
+        else:
+            loop.call_soon_threadsafe(self.begin_drain)
 
     def begin_drain(self) -> None:
         """Start draining (call on the server's event loop, or via `call_soon_threadsafe`)."""
         if self._drain_task is not None:
             return
         self._state.draining = True
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        self._hurry = asyncio.Event()
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(self._hurry))
 
-    async def _drain(self) -> None:
+    def hurry_drain(self) -> None:
+        """Abort what is left of the drain now (on the server's event loop)."""
+        if self._hurry is not None:
+            self._hurry.set()
+
+    async def _drain(self, hurry: asyncio.Event) -> None:
         engine = self._state.engine
         log.info(
             "draining: admission stopped, %d requests in flight (timeout %.1f s)",
             engine.num_in_flight,
             self._drain_timeout_s,
         )
-        if not await engine.wait_idle(self._drain_timeout_s):
-            log.warning("drain timeout: aborting %d requests", engine.num_in_flight)
+        idle = asyncio.ensure_future(engine.wait_idle(self._drain_timeout_s))
+        hurried = asyncio.ensure_future(hurry.wait())
+        await asyncio.wait((idle, hurried), return_when=asyncio.FIRST_COMPLETED)
+        if not (idle.done() and idle.result()):
+            why = "second signal" if hurry.is_set() else "drain timeout"
+            log.warning("%s: aborting %d requests", why, engine.num_in_flight)
+            idle.cancel()
             await engine.stop()
             await engine.wait_idle(2.0)
+        hurried.cancel()
         log.info("drained; shutting down")
         self.should_exit = True

@@ -234,6 +234,11 @@ class EngineClient:
         waiting = self.snapshot.waiting
         return {t: waiting.get(t, 0) + self._submitted[t] - self._applied[t] for t in ALL_TIERS}
 
+    def waiting_by_tier(self) -> dict[Tier, int]:
+        """Requests the engine's last scheduling pass found no room for, by tier."""
+        waiting = self.snapshot.waiting
+        return {t: waiting.get(t, 0) for t in ALL_TIERS}
+
     async def _call(self, make: Callable[[int], Inspect | ScrapeMetrics]) -> Any:
         if self._loop is None or not self.running:
             raise EngineStartError(ENGINE_LOST)

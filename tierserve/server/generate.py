@@ -103,7 +103,10 @@ async def _pass_limits(
     if not rate.allowed:
         metrics.reject(f"rate_limit_{rate.reason}", tier)
         raise rate_refusal(rate, tenant.name, headers)
-    verdict = state.admission.check(tier, state.engine.queued_by_tier(), state.clock.now())
+    engine = state.engine
+    verdict = state.admission.check(
+        tier, engine.queued_by_tier(), state.clock.now(), engine.waiting_by_tier()
+    )
     if not verdict.admitted:
         metrics.reject(verdict.reason, tier)
         await state.limiter.settle(rate.reservation, 0)

@@ -30,6 +30,23 @@ def test_greedy_takes_the_argmax_of_each_row() -> None:
     assert Sampler().sample(logits, reqs) == [1, 4]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-6])
+def test_a_vanishing_temperature_is_greedy_and_spares_the_rows_beside_it(temperature: float) -> None:
+    """Logits divided by less than ~1e-38 overflow float32 to inf, and the draw fails: one
+    such request must not fail a step for the others in it."""
+    logits = torch.stack([LOGITS, -LOGITS, LOGITS])
+    reqs = [
+        SampleRequest("tiny", SamplingParams(temperature=temperature), 0),
+        SampleRequest("warm", SamplingParams(temperature=1.0, seed=3), 0),
+        SampleRequest(
+            "tiny-penalised", SamplingParams(temperature=temperature, presence_penalty=2.0), 1, [1]
+        ),
+    ]
+    tokens = Sampler().sample(logits, reqs)
+    assert tokens[0] == 1 and tokens[2] == 3  # the argmax; the penalised one moves off token 1
+    assert 0 <= tokens[1] < len(LOGITS)
+
+
 def test_top_k_keeps_only_the_k_largest() -> None:
     kept = filter_logits(LOGITS, SamplingParams(temperature=1.0, top_k=2))
     assert [i for i in range(6) if math.isfinite(kept[i])] == [1, 3]

@@ -18,6 +18,10 @@ import torch
 from tierserve.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Below this temperature a request is sampled greedily (vLLM's threshold too): dividing
+# float32 logits by less than ~1e-38 overflows to inf, and the draw would fail for the
+# whole step, so for every request in it.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -84,9 +88,10 @@ class Sampler:
         tokens = torch.argmax(logits, dim=-1).tolist()
         for row, req in enumerate(requests):
             params = req.params
-            if params.temperature > 0 or params.penalized:
+            draws = params.temperature >= GREEDY_BELOW_TEMPERATURE
+            if draws or params.penalized:
                 values = apply_penalties(logits[row].cpu(), params, req.output_token_ids)
-                tokens[row] = self._draw(values, req) if params.temperature > 0 else int(values.argmax())
+                tokens[row] = self._draw(values, req) if draws else int(values.argmax())
         return [int(t) for t in tokens]
 
     def _draw(self, logits: torch.Tensor, req: SampleRequest) -> int:
