@@ -164,6 +164,25 @@ def test_turns_of_one_conversation_run_one_after_another_even_with_free_clients(
     assert all(r.status is RequestStatus.FINISHED for r in records)
 
 
+@pytest.mark.parametrize("open_loop", [False, True])
+def test_the_submission_cap_never_drops_a_measured_turn_held_for_its_conversation(open_loop: bool) -> None:
+    """A slow conversation's later turns are held while others go first; the cap on
+    submissions (the cool-down's length) is reached before they are free. They are still
+    sent, and nothing past the measured range is."""
+    engine, clock = make_engine()
+    at = 0.0 if open_loop else None
+    slow = [
+        RequestSpec(i, Tier.P0, "c", (1, 2, 3, i), 40, conversation_id="c", arrival_s=at) for i in range(4)
+    ]
+    others = [spec(i, max_tokens=2, arrival_s=at) for i in range(4, 40)]
+    config = DriverConfig(num_measured=10, concurrency=None if open_loop else 8, max_requests=12)
+    result = run_workload(engine, clock, [*slow, *others], config)
+    measured = sorted(r.index for r in result.records if r.measured)
+    assert measured == list(range(10))
+    assert all(r.status is RequestStatus.FINISHED for r in result.records)
+    assert max(r.index for r in result.records) < 12 + 4  # the cool-down stopped at the cap
+
+
 def test_window_covers_the_measured_requests_only() -> None:
     engine, clock = make_engine()
     result = run_workload(

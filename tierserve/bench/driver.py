@@ -52,7 +52,9 @@ class DriverConfig:
     warmup_s: float = 0.0
     concurrency: int | None = 32  # None: open loop (every spec must carry `arrival_s`)
     drain_timeout_s: float = 600.0
-    max_requests: int | None = None  # cap on submissions; default 4 x (warm-up + measured)
+    # Cap on submissions (the cool-down's length; default 4 x (warm-up + measured)). It never
+    # holds back a warm-up or measured request: past it, only those are still sent.
+    max_requests: int | None = None
     think_time_s: float = 0.0  # closed loop: mean of a client's exponential think time
     seed: int = 0  # of the think times
 
@@ -122,8 +124,15 @@ class _Run:
             spec.index < end for spec in self.held
         )
 
+    def _capped(self) -> bool:
+        """Past `max_requests`: only warm-up and measured requests are still sent (a turn
+        held for its conversation is one, and leaving it out would drop the slow ones)."""
+        return self.num_submitted >= self.max_requests
+
     def _may_submit(self) -> bool:
-        if (self.next_spec is None and not self.held) or self.num_submitted >= self.max_requests:
+        if self.next_spec is None and not self.held:
+            return False
+        if self._capped() and self._all_measured_submitted():
             return False
         return not (
             self._all_measured_submitted() and self.num_measured_live == 0 and self.window is not None
@@ -139,10 +148,11 @@ class _Run:
         """(the next request to send, whether it was held): a held turn whose conversation
         is free, else the stream's next spec (holding any turn of a busy conversation on the
         way); None if the stream's next spec has not arrived yet (open loop) or none is left."""
+        end = self.config.num_warmup + self.config.num_measured if self._capped() else math.inf
         for i, spec in enumerate(self.held):
-            if not self._conversation_busy(spec):
+            if spec.index < end and not self._conversation_busy(spec):
                 return self.held.pop(i), True
-        while self.next_spec is not None:
+        while self.next_spec is not None and self.next_spec.index < end:
             spec = self.next_spec
             open_loop = self.config.concurrency is None
             if open_loop and (spec.arrival_s is None or spec.arrival_s > self.clock.now()):
