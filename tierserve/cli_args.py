@@ -4,6 +4,8 @@ one line on stderr and exit status 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -42,13 +44,32 @@ non_negative_int = _bounded_int(0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
+    """A finite number > 0 (nan and inf are refused)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """`cpu`, `cuda` or `cuda:N` (what the torch executor runs on)."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()) is None:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text.strip()
 
 
 def port(text: str) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tierserve.cli_args import positive_int
+from tierserve.cli_args import device_name, non_negative_float, positive_int
 
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
@@ -106,7 +106,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--max-tokens", type=positive_int, default=64, help="tokens to generate at most (default: 64)"
     )
     p.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)"
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy (default: 0)",
     )
     p.add_argument(
         "--top-p", type=float, default=1.0, help="nucleus sampling: probability mass kept (default: 1)"
@@ -124,7 +127,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument(
         "--json",
         action="store_true",

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tierserve.bench.cell import BenchSetup
+from tierserve.bench.cell import BenchSetup, Cell, drive
 from tierserve.bench.limits import EngineLimits
 from tierserve.bench.matrix import Matrix, run_matrix
 from tierserve.bench.report import write_all
@@ -142,7 +142,6 @@ def test_explicit_cells_and_traces() -> None:
     "argv",
     [
         ["--policies", "nope"],
-        ["--loads", "0"],
         ["--workloads", "default", "--patterns", "trace"],
         ["--think-time", "-1"],
         ["--seed", "1", "1"],
@@ -151,6 +150,13 @@ def test_explicit_cells_and_traces() -> None:
 def test_bad_arguments_exit_2_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert run(parse(*argv)) == 2
     assert "tierserve bench reproduce:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--loads", "0"], ["--loads", "nan"], ["--requests", "0"]])
+def test_bad_numbers_are_refused_as_they_are_parsed(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("rows", [400, 12])
@@ -183,3 +189,12 @@ def test_a_trace_cell_reports_its_offered_load_against_the_measured_capacity(
         f"({run_['offered_load_x_capacity']:.2f}x capacity; busiest minute"
         in (tmp_path / "report.md").read_text()
     )
+
+
+def test_a_trace_shorter_than_the_warm_up_still_measures_most_of_its_rows(shared_data: Path) -> None:
+    """The warm-up is a tenth of what the trace can give, not of `--requests`: 200 rows
+    with the default 2,200 measured requests used to warm up on 220 and measure nothing."""
+    setup = BenchSetup(num_measured=2200, max_trace_rows=200, data_dir=str(shared_data), drain_timeout_s=60.0)
+    driven = drive(setup, Cell("azure-code", "trace", 1.0, "fcfs", 0))
+    measured = [r for r in driven.run.records if r.measured]
+    assert len(measured) == 180 and len(driven.run.records) == 200

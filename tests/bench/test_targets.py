@@ -74,3 +74,12 @@ def test_p0_waiting_for_lower_tier_memory_fails_the_memory_pressure_target() -> 
     assert verdict(0) is True
     assert verdict(3) is False
     assert verdict(None) is None  # results written before the count existed: not judged
+
+
+def test_a_cell_that_measured_nothing_meets_no_target() -> None:
+    empty = run("hybrid", 1.0, 1.0, 0.0)
+    for tier in empty["tiers"].values():
+        tier["requests"] = 0
+    verdicts = judge([empty, run("vllm-priority", 0.0, 0.0, 0.0, throughput_vs_fcfs=None)])
+    assert all(v.met is None for v in verdicts)  # NOT RUN, never MET on no requests
+    assert all("no measured requests" in v.detail for v in verdicts if v.detail != "no cell applies")

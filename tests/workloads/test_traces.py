@@ -38,6 +38,7 @@ def test_azure_rows_become_arrivals_from_the_first_row(tmp_path: Path) -> None:
         ("2023-11-16 18:17:04.0,0,3\n", "ContextTokens must be >= 1"),
         ("2023-11-16 18:17:04.0,12,-3\n", "GeneratedTokens must be >= 0"),
         ("2023-11-16 18:17:02.0,12,3\n", "back in time"),
+        ("2023-11-16 18:17:04.0+00:00,12,3\n", "both have a UTC offset or both have none"),
     ],
 )
 def test_azure_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
@@ -123,3 +124,19 @@ def test_the_shared_traces_load(shared_data: Path) -> None:
     assert len(azure) == 8819 and len(mooncake) == 12031
     assert azure[-1].arrival_s == pytest.approx(3435.948056)
     assert all(len(r.hash_ids) == -(-r.num_prompt_tokens // 512) for r in mooncake)
+
+
+def test_mooncake_epoch_millisecond_timestamps_count_from_the_first_row(tmp_path: Path) -> None:
+    rows = [
+        f'{{"timestamp": {1_700_000_000_000 + ms}, "input_length": 10, "output_length": 2}}'
+        for ms in (0, 250, 4000)
+    ]
+    records = load_mooncake_jsonl(write(tmp_path, "epoch.jsonl", "\n".join(rows) + "\n"))
+    assert [r.arrival_s for r in records] == [0.0, 0.25, 4.0]
+
+
+def test_mooncake_hash_ids_must_fit_in_64_bits(tmp_path: Path) -> None:
+    row = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [%d]}\n'
+    assert load_mooncake_jsonl(write(tmp_path, "ok.jsonl", row % (2**64 - 1)))[0].hash_ids == (2**64 - 1,)
+    with pytest.raises(TraceFormatError, match=r"big\.jsonl:1: each hash id must be <="):
+        load_mooncake_jsonl(write(tmp_path, "big.jsonl", row % 2**64))

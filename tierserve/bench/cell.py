@@ -107,20 +107,24 @@ class CellResult:
     capacity_rps: float | None = None  # the workload's measured capacity, where it was measured
 
 
-def _warmup(setup: BenchSetup, cell: Cell) -> int:
-    return int(cell.load) if cell.pattern == "closed" else setup.num_measured // 10
+def _warmup(setup: BenchSetup, cell: Cell, num_rows: int | None = None) -> int:
+    """One request per client (closed loop), else a tenth of the measured count, or of
+    the trace's `num_rows` where the trace is shorter than that count."""
+    if cell.pattern == "closed":
+        return int(cell.load)
+    return min(setup.num_measured, num_rows or setup.num_measured) // 10
 
 
-def _driver_config(setup: BenchSetup, cell: Cell, num_measured: int) -> DriverConfig:
+def _driver_config(setup: BenchSetup, cell: Cell, num_measured: int, num_warmup: int) -> DriverConfig:
     closed = cell.pattern == "closed"
     return DriverConfig(
         num_measured=num_measured,
-        num_warmup=_warmup(setup, cell),
+        num_warmup=num_warmup,
         concurrency=int(cell.load) if closed else None,
         drain_timeout_s=setup.drain_timeout_s,
         think_time_s=setup.think_time_s if closed else 0.0,
         seed=cell.seed,
-        max_requests=(_warmup(setup, cell) + num_measured) * 13 // 10,
+        max_requests=(num_warmup + num_measured) * 13 // 10,
     )
 
 
@@ -145,10 +149,11 @@ def drive(setup: BenchSetup, cell: Cell) -> Driven:
     engine = Engine(config, cell.policy, executor, clock, fast=setup.sim_mode == "fast")
     mml = executor.spec.max_model_len
     rate: float | None = None
-    num_measured = setup.num_measured
+    num_measured, num_warmup = setup.num_measured, _warmup(setup, cell)
     if cell.pattern == "trace":
         rows = setup.trace_rows(cell.workload)
-        num_measured = max(1, min(num_measured, len(rows) - _warmup(setup, cell)))
+        num_warmup = _warmup(setup, cell, len(rows))
+        num_measured = max(1, min(num_measured, len(rows) - num_warmup))
         specs = trace_stream(rows, cell.seed, mml, TierMix.parse(setup.tier_mix), cell.load)
     else:
         specs = setup.stream(cell.workload, cell.seed, mml)
@@ -158,7 +163,7 @@ def drive(setup: BenchSetup, cell: Cell) -> Driven:
             specs = with_arrivals(specs, rate, cv, cell.seed)
     history: dict[int, tuple[int, int]] = {}
     result = run_workload(
-        engine, clock, _noting_p0(specs, history), _driver_config(setup, cell, num_measured)
+        engine, clock, _noting_p0(specs, history), _driver_config(setup, cell, num_measured, num_warmup)
     )
     return Driven(result, history, executor, rate)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import non_negative_int, positive_int
+from tierserve.cli_args import device_name, non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from tierserve.config import EngineConfig
@@ -359,7 +359,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ".jsonl), scaled so the longest are --prompt-tokens MAX and --output-tokens MAX",
     )
     p.add_argument(
-        "--device", default="cpu", help="cpu or cuda; cuda needs a CUDA build of torch (default: cpu)"
+        "--device",
+        type=device_name,
+        default="cpu",
+        help="cpu or cuda; cuda needs a CUDA build of torch (default: cpu)",
     )
     p.add_argument(
         "--flood",

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierserve.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
+
 TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
 WORKLOAD = "default"  # the deployment each replica runs
 ROUTER_CHOICES = ("round-robin", "least-loaded", "prefix-affinity", "tier-aware")
@@ -29,22 +31,60 @@ def default_trace() -> Path:
     return data_path(TRACE_FILE)
 
 
+class FleetArgsError(ValueError):
+    """Arguments that each parse but do not fit together (one line, exit status 2)."""
+
+
 def _choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     names = list(allowed) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise SystemExit(f"--{what}: choose from {', '.join(allowed)} or all (got {text!r})")
-    return names
+        raise FleetArgsError(f"--{what}: choose from {', '.join(allowed)} or all (got {text!r})")
+    return list(dict.fromkeys(names))  # each once
+
+
+def parse_kill(text: str) -> tuple[float, int]:
+    """`T[@I]`: replica I (default 0) dies T virtual seconds into the run."""
+    when, _, index = text.partition("@")
+    try:
+        at_s, replica = float(when), int(index or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected T[@I] (seconds, replica index), got {text!r}") from None
+    if not 0 <= at_s < float("inf") or replica < 0:
+        raise argparse.ArgumentTypeError(f"expected T >= 0 and I >= 0, got {text!r}")
+    return at_s, replica
+
+
+def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
+    """What argparse cannot see: the fleet bounds and the kills against the fleet."""
+    scales = scalings != ["fixed"]
+    if scales and args.min_replicas > args.max_replicas:
+        raise FleetArgsError(f"--min-replicas {args.min_replicas} exceeds --max-replicas {args.max_replicas}")
+    if scales and not args.min_replicas <= args.replicas <= args.max_replicas:
+        raise FleetArgsError(
+            f"--replicas {args.replicas} must lie within --min-replicas {args.min_replicas} and "
+            f"--max-replicas {args.max_replicas} when autoscaling"
+        )
+    most = args.max_replicas if scales else args.replicas
+    for at_s, replica in args.kill:
+        if replica >= most:
+            raise FleetArgsError(
+                f"--kill {at_s:g}@{replica}: the fleet never has a replica {replica} (at most {most})"
+            )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
 
     p = subparsers.add_parser("fleet", help="a fleet of simulated replicas behind the gateway's routing")
-    p.add_argument("--replicas", type=int, default=4, help="replicas at the start (the fixed fleet's size)")
+    p.add_argument(
+        "--replicas", type=positive_int, default=4, help="replicas at the start (the fixed fleet's size)"
+    )
     p.add_argument("--trace", type=Path, help=f"request trace (default: shared/data/{TRACE_FILE})")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="replay the trace this many times faster")
-    p.add_argument("--max-requests", type=int, help="replay only the trace's first N rows")
+    p.add_argument(
+        "--rate-scale", type=positive_float, default=1.0, help="replay the trace this many times faster"
+    )
+    p.add_argument("--max-requests", type=positive_int, help="replay only the trace's first N rows")
     p.add_argument("--router", default="tier-aware", help=f"{', '.join(ROUTER_CHOICES)}, a list, or all")
     p.add_argument(
         "--autoscale",
@@ -53,8 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default="fixed",
         help=f"scaling policies to compare ({', '.join(SCALING_CHOICES)}, a list; bare: all three)",
     )
-    p.add_argument("--min-replicas", type=int, default=1, help="autoscaling: fewest replicas (default: 1)")
-    p.add_argument("--max-replicas", type=int, default=32, help="autoscaling: most replicas (default: 32)")
+    p.add_argument(
+        "--min-replicas", type=positive_int, default=1, help="autoscaling: fewest replicas (default: 1)"
+    )
+    p.add_argument(
+        "--max-replicas", type=positive_int, default=32, help="autoscaling: most replicas (default: 32)"
+    )
     p.add_argument(
         "--startup-delay-s",
         type=float,
@@ -67,12 +111,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=15.0,
         help="autoscaling: seconds between decisions (default: 15)",
     )
-    p.add_argument("--idle-s", type=float, default=300.0, help="calm this long before removing a replica")
-    p.add_argument("--kill", action="append", default=[], metavar="T[@I]", help="replica I (0) dies at T s")
+    p.add_argument(
+        "--idle-s", type=non_negative_float, default=300.0, help="calm this long before removing a replica"
+    )
+    p.add_argument(
+        "--kill",
+        action="append",
+        type=parse_kill,
+        default=[],
+        metavar="T[@I]",
+        help="replica I (0) dies at T s",
+    )
     p.add_argument("--policy", default="hybrid", help="each engine's scheduling policy")
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the tiers drawn for the trace (default: 0)")
-    p.add_argument("--bin-s", type=float, default=60.0, help="width of the over-time bins")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the tiers drawn for the trace (default: 0)"
+    )
+    p.add_argument("--bin-s", type=positive_float, default=60.0, help="width of the over-time bins")
     p.add_argument(
         "--sim-mode",
         choices=("fast", "step"),
@@ -91,9 +146,14 @@ def main(args: argparse.Namespace) -> int:
     from tierserve.bench.output import source_commit
     from tierserve.fleet.bench import FleetBench
 
+    try:  # before the trace is looked for: a bad argument is said first
+        routers = _choices(args.router, ROUTER_CHOICES, "router")
+        scalings = _choices(args.autoscale, SCALING_CHOICES, "autoscale")
+        check_args(args, scalings)
+    except FleetArgsError as e:
+        print(f"tierserve bench fleet: {e}", file=sys.stderr)
+        return 2
     trace = args.trace or default_trace()
-    routers = _choices(args.router, ROUTER_CHOICES, "router")
-    scalings = _choices(args.autoscale, SCALING_CHOICES, "autoscale")
     started = time.process_time()
     bench = FleetBench(args, trace)
     runs = [bench.run(router, scaling) for router in routers for scaling in scalings]

@@ -20,6 +20,7 @@ from typing import Any
 from tierserve.bench.cell import SIM_MODES, BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
+from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling.registry import BENCH_POLICIES
 
 DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
@@ -74,10 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=("poisson", "bursty", "closed", "trace"),
         help="arrivals of the synthetic workloads (default: poisson closed)",
     )
-    p.add_argument("--loads", type=float, nargs="+", help="open loop: fractions of capacity")
-    p.add_argument("--clients", type=int, nargs="+", help="closed loop: clients")
-    p.add_argument("--trace-scale", type=float, nargs="+", default=[1.0], help="trace: speed-up factors")
-    p.add_argument("--trace-rows", type=int, help="trace: replay only the first N rows")
+    p.add_argument("--loads", type=positive_float, nargs="+", help="open loop: fractions of capacity")
+    p.add_argument("--clients", type=positive_int, nargs="+", help="closed loop: clients")
+    p.add_argument(
+        "--trace-scale", type=positive_float, nargs="+", default=[1.0], help="trace: speed-up factors"
+    )
+    p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
     p.add_argument("--think-time", type=float, default=2.0, help="closed loop: mean think time, s")
     p.add_argument("--burst-cv", type=float, default=4.0, help="bursty: CV of inter-arrival times")
     p.add_argument(
@@ -86,11 +89,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=list(NAMED_LIMITS),
         help="per-step limits every policy runs under (default: %(default)s, vLLM V1's for an A100)",
     )
-    p.add_argument("--max-num-batched-tokens", type=int, help="override the engine limits' token budget")
-    p.add_argument("--max-num-seqs", type=int, help="override the engine limits' sequences")
-    p.add_argument("--requests", type=int, help="measured requests per cell and seed")
+    p.add_argument(
+        "--max-num-batched-tokens", type=positive_int, help="override the engine limits' token budget"
+    )
+    p.add_argument("--max-num-seqs", type=positive_int, help="override the engine limits' sequences")
+    p.add_argument("--requests", type=positive_int, help="measured requests per cell and seed")
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=900.0, help="virtual s after the last arrival")
+    p.add_argument(
+        "--drain-timeout", type=positive_float, default=900.0, help="virtual s after the last arrival"
+    )
     p.add_argument("--config", help="engine config TOML (tiers; the limits above still apply)")
     p.add_argument(
         "--sim-mode",
@@ -99,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="fast: leap over runs of decode steps (the same results, checked by `bench sim-speed`); "
         "step: every step (default: %(default)s)",
     )
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default: %(default)s)")
     p.set_defaults(func=run)
 
 

@@ -50,11 +50,20 @@ def _same_cell(runs: Sequence[Run], run: Run, policy: str) -> Run | None:
     )
 
 
+def _num_measured(run: Run) -> int:
+    return sum(int(tier["requests"]) for tier in run["tiers"].values())
+
+
 def _judge(
     target: str, cells: Sequence[Run], ok: Callable[[Run], bool | None], show: Callable[[Run], str]
 ) -> Verdict:
-    verdicts = [ok(r) for r in cells]
-    detail = "; ".join(f"{cell_name(r)}: {show(r)}" for r in cells) or "no cell applies"
+    """MET if `ok` holds in every cell, NOT RUN if it cannot tell in one (or a cell measured
+    nothing: a target is never met on no requests)."""
+    verdicts = [ok(r) if _num_measured(r) else None for r in cells]
+    detail = (
+        "; ".join(f"{cell_name(r)}: {show(r) if _num_measured(r) else 'no measured requests'}" for r in cells)
+        or "no cell applies"
+    )
     met = None if not cells or any(v is None for v in verdicts) else all(verdicts)
     return Verdict(target, met, detail)
 
@@ -146,7 +155,7 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
             lambda r: (
                 None if r["throughput_vs_fcfs"] is None else r["throughput_vs_fcfs"] >= THROUGHPUT_FLOOR
             ),
-            lambda r: f"{r['throughput_vs_fcfs']}x",
+            lambda r: "–" if r["throughput_vs_fcfs"] is None else f"{r['throughput_vs_fcfs']}x",
         ),
         _judge(
             "every P3 request completes or is shed with a reason",

@@ -103,8 +103,5 @@ class FleetBench:
 
 
 def _kills(args: argparse.Namespace) -> tuple[tuple[float, int], ...]:
-    out = []
-    for v in args.kill:
-        when, _, index = v.partition("@")
-        out.append((float(when), int(index or 0)))
-    return tuple(out)
+    """`--kill`'s (time, replica) pairs (parsed by `bench/fleet_bench.parse_kill`)."""
+    return tuple(args.kill)

@@ -2,7 +2,8 @@
 
 - Azure LLM inference trace (CSV): `TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock
   timestamps such as ``2023-11-16 18:17:03.9799600``.
-- Mooncake trace (JSON lines): `timestamp` (ms from start), `input_length`, `output_length`,
+- Mooncake trace (JSON lines): `timestamp` (ms; arrivals count from the first row's, so
+  epoch milliseconds load too), `input_length`, `output_length`,
   `hash_ids` (one id per 512-token prefix block; the last block may be partial). A trace
   of the same shape without `hash_ids` loads too: its prompts share no prefixes.
 
@@ -22,6 +23,7 @@ from typing import Any
 from tierserve.workloads.tokens import TRACE_BLOCK_TOKENS
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MAX_HASH_ID = (1 << 64) - 1  # hash ids become unsigned 64-bit keys (workloads/tokens.py)
 
 
 class TraceFormatError(ValueError):
@@ -37,11 +39,13 @@ class TraceRecord:
     line: int = 0
 
 
-def _count(where: str, name: str, value: Any, minimum: int) -> int:
+def _count(where: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(f"{where}: {name} must be an integer, got {value!r}")
     if value < minimum:
         raise TraceFormatError(f"{where}: {name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise TraceFormatError(f"{where}: {name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -80,7 +84,13 @@ def load_azure_csv(path: str | Path) -> list[TraceRecord]:
             except ValueError:
                 raise TraceFormatError(f"{where}: TIMESTAMP {row[0]!r} is not a date and time") from None
             origin = origin or stamp
-            arrival_s = (stamp - origin).total_seconds()
+            try:
+                arrival_s = (stamp - origin).total_seconds()
+            except TypeError:  # one of the two has a UTC offset, the other not
+                raise TraceFormatError(
+                    f"{where}: TIMESTAMP {row[0].strip()!r} and the first row's {origin.isoformat()!r} "
+                    "must both have a UTC offset or both have none"
+                ) from None
             _check_order(where, arrival_s, records[-1].arrival_s if records else 0.0)
             records.append(
                 TraceRecord(
@@ -98,6 +108,7 @@ def load_azure_csv(path: str | Path) -> list[TraceRecord]:
 def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
     p = Path(path)
     records: list[TraceRecord] = []
+    origin_ms: float | None = None
     with p.open() as f:
         for line_no, line in enumerate(f, start=1):
             where = f"{p}:{line_no}"
@@ -127,14 +138,16 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
             elif not isinstance(hash_ids, list):
                 raise TraceFormatError(f"{where}: hash_ids must be a list")
             for h in hash_ids:
-                _count(where, "each hash id", h, 0)
+                _count(where, "each hash id", h, 0, MAX_HASH_ID)
             num_blocks = -(-num_prompt // TRACE_BLOCK_TOKENS)
             if hash_ids and len(hash_ids) != num_blocks:
                 raise TraceFormatError(
                     f"{where}: input_length {num_prompt} needs {num_blocks} hash ids "
                     f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
                 )
-            arrival_s = stamp / 1000.0
+            if origin_ms is None:
+                origin_ms = stamp  # arrivals count from the first row (a trace may carry epoch ms)
+            arrival_s = (stamp - origin_ms) / 1000.0
             _check_order(where, arrival_s, records[-1].arrival_s if records else 0.0)
             records.append(
                 TraceRecord(
