@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -193,3 +194,24 @@ def test_a_large_body_is_validated_off_the_event_loop(
         release.set()
         post.join(timeout=30)
     assert result == [200]
+
+
+def test_the_start_up_access_line_says_how_each_request_finds_its_tenant() -> None:
+    from types import SimpleNamespace
+
+    from tierserve.server.state import ServerState
+
+    def access(raw: dict[str, Any]) -> str:
+        config = parse_serve_config(raw, source="c.toml")
+        fake = SimpleNamespace(config=config, model=SimpleNamespace(name="m", max_model_len=8))
+        return ServerState.describe(fake)  # type: ignore[arg-type]
+
+    keyed = {"tenants": {"gold": {"api_keys": ["sk-gold"], "max_tier": "P0"}}}
+    assert "API keys required" in access(keyed)
+    mixed = access({**keyed, "server": {"allow_anonymous": True}})
+    assert "API keys in c.toml name tenants" in mixed and "run as tenant 'default'" in mixed
+    by_header = access({"server": {"allow_anonymous": True, "tenant_header": True}, **keyed})
+    assert "x-tenant-id" in by_header
+    assert "no API keys" in access({"limits": {"requests_per_s": 5}}) and "x-tenant-id" not in access(
+        {"limits": {"requests_per_s": 5}}
+    )

@@ -87,6 +87,10 @@ def test_stop_string_ends_the_answer_before_it(client: openai.OpenAI) -> None:
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.response.json()["error"]["code"] == "model_not_found"
 
 
 def test_tier_comes_from_the_header_or_the_body(client: openai.OpenAI) -> None:
@@ -327,3 +331,15 @@ def test_sampling_fields_reach_the_engine_and_inert_ones_are_accepted(server: Li
     assert off.sampling.top_k == 0 and not off.sampling.penalized
     r = _post(server, "/v1/chat/completions", {**CHAT, "presence_penalty": 1.0, "tools": []})
     assert r.status_code == 200, r.text
+
+
+def test_a_prompt_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() -> None:
+    """The tier's ceiling is its context: the same error code as the model's context."""
+    config = parse_serve_config({"tiers": {"P0": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.05}}})
+    with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
+        tokens = srv.state.ceiling_blocks[Tier.P0] * srv.state.block_size
+        body = {"model": MODEL, "prompt": [5] * tokens, "max_tokens": 1}
+        r = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P0"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert f"tier P0 may hold at most {tokens} tokens" in error["message"]

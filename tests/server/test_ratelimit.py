@@ -238,3 +238,20 @@ def test_unlimited_tenants_leave_no_buckets_behind() -> None:
 
     asyncio.run(go())
     assert list(limiter._tenant_buckets) == [_tenant().name]
+
+
+def test_a_refusal_names_the_limit_that_ran_out() -> None:
+    """With only a server-wide limit, the 429 must not blame the tenant's own."""
+    limiter = RateLimiter(RateLimit(requests_per_s=1.0, request_burst=1.0), now=FakeTime())
+
+    async def scenario() -> tuple[str, str]:
+        assert (await limiter.acquire(_tenant(), 1)).allowed
+        server_wide = await limiter.acquire(_tenant(), 1)
+        own = RateLimiter(RateLimit(), now=FakeTime())
+        tenant = _tenant(tokens_per_s=1.0, token_burst=10.0)
+        assert (await own.acquire(tenant, 10)).allowed
+        return server_wide.message, (await own.acquire(tenant, 5)).message
+
+    server_wide, own = asyncio.run(scenario())
+    assert server_wide == "Rate limit reached: the server-wide limit (requests)."
+    assert own == "Rate limit reached: tenant 't' (tokens)."

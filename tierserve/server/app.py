@@ -26,6 +26,7 @@ from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.fast_routes import GenerationRoutes, aborted_upload
 from tierserve.server.generate import generate
+from tierserve.server.prepare import check_model
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.state import ServerState
 from tierserve.server.tracing import ReceivedAtMiddleware
@@ -134,23 +135,28 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         return await generate(state, http, body)
 
+    def model_card() -> dict[str, Any]:
+        m = state.model
+        return {
+            "id": m.name,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "tierserve",
+            "max_model_len": m.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:
         # Behind the same keys as generation (with keys configured: 401 without a known one).
         state.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
-        m = state.model
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": m.name,
-                    "object": "model",
-                    "created": m.created,
-                    "owned_by": "tierserve",
-                    "max_model_len": m.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, http: HttpRequest) -> dict[str, Any]:
+        """One model (the OpenAI client's `models.retrieve`), behind the same keys."""
+        state.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        check_model(state, model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -138,10 +138,12 @@ def _max_tokens(
         )
     tier_tokens = state.ceiling_blocks[tier] * state.block_size
     if num_prompt >= tier_tokens:
-        raise bad_request(
+        raise ApiError(
+            400,
             f"{prompt_param}: the prompt is {num_prompt} tokens; tier {tier.name} may hold at most "
             f"{tier_tokens} tokens of KV cache",
-            prompt_param,
+            param=prompt_param,
+            code="context_length_exceeded",  # the tier's share of the cache is its context
         )
     max_tokens, field = body.requested_max_tokens()
     if max_tokens is None:

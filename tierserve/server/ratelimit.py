@@ -176,8 +176,14 @@ class RateLimiter:
         headers["Retry-After"] = str(max(1, math.ceil(wait)))
         headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
         req_short = any(lv.wait_s > 0 for lv in result.levels[: len(requests)])
+        short = next(b for b, lv in zip(taken, result.levels, strict=True) if lv.wait_s > 0)
+        kind = "requests" if req_short else "tokens"
         return RateDecision(
-            allowed=False, headers=headers, retry_after_s=wait, reason="requests" if req_short else "tokens"
+            allowed=False,
+            headers=headers,
+            retry_after_s=wait,
+            reason=kind,
+            message=f"Rate limit reached: {_scope(short.key)} ({kind}).",
         )
 
     async def settle(self, reservation: Reservation | None, num_tokens_used: int) -> None:
@@ -191,6 +197,15 @@ class RateLimiter:
             except (TimeoutError, OSError, ConnectionError, _redis_error()):
                 self.num_fallbacks += 1
                 self._mark_redis(False)
+
+
+def _scope(bucket_key: str) -> str:
+    """Whose limit a bucket is, from its key: `global:...`, `tenant:NAME:...`, `tier:P1:...`."""
+    owner = bucket_key.rsplit(":", 1)[0]
+    if owner == "global":
+        return "the server-wide limit"
+    kind, _, name = owner.partition(":")
+    return f"tenant {name!r}" if kind == "tenant" else f"tier {name}"
 
 
 def _redis_error() -> type[Exception]:

@@ -74,7 +74,16 @@ class ServerState:
         if c.source is None:
             access = "OPEN: no config file, no API keys, no rate limits"
         elif not c.requires_key:
-            access = f"OPEN: no API keys in {c.source}; tenants by x-tenant-id"
+            server = c.server
+            anonymous = (
+                "anonymous requests name their tenant by x-tenant-id"
+                if server.tenant_header
+                else f"anonymous requests run as tenant {server.default_tenant!r}"
+            )
+            if c.has_keys:
+                access = f"OPEN (allow_anonymous): API keys in {c.source} name tenants; {anonymous}"
+            else:
+                access = f"OPEN: no API keys in {c.source}; {anonymous}"
         else:
             access = f"API keys required ({len(c.tenants)} tenants from {c.source})"
         return f"model {self.model.name!r} (context {self.model.max_model_len}); access: {access}"
