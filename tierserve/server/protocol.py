@@ -20,7 +20,8 @@ MAX_TOKENS_BOUND = 2**31 - 1
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: "5" is not a number nor "yes" a boolean, nor true a token id (OpenAI refuses them).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class TextPart(_Body):
