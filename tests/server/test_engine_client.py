@@ -127,7 +127,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
     state = make_state(fail_steps=(1,))  # the executor raises in its first step
     engine = state.engine
 
-    async def run() -> tuple[Delta, tuple[list[int], FinishReason | None]]:
+    async def run() -> tuple[Delta, tuple[list[int], FinishReason | None], str]:
         engine.start()
         try:
             first = engine.submit(
@@ -137,14 +137,18 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on() -> None:
             second = engine.submit(
                 Request("b", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=state.clock.now()), Tier.P0
             )
-            return failed, await _collect(second)
+            collected = await _collect(second)
+            return failed, collected, state.metrics.render(await engine.metric_families()).decode()
         finally:
             await engine.stop()
 
-    failed, (tokens, reason) = asyncio.run(run())
+    failed, (tokens, reason), metrics = asyncio.run(run())
     assert failed.finished and failed.error == "internal engine error"
     assert len(tokens) == 4 and reason is FinishReason.LENGTH
     assert engine.num_step_errors == 1
+    # The failed request is counted among the ended ones, as aborted.
+    ended = [line for line in metrics.splitlines() if line.startswith("tierserve_requests_total{")]
+    assert any('finish_reason="abort"' in line and line.endswith(" 1.0") for line in ended), ended
 
 
 def test_a_request_the_engine_refuses_ends_with_its_reason() -> None:

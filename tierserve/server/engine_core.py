@@ -295,12 +295,18 @@ class EngineCore:
         )
 
     def _fail_all(self, message: str) -> None:
+        """End every live request as aborted (a failed step, or shutting down), counted in
+        the finished-requests metrics like any other end."""
         out = StepOutputs()
-        for request_id in list(self._live):
+        for request_id, live in list(self._live.items()):
             try:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("abort of %s failed", request_id)
+            req = live.request
+            if req.finish_reason is None:  # the abort did not get as far as ending it
+                req.finish_reason = FinishReason.ABORTED
+            self._account_end(live, req)
             out.ends.append((request_id, Delta((), True, FinishReason.ABORTED, message)))
         self._live.clear()
         if out.ends and not self._conn.closed:
