@@ -21,6 +21,16 @@ def test_multibyte_characters_are_held_until_complete() -> None:
     assert out == ["", "é", "", "", "€"]
 
 
+def test_bytes_that_never_make_a_character_are_sent_once_no_character_could_still_form() -> None:
+    """A demo model's random bytes: held while they could still be the start of a UTF-8
+    character (at most 4 bytes), then sent as replacement characters, not at the end."""
+    stream = TextStream(ByteTokenizer())
+    out = [stream.push([0xFF]) for _ in range(10)]
+    assert out[:3] == ["", "", ""] and "\ufffd" in out[3]
+    assert "".join(out).count("\ufffd") >= 4  # the first four, then the rest as they come
+    assert "".join(out) + stream.flush() == bytes([0xFF] * 10).decode(errors="replace")
+
+
 def test_stop_string_across_tokens_is_cut_and_never_sent() -> None:
     stream = TextStream(ByteTokenizer(), stop=["STOP"])
     out = _feed(stream, "go STOP more")

@@ -2,7 +2,8 @@
 
 `TextStream.push(new_ids)` returns the text that is safe to send now. It decodes only a
 short window of recent tokens (so a long generation costs O(n), not O(n^2)), holds back
-text that ends in an incomplete UTF-8 character, and holds back any tail that could be
+text that ends in an incomplete UTF-8 character (for up to 4 tokens: then the replacement
+characters are real and are sent), and holds back any tail that could be
 the start of a stop string. When a stop string appears, the text before it is released,
 `stopped` turns true and everything after is dropped.
 """
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from tierserve.server.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+# A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still ending in U+FFFD
+# after that many is a real replacement character (bytes that decode to none), and is sent.
+MAX_INCOMPLETE_TOKENS = 4
 
 
 class TextStream:
@@ -57,7 +61,9 @@ class TextStream:
     def _decode_new(self) -> str:
         before = self._tok.decode(self._ids[self._prefix : self._read])
         after = self._tok.decode(self._ids[self._prefix :])
-        if after.endswith(_REPLACEMENT) or len(after) < len(before):
+        if len(after) < len(before):
+            return ""  # the new tokens changed the text before them: wait for more
+        if after.endswith(_REPLACEMENT) and len(self._ids) - self._read < MAX_INCOMPLETE_TOKENS:
             return ""  # an incomplete character: wait for the next token
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before) :]
