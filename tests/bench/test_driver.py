@@ -164,23 +164,43 @@ def test_turns_of_one_conversation_run_one_after_another_even_with_free_clients(
     assert all(r.status is RequestStatus.FINISHED for r in records)
 
 
-@pytest.mark.parametrize("open_loop", [False, True])
-def test_the_submission_cap_never_drops_a_measured_turn_held_for_its_conversation(open_loop: bool) -> None:
-    """A slow conversation's later turns are held while others go first; the cap on
-    submissions (the cool-down's length) is reached before they are free. They are still
-    sent, and nothing past the measured range is."""
-    engine, clock = make_engine()
+def _slow_conversation_then_others(open_loop: bool) -> list[RequestSpec]:
+    """Four turns of one slow conversation (the later ones held), then quick requests."""
     at = 0.0 if open_loop else None
     slow = [
         RequestSpec(i, Tier.P0, "c", (1, 2, 3, i), 40, conversation_id="c", arrival_s=at) for i in range(4)
     ]
-    others = [spec(i, max_tokens=2, arrival_s=at) for i in range(4, 40)]
+    return [*slow, *(spec(i, max_tokens=2, arrival_s=at) for i in range(4, 80))]
+
+
+@pytest.mark.parametrize("open_loop", [False, True])
+def test_traffic_flows_on_past_the_cap_while_a_measured_turn_is_held(open_loop: bool) -> None:
+    """The cap on submissions (the cool-down's length) is reached while the slow
+    conversation's measured turns are still held: they are sent, and the traffic flows on
+    meanwhile (bounded by the hard cap), as the others met it."""
+    import tierserve.bench.driver as driver
+
+    engine, clock = make_engine()
     config = DriverConfig(num_measured=10, concurrency=None if open_loop else 8, max_requests=12)
-    result = run_workload(engine, clock, [*slow, *others], config)
-    measured = sorted(r.index for r in result.records if r.measured)
-    assert measured == list(range(10))
+    result = run_workload(engine, clock, _slow_conversation_then_others(open_loop), config)
+    assert sorted(r.index for r in result.records if r.measured) == list(range(10))
     assert all(r.status is RequestStatus.FINISHED for r in result.records)
-    assert max(r.index for r in result.records) < 12 + 4  # the cool-down stopped at the cap
+    # Past the cap of 12 while turns were held, up to the hard cap (4 x 12), not the stream.
+    assert 12 + 4 < len(result.records) <= driver.HARD_CAP_FACTOR * 12 + 4 < 80
+
+
+@pytest.mark.parametrize("open_loop", [False, True])
+def test_past_the_hard_cap_only_measured_turns_are_still_sent(
+    open_loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierserve.bench.driver as driver
+
+    monkeypatch.setattr(driver, "HARD_CAP_FACTOR", 1)
+    engine, clock = make_engine()
+    config = DriverConfig(num_measured=10, concurrency=None if open_loop else 8, max_requests=12)
+    result = run_workload(engine, clock, _slow_conversation_then_others(open_loop), config)
+    assert sorted(r.index for r in result.records if r.measured) == list(range(10))
+    assert max(r.index for r in result.records) < 12 + 4  # the traffic stopped at the cap
 
 
 def test_window_covers_the_measured_requests_only() -> None:

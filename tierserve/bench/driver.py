@@ -39,6 +39,7 @@ from tierserve.workloads.spec import RequestSpec
 MAX_IDLE_STEPS = 1000  # steps in a row that neither take time nor end a request: the engine is stuck
 RUN_ENDED = "still unfinished when the run ended (drain timeout)"
 MAX_HELD = 1000  # turns held for a busy conversation at most; then the clients wait
+HARD_CAP_FACTOR = 2  # of `max_requests`: the traffic's bound while measured turns are held
 
 
 class UnaccountedError(RuntimeError):
@@ -52,8 +53,10 @@ class DriverConfig:
     warmup_s: float = 0.0
     concurrency: int | None = 32  # None: open loop (every spec must carry `arrival_s`)
     drain_timeout_s: float = 600.0
-    # Cap on submissions (the cool-down's length; default 4 x (warm-up + measured)). It never
-    # holds back a warm-up or measured request: past it, only those are still sent.
+    # Cap on submissions once every warm-up and measured request is out (the cool-down's
+    # length; default 4 x (warm-up + measured)). While a turn of those is still held for its
+    # conversation the traffic flows on, so that it meets the load the others met, up to
+    # HARD_CAP_FACTOR (2) times the cap; past that only those turns are still sent.
     max_requests: int | None = None
     think_time_s: float = 0.0  # closed loop: mean of a client's exponential think time
     seed: int = 0  # of the think times
@@ -125,14 +128,14 @@ class _Run:
         )
 
     def _capped(self) -> bool:
-        """Past `max_requests`: only warm-up and measured requests are still sent (a turn
+        """Past the hard cap: only warm-up and measured requests are still sent (a turn
         held for its conversation is one, and leaving it out would drop the slow ones)."""
-        return self.num_submitted >= self.max_requests
+        return self.num_submitted >= HARD_CAP_FACTOR * self.max_requests
 
     def _may_submit(self) -> bool:
         if self.next_spec is None and not self.held:
             return False
-        if self._capped() and self._all_measured_submitted():
+        if self.num_submitted >= self.max_requests and self._all_measured_submitted():
             return False
         return not (
             self._all_measured_submitted() and self.num_measured_live == 0 and self.window is not None
