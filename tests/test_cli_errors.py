@@ -85,6 +85,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         ),
         (["generate", "--prompt", "x", "--device", "tpu"], 2, "--device: expected cpu, cuda or cuda:N"),
         (["generate", "--prompt", "x", "--temperature", "nan"], 2, "--temperature: expected a finite number"),
+        (["bench", "sim-speed", "--load", "1.5"], 2, "whole number of clients, got 1.5"),
         (["bench", "sim-check", "--shape", "zz"], 2, "shape 'zz'"),
         (["bench", "serve", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
         (["bench", "sim-check", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),

@@ -181,8 +181,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.load <= 0 or args.think_time < 0:
+    if not 0 < args.load < math.inf or not 0 <= args.think_time < math.inf:
         raise ValueError("--load must be > 0 and --think-time >= 0")
+    if args.pattern == "closed" and args.load != int(args.load):
+        raise ValueError(f"--load: a closed loop has a whole number of clients, got {args.load:g}")
     make_out_folder(args.out)
     pattern: Pattern = args.pattern
     setup = BenchSetup(
