@@ -1,8 +1,10 @@
 """Fast simulation: leap over runs of steps in which every running request decodes.
 
-While nothing waits, nothing is swapped out and every running request decodes, each
-step's pass makes the same choice — every running request gets one token — until a
-request finishes, a request arrives, or a block cannot be had. `DecodeLeap` runs such a
+While every running request decodes and nobody can be admitted, swapped in or shed,
+each step's pass makes the same choice — every running request gets one token — until a
+request finishes, a request arrives, or a block cannot be had. With nothing waiting that
+holds by itself; with requests waiting or swapped out (a full KV cache), each step's pass
+is checked first by `Scheduler.decodes_only`. `DecodeLeap` runs such a
 run without the pass, the batch or the per-request updates of `Engine.step`: a step's
 duration comes from the decoders' summed context (which grows by the batch size each
 step), and each request is touched only on the steps where something happens to it —
