@@ -17,6 +17,7 @@ import pytest
 
 from tests.server.helpers import MODEL, LiveServer, live_server, make_state
 from tierserve.cli import build_parser, main
+from tierserve.config import ConfigError
 from tierserve.server import body_parser, fast_routes
 from tierserve.server.config import ServeConfig, parse_serve_config
 from tierserve.server.http_limits import http_overrides, parse_http_limits
@@ -215,3 +216,35 @@ def test_the_start_up_access_line_says_how_each_request_finds_its_tenant() -> No
     assert "no API keys" in access({"limits": {"requests_per_s": 5}}) and "x-tenant-id" not in access(
         {"limits": {"requests_per_s": 5}}
     )
+
+
+DOCS = ("/openapi.json", "/docs", "/redoc")
+
+
+def test_the_api_docs_are_served_on_a_server_that_needs_no_key(server: LiveServer) -> None:
+    for path in DOCS:
+        assert httpx.get(server.url + path).status_code == 200, path
+
+
+@pytest.mark.parametrize(("api_docs", "status"), [(None, 404), (True, 200)])
+def test_a_server_that_requires_keys_serves_its_api_docs_only_when_told(
+    api_docs: bool | None, status: int
+) -> None:
+    raw: dict[str, Any] = {"tenants": {"gold": {"api_keys": ["sk-gold"], "max_tier": "P0"}}}
+    if api_docs is not None:
+        raw["server"] = {"api_docs": api_docs}
+    config = parse_serve_config(raw, source="keys.toml")
+    with live_server(make_state(config)) as srv:
+        for path in DOCS:
+            assert httpx.get(srv.url + path).status_code == status, path
+        assert httpx.get(srv.url + "/health").status_code == 200
+    warned = [line for line in permissive_settings(config) if "api_docs" in line]
+    assert len(warned) == (1 if api_docs else 0)
+
+
+def test_api_docs_can_be_turned_off_on_an_open_server() -> None:
+    config = parse_serve_config({"server": {"api_docs": False}})
+    assert not config.serves_api_docs
+    assert parse_serve_config({}).serves_api_docs
+    with pytest.raises(ConfigError, match=r"server\.api_docs"):
+        parse_serve_config({"server": {"api_docs": "yes"}})

@@ -58,6 +58,9 @@ class ServerSettings:
     # Requests without a key on a server with declared tenants: refused at start-up unless true;
     # then they run as the default tenant, at its default tier at most.
     allow_anonymous: bool = False
+    # The API's schema and its pages (/openapi.json, /docs, /redoc), which no key guards:
+    # None = served unless the server requires API keys.
+    api_docs: bool | None = None
     drain_timeout_s: float = 30.0
     ratelimit: RateLimitBackendConfig = field(default_factory=RateLimitBackendConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
@@ -89,6 +92,14 @@ class ServeConfig:
     def requires_key(self) -> bool:
         """True when a request without a key gets 401 (keys declared, anonymous not allowed)."""
         return self.has_keys and not self.server.allow_anonymous
+
+    @property
+    def serves_api_docs(self) -> bool:
+        """/openapi.json, /docs and /redoc are served (they need no key): as set, else unless
+        a key is required."""
+        if self.server.api_docs is not None:
+            return self.server.api_docs
+        return not self.requires_key
 
 
 def _table(path: str, value: Any) -> Mapping[str, Any]:
@@ -189,6 +200,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "tenant_header",
         "default_tenant",
         "allow_anonymous",
+        "api_docs",
         "drain_timeout_s",
         "ratelimit",
         "http",
@@ -220,6 +232,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         tenant_header=_bool("server.tenant_header", raw.get("tenant_header", base.tenant_header)),
         default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
         allow_anonymous=_bool("server.allow_anonymous", raw.get("allow_anonymous", base.allow_anonymous)),
+        api_docs=None if "api_docs" not in raw else _bool("server.api_docs", raw["api_docs"]),
         drain_timeout_s=_number(
             "server.drain_timeout_s", raw.get("drain_timeout_s", base.drain_timeout_s), minimum=0.0
         ),

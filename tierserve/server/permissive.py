@@ -25,6 +25,8 @@ def permissive_settings(config: ServeConfig) -> list[str]:
             f"server.allow_anonymous = true: requests without an API key run as tenant {anon.name!r} "
             f"at tier {anon.max_tier.name} or lower"
         )
+    if s.api_docs and config.requires_key:
+        lines.append("server.api_docs = true: /openapi.json, /docs and /redoc are served without an API key")
     if s.tenant_header and config.tenants:
         lines.append(
             "server.tenant_header = true: x-tenant-id selects a tenant without its API key "
