@@ -5,6 +5,7 @@ clean response, one metric and no 500."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import re
@@ -62,7 +63,7 @@ def read_all(sock: socket.socket) -> bytes:
 def status_and_code(response: bytes) -> tuple[int, str | None]:
     head, _, body = response.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
-    code = json.loads(body)["error"]["code"] if body.startswith(b"{") else None
+    code = json.loads(body).get("error", {}).get("code") if body.startswith(b"{") else None
     return status, code
 
 
@@ -73,11 +74,17 @@ def errors(server: LiveServer, reason: str) -> float:
     return 0.0
 
 
-def completion_head(length: int, extra: str = "") -> bytes:
+def completion_head(length: int, extra: str | bytes = "") -> bytes:
+    """The head of a completion request; `extra` header lines as text, or as raw bytes."""
+    raw = extra if isinstance(extra, bytes) else extra.encode()
     return (
-        f"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
-        f"content-length: {length}\r\n{extra}\r\n"
-    ).encode()
+        (
+            f"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            f"content-length: {length}\r\n"
+        ).encode()
+        + raw
+        + b"\r\n"
+    )
 
 
 def test_a_connection_that_never_finishes_its_headers_gets_408_and_is_closed(server: LiveServer) -> None:
@@ -225,3 +232,58 @@ def test_header_bytes_that_are_not_utf8_are_a_400_not_a_500(server: LiveServer) 
         sock.sendall(completion_head(len(body), odd) + body)
         status, _ = status_and_code(read_all(sock))
     assert status in (200, 400)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\x00\x01 / HTTP/1.1\r\n\r\n",  # not a request line
+        b"GET / HTTP/1.1\r\nhost: t\r\nbad header line\r\n\r\n",  # a header without a colon
+        # a chunk size that is not hex
+        b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    ],
+)
+def test_bytes_that_are_not_http_get_a_json_400_counted_and_logged_once(
+    server: LiveServer, raw: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = errors(server, "malformed_http")
+    with caplog.at_level(logging.INFO), connect(server) as sock:
+        sock.sendall(raw)
+        response = read_all(sock)
+    assert status_and_code(response) == (400, "malformed_http")
+    assert b"content-type: application/json" in response.lower()
+    assert errors(server, "malformed_http") == before + 1
+    lines = [r for r in caplog.records if "malformed" in r.getMessage() or "Invalid HTTP" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "GZIP, deflate"])
+def test_a_compressed_body_is_refused_with_415_not_parsed_as_json(server: LiveServer, encoding: str) -> None:
+    body = gzip.compress(json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())
+    r = httpx.post(
+        server.base_url + "/completions",
+        content=body,
+        headers={"content-type": "application/json", "content-encoding": encoding},
+    )
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_content_encoding"
+
+
+def test_an_identity_content_encoding_is_served(server: LiveServer) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    r = httpx.post(server.base_url + "/completions", json=body, headers={"content-encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
+def test_utf8_header_values_are_read_as_utf8(server: LiveServer) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    with connect(server) as sock:
+        extra = "x-tenant-id: 团队\r\nx-request-tier: réaltime\r\nconnection: close\r\n"
+        sock.sendall(completion_head(len(body), extra) + body)
+        response = read_all(sock)
+    assert status_and_code(response)[0] == 400
+    message = json.loads(response.partition(b"\r\n\r\n")[2])["error"]["message"]
+    assert "'réaltime'" in message, message
+    with connect(server) as sock:
+        sock.sendall(completion_head(len(body), "x-tenant-id: 团队\r\nconnection: close\r\n") + body)
+        assert status_and_code(read_all(sock))[0] == 200

@@ -134,3 +134,31 @@ def test_declared_tier_is_lowered_to_the_entitlement_never_raised() -> None:
     kept = decide_tier(silver, Tier.P3)
     assert kept.effective is Tier.P3 and not kept.lowered
     assert decide_tier(silver, None).effective is Tier.P3
+
+
+def as_asgi(text: str) -> str:
+    """A header value as the ASGI server hands it over: its UTF-8 bytes read as Latin-1."""
+    return text.encode("utf-8").decode("latin-1")
+
+
+def test_a_utf8_tenant_header_names_its_tenant_and_is_quoted_as_sent() -> None:
+    raw = {"server": {"tenant_header": True}, "tenants": {**KEYED["tenants"], "café": {"max_tier": "P1"}}}
+    resolver = TenantResolver(parse_serve_config(raw))
+    assert resolver.resolve(None, as_asgi("café")).name == "café"
+    with pytest.raises(ApiError) as e:
+        resolver.resolve(None, as_asgi("thé"))
+    assert "'thé'" in e.value.message
+    open_server = TenantResolver(parse_serve_config({}))
+    assert open_server.resolve(None, as_asgi("équipe")).name == "équipe"
+
+
+def test_a_bad_tier_header_is_quoted_as_sent_and_cut_short() -> None:
+    with pytest.raises(ApiError) as e:
+        parse_declared_tier(as_asgi("réaltime"), None)
+    assert "'réaltime'" in e.value.message
+    with pytest.raises(ApiError) as e:
+        parse_declared_tier("x" * 30_000, None)
+    assert len(e.value.message) < 300 and "(+29936 characters)" in e.value.message
+    with pytest.raises(ApiError) as e:  # bytes that are not UTF-8 stay as they came
+        parse_declared_tier(b"\xffP0".decode("latin-1"), None)
+    assert "'\xffP0'" in e.value.message

@@ -6,7 +6,8 @@ starts, on the event loop that also sends every token of every stream. This midd
 answers `POST /v1/chat/completions` and `POST /v1/completions` itself.
 
 Order: the API key, from the headers alone (a 401 goes out before a byte of the body is
-read, with `connection: close`); then the body; then one validation pass with the same
+read, with `connection: close`); then the Content-Encoding (a compressed body gets 415,
+unread); then the body; then one validation pass with the same
 pydantic models (`model_validate_json`) and the same `generate`. A body larger than
 `OFFLOAD_BYTES` is validated in the body parser's process (body_parser.py) and prepared on
 a worker thread, both through a `BodyGate` (body_gate.py), so the event loop keeps sending
@@ -70,6 +71,9 @@ class GenerationRoutes:
             if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
                 e.headers.setdefault("connection", "close")  # not worth reading; a small one is skipped
             return e.response()
+        encoding = http.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            return _unsupported_encoding(encoding, http).response()
         try:
             raw = await http.body()
         except ClientDisconnect:
@@ -90,6 +94,19 @@ class GenerationRoutes:
             return invalid_body(e.errors).response()
         except ApiError as e:
             return e.response()
+
+
+def _unsupported_encoding(encoding: str, http: HttpRequest) -> ApiError:
+    """A compressed body is refused, not decompressed: its size after inflating is the client's
+    to choose (a few KiB of gzip can inflate to gigabytes), and OpenAI's API takes none."""
+    e = ApiError(
+        415,
+        f"Content-Encoding {encoding!r} is not supported; send the body uncompressed.",
+        code="unsupported_content_encoding",
+    )
+    if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
+        e.headers["connection"] = "close"  # the body is not read
+    return e
 
 
 def _large_body(length: str | None, encoding: str | None) -> bool:

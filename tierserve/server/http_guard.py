@@ -10,7 +10,9 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
   byte of a later request on it: 408;
 * a body not complete `body_timeout_s` after its headers, or cut short by the client's
   end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
-* a connection beyond `max_connections`: 503.
+* a connection beyond `max_connections`: 503;
+* bytes that are not HTTP/1.1 (a malformed request line, header or chunk framing): 400,
+  where uvicorn would answer in plain text, uncounted.
 
 A refusal closes the connection; an application task still reading that body sees the
 client gone (`http.disconnect`), and `scope[REFUSED]` says the guard ended it.
@@ -33,6 +35,7 @@ log = logging.getLogger("tierserve.server")
 
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
 ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
+MALFORMED = "malformed_http"  # the parser refused the bytes
 HEADER_END = b"\r\n\r\n"
 _REASONS = {
     431: "Request Header Fields Too Large",
@@ -155,6 +158,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_message_complete()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses, in the API's envelope and counted."""
+        self._refuse(400, MALFORMED, "The request is not valid HTTP/1.1.")
+
     # ---- timers and refusals -------------------------------------------------------------
 
     def _start_headers(self) -> None:
@@ -211,9 +218,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         log.log(level, "HTTP %d %s from %s: %s", status, reason, self.client, message)
 
 
+class _DropParserWarning(logging.Filter):
+    """uvicorn warns once per malformed request; the guard already logs and counts each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != UVICORN_MALFORMED
+
+
+UVICORN_MALFORMED = "Invalid HTTP request received."
+_DROP_PARSER_WARNING = _DropParserWarning()
+
+
 def guarded_protocol(limits: HttpLimits, report: Callable[[str], None] | None) -> type[GuardedHttpProtocol]:
     """A protocol class with these limits, for `uvicorn.Config(http=...)`."""
     settings = GuardSettings(limits, report)
+    logging.getLogger("uvicorn.error").addFilter(_DROP_PARSER_WARNING)  # a filter is added once
     return type("BoundGuardedHttpProtocol", (GuardedHttpProtocol,), {"settings": settings})
 
 

@@ -58,6 +58,7 @@ class TenantResolver:
 
     def resolve(self, authorization: str | None, tenant_header: str | None) -> TenantConfig:
         if tenant_header is not None:
+            tenant_header = header_text(tenant_header)
             _check_tenant_name(tenant_header)
         key = _bearer(authorization)
         if key and self._by_key:
@@ -70,7 +71,7 @@ class TenantResolver:
             if named is not None:
                 return named
             if self._requires_key:
-                raise unauthorized(f"Unknown tenant {tenant_header!r} in x-tenant-id.")
+                raise unauthorized(f"Unknown tenant {_shown(tenant_header)} in x-tenant-id.")
         if self._requires_key:
             raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
         if self._open and tenant_header is not None:
@@ -88,6 +89,23 @@ def _bearer(authorization: str | None) -> str:
     return value.strip()
 
 
+def header_text(value: str) -> str:
+    """A header value as its sender wrote it. HTTP headers are bytes; the ASGI server hands
+    them over decoded as Latin-1, so UTF-8 text ("café") arrives as mojibake ("cafÃ©").
+    Bytes that are not UTF-8 stay as they came."""
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return value
+
+
+def _shown(value: str, limit: int = MAX_TENANT_NAME) -> str:
+    """`value` for an error message: quoted, and cut short (a header may be 32 KiB)."""
+    if len(value) <= limit:
+        return repr(value)
+    return repr(value[:limit]) + f" (+{len(value) - limit} characters)"
+
+
 def _check_tenant_name(name: str) -> None:
     if not name or len(name) > MAX_TENANT_NAME or not name.isprintable():
         raise bad_request(f"x-tenant-id must be 1..{MAX_TENANT_NAME} printable characters", "x-tenant-id")
@@ -96,10 +114,14 @@ def _check_tenant_name(name: str) -> None:
 def parse_declared_tier(header: str | None, priority: int | None) -> Tier | None:
     """The tier a request declares: the `x-request-tier` header wins over the body's `priority`."""
     if header is not None:
+        header = header_text(header)
         try:
             return Tier.parse(header)
-        except ValueError as e:
-            raise bad_request(f"x-request-tier: {e}", "x-request-tier") from None
+        except ValueError:
+            names = ", ".join(f"{t.name}/{t.label}" for t in Tier)
+            raise bad_request(
+                f"x-request-tier: unknown tier {_shown(header)}; expected one of {names}", "x-request-tier"
+            ) from None
     if priority is not None:
         if not 0 <= priority <= 3:
             raise bad_request(f"priority must be 0..3, got {priority}", "priority")
