@@ -136,6 +136,8 @@ def test_explicit_cells_and_traces() -> None:
     assert m.groups == (("mooncake", "trace", 1.0), ("default", "bursty", 1.5))
     closed = matrix_from_args(parse("--patterns", "closed", "--clients", "64"))
     assert closed.groups == (("default", "closed", 64.0),)
+    twice = matrix_from_args(parse("--workloads", "mooncake", "--trace", "mooncake"))
+    assert twice.groups == (("mooncake", "trace", 1.0),)  # named twice, run once
 
 
 @pytest.mark.parametrize(

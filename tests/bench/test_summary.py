@@ -36,7 +36,10 @@ def record(
 def result(
     records: list[RequestRecord], idle: dict[int, float], seed: int = 0, policy: str = "hybrid"
 ) -> CellResult:
-    window = Window(0.0, 100.0, 1000, 50.0, 80.0, {}, 90)
+    # The window runs from the first measured arrival to the last measured end, as the driver's does.
+    start = min((r.arrival_s for r in records), default=0.0)
+    end = max((r.finish_s for r in records), default=100.0)
+    window = Window(start, end, 1000, 50.0, 80.0, {}, 90)
     run = DriverResult(records, window, EngineStats(), 100.0)
     cost = {(p.swapped, p.amount): 0.5 for r in records for p in r.preemptions}
     return CellResult(Cell("default", "poisson", 1.0, policy, seed), run, idle, 100, cost, 2.0)
@@ -97,6 +100,25 @@ def test_open_loop_goodput_counts_over_the_workloads_own_arrivals() -> None:
     records = [replace(records[0], scheduled_s=0.0), replace(records[1], scheduled_s=4.0)]
     out = summarize([result(records, {})], EngineConfig())
     assert out["tiers"]["P1"]["goodput_rps"] == pytest.approx(2 / 4)
+
+
+def test_goodput_is_not_measured_over_arrivals_shorter_than_their_latency() -> None:
+    # 50 requests sent within a microsecond, served one every 0.1 s: over their arrival span
+    # they would claim 5e7 requests a second.
+    burst = [replace(record(i, Tier.P3, 1e-8 * i, 0.05), finish_s=0.1 * (i + 1)) for i in range(50)]
+    out = summarize([result(burst, {})], EngineConfig())
+    assert out["goodput_rps"] is None and out["tiers"]["P3"]["goodput_rps"] is None
+    assert "median latency (2.55 s)" in out["goodput_unmeasured"]
+    assert any("goodput not measured" in w for w in warnings([out]))
+    assert out["tiers"]["P3"]["slo_attainment"] == 1.0  # the rest is measured as ever
+    # Arrivals as steady as their service: the span of the arrivals stands.
+    steady = [replace(record(i, Tier.P3, float(i), 0.05), finish_s=i + 0.5) for i in range(50)]
+    out = summarize([result(steady, {})], EngineConfig())
+    assert out["goodput_rps"] == pytest.approx(50 / 49) and out["goodput_unmeasured"] is None
+    assert not any("goodput" in w for w in warnings([out]))
+    # Pooled with a seed whose goodput cannot be measured, the cell's cannot either.
+    pooled = summarize([result(steady, {}), result(burst, {}, seed=1)], EngineConfig())
+    assert pooled["goodput_rps"] is None
 
 
 def test_a_preemption_in_a_step_that_admitted_a_more_urgent_request_is_a_reclaim() -> None:

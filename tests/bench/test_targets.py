@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from tierserve.bench.report import _load_label
 from tierserve.bench.targets import judge
 
 
-def run(policy: str, p0: float, p1: float, goodput: float, load: float = 1.5, **extra: Any) -> dict[str, Any]:
+def run(
+    policy: str, p0: float, p1: float, goodput: float | None, load: float = 1.5, **extra: Any
+) -> dict[str, Any]:
     tier = {"requests": 10, "completed": 10, "shed": 0}
     return {
         "policy": policy,
@@ -83,3 +86,34 @@ def test_a_cell_that_measured_nothing_meets_no_target() -> None:
     verdicts = judge([empty, run("vllm-priority", 0.0, 0.0, 0.0, throughput_vs_fcfs=None)])
     assert all(v.met is None for v in verdicts)  # NOT RUN, never MET on no requests
     assert all("no measured requests" in v.detail for v in verdicts if v.detail != "no cell applies")
+
+
+def test_the_p3_target_is_not_met_on_a_cell_without_p3_requests() -> None:
+    no_p3 = run("hybrid", 1.0, 1.0, 1.0, p3_completed=0)
+    no_p3["tiers"]["P3"] = {"requests": 0, "completed": 0, "shed": 0}
+    assert next(v for v in judge([no_p3]) if v.target.startswith("every P3")).met is None
+
+
+def test_a_load_label_stays_readable_when_a_burst_makes_the_offered_load_huge() -> None:
+    cell = run("hybrid", 1.0, 1.0, 1.0, load=1.0, pattern="bursty")
+    assert _load_label({**cell, "peak_offered_load_x_capacity": 1.3e79}) == "1x (busiest minute 1.3e+79x)"
+    assert _load_label({**cell, "peak_offered_load_x_capacity": 2.345}) == "1x (busiest minute 2.35x)"
+
+
+def test_goodput_that_was_not_measured_is_not_judged() -> None:
+    for mine, theirs in ((None, 7.0), (7.0, None)):
+        runs = [run("hybrid", 1.0, 1.0, mine), run("vllm-priority", 1.0, 1.0, theirs)]
+        assert next(v for v in judge(runs) if v.target.startswith("goodput")).met is None
+
+
+def test_p0_is_not_judged_on_a_cell_with_too_few_p0_requests() -> None:
+    few = run("hybrid", 1.0, 1.0, 1.0, low_sample=True)
+    verdict = next(v for v in judge([few]) if v.target.startswith("P0"))
+    assert verdict.met is None and "too few P0 requests" in verdict.detail
+
+
+def test_a_tier_mix_without_p1_leaves_the_p1_targets_not_run() -> None:
+    no_p1 = run("hybrid", 1.0, None, 1.0, load=0.8)  # type: ignore[arg-type]
+    no_p1["tiers"]["P1"] = {"requests": 0, "completed": 0, "shed": 0, "slo_attainment": None}
+    verdicts = {v.target: v.met for v in judge([no_p1, run("vllm-priority", 1.0, None, 1.0, load=0.8)])}  # type: ignore[arg-type]
+    assert [met for target, met in verdicts.items() if target.startswith(("P1", "beyond"))] == [None, None]

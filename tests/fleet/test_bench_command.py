@@ -42,3 +42,23 @@ def test_bench_fleet_writes_results_report_and_plots_for_each_router(tmp_path: P
     assert "Simulation (fast mode): round-robin / fixed" in report
     for plot in ("slo_attainment_over_time.png", "goodput_rps_over_time.png", "replicas_gpu_hours.png"):
         assert (out / plot).stat().st_size > 0 and f"]({plot})" in report
+
+
+def test_a_trace_scaled_into_a_burst_measures_no_goodput(tmp_path: Path) -> None:
+    """40 requests over ~20 s at a billion times their rate arrive within microseconds:
+    attained requests over that span would claim millions a second."""
+    trace = _azure_trace(tmp_path / "trace.csv", 40, seed=1)
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--replicas", "1", "--trace", str(trace), "--rate-scale", "1e9"]
+    assert main([*argv, "--out", str(out)]) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    summary = run["summary"]
+    assert "median latency" in summary["goodput_unmeasured"]
+    assert all(tier["goodput_rps"] is None for tier in summary["tiers"].values())
+    report = (out / "report.md").read_text()
+    assert "Goodput not measured (tier-aware / fixed)" in report and "1 replica of" in report
+    # At its own rate the same trace measures it.
+    assert main([*argv[:-2], "--out", str(tmp_path / "own")]) == 0
+    (run,) = json.loads((tmp_path / "own" / "results.json").read_text())["runs"]
+    assert run["summary"]["goodput_unmeasured"] is None
+    assert run["summary"]["tiers"]["P3"]["goodput_rps"] is not None

@@ -107,8 +107,13 @@ def _load_label(run: Run) -> str:
     if peak is None:
         return label
     if run["pattern"] == "trace" and mean is not None:
-        return f"{label} ({mean:.2f}x capacity; busiest minute {peak:.2f}x)"
-    return f"{label} (busiest minute {peak:.2f}x)"
+        return f"{label} ({_times(mean)} capacity; busiest minute {_times(peak)})"
+    return f"{label} (busiest minute {_times(peak)})"
+
+
+def _times(x: float) -> str:
+    """A multiple of capacity: two decimals, or three digits where a burst makes it huge."""
+    return f"{x:.2f}x" if x < 1000 else f"{x:.3g}x"
 
 
 def _sections(runs: Sequence[Run]) -> list[tuple[str, str]]:
@@ -143,12 +148,18 @@ def results_tables(runs: Sequence[Run]) -> str:
 
 
 def warnings(runs: Sequence[Run]) -> list[str]:
-    return [
+    small = [
         f"{cell_name(r)}, {r['policy']}: P0 figures rest on {r['p0_requests']} requests "
         f"(fewer than {MIN_P0_REQUESTS}); its P95s are close to its maximum"
         for r in runs
         if r["low_sample"]
     ]
+    unmeasured = [
+        f"{cell_name(r)}, {r['policy']}: goodput not measured: {why}; a longer run (--requests) measures it"
+        for r in runs
+        if (why := r.get("goodput_unmeasured"))
+    ]
+    return small + unmeasured
 
 
 def targets_section(runs: Sequence[Run]) -> str:
@@ -196,10 +207,14 @@ def summary_text(results: Mapping[str, Any]) -> str:
         for w, p in _sections(runs):
             cells = [r for r in runs if (r["workload"], r["pattern"]) == (w, p)]
             parts.append(table(cells, f"{title}: {w}, {p}", value))
-    warned = warnings(runs)
-    if warned:
+    small = sum(bool(r["low_sample"]) for r in runs)
+    if small:
+        parts.append(f"{small} cells have fewer than {MIN_P0_REQUESTS} P0 requests (report.md lists them)\n")
+    unmeasured = sum(bool(r.get("goodput_unmeasured")) for r in runs)
+    if unmeasured:
         parts.append(
-            f"{len(warned)} cells have fewer than {MIN_P0_REQUESTS} P0 requests (report.md lists them)\n"
+            f"{unmeasured} cells measured no goodput: their requests arrived within less than "
+            "their median latency (report.md says why)\n"
         )
     return "\n".join(parts) + "\n" + targets_section(runs)
 

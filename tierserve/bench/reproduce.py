@@ -119,6 +119,7 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
 
     groups: list[Group] = []
     workloads = (args.workloads or ([] if args.trace else ["default"])) + (args.trace or [])
+    workloads = list(dict.fromkeys(workloads))  # one given twice (--workloads and --trace) runs once
     for workload in workloads:
         trace = get_preset(workload).trace_file is not None
         patterns: Sequence[Pattern] = ["trace"] if trace else (args.patterns or ["poisson", "closed"])

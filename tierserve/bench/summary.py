@@ -9,7 +9,9 @@ Definitions (docs/benchmark.md restates them):
   (output tokens - 1).
 - SLO attained: TTFT <= the tier's target; a tier without one (P3) attains it by finishing.
   Goodput = attained requests / the span of the measured arrivals (the rate at which
-  requests that meet their SLO are served). Throughput = tokens generated in the window
+  requests that meet their SLO are served); not measured (None) where the measured
+  requests arrived within less than their median latency (`_goodput_unmeasured`).
+  Throughput = tokens generated in the window
   (first measured arrival to last measured end) / its length.
 - P0 slowdown of a request = its TTFT / its own TTFT alone on an idle engine (`IdleTtft`).
   The P0 requests split by that idle TTFT: those whose prompt alone meets the SLO
@@ -206,6 +208,26 @@ def _arrival_span(result: CellResult) -> float:
     return times[-1] - times[0] if times else 0.0
 
 
+def _goodput_unmeasured(result: CellResult) -> str | None:
+    """Why goodput cannot be measured on `result`, or None. Requests that arrive within less
+    than their own median latency (arrival at the engine to end) — a burst, a load far past
+    capacity over a short run — are mostly served after the last of them arrived: attained
+    requests over that span would claim a rate no engine served (50 requests sent within a
+    microsecond are not served at 5e7 a second), and no other span is the same for every
+    policy."""
+    span = _arrival_span(result)
+    latencies = [r.finish_s - r.arrival_s for r in result.run.records if r.measured]
+    if not latencies:
+        return None
+    median = float(np.median(latencies))
+    if span >= median:
+        return None
+    return (
+        f"its measured requests arrived within {span:.3g} s, less than their median latency "
+        f"({median:.3g} s): a rate over so short a span says nothing about the rate served"
+    )
+
+
 def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, Any]:
     """The results.json entry of `results`: one cell, or the same cell over several seeds."""
     first = results[0].cell
@@ -213,7 +235,8 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         raise ValueError("only the same cell over several seeds can be pooled")
     measured = [r for res in results for r in res.run.records if r.measured]
     span = sum(res.run.window.duration_s for res in results)
-    arrivals = sum(_arrival_span(res) for res in results)
+    unmeasured = next((why for res in results if (why := _goodput_unmeasured(res))), None)
+    arrivals = 0.0 if unmeasured else sum(_arrival_span(res) for res in results)
     tokens = sum(res.run.window.num_generated_tokens for res in results)
     seed = first.seed
     tiers = {
@@ -236,7 +259,8 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         "p0_requests": tiers["P0"]["requests"],
         "low_sample": tiers["P0"]["requests"] < MIN_P0_REQUESTS,
         **p0,
-        "goodput_rps": _r(sum(t["goodput_rps"] or 0.0 for t in tiers.values())),
+        "goodput_rps": None if unmeasured else _r(sum(t["goodput_rps"] or 0.0 for t in tiers.values())),
+        "goodput_unmeasured": unmeasured,
         "throughput_tokens_per_s": _r(tokens / span) if span > 0 else None,
         "throughput_vs_fcfs": None,  # filled in once fcfs's cell is known
         "p3_completed": tiers["P3"]["completed"],

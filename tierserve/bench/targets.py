@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierserve.bench.summary import MIN_P0_REQUESTS
+
 Run = Mapping[str, Any]
 
 TARGET_POLICY = "hybrid"
@@ -84,6 +86,8 @@ def _p0(run: Run) -> tuple[bool | None, str]:
         parts.append(f"slowdown P95 {s}x for the {long_['requests']} that alone miss the SLO")
     if not verdicts or None in verdicts:
         return None, ", ".join(parts) or "no P0 request"
+    if run.get("low_sample"):  # a P95 of a handful is its maximum: not judged
+        return None, f"{', '.join(parts)}: too few P0 requests to judge (fewer than {MIN_P0_REQUESTS})"
     return all(verdicts), ", ".join(parts)
 
 
@@ -106,23 +110,31 @@ def _p1_never_below_vllm(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
 
 def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
     def best(run: Run) -> float | None:
-        values = [o["goodput_rps"] for b in BASELINES if (o := _same_cell(runs, run, b)) is not None]
-        return max(values, default=None)
+        cells = [o for b in BASELINES if (o := _same_cell(runs, run, b)) is not None]
+        if any(o["goodput_rps"] is None for o in cells):
+            return None  # not measured in this cell (summary.py: `_goodput_unmeasured`)
+        return max((o["goodput_rps"] for o in cells), default=None)
 
     def ok(run: Run) -> bool | None:
         theirs = best(run)
-        return None if theirs is None else run["goodput_rps"] >= theirs
+        return None if theirs is None or run["goodput_rps"] is None else run["goodput_rps"] >= theirs
 
     return _judge(
         "goodput >= every baseline's at every load",
         cells,
         ok,
-        lambda r: f"{r['goodput_rps']} vs best baseline {best(r)} rps",
+        lambda r: (
+            "not measured (see the sample-size warnings)"
+            if r["goodput_rps"] is None
+            else f"{r['goodput_rps']} vs best baseline {best(r) or '–'} rps"
+        ),
     )
 
 
-def _p3_accounted(run: Run) -> bool:
+def _p3_accounted(run: Run) -> bool | None:
     p3 = run["tiers"]["P3"]
+    if not p3["requests"]:
+        return None  # no P3 request was measured: nothing to account for
     reasons_given = all(reason for reason in run["p3_shed_reasons"])
     return p3["completed"] + p3["shed"] == p3["requests"] and reasons_given
 
@@ -144,7 +156,7 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
         _judge(
             f"P1 SLO attainment >= {P1_ATTAINMENT:.0%} up to 1.0x capacity",
             up_to_capacity,
-            lambda r: r["tiers"]["P1"]["slo_attainment"] >= P1_ATTAINMENT,
+            lambda r: None if (a := r["tiers"]["P1"]["slo_attainment"]) is None else a >= P1_ATTAINMENT,
             lambda r: _pct(r["tiers"]["P1"]["slo_attainment"]),
         ),
         _p1_never_below_vllm(runs, beyond),

@@ -40,7 +40,8 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         "# Fleet simulation",
         "",
         f"Trace `{meta['trace']}` x {meta['rate_scale']} ({meta['num_requests']} requests), "
-        f"{meta['replicas']} replicas of {meta['model']} on {meta['tp']} x {meta['gpu']} "
+        f"{meta['replicas']} replica{'' if meta['replicas'] == 1 else 's'} of {meta['model']} "
+        f"on {meta['tp']} x {meta['gpu']} "
         f"(engine policy {meta['policy']}); commit {meta['commit']}; "
         f"start-up delay {meta['startup_delay_s']:.0f} s; CPU {meta['cpu_s']:.1f} s.",
         "",
@@ -50,6 +51,12 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         *table(runs),
         "",
     ]
+    for r in runs:
+        if why := r["summary"].get("goodput_unmeasured"):
+            lines += [
+                f"Goodput not measured ({r['router']} / {r['scaling']}): {why}; a longer trace measures it.",
+                "",
+            ]
     speeds = [
         f"{r['router']} / {r['scaling']} {r['cpu_s']:.1f} CPU-s "
         f"({r['requests_per_cpu_s']:.0f} requests per CPU-s)"

@@ -5,7 +5,10 @@ arrival at the gateway, so it includes the gateway queue and any retries. A requ
 attains its tier's SLO when its TTFT is within `ttft_target_s` and it completes; a tier
 with no target (P3) attains it by completing. Refused, lost, rejected, shed and
 unfinished requests miss it. Attainment = attained / arrived. Goodput = attained requests
-per second of the run. GPU-hours count every replica from its launch (model loading
+per second of the run up to its last arrival; not measured (None) where the requests
+arrived within less than their median latency (a burst, a rate scaled far past the
+fleet's capacity), whose attained requests over that span would claim a rate no fleet
+served. GPU-hours count every replica from its launch (model loading
 included) to its stop, death or the end of the run, times its GPUs.
 """
 
@@ -40,7 +43,7 @@ def tier_figures(reqs: Sequence[FleetRequest], config: EngineConfig, span_s: flo
     return {
         "num_requests": len(reqs),
         "slo_attainment": num_attained / len(reqs) if reqs else None,
-        "goodput_rps": num_attained / span_s if span_s > 0 else 0.0,
+        "goodput_rps": num_attained / span_s if span_s > 0 else None,
         "num_completed": sum(fr.outcome == COMPLETED for fr in reqs),
         "num_refused": sum((fr.outcome or "").startswith(REFUSED_PREFIX) for fr in reqs),
         "num_lost": sum(fr.outcome == LOST for fr in reqs),
@@ -71,9 +74,21 @@ def over_time(reqs: Sequence[FleetRequest], config: EngineConfig, bin_s: float) 
     return {"bin_s": bin_s, "t_s": [i * bin_s for i in range(num_bins)], "tiers": tiers}
 
 
+def _goodput_unmeasured(reqs: Sequence[FleetRequest], span_s: float) -> str | None:
+    """Why the run's goodput cannot be measured, or None (as `tierserve bench reproduce`'s)."""
+    latencies = [fr.finish_s - fr.arrival_s for fr in reqs if fr.finish_s is not None]
+    if not latencies or span_s >= (median := float(np.median(latencies))):
+        return None
+    return (
+        f"the requests arrived within {span_s:.3g} s, less than their median latency "
+        f"({median:.3g} s): a rate over so short a span says nothing about the rate served"
+    )
+
+
 def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[str, Any]:
     reqs = result.requests
     span = max((fr.arrival_s for fr in reqs), default=0.0) or result.end_s
+    unmeasured = _goodput_unmeasured(reqs, span)
     by_tier = {t: [fr for fr in reqs if fr.tier is t] for t in ALL_TIERS}
     outcomes: dict[str, int] = {}
     for fr in reqs:
@@ -87,7 +102,8 @@ def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[s
         "num_retried": sum(fr.num_retries > 0 for fr in reqs),
         "num_lost": outcomes.get(LOST, 0),
         "routed_by_reason": result.routed_by_reason,
-        "tiers": {t.name: tier_figures(by_tier[t], config, span) for t in ALL_TIERS},
+        "goodput_unmeasured": unmeasured,
+        "tiers": {t.name: tier_figures(by_tier[t], config, 0.0 if unmeasured else span) for t in ALL_TIERS},
         "over_time": over_time(reqs, config, bin_s),
         "replicas_over_time": [list(x) for x in result.replicas_over_time],
     }
