@@ -28,6 +28,7 @@ from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error
+from tierserve.server.fast_routes import aborted_upload
 
 log = logging.getLogger("tierserve.gateway")
 
@@ -58,7 +59,7 @@ class GenerationRoutes:
         except HTTPException as e:  # the body limit, while reading a chunked body
             response = http_error(e).response()
         except ClientDisconnect:
-            log.debug("client gone before its body was read: %s", scope["path"])
+            aborted_upload(self._gw.metrics.count_http_error, scope, log)
             return
         await response(scope, receive, send)
 
@@ -90,7 +91,15 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
 
 
 def create_gateway_app(gw: GatewayState) -> FastAPI:
-    app = FastAPI(title="tierserve gateway", version=__version__, lifespan=_lifespan(gw))
+    docs = gw.config.serve.serves_api_docs  # no key guards them: off where keys are required
+    app = FastAPI(
+        title="tierserve gateway",
+        version=__version__,
+        lifespan=_lifespan(gw),
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     app.state.gateway = gw
     app.add_middleware(GenerationRoutes, gw=gw)  # innermost: inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)

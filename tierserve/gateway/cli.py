@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+
+from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -17,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--config", required=True, help="TOML: [gateway], [[upstreams]] and the server's sections")
     p.add_argument("--host", default=None, help="bind address (default: [server].host)")
     p.add_argument("--port", type=int, default=None, help="port (default: [server].port)")
+    add_http_flags(p)
     p.add_argument(
         "--log-level",
         default="info",
@@ -34,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.gateway.config import load_gateway_config
     from tierserve.gateway.drain import DrainingGateway
     from tierserve.gateway.state import build_gateway_state
+    from tierserve.server.http_guard import uvicorn_options
+    from tierserve.server.permissive import log_permissive_settings
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -41,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     try:
         config = load_gateway_config(args.config)
+        http = parse_http_limits(http_overrides(args), config.serve.server.http)
     except ConfigError as e:
         print(f"tierserve gateway: {e}", file=sys.stderr)
         return 2
-    server = config.serve.server
+    server = dataclasses.replace(config.serve.server, http=http)
+    config = dataclasses.replace(config, serve=dataclasses.replace(config.serve, server=server))
+    log_permissive_settings(config.serve, logging.getLogger("tierserve.gateway"))
     gw = build_gateway_state(config)
     app = create_gateway_app(gw)
     uv_config = uvicorn.Config(
@@ -54,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        **uvicorn_options(server.http, gw.metrics.count_http_error),
     )
     DrainingGateway(uv_config, gw, server.drain_timeout_s).run()
     return 0

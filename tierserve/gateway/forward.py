@@ -1,6 +1,7 @@
 """One generation request through the gateway, from the HTTP body to the last byte.
 
-Order of checks, as in `tierserve serve`: draining (503) -> tenant (401) -> body (400) ->
+Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
+is read) -> Content-Encoding (415, unread) -> body (400) ->
 model (404) -> tier -> rate limits (429, or 503 when Redis is down and the tier fails
 closed) -> flow control (503) -> upstream. An upstream that fails before the first byte
 of its reply (connect error, 5xx, a stream cut before any data) is left for another
@@ -29,6 +30,7 @@ from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import SseUsageTap, TokenUsage, usage_of
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, invalid_body
+from tierserve.server.fast_routes import close_if_unread, unsupported_encoding
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, rate_refusal
@@ -61,6 +63,8 @@ async def _read_body(
         raw = json.loads(await http.body())
     except ValueError as e:
         raise ApiError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "Invalid JSON body: nested too deeply.", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
     model = ChatCompletionRequest if chat else CompletionRequest
@@ -87,7 +91,13 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         gw.metrics.reject("draining", None)
         raise draining_error()
     asked = http.headers
-    tenant = gw.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+    try:
+        tenant = gw.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+    except ApiError as e:
+        close_if_unread(e, http)
+        raise
+    if (refused := unsupported_encoding(http)) is not None:
+        raise refused
     raw, body = await _read_body(http, chat)
     _check_model(gw, body.model)
     tier = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority)).effective

@@ -125,6 +125,13 @@ class GatewayMetrics:
             ["reason", "priority"],
             registry=r,
         )
+        self.http_errors = Counter(  # as `tierserve serve` counts them (server/metrics.py)
+            "tierserve_http_errors",
+            "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
+            "uploads the client aborted), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.ejections = Counter(
             "tierserve_gateway_upstream_ejections",
             "Upstreams ejected by health checks",
@@ -134,6 +141,9 @@ class GatewayMetrics:
 
     def bind(self, router: Router, flow: FlowControl, limiter: Callable[[], RateLimiter]) -> None:
         self.registry.register(_StateCollector(router, flow, limiter))
+
+    def count_http_error(self, reason: str) -> None:
+        self.http_errors.labels(reason).inc()
 
     def reject(self, reason: str, tier: Tier | None) -> None:
         self.rejections.labels(reason, tier.name if tier is not None else "none").inc()

@@ -120,7 +120,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(http: HttpRequest, _: ClientDisconnect) -> Response:
-        aborted_upload(state, http.scope)
+        aborted_upload(state.metrics.count_http_error, http.scope, log)
         return Response(status_code=499)  # never sent: the client is gone
 
     @app.exception_handler(Exception)

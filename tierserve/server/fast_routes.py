@@ -21,6 +21,7 @@ OpenAPI schema documents them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -68,16 +69,14 @@ class GenerationRoutes:
             h = http.headers
             tenant = self._state.tenants.resolve(h.get("authorization"), h.get("x-tenant-id"))
         except ApiError as e:
-            if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
-                e.headers.setdefault("connection", "close")  # not worth reading; a small one is skipped
+            close_if_unread(e, http)
             return e.response()
-        encoding = http.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
-            return _unsupported_encoding(encoding, http).response()
+        if (refused := unsupported_encoding(http)) is not None:
+            return refused.response()
         try:
             raw = await http.body()
         except ClientDisconnect:
-            aborted_upload(self._state, http.scope)
+            aborted_upload(self._state.metrics.count_http_error, http.scope, log)
             return None
         except HTTPException as e:  # the body limit, while reading a chunked body
             return http_error(e).response()
@@ -96,16 +95,26 @@ class GenerationRoutes:
             return e.response()
 
 
-def _unsupported_encoding(encoding: str, http: HttpRequest) -> ApiError:
-    """A compressed body is refused, not decompressed: its size after inflating is the client's
-    to choose (a few KiB of gzip can inflate to gigabytes), and OpenAI's API takes none."""
+def close_if_unread(e: ApiError, http: HttpRequest) -> None:
+    """A refusal sent before the body is read closes the connection where the body is large
+    (not worth reading to reuse it; a small one is read and skipped)."""
+    if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
+        e.headers.setdefault("connection", "close")
+
+
+def unsupported_encoding(http: HttpRequest) -> ApiError | None:
+    """The 415 for a compressed body, or None. It is refused, not decompressed: its size after
+    inflating is the client's to choose (a few KiB of gzip can inflate to gigabytes), and
+    OpenAI's API takes none."""
+    encoding = http.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "identity":
+        return None
     e = ApiError(
         415,
         f"Content-Encoding {encoding!r} is not supported; send the body uncompressed.",
         code="unsupported_content_encoding",
     )
-    if _large_body(http.headers.get("content-length"), http.headers.get("transfer-encoding")):
-        e.headers["connection"] = "close"  # the body is not read
+    close_if_unread(e, http)  # the body is not read
     return e
 
 
@@ -121,11 +130,11 @@ def _validate(model: Model, raw: bytes) -> ChatCompletionRequest | CompletionReq
     return CompletionRequest.model_validate_json(raw)
 
 
-def aborted_upload(state: ServerState, scope: Scope) -> None:
+def aborted_upload(count: Callable[[str], None], scope: Scope, log: logging.Logger) -> None:
     """The client went away before its body was complete: count it and log one line."""
     if scope.get(REFUSED) is not None:
         return  # the HTTP guard ended it, and counted and logged it
-    state.metrics.count_http_error(ABORTED_UPLOAD)
+    count(ABORTED_UPLOAD)
     log.info(
         "aborted upload: %s %s from %s (client gone mid-body)",
         scope["method"],
