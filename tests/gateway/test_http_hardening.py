@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.gateway.procs import MODEL, Proc, start_gateway, start_upstream, upstreams_toml
+from tests.server.test_http_limits import status_and_code
 
 KEY = "sk-hardening-test"
 WAIT_S = 10.0
@@ -74,13 +75,6 @@ def _complete(response: bytes) -> bool:
         if name.strip().lower() == b"content-length":
             return len(body) >= int(value)
     return False
-
-
-def status_and_code(response: bytes) -> tuple[int, str | None]:
-    head, _, body = response.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    code = json.loads(body).get("error", {}).get("code") if body.startswith(b"{") else None
-    return status, code
 
 
 def http_errors(gw: Proc, reason: str) -> float:
