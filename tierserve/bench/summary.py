@@ -208,23 +208,24 @@ def _arrival_span(result: CellResult) -> float:
     return times[-1] - times[0] if times else 0.0
 
 
-def _goodput_unmeasured(result: CellResult) -> str | None:
-    """Why goodput cannot be measured on `result`, or None. Requests that arrive within less
-    than their own median latency (arrival at the engine to end) — a burst, a load far past
-    capacity over a short run — are mostly served after the last of them arrived: attained
-    requests over that span would claim a rate no engine served (50 requests sent within a
-    microsecond are not served at 5e7 a second), and no other span is the same for every
-    policy."""
-    span = _arrival_span(result)
-    latencies = [r.finish_s - r.arrival_s for r in result.run.records if r.measured]
-    if not latencies:
-        return None
-    median = float(np.median(latencies))
-    if span >= median:
+def short_span(span_s: float, latencies: Sequence[float]) -> str | None:
+    """Why goodput cannot be measured over arrivals spanning `span_s`, or None. Requests that
+    arrive within less than their own median latency (arrival to end) — a burst, a load far
+    past capacity over a short run — are mostly served after the last of them arrived:
+    attained requests over that span would claim a rate no engine served (50 requests sent
+    within a microsecond are not served at 5e7 a second), and no other span is the same for
+    every policy. `tierserve bench fleet` applies the same rule."""
+    if not latencies or span_s >= (median := float(np.median(latencies))):
         return None
     return (
-        f"its measured requests arrived within {span:.3g} s, less than their median latency "
+        f"the measured requests arrived within {span_s:.3g} s, less than their median latency "
         f"({median:.3g} s): a rate over so short a span says nothing about the rate served"
+    )
+
+
+def _goodput_unmeasured(result: CellResult) -> str | None:
+    return short_span(
+        _arrival_span(result), [r.finish_s - r.arrival_s for r in result.run.records if r.measured]
     )
 
 

@@ -41,6 +41,10 @@ def _count_is_zero(n: int | None) -> bool | None:
     return None if n is None else n == 0
 
 
+def _or_dash(x: float | None) -> str:
+    return "–" if x is None else f"{x}"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
@@ -126,7 +130,7 @@ def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) 
         lambda r: (
             "not measured (see the sample-size warnings)"
             if r["goodput_rps"] is None
-            else f"{r['goodput_rps']} vs best baseline {best(r) or '–'} rps"
+            else f"{r['goodput_rps']} vs best baseline {_or_dash(best(r))} rps"
         ),
     )
 

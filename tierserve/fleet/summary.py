@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from tierserve.bench.summary import short_span
 from tierserve.config import EngineConfig
 from tierserve.fleet.requests import COMPLETED, LOST, REFUSED_PREFIX, UNFINISHED, FleetRequest
 from tierserve.fleet.sim import FleetResult
@@ -74,21 +75,10 @@ def over_time(reqs: Sequence[FleetRequest], config: EngineConfig, bin_s: float) 
     return {"bin_s": bin_s, "t_s": [i * bin_s for i in range(num_bins)], "tiers": tiers}
 
 
-def _goodput_unmeasured(reqs: Sequence[FleetRequest], span_s: float) -> str | None:
-    """Why the run's goodput cannot be measured, or None (as `tierserve bench reproduce`'s)."""
-    latencies = [fr.finish_s - fr.arrival_s for fr in reqs if fr.finish_s is not None]
-    if not latencies or span_s >= (median := float(np.median(latencies))):
-        return None
-    return (
-        f"the requests arrived within {span_s:.3g} s, less than their median latency "
-        f"({median:.3g} s): a rate over so short a span says nothing about the rate served"
-    )
-
-
 def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[str, Any]:
     reqs = result.requests
     span = max((fr.arrival_s for fr in reqs), default=0.0) or result.end_s
-    unmeasured = _goodput_unmeasured(reqs, span)
+    unmeasured = short_span(span, [fr.finish_s - fr.arrival_s for fr in reqs if fr.finish_s is not None])
     by_tier = {t: [fr for fr in reqs if fr.tier is t] for t in ALL_TIERS}
     outcomes: dict[str, int] = {}
     for fr in reqs:

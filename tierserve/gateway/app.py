@@ -91,18 +91,22 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
 
 
 def create_gateway_app(gw: GatewayState) -> FastAPI:
-    docs = gw.config.serve.serves_api_docs  # no key guards them: off where keys are required
     app = FastAPI(
         title="tierserve gateway",
         version=__version__,
         lifespan=_lifespan(gw),
-        openapi_url="/openapi.json" if docs else None,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
+        **gw.config.serve.api_docs_urls(),  # no key guards them: off where keys are required
     )
     app.state.gateway = gw
     app.add_middleware(GenerationRoutes, gw=gw)  # innermost: inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)
+    _add_error_handlers(app)
+    _add_routes(app, gw)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's envelope; anything unexpected as a logged 500."""
 
     @app.exception_handler(ApiError)
     async def api_error(_: HttpRequest, exc: ApiError) -> Response:
@@ -117,6 +121,8 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
         log.exception("unhandled error")
         return ApiError(500, "Internal server error.", type="server_error").response()
 
+
+def _add_routes(app: FastAPI, gw: GatewayState) -> None:
     # Served by `GenerationRoutes` ahead of FastAPI's router; declared here for the schema.
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(http: HttpRequest) -> Response:
@@ -155,5 +161,3 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from tierserve.gateway.flow import FlowControl
 from tierserve.gateway.router import Router
+from tierserve.server.metrics import http_errors_counter
 from tierserve.server.ratelimit import RateLimiter
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -125,13 +126,7 @@ class GatewayMetrics:
             ["reason", "priority"],
             registry=r,
         )
-        self.http_errors = Counter(  # as `tierserve serve` counts them (server/metrics.py)
-            "tierserve_http_errors",
-            "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
-            "uploads the client aborted), by reason",
-            ["reason"],
-            registry=r,
-        )
+        self.http_errors = http_errors_counter(r)
         self.ejections = Counter(
             "tierserve_gateway_upstream_ejections",
             "Upstreams ejected by health checks",

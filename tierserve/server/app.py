@@ -59,15 +59,12 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
     """`freeze_heap`: once started, move every live object out of the cyclic collector's
     reach (`gc.freeze`) — modules, the model, the block pool. For a server process: a full
     collection that walks them all pauses every thread (~0.1 s measured under load)."""
-    docs = state.config.serves_api_docs  # no key guards them: off where keys are required
     app = FastAPI(
         title="tierserve",
         version=__version__,
         lifespan=_lifespan(state, freeze_heap),
         description="OpenAI-compatible API with priority tiers, tenants and rate limits.",
-        openapi_url="/openapi.json" if docs else None,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
+        **state.config.api_docs_urls(),  # no key guards them: off where keys are required
     )
     app.state.tierserve = state
     app.add_middleware(GenerationRoutes, state=state)  # innermost: inside the body limit

@@ -11,11 +11,19 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
 from tierserve.server.http_limits import HttpLimits, parse_http_limits
 from tierserve.tiers import Tier
+
+
+class ApiDocsUrls(TypedDict):
+    """FastAPI's settings for the API docs (`ServeConfig.api_docs_urls`)."""
+
+    openapi_url: str | None
+    docs_url: str | None
+    redoc_url: str | None
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,15 @@ class ServeConfig:
     def requires_key(self) -> bool:
         """True when a request without a key gets 401 (keys declared, anonymous not allowed)."""
         return self.has_keys and not self.server.allow_anonymous
+
+    def api_docs_urls(self) -> ApiDocsUrls:
+        """FastAPI's `openapi_url`, `docs_url` and `redoc_url`: None each where not served."""
+        on = self.serves_api_docs
+        return {
+            "openapi_url": "/openapi.json" if on else None,
+            "docs_url": "/docs" if on else None,
+            "redoc_url": "/redoc" if on else None,
+        }
 
     @property
     def serves_api_docs(self) -> bool:

@@ -32,6 +32,17 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 SWAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+def http_errors_counter(registry: CollectorRegistry) -> Counter:
+    """`tierserve_http_errors_total{reason}`, as the server and the gateway both count it."""
+    return Counter(
+        "tierserve_http_errors",
+        "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
+        "uploads the client aborted), by reason",
+        ["reason"],
+        registry=registry,
+    )
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, ttft_targets: Mapping[Tier, float]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -87,13 +98,7 @@ class ServerMetrics:
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )
-        self.http_errors = Counter(
-            "tierserve_http_errors",
-            "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
-            "uploads the client aborted), by reason",
-            ["reason"],
-            registry=r,
-        )
+        self.http_errors = http_errors_counter(r)
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
         self._state = StateCollector(model_name, self.sla_attainment)
