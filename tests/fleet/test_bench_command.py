@@ -62,3 +62,25 @@ def test_a_trace_scaled_into_a_burst_measures_no_goodput(tmp_path: Path) -> None
     (run,) = json.loads((tmp_path / "own" / "results.json").read_text())["runs"]
     assert run["summary"]["goodput_unmeasured"] is None
     assert run["summary"]["tiers"]["P3"]["goodput_rps"] is not None
+
+
+def test_scaling_by_copies_sends_that_many_times_the_rows_over_the_trace_span(tmp_path: Path) -> None:
+    from tierserve.workloads import load_trace
+    from tierserve.workloads.trace_stream import replay_count
+
+    trace = _azure_trace(tmp_path / "trace.csv", 40, seed=2)
+    expected = replay_count(load_trace(trace), 0, 2.5, "copies")
+    assert 80 <= expected <= 120  # twice each row, a third time for about half of them
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), "--rate-scale", "2.5"]
+    assert main([*argv, "--scale-by", "copies", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    meta, (run,) = results["meta"], results["runs"]
+    assert (meta["scale_by"], meta["num_trace_rows"], meta["num_requests"]) == ("copies", 40, expected)
+    assert sum(run["summary"]["outcomes"].values()) == expected  # every copy accounted for
+    report = (out / "report.md").read_text()
+    assert f"by copies (its 40 rows over its own span) ({expected} requests)" in report
+    # Scaled in time (the default) the same trace sends each row once.
+    assert main([*argv, "--out", str(tmp_path / "time")]) == 0
+    meta = json.loads((tmp_path / "time" / "results.json").read_text())["meta"]
+    assert (meta["scale_by"], meta["num_requests"]) == ("time", 40)

@@ -6,7 +6,7 @@ import pytest
 
 from tierserve.tiers import Tier
 from tierserve.workloads.spec import TierMix
-from tierserve.workloads.trace_stream import trace_stream
+from tierserve.workloads.trace_stream import replay_count, trace_stream
 from tierserve.workloads.traces import TraceRecord, load_trace
 
 
@@ -53,3 +53,66 @@ def test_mooncake_replay_repeats_prefixes(shared_data: Path) -> None:
     specs = list(trace_stream(records, seed=0, max_model_len=131072))
     first_blocks = {s.prompt_token_ids[:512] for s in specs}
     assert len(first_blocks) < len(specs) // 2  # rows share their first block (hash id 0)
+
+
+# ---- rate scaling by copies ---------------------------------------------------------------
+
+
+def _trace(num_rows: int, step_s: float = 1.0) -> list[TraceRecord]:
+    return [TraceRecord(i * step_s, 40 + i % 7, 3 + i % 5) for i in range(num_rows)]
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 2.5, 16.0])
+def test_copies_keep_the_span_and_replay_count_matches(scale: float) -> None:
+    records = _trace(300)
+    specs = list(trace_stream(records, seed=5, max_model_len=4096, rate_scale=scale, scale_by="copies"))
+    assert len(specs) == replay_count(records, 5, scale, "copies")
+    assert len(specs) == pytest.approx(300 * scale, rel=0.15)  # binomial around scale x rows
+    assert [s.index for s in specs] == list(range(len(specs)))
+    arrivals = [s.arrival_s for s in specs]
+    assert arrivals == sorted(arrivals)
+    assert arrivals[0] >= 0.0 and arrivals[-1] <= records[-1].arrival_s  # the trace's own span
+
+
+def test_whole_copies_send_each_row_that_many_times_within_its_gap() -> None:
+    records = [TraceRecord(t, n, 1) for t, n in ((0.0, 10), (0.0, 20), (4.0, 30), (9.0, 40))]
+    specs = list(trace_stream(records, seed=0, max_model_len=4096, rate_scale=3.0, scale_by="copies"))
+    by_size: dict[int, list[float]] = {}
+    for s in specs:
+        by_size.setdefault(s.num_prompt_tokens, []).append(s.arrival_s)
+    assert {n: len(t) for n, t in by_size.items()} == {10: 3, 20: 3, 30: 3, 40: 3}
+    # Rows at 0 s keep their time once and send their copies before the next timestamp (4 s).
+    for size in (10, 20):
+        assert min(by_size[size]) == 0.0 and all(0.0 <= t < 4.0 for t in by_size[size])
+    assert min(by_size[30]) == 4.0 and all(4.0 <= t < 9.0 for t in by_size[30])
+    assert by_size[40] == [9.0, 9.0, 9.0]  # after the last timestamp there is no gap to spread over
+
+
+def test_copies_with_hash_ids_are_other_users_conversations() -> None:
+    records = [TraceRecord(0.0, 1024, 1, (0, 1)), TraceRecord(1.0, 1100, 1, (0, 1, 2))]
+    original = list(trace_stream(records, seed=2, max_model_len=32768))
+    specs = list(trace_stream(records, seed=2, max_model_len=32768, rate_scale=2.0, scale_by="copies"))
+    first = [s for s in specs if s.num_prompt_tokens == 1024]
+    second = [s for s in specs if s.num_prompt_tokens == 1100]
+    # The first copy is the row as a time replay sends it; the second has prefix tokens of its own.
+    assert first[0].prompt_token_ids == original[0].prompt_token_ids
+    assert first[1].prompt_token_ids[:512] != first[0].prompt_token_ids[:512]
+    # Within one copy, rows that share hash ids still share their prefix.
+    assert second[0].prompt_token_ids[:1024] == first[0].prompt_token_ids
+    assert second[1].prompt_token_ids[:1024] == first[1].prompt_token_ids
+
+
+def test_time_scaling_is_the_default_and_unchanged_by_copies() -> None:
+    records = _trace(50)
+    plain = list(trace_stream(records, seed=1, max_model_len=4096, rate_scale=4.0))
+    assert plain == list(trace_stream(records, seed=1, max_model_len=4096, rate_scale=4.0, scale_by="time"))
+    assert [s.arrival_s for s in plain] == [r.arrival_s / 4.0 for r in records]
+    assert replay_count(records, 1, 4.0) == 50
+
+
+@pytest.mark.parametrize(("scale", "scale_by"), [(0.0, "copies"), (float("inf"), "copies"), (2.0, "users")])
+def test_bad_scaling_is_refused(scale: float, scale_by: str) -> None:
+    with pytest.raises(ValueError):
+        list(trace_stream(_trace(3), seed=0, max_model_len=4096, rate_scale=scale, scale_by=scale_by))
+    with pytest.raises(ValueError):
+        replay_count(_trace(3), 0, scale, scale_by)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
+from tierserve.workloads.trace_stream import SCALE_BY
 
 TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
 WORKLOAD = "default"  # the deployment each replica runs
@@ -82,7 +83,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--trace", type=Path, help=f"request trace (default: shared/data/{TRACE_FILE})")
     p.add_argument(
-        "--rate-scale", type=positive_float, default=1.0, help="replay the trace this many times faster"
+        "--rate-scale",
+        type=positive_float,
+        default=1.0,
+        help="run the trace at this many times its rate (how: --scale-by; default: %(default)s)",
+    )
+    p.add_argument(
+        "--scale-by",
+        choices=SCALE_BY,
+        default="time",
+        help="time: each row once, timestamps divided by the scale (its hour in minutes); copies: "
+        "the trace's own span with scale times the rows, each row's extra copies at random "
+        "moments before the next row's (default: %(default)s)",
     )
     p.add_argument("--max-requests", type=positive_int, help="replay only the trace's first N rows")
     p.add_argument("--router", default="tier-aware", help=f"{', '.join(ROUTER_CHOICES)}, a list, or all")

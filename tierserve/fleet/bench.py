@@ -18,6 +18,7 @@ from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
 from tierserve.fleet.sim import FleetConfig, FleetSim
 from tierserve.fleet.summary import summarize
 from tierserve.workloads import RequestSpec, TierMix, get_preset, load_trace, trace_stream
+from tierserve.workloads.trace_stream import replay_count
 
 WORKLOAD = "default"  # each replica: this workload's model on its GPUs
 
@@ -33,6 +34,7 @@ class FleetBench:
         self.setup = BenchSetup(tier_mix=args.tier_mix)
         self.engine_config = self.setup.engine_config()
         self.max_model_len = self._executor().spec.max_model_len
+        self.num_requests = replay_count(self.rows, args.seed, args.rate_scale, args.scale_by)
 
     def _executor(self) -> Any:
         p = self.preset
@@ -44,7 +46,8 @@ class FleetBench:
 
     def specs(self) -> Iterator[RequestSpec]:
         mix = TierMix.parse(self.args.tier_mix)
-        return trace_stream(self.rows, self.args.seed, self.max_model_len, mix, self.args.rate_scale)
+        a = self.args
+        return trace_stream(self.rows, a.seed, self.max_model_len, mix, a.rate_scale, a.scale_by)
 
     def config(self, router: str, scaling: str) -> FleetConfig:
         a = self.args
@@ -65,7 +68,7 @@ class FleetBench:
 
         sim = FleetSim(self.config(router, scaling), self.build_engine)
         started = time.process_time()
-        with tqdm(total=len(self.rows), desc=f"{router}/{scaling}", file=sys.stderr, unit="req") as bar:
+        with tqdm(total=self.num_requests, desc=f"{router}/{scaling}", file=sys.stderr, unit="req") as bar:
             sim.on_arrival = lambda now: bar.update(1)
             result = sim.run(self.specs())
         cpu_s = time.process_time() - started
@@ -84,7 +87,9 @@ class FleetBench:
         return {
             "trace": str(self.trace),
             "rate_scale": self.args.rate_scale,
-            "num_requests": len(self.rows),
+            "scale_by": self.args.scale_by,
+            "num_trace_rows": len(self.rows),
+            "num_requests": self.num_requests,
             "replicas": self.args.replicas,
             "model": self.preset.model,
             "gpu": self.preset.gpu,

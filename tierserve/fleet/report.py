@@ -35,11 +35,17 @@ def table(runs: Sequence[Run]) -> list[str]:
     return lines
 
 
+def _scaled(meta: Mapping[str, Any]) -> str:
+    if meta.get("scale_by") == "copies":
+        return f"by copies (its {meta['num_trace_rows']} rows over its own span)"
+    return "in time (each row once, timestamps divided by the scale)"
+
+
 def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots: Sequence[str]) -> None:
     lines = [
         "# Fleet simulation",
         "",
-        f"Trace `{meta['trace']}` x {meta['rate_scale']} ({meta['num_requests']} requests), "
+        f"Trace `{meta['trace']}` x {meta['rate_scale']} {_scaled(meta)} ({meta['num_requests']} requests), "
         f"{meta['replicas']} replica{'' if meta['replicas'] == 1 else 's'} of {meta['model']} "
         f"on {meta['tp']} x {meta['gpu']} "
         f"(engine policy {meta['policy']}); commit {meta['commit']}; "
