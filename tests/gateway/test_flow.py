@@ -97,3 +97,33 @@ def test_peek_and_release_at_the_same_time_agree_for_every_policy() -> None:
             now = clock.now()
             head = flow.peek(now)
             assert flow.release(now) is head
+
+
+def test_expiry_takes_the_late_tickets_without_walking_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue at its caps under a timeout storm: `expire` runs at every boundary, so it
+    must cost the tickets that leave, not the tickets that wait."""
+    caps = dict.fromkeys(ALL_TIERS, 10_000)
+    clock = VirtualClock()
+    flow = FlowControl(EngineConfig(), "hybrid", caps, {**WAITS, Tier.P3: float("inf")}, clock)
+    tickets: dict[Tier, list[Request]] = {tier: [] for tier in ALL_TIERS}
+    for i in range(400):
+        for tier in ALL_TIERS:
+            tickets[tier].append(_ticket(flow, tier, tenant=f"t{i % 7}"))
+        clock.elapse(0.01)
+    released = [flow.release() for _ in range(30)]  # P0's oldest go first
+    flow.cancel(tickets[Tier.P1][5])
+    monkeypatch.setattr(type(flow._policy), "__iter__", lambda self: pytest.fail("expire walked the queue"))
+
+    clock.elapse(0.5)  # 4.5 s since the first tickets: P0's wait (1 s) is over for the older
+    late = flow.expire()
+    assert late and all(t.tier is Tier.P0 for t in late)
+    assert late == [t for t in tickets[Tier.P0] if t not in released and clock.now() - t.arrival_time > 1.0]
+    assert flow.depth(Tier.P0) == 400 - 30 - len(late) > 0  # the newer P0 tickets still wait
+    clock.elapse(4.0)  # P1's 5 s: the older P1 tickets are late too, never the cancelled one
+    late = flow.expire()
+    p1_late = [t for t in late if t.tier is Tier.P1]
+    assert p1_late and tickets[Tier.P1][5] not in p1_late
+    assert [t.arrival_time for t in p1_late] == sorted(t.arrival_time for t in p1_late)
+    clock.elapse(1e6)  # P3 has no cap on its wait: it stays
+    flow.expire()
+    assert flow.depth() == flow.depth(Tier.P3) == 400

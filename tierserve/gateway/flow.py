@@ -13,6 +13,8 @@ Plain state on an injected clock, no I/O: the gateway's dispatcher calls `offer`
 from __future__ import annotations
 
 import itertools
+import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -49,6 +51,13 @@ class FlowControl:
         self._clock = clock
         self._meter = drain_meter or ThroughputMeter()
         self._ids = itertools.count()
+        # Each tier's tickets in arrival order, for `expire`: the oldest are the first to
+        # run out of time. Tickets that left the queue are dropped when they reach the
+        # front (`_queued` says which are still in it). Tiers without a wait cap keep none.
+        self._oldest_first: dict[Tier, deque[Request]] = {
+            t: deque() for t in ALL_TIERS if math.isfinite(self._max_wait[t])
+        }
+        self._queued: set[str] = set()
 
     def depth(self, tier: Tier | None = None) -> int:
         return self._policy.num_waiting(tier)
@@ -87,6 +96,10 @@ class FlowControl:
             tenant_weight=tenant_weight,
         )
         self._policy.add(ticket, ticket.arrival_time)
+        self._queued.add(ticket.request_id)
+        oldest_first = self._oldest_first.get(tier)
+        if oldest_first is not None:
+            oldest_first.append(ticket)
         return ticket
 
     def peek(self, now: float | None = None) -> Request | None:
@@ -97,18 +110,34 @@ class FlowControl:
         """Take the next ticket out, in the policy's order, for an upstream that has room."""
         if not len(self._policy):
             return None
-        return self._policy.pop(self._clock.now() if now is None else now)
+        ticket = self._policy.pop(self._clock.now() if now is None else now)
+        self._queued.discard(ticket.request_id)
+        return ticket
 
     def cancel(self, ticket: Request) -> None:
         """Take a ticket out whose client went away."""
         self._policy.remove(ticket)
+        self._queued.discard(ticket.request_id)
 
     def expire(self) -> list[Request]:
-        """Take out and return the tickets that have waited longer than their tier allows."""
+        """Take out and return the tickets that have waited longer than their tier allows,
+        P0's first, each tier's oldest first. Costs the tickets that leave (expired or gone
+        before), not the queue's length: a tier's tickets run out of time in arrival order."""
         now = self._clock.now()
-        late = [t for t in self._policy if now - t.arrival_time > self._max_wait[t.tier]]
-        for ticket in late:
-            self._policy.remove(ticket)
+        late: list[Request] = []
+        for tier, oldest_first in self._oldest_first.items():
+            max_wait = self._max_wait[tier]
+            while oldest_first:
+                ticket = oldest_first[0]
+                if ticket.request_id not in self._queued:
+                    oldest_first.popleft()  # released or cancelled since
+                elif now - ticket.arrival_time > max_wait:
+                    oldest_first.popleft()
+                    self._policy.remove(ticket)
+                    self._queued.discard(ticket.request_id)
+                    late.append(ticket)
+                else:
+                    break
         return late
 
     def waited(self, ticket: Request) -> float:
