@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tierserve.tiers import Tier
@@ -154,7 +155,7 @@ class Request:
     def is_prefilling(self) -> bool:
         """True until the K/V of every known token but the last sampled one is computed."""
         # `num_tokens` and `num_output_tokens` spelled out: the scheduler asks this of every
-        # running request in every pass.
+        # running request in every pass (`prefilling` below has the same test inlined).
         num_tokens = len(self.token_ids)
         return self.num_computed_tokens < num_tokens - 1 or num_tokens == self.num_prompt_tokens
 
@@ -173,3 +174,14 @@ class Request:
 
     def record(self, time: float, kind: EventKind, detail: str = "") -> None:
         self.events.append(TimelineEvent(time, kind, detail))
+
+
+def prefilling(requests: Iterable[Request]) -> list[Request]:
+    """The requests that are `is_prefilling`, in order: the property's test inlined, since
+    the scheduler, the fast simulation and hybrid's shaping ask it of every running request
+    in every step."""
+    return [
+        r
+        for r in requests
+        if r.num_computed_tokens < len(r.token_ids) - 1 or len(r.token_ids) == r.num_prompt_tokens
+    ]

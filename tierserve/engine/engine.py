@@ -187,7 +187,9 @@ class Engine:
         running request decodes, at once, up to the first in which requests end (their
         outputs are returned; no others are). No steps when not in fast mode or when the
         next must be a full `step`. `on_step(duration_s)` is called for each step."""
-        if self._leap is None or self.scheduler.has_forced() or self._deferred or not self._leap.steady():
+        if self._leap is None or self.clock.now() >= until:
+            return LeapResult(0, [])  # no step starts before `until` (a fleet with a queue asks often)
+        if self.scheduler.has_forced() or self._deferred or not self._leap.steady():
             return LeapResult(0, [])
         return self._leap.run(until, on_step)
 

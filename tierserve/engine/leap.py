@@ -32,7 +32,7 @@ from tierserve.engine.stats import EngineStats
 from tierserve.executors.sim.executor import SimExecutor
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.manager import Alloc, KVCacheManager
-from tierserve.request import FinishReason, Request
+from tierserve.request import FinishReason, Request, prefilling
 from tierserve.scheduling.base import Policy, RunningPass
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -89,7 +89,7 @@ class DecodeLeap:
         if len(running) > min(cfg.max_num_batched_tokens, cfg.max_num_seqs):
             return False
         # A stop token could be sampled; EOS never is (the sim executor's placeholders).
-        return not any(r.is_prefilling or r.sampling.stop_token_ids for r in running)
+        return not prefilling(running) and not any(r.sampling.stop_token_ids for r in running)
 
     def run(self, until: float, on_step: StepObserver | None) -> LeapResult:
         """Leap over steps while the clock is before `until` and no step finds a block

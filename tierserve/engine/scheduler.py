@@ -115,13 +115,16 @@ class Scheduler:
             running.sort(key=self.policy.running_key)
             life.unsorted = False
         prefilling: list[Request] = []
+        decodes = step.decodes
         i = 0
         while i < len(running):
             req = running[i]
-            if req.is_prefilling:
+            num_tokens = len(req.token_ids)
+            # `req.is_prefilling` and, below, `step.add_decode(req)`, inlined: this loop
+            # visits every running request in every pass.
+            if req.num_computed_tokens < num_tokens - 1 or num_tokens == req.num_prompt_tokens:
                 prefilling.append(req)
             elif step.tokens_left >= 1:
-                num_tokens = req.num_tokens
                 # Most decodes need no new block: `grow`'s first check, without the call.
                 covered = len(req.block_ids) * block_size >= num_tokens
                 status = Alloc.OK if covered else memory.grow(req, num_tokens)
@@ -135,7 +138,8 @@ class Scheduler:
                 if status is not Alloc.OK:
                     self.preemptor.preempt(req, step, now)
                     continue  # `running[i]` is now the next request
-                step.add_decode(req)
+                decodes[req] = 1
+                step.tokens_left -= 1
             i += 1
         return prefilling
 

@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
+from tierserve.request import prefilling as prefilling_of
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper
 from tierserve.scheduling.oldest import OldestWaiting
@@ -294,7 +295,7 @@ class HybridPolicy(FairQueuePolicy):
     def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
         self._step = step
         self._deferred = self._p1_p2_in_danger(now)
-        prefilling = [r for r in running if r.is_prefilling]  # one scan of the running
+        prefilling = prefilling_of(running)  # one scan of the running
         self._p0_by_length = self._p0_prompts(prefilling)
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)
