@@ -166,10 +166,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"tierserve bench fleet: {e}", file=sys.stderr)
         return 2
     trace = args.trace or default_trace()
+    commit = source_commit()  # the code that runs: a commit made during a long run is not it
     started = time.process_time()
     bench = FleetBench(args, trace)
     runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
-    meta = bench.meta(source_commit(), time.process_time() - started)
+    meta = bench.meta(commit, time.process_time() - started)
     args.out.mkdir(parents=True, exist_ok=True)
     from tierserve.fleet.report import write_plots, write_report
 
