@@ -150,3 +150,68 @@ def test_leap_stops_at_the_given_time() -> None:
 def test_fast_mode_needs_the_simulated_executor() -> None:
     with pytest.raises(ValueError, match="simulated executor"):
         Engine(EngineConfig(), "fcfs", NullExecutor(num_device_blocks=64), VirtualClock(), fast=True)
+
+
+def _decoding_engine(fast: bool) -> tuple[Engine, VirtualClock, list[Request]]:
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
+    clock = VirtualClock()
+    engine = Engine(EngineConfig(), "hybrid", executor, clock, fast=fast)
+    reqs = [
+        Request(f"r{i}", list(range(30 + 7 * i)), SamplingParams(max_tokens=90 + i, ignore_eos=True))
+        for i in range(6)
+    ]
+    for req in reqs:
+        engine.add_request(req)
+    engine.step()  # prefill, first tokens: every request decodes from here
+    return engine, clock, reqs
+
+
+def test_a_leap_cut_by_the_caller_resumes_where_it_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet asks every replica to leap to its next event, again and again: the run is
+    built once and resumed, and whoever looks at a request sees the step-by-step state."""
+    from tierserve.engine.leap import DecodeLeap
+
+    starts: list[int] = []
+    original = DecodeLeap._start
+    monkeypatch.setattr(DecodeLeap, "_start", lambda self: starts.append(1) or original(self))
+    fast, clock, reqs = _decoding_engine(fast=True)
+    num_cuts = 0
+    while clock.now() < 1.0:
+        leapt = fast.leap(clock.now() + 0.004)  # about a step at a time
+        assert leapt.num_steps > 0 and not leapt.ended
+        num_cuts += 1
+    assert num_cuts > 10 and len(starts) == 1  # one run, resumed at every cut
+    # A lookup brings the requests up to date: as step by step at the same number of steps.
+    step, step_clock, step_reqs = _decoding_engine(fast=False)
+    for _ in range(fast.stats.num_steps - 1):
+        step.step()
+    assert step_clock.now() == clock.now()
+    looked_up = fast.get_request("r3")
+    assert looked_up is not None and looked_up.token_ids == step_reqs[3].token_ids
+    for a, b in zip(reqs, step_reqs, strict=True):
+        assert a.token_ids == b.token_ids and a.num_computed_tokens == b.num_computed_tokens
+        assert a.block_ids == b.block_ids
+    # Run on to the end both ways: the same outputs and times.
+    while fast.has_unfinished():
+        if not fast.leap(clock.now() + 0.05).num_steps:
+            fast.step()
+    step.run_until_done()
+    assert [(r.finish_time, r.token_ids) for r in reqs] == [(r.finish_time, r.token_ids) for r in step_reqs]
+    fast.memory.check_integrity()
+
+
+def test_a_kept_leap_refuses_requests_changed_behind_its_back() -> None:
+    from tierserve.engine.leap import LeapStateError
+    from tierserve.request import FinishReason
+
+    engine, clock, reqs = _decoding_engine(fast=True)
+    assert engine.leap(clock.now() + 0.004).num_steps > 0  # cut: the run is kept unwritten
+    engine.lifecycle.end(reqs[0], FinishReason.ABORTED)  # not through the engine: no flush
+    with pytest.raises(LeapStateError, match="flush first"):
+        engine.leap(clock.now() + 0.004)
+    # Through the engine an abort writes the run back first.
+    engine, clock, reqs = _decoding_engine(fast=True)
+    assert engine.leap(clock.now() + 0.004).num_steps > 0
+    assert engine.abort("r0") and reqs[1].num_computed_tokens == reqs[1].num_tokens - 1
+    assert reqs[1].num_output_tokens == engine.stats.num_steps
+    assert engine.leap(clock.now() + 0.004).num_steps > 0

@@ -65,6 +65,7 @@ class Engine:
 
     def add_request(self, req: Request) -> bool:
         """Queue a request, or reject it now (returns False) if it can never fit."""
+        self._flush()
         now = self.clock.now()
         if self.lifecycle.get(req.request_id) is not None:
             raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -98,6 +99,7 @@ class Engine:
         return ""
 
     def get_request(self, request_id: str) -> Request | None:
+        self._flush()
         return self.lifecycle.get(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -110,6 +112,7 @@ class Engine:
 
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request at the next step boundary (e.g. to drain a replica)."""
+        self._flush()
         req = self.lifecycle.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             return False
@@ -117,6 +120,7 @@ class Engine:
         return True
 
     def _end_early(self, request_id: str, reason: FinishReason) -> bool:
+        self._flush()
         req = self.lifecycle.get(request_id)
         if req is None:
             return False
@@ -148,6 +152,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns the requests that got tokens or ended in it."""
+        self._flush()
         self._in_step = True
         outputs: list[RequestOutput] = []
         try:
@@ -192,6 +197,11 @@ class Engine:
         if self.scheduler.has_forced() or self._deferred or not self._leap.steady():
             return LeapResult(0, [])
         return self._leap.run(until, on_step)
+
+    def _flush(self) -> None:
+        """Bring the requests up to date with a leap kept for later (fast simulation)."""
+        if self._leap is not None:
+            self._leap.flush()
 
     def _swap(self, out: SchedulerOutput) -> float:
         # Out before in: blocks freed by a swap-out may be the destination of a swap-in.

@@ -16,6 +16,14 @@ The run ends with the first step in which requests reach their max_tokens (they 
 there, as `Lifecycle.apply` ends them), so that the caller can send more; admissions and
 preemptions happen in `Engine.step`. The results are the step-by-step results
 (tests/engine/test_leap.py compares them request by request).
+
+A run cut short by `until` (the caller's next event) is kept, unwritten, and the next
+`run` resumes it where it stopped, as long as nothing else touched the engine: a fleet's
+replica is asked to leap again at every event anywhere in the fleet, most of which never
+reach it, and writing back and rebuilding every running request each time cost more than
+the steps themselves. `Engine` calls `flush` before anything that reads or changes the
+requests (a step, a new request, an abort, a lookup); the lifecycle's `version` catches a
+change that came another way (a `LeapStateError`, not silently wrong results).
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ class LeapResult(NamedTuple):
     ended: list[RequestOutput]  # requests that reached max_tokens in the last one
 
 
+class LeapStateError(RuntimeError):
+    """The running requests changed while a leap held their progress unwritten."""
+
+
 @dataclass(slots=True)
 class _Decoder:
     """A running request during a run; `num_tokens0` is its token count when the run began."""
@@ -53,6 +65,19 @@ class _Decoder:
     request: Request
     num_tokens0: int
     num_done: int = 0  # leapt steps already written into `request`
+
+
+@dataclass(slots=True)
+class _Run:
+    """A run of leapt steps, resumable while the engine is left alone (`DecodeLeap.run`)."""
+
+    decoders: list[_Decoder]
+    grows: list[list[_Decoder]]  # by the step (mod block_size) at which they need a block
+    fills: list[list[_Decoder]]  # ... and at which they fill one
+    last: int  # the step in which the first requests reach max_tokens: the run's last
+    context: int  # the decoders' summed context as step k + 1 begins
+    version: int  # the lifecycle's version the run's state belongs to
+    k: int = 0  # steps run so far
 
 
 class DecodeLeap:
@@ -75,6 +100,7 @@ class DecodeLeap:
         self.lifecycle = lifecycle
         self.scheduler = scheduler
         self.stats = stats
+        self._run: _Run | None = None  # a run cut short by `until`, kept for the next call
 
     def steady(self) -> bool:
         """Whether the next pass would give every running request one decode token and
@@ -86,6 +112,8 @@ class DecodeLeap:
             return False
         if (life.swapped or policy.num_waiting()) and not policy.leaps_while_waiting:
             return False
+        if self._run is not None:
+            return True  # the running requests are still the kept run's decoders
         if len(running) > min(cfg.max_num_batched_tokens, cfg.max_num_seqs):
             return False
         # A stop token could be sampled; EOS never is (the sim executor's placeholders).
@@ -93,33 +121,27 @@ class DecodeLeap:
 
     def run(self, until: float, on_step: StepObserver | None) -> LeapResult:
         """Leap over steps while the clock is before `until` and no step finds a block
-        short, up to and including the first step in which requests reach max_tokens."""
-        if self.policy.running_pass is RunningPass.PROTECTED and self.lifecycle.unsorted:
-            # What the next pass would do first; it is stable, so doing it now changes nothing.
-            self.lifecycle.running.sort(key=self.policy.running_key)
-            self.lifecycle.unsorted = False
-        decoders = [_Decoder(r, r.num_tokens) for r in self.lifecycle.running]
-        # The step at which the first requests reach max_tokens: the run's last.
-        last = min(r.sampling.max_tokens - r.num_output_tokens for r in self.lifecycle.running)
+        short, up to and including the first step in which requests reach max_tokens.
+        Resumes the run that the last call cut short at `until`, if it is still there."""
+        run = self._resume()
+        if run is None:
+            run = self._start()
+        decoders, grows, fills, last = run.decoders, run.grows, run.fills, run.last
         size = self.memory.block_size
-        # Requests by the step (mod block_size) at which they need a block / fill one.
-        grows: list[list[_Decoder]] = [[] for _ in range(size)]
-        fills: list[list[_Decoder]] = [[] for _ in range(size)]
-        for d in decoders:
-            # Step k starts with num_tokens0 + k - 1 tokens (needs a block when that is one
-            # past a block's end) and ends with num_tokens0 - 1 + k computed (a block fills
-            # when that is a multiple of block_size).
-            grows[(2 - d.num_tokens0) % size].append(d)
-            fills[(1 - d.num_tokens0) % size].append(d)
-        num_seqs = len(decoders)
-        context = sum(d.num_tokens0 - 1 for d in decoders)
+        num_seqs, context, k = len(decoders), run.context, run.k
         # Requests that wait or are swapped out stay so through the leap (nobody is
         # admitted, swapped in or shed in it; arrivals end it), but each step's pass must
         # be known to leave them so.
         queued = bool(self.lifecycle.swapped or self.policy.num_waiting())
-        k = 0
+        first = k
         ended: list[RequestOutput] = []
-        while k < last and self.clock.now() < until:
+        cut = False  # stopped by `until`: the run can go on later
+        while True:
+            if k >= last:
+                break
+            if self.clock.now() >= until:
+                cut = True
+                break
             step = k + 1
             growing = [d for d in grows[step % size] if self._needs_block(d, step)]
             tiers = [d.request.tier for d in growing]
@@ -145,9 +167,49 @@ class DecodeLeap:
                 self._write(d, step)
                 self.memory.cache_computed_blocks(d.request)
             context += num_seqs
+        run.k, run.context = k, context
+        if cut:
+            run.version = self.lifecycle.version
+        else:
+            self.flush()  # the next step is a full one (or the run ended requests)
+        return LeapResult(k - first, ended)
+
+    def flush(self) -> None:
+        """Write the kept run's progress into its requests and drop it."""
+        run, self._run = self._run, None
+        if run is not None:
+            for d in run.decoders:
+                self._write(d, run.k)
+
+    def _resume(self) -> _Run | None:
+        run = self._run
+        if run is not None and run.version != self.lifecycle.version:
+            self._run = None
+            raise LeapStateError(
+                "the running requests changed while a leap held their progress (flush first)"
+            )
+        return run
+
+    def _start(self) -> _Run:
+        if self.policy.running_pass is RunningPass.PROTECTED and self.lifecycle.unsorted:
+            # What the next pass would do first; it is stable, so doing it now changes nothing.
+            self.lifecycle.running.sort(key=self.policy.running_key)
+            self.lifecycle.unsorted = False
+        running = self.lifecycle.running
+        decoders = [_Decoder(r, r.num_tokens) for r in running]
+        last = min(r.sampling.max_tokens - r.num_output_tokens for r in running)
+        size = self.memory.block_size
+        grows: list[list[_Decoder]] = [[] for _ in range(size)]
+        fills: list[list[_Decoder]] = [[] for _ in range(size)]
         for d in decoders:
-            self._write(d, k)
-        return LeapResult(k, ended)
+            # Step k starts with num_tokens0 + k - 1 tokens (needs a block when that is one
+            # past a block's end) and ends with num_tokens0 - 1 + k computed (a block fills
+            # when that is a multiple of block_size).
+            grows[(2 - d.num_tokens0) % size].append(d)
+            fills[(1 - d.num_tokens0) % size].append(d)
+        context = sum(d.num_tokens0 - 1 for d in decoders)
+        self._run = _Run(decoders, grows, fills, last, context, self.lifecycle.version)
+        return self._run
 
     def _apply_last(
         self, decoders: list[_Decoder], filling: list[_Decoder], step: int

@@ -39,6 +39,9 @@ class Lifecycle:
         self.running: list[Request] = []  # see `Policy.running_pass` for its order
         self.swapped: list[Request] = []  # in `policy.running_key` order: who comes back first
         self.unsorted = False  # requests joined `running` since it was last put in policy order
+        # Counts the changes to the running and swapped requests (admissions, preemptions,
+        # returns, ends, a step's results): a kept leap (engine/leap.py) checks it.
+        self.version = 0
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -61,6 +64,7 @@ class Lifecycle:
 
     def admit(self, req: Request, now: float) -> None:
         """A waiting request the policy just popped starts running (its blocks are held)."""
+        self.version += 1
         req.status = RequestStatus.RUNNING
         if req.admitted_time is None:
             req.admitted_time = now
@@ -71,6 +75,7 @@ class Lifecycle:
         self.unsorted = True
 
     def swapped_in(self, req: Request, num_blocks: int, now: float) -> None:
+        self.version += 1
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
         req.record(now, EventKind.SWAPPED_IN, f"{num_blocks} blocks")
@@ -86,6 +91,7 @@ class Lifecycle:
         outside the queue until `requeue`."""
         if req.status is not RequestStatus.RUNNING:
             raise LifecycleError(f"{req.request_id}: preempted while {req.status.value}")
+        self.version += 1
         self.running.remove(req)
         mapping = self.memory.swap_out(req) if mode is PreemptMode.SWAP else None
         req.num_preemptions += 1
@@ -108,6 +114,7 @@ class Lifecycle:
         """End a request in any state: the one place a request finishes, is aborted or shed."""
         if req.status.is_final:
             return
+        self.version += 1
         if req.status is RequestStatus.WAITING:
             self.policy.remove(req)
         elif req.status is RequestStatus.RUNNING:
@@ -137,6 +144,7 @@ class Lifecycle:
 
     def apply(self, batch: StepBatch, result: StepResult, eos: tuple[int, ...]) -> list[RequestOutput]:
         """Record a step's computed tokens and samples; end the requests that finished."""
+        self.version += 1
         now = self.clock.now()
         stats, memory = self.stats, self.memory
         block_size, caching_behind = memory.block_size, memory.caching_behind
