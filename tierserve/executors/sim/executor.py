@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +74,22 @@ class PlaceholderTokens:
         return seed
 
     def token(self, request_id: str, position: int) -> int:
-        x = (self._seed(request_id) + position * _GOLDEN64) & _MASK64
-        x = ((x ^ (x >> 31)) * _MIX64) & _MASK64
-        token = (x ^ (x >> 29)) % self.limit
-        while token in self.special:
-            token = (token + 1) % self.vocab_size
-        return token
+        """The token sampled for the request when it holds `position` tokens."""
+        return self.at(((request_id, position),))[request_id]
+
+    def at(self, positions: Iterable[tuple[str, int]]) -> dict[str, int]:
+        """`token` for each (request id, position), by request id (its body inlined: a
+        step samples one for every decoding request)."""
+        limit, special, vocab_size, seed_of = self.limit, self.special, self.vocab_size, self._seed
+        sampled: dict[str, int] = {}
+        for request_id, position in positions:
+            x = (seed_of(request_id) + position * _GOLDEN64) & _MASK64
+            x = ((x ^ (x >> 31)) * _MIX64) & _MASK64
+            token = (x ^ (x >> 29)) % limit
+            while token in special:
+                token = (token + 1) % vocab_size
+            sampled[request_id] = token
+        return sampled
 
     def tokens(self, request_id: str, start: int, stop: int) -> list[int]:
         """`token` at each position in [start, stop) (its body inlined: a leap draws a
@@ -151,8 +161,7 @@ class SimExecutor:
         return self._spec
 
     def execute(self, batch: StepBatch) -> StepResult:
-        token = self._tokens.token
-        sampled: dict[str, int] = {}
+        samples: list[tuple[str, int]] = []  # (request, its token count), in the batch's order
         chunks: list[SeqChunk] = []
         # One-token decodes go to the cost model as a count and a summed context, not as
         # chunks (the same figures, see `CostModel.step_cost`).
@@ -167,7 +176,8 @@ class SimExecutor:
                 else:
                     chunks.append(SeqChunk(n, computed))
                 if computed + n == num_tokens:  # ScheduledSeq.samples
-                    sampled[req.request_id] = token(req.request_id, num_tokens)
+                    samples.append((req.request_id, num_tokens))
+        sampled = self._tokens.at(samples)
         cost = self.cost.step_cost(chunks, num_decodes, decode_context)
         return StepResult(duration_s=cost.total_s, sampled_token_ids=sampled, roofline_s=cost.roofline_s)
 
