@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tierserve.tiers import Tier
@@ -101,7 +101,7 @@ class Request:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a tuple where it can be: the prefix cache slices it
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tier: Tier = Tier.P1
     tenant: str = "default"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,11 +178,11 @@ class _Run:
             return -math.inf
         return previous.finish_time
 
-    def _prompt(self, spec: RequestSpec) -> list[int]:
+    def _prompt(self, spec: RequestSpec) -> Sequence[int]:
         """The spec's prompt, with the previous turn's real answer in place of the stand-in."""
-        prompt = list(spec.prompt_token_ids)
         if spec.conversation_id is None:
-            return prompt
+            return spec.prompt_token_ids
+        prompt = list(spec.prompt_token_ids)
         previous = self.last_turn.get(spec.conversation_id)
         if (
             spec.num_history_tokens

@@ -176,7 +176,7 @@ class FleetSim:
         spec = fr.live_spec
         req = Request(
             f"r{spec.index}" if fr.attempts == 1 else f"r{spec.index}.{fr.attempts}",
-            list(spec.prompt_token_ids),
+            spec.prompt_token_ids,
             SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
             tier=spec.tier,
             tenant=spec.tenant,

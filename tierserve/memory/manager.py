@@ -198,7 +198,8 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
-        self.pool.register_run(req.block_ids, hashes, req.token_ids, start, num_full)
+        tokens = _tokens_upto(req, num_full * self.block_size)
+        self.pool.register_run(req.block_ids, hashes, tokens, start, num_full)
         self._num_registered[req.request_id] = num_full
 
     # ---- swap ----------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class KVCacheManager:
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[BlockKey]:
         hashes = self._hashes.setdefault(req.request_id, [])
-        tokens, size = req.token_ids, self.block_size
+        tokens, size = _tokens_upto(req, num_blocks * self.block_size), self.block_size
         parent = hashes[-1] if hashes else None
         if self._hash_fn is hash_block:  # the same keys, from one conversion of the ids
             hashes.extend(hash_blocks(parent, tokens[len(hashes) * size : num_blocks * size], size))
@@ -254,7 +255,7 @@ class KVCacheManager:
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        tokens, size = req.token_ids, self.block_size
+        tokens, size = _tokens_upto(req, max_blocks * self.block_size), self.block_size
         parent: BlockKey | None = None
         for i, key in enumerate(self._block_hashes(req, max_blocks)):
             block = self.pool.lookup(key, parent, tokens[i * size : (i + 1) * size], evicted)
@@ -287,3 +288,9 @@ class KVCacheManager:
         for t in ALL_TIERS:
             if used[t] > self.partition.ceiling[t]:
                 raise KVIntegrityError(f"{t.name} is above its ceiling")
+
+
+def _tokens_upto(req: Request, num_tokens: int) -> Sequence[int]:
+    """The request's token ids, as its prompt where the first `num_tokens` lie within it: a
+    prompt is usually a tuple, whose slices the prefix cache keeps without another copy."""
+    return req.prompt_token_ids if num_tokens <= req.num_prompt_tokens else req.token_ids
