@@ -7,6 +7,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from tierserve.cli import main
 
 
@@ -84,3 +86,14 @@ def test_scaling_by_copies_sends_that_many_times_the_rows_over_the_trace_span(tm
     assert main([*argv, "--out", str(tmp_path / "time")]) == 0
     meta = json.loads((tmp_path / "time" / "results.json").read_text())["meta"]
     assert (meta["scale_by"], meta["num_requests"]) == ("time", 40)
+
+
+def test_copies_that_keep_no_row_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _azure_trace(tmp_path / "trace.csv", 40, seed=2)
+    argv = ["bench", "fleet", "--trace", str(trace), "--rate-scale", "1e-6", "--scale-by", "copies"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "keeps none of the trace's 40 rows" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -35,6 +35,11 @@ class FleetBench:
         self.engine_config = self.setup.engine_config()
         self.max_model_len = self._executor().spec.max_model_len
         self.num_requests = replay_count(self.rows, args.seed, args.rate_scale, args.scale_by)
+        if not self.num_requests:
+            raise ValueError(
+                f"--rate-scale {args.rate_scale:g} --scale-by copies keeps none of the trace's "
+                f"{len(self.rows)} rows (about {args.rate_scale * len(self.rows):.2g} requests expected)"
+            )
 
     def _executor(self) -> Any:
         p = self.preset
