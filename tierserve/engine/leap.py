@@ -136,9 +136,7 @@ class DecodeLeap:
         first = k
         ended: list[RequestOutput] = []
         cut = False  # stopped by `until`: the run can go on later
-        while True:
-            if k >= last:
-                break
+        while k < last:
             if self.clock.now() >= until:
                 cut = True
                 break
