@@ -78,6 +78,9 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "fleet", "--router", "nope"], 2, "tierserve bench fleet: --router: choose from"),
         (["bench", "fleet", "--autoscale", "nope"], 2, "tierserve bench fleet: --autoscale: choose from"),
         (["bench", "fleet", "--replicas", "2", "--kill", "10@5"], 2, "never has a replica 5"),
+        (["bench", "fleet", "--startup-delay-s", "-1"], 2, "--startup-delay-s: expected a finite"),
+        (["bench", "fleet", "--scale-interval-s", "0"], 2, "--scale-interval-s: expected a finite"),
+        (["bench", "fleet", "--scale-by", "users"], 2, "--scale-by: invalid choice: 'users'"),
         (
             ["bench", "fleet", "--autoscale", "tier", "--min-replicas", "5", "--max-replicas", "2"],
             2,

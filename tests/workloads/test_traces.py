@@ -140,3 +140,17 @@ def test_mooncake_hash_ids_must_fit_in_64_bits(tmp_path: Path) -> None:
     assert load_mooncake_jsonl(write(tmp_path, "ok.jsonl", row % (2**64 - 1)))[0].hash_ids == (2**64 - 1,)
     with pytest.raises(TraceFormatError, match=r"big\.jsonl:1: each hash id must be <="):
         load_mooncake_jsonl(write(tmp_path, "big.jsonl", row % 2**64))
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("t.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.1,\xff,5\n"),
+        ("t.jsonl", b'{"timestamp": 0, "input_length": 10, "output_length": 5}\n\xff\xfe\n'),
+    ],
+)
+def test_a_trace_that_is_not_utf8_names_its_file(tmp_path: Path, name: str, data: bytes) -> None:
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(TraceFormatError, match=f"{path}: not UTF-8 text"):
+        load_trace(path)

@@ -113,13 +113,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--startup-delay-s",
-        type=float,
+        type=non_negative_float,
         default=DEFAULT_STARTUP_DELAY_S,
         help="a new replica's model load (default: Anyscale's measured 4 min 25 s for a 70B model)",
     )
     p.add_argument(
         "--scale-interval-s",
-        type=float,
+        type=positive_float,
         default=15.0,
         help="autoscaling: seconds between decisions (default: 15)",
     )

@@ -168,8 +168,9 @@ def load_trace(path: str | Path) -> list[TraceRecord]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such trace file")
-    if p.suffix == ".csv":
-        return load_azure_csv(p)
-    if p.suffix in (".jsonl", ".json"):
-        return load_mooncake_jsonl(p)
-    raise TraceFormatError(f"{p}: unknown trace format (expected .csv or .jsonl)")
+    if p.suffix not in (".csv", ".jsonl", ".json"):
+        raise TraceFormatError(f"{p}: unknown trace format (expected .csv or .jsonl)")
+    try:
+        return load_azure_csv(p) if p.suffix == ".csv" else load_mooncake_jsonl(p)
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
