@@ -27,6 +27,7 @@ from tierserve.tiers import ALL_TIERS
 BLOCK = 16
 PROMPT_TOKENS = 128
 TIER_SHARES = (0.05, 0.60, 0.30, 0.05)
+STEP_TOKENS = 16384  # a step's token budget: one token for each running request and more
 
 
 def measure(
@@ -43,7 +44,9 @@ def measure(
         max_model_len=1 << 20,
     )
     executor.record = False
-    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=16384))
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=num_running, max_num_batched_tokens=STEP_TOKENS)
+    )
     clock = VirtualClock()
     engine = Engine(config, policy, executor, clock)
     serial = 0
@@ -122,6 +125,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _running(text: str) -> int:
+    """--running: each running request decodes a token a step, so no more than the budget."""
+    value = positive_int(text)
+    if value > STEP_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {STEP_TOKENS} (one decode token each within a step's budget), got {value}"
+        )
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "overhead",
@@ -132,7 +145,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(admission, reclaim and aging included). The report says when the host was busy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--running", type=positive_int, default=512, help="running requests (default 512)")
+    p.add_argument(
+        "--running",
+        type=_running,
+        default=512,
+        help=f"running requests, at most {STEP_TOKENS} (a step's token budget; default 512)",
+    )
     p.add_argument(
         "--waiting", type=non_negative_int, default=10_000, help="waiting requests (default 10000)"
     )
