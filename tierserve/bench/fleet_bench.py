@@ -96,7 +96,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "the trace's own span with scale times the rows, each row's extra copies at random "
         "moments before the next row's (default: %(default)s)",
     )
-    p.add_argument("--max-requests", type=positive_int, help="replay only the trace's first N rows")
+    p.add_argument(
+        "--max-requests",
+        type=positive_int,
+        help="replay only the trace's first N rows (with --scale-by copies, about N x scale requests)",
+    )
     p.add_argument("--router", default="tier-aware", help=f"{', '.join(ROUTER_CHOICES)}, a list, or all")
     p.add_argument(
         "--autoscale",
@@ -137,7 +141,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--policy", default="hybrid", help="each engine's scheduling policy")
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed of the tiers drawn for the trace (default: 0)"
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the tiers (and copies) drawn for the trace (default: 0)",
     )
     p.add_argument("--bin-s", type=positive_float, default=60.0, help="width of the over-time bins")
     p.add_argument(
