@@ -30,3 +30,9 @@ def test_unknown_or_empty_limits_are_refused() -> None:
         engine_limits("h100")
     with pytest.raises(ValueError):
         engine_limits(max_num_seqs=0)
+
+
+def test_a_token_budget_below_the_sequences_is_refused_as_vllm_refuses_it() -> None:
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(1\) must be >= max_num_seqs \(256\)"):
+        engine_limits(max_num_batched_tokens=1)
+    assert engine_limits(max_num_batched_tokens=256).max_num_batched_tokens == 256  # equal is allowed

@@ -23,6 +23,13 @@ class EngineLimits:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError(f"engine limits {self.name}: both limits must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # vLLM refuses the same (vllm/config/scheduler.py): a step must have a token for
+            # every running sequence, or a full batch could never decode.
+            raise ValueError(
+                f"engine limits {self.name}: max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_num_seqs ({self.max_num_seqs}), as vLLM requires"
+            )
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         scheduler = replace(
