@@ -75,12 +75,18 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
-
     p = subparsers.add_parser("fleet", help="a fleet of simulated replicas behind the gateway's routing")
     p.add_argument(
         "--replicas", type=positive_int, default=4, help="replicas at the start (the fixed fleet's size)"
     )
+    _add_trace_args(p)
+    _add_scaling_args(p)
+    _add_run_args(p)
+    p.set_defaults(func=main)
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    """What the fleet is sent: the trace, how it is scaled and how much of it."""
     p.add_argument("--trace", type=Path, help=f"request trace (default: shared/data/{TRACE_FILE})")
     p.add_argument(
         "--rate-scale",
@@ -101,6 +107,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=positive_int,
         help="replay only the trace's first N rows (with --scale-by copies, about N x scale requests)",
     )
+
+
+def _add_scaling_args(p: argparse.ArgumentParser) -> None:
+    """How requests are routed, how the fleet grows and shrinks, and which replicas die."""
+    from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
+
     p.add_argument("--router", default="tier-aware", help=f"{', '.join(ROUTER_CHOICES)}, a list, or all")
     p.add_argument(
         "--autoscale",
@@ -138,6 +150,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="T[@I]",
         help="replica I (0) dies at T s",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Each engine's policy, the tier draw, the simulation mode and the output."""
     p.add_argument("--policy", default="hybrid", help="each engine's scheduling policy")
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument(
@@ -158,7 +174,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--out", type=Path, default=Path("bench-out/fleet"), help="results folder (default: %(default)s)"
     )
     p.add_argument("--json", action="store_true", help="print the per-run summaries as JSON")
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -51,8 +51,7 @@ def trace_stream(
     """
     _check(rate_scale, scale_by)
     mix = mix or TierMix()
-    # Children 0 and 1 are what they were before copies existed: "time" replays are unchanged.
-    tier_seed, token_seed, copy_seed = np.random.SeedSequence(seed).spawn(3)
+    tier_seed, token_seed, copy_seed = _seeds(seed)
     tier_rng = np.random.default_rng(tier_seed)
     token_rng = np.random.default_rng(token_seed)
     if scale_by == "time":
@@ -88,8 +87,14 @@ def replay_count(
     _check(rate_scale, scale_by)
     if scale_by == "time":
         return len(records)
-    _, _, copy_seed = np.random.SeedSequence(seed).spawn(3)
+    _, _, copy_seed = _seeds(seed)
     return int(_copy_counts(len(records), rate_scale, copy_seed).sum())
+
+
+def _seeds(seed: int) -> list[np.random.SeedSequence]:
+    """The streams of a replay: tiers, prompt tokens, copies. The first two are what they
+    were before copies existed, so "time" replays are unchanged."""
+    return np.random.SeedSequence(seed).spawn(3)
 
 
 def _check(rate_scale: float, scale_by: str) -> None:
