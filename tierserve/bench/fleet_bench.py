@@ -23,6 +23,10 @@ TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
 WORKLOAD = "default"  # the deployment each replica runs
 ROUTER_CHOICES = ("round-robin", "least-loaded", "prefix-affinity", "tier-aware")
 SCALING_CHOICES = ("fixed", "utilization", "tier")
+# Bounds on what one run may ask for: each replica is a whole engine in memory (about 10 MB,
+# more with its requests), and a run of more replicas than this is a capacity plan for a
+# different tool.
+MAX_REPLICAS = 512
 
 
 def default_trace() -> Path:
@@ -58,7 +62,18 @@ def parse_kill(text: str) -> tuple[float, int]:
 
 def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
     """What argparse cannot see: the fleet bounds and the kills against the fleet."""
+    from tierserve.gateway.config import GatewaySettings
+
     scales = scalings != ["fixed"]
+    for flag, n in (("--replicas", args.replicas), ("--max-replicas", args.max_replicas if scales else 0)):
+        if n > MAX_REPLICAS:
+            raise FleetArgsError(f"{flag} {n}: at most {MAX_REPLICAS} simulated replicas in one run")
+    scrape_s = GatewaySettings().scrape_interval_s
+    if scales and args.scale_interval_s < scrape_s:
+        raise FleetArgsError(
+            f"--scale-interval-s {args.scale_interval_s:g}: the autoscaler decides on the gateway's "
+            f"scrapes, one every {scrape_s:g} s; decide at most that often"
+        )
     if scales and args.min_replicas > args.max_replicas:
         raise FleetArgsError(f"--min-replicas {args.min_replicas} exceeds --max-replicas {args.max_replicas}")
     if scales and not args.min_replicas <= args.replicas <= args.max_replicas:
@@ -177,7 +192,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tierserve.bench.output import source_commit
+    from tierserve.bench.output import make_out_dir, source_commit
     from tierserve.fleet.bench import FleetBench
 
     try:  # before the trace is looked for: a bad argument is said first
@@ -191,9 +206,9 @@ def main(args: argparse.Namespace) -> int:
     commit = source_commit()  # the code that runs: a commit made during a long run is not it
     started = time.process_time()
     bench = FleetBench(args, trace)
+    make_out_dir(args.out)  # now: a bad --out must not cost the runs
     runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
     meta = bench.meta(commit, time.process_time() - started)
-    args.out.mkdir(parents=True, exist_ok=True)
     from tierserve.fleet.report import write_plots, write_report
 
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))

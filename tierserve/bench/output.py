@@ -9,10 +9,19 @@ from typing import Any
 
 
 def make_out_folder(out: str | None) -> None:
-    """Make `out`'s folder now, so that a path that cannot be written fails before the
-    benchmark runs rather than after (OSError)."""
+    """Make the folder of the result file `out` now, so that a path that cannot be written
+    fails before the benchmark runs rather than after (OSError, or ValueError for a folder)."""
     if out:
+        if Path(out).is_dir():
+            raise ValueError(f"--out {out} is a folder: name the JSON file to write")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
+
+
+def make_out_dir(out: Path) -> None:
+    """Make the results folder `out` now (see `make_out_folder`)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Callable[[], None]) -> None:

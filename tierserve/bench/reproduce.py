@@ -202,9 +202,11 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from tierserve.bench import report
     from tierserve.bench.matrix import run_matrix
+    from tierserve.bench.output import make_out_dir
 
     try:
         matrix = matrix_from_args(args)
+        make_out_dir(Path(args.out))  # now: a bad --out must not cost the whole matrix
     except (ValueError, OSError) as e:
         print(f"tierserve bench reproduce: {e}", file=sys.stderr)
         return 2

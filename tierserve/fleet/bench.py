@@ -21,6 +21,12 @@ from tierserve.workloads import RequestSpec, TierMix, get_preset, load_trace, tr
 from tierserve.workloads.trace_stream import replay_count
 
 WORKLOAD = "default"  # each replica: this workload's model on its GPUs
+# Bounds on one run, checked before it starts. The gateway scrapes every replica every
+# 0.5 virtual seconds and the autoscaler decides on its interval, busy or idle, so the CPU
+# a run takes grows with its virtual span as well as with its requests.
+MAX_SPAN_S = 31 * 86_400.0  # a month of virtual time
+MAX_REQUESTS = 10_000_000  # hours of CPU at a fleet's few thousand requests per CPU-second
+MAX_BINS = 100_000  # over-time bins in the summary and the plots
 
 
 class FleetBench:
@@ -30,6 +36,7 @@ class FleetBench:
         self.rows = load_trace(trace)[: args.max_requests]
         if not self.rows:
             raise ValueError(f"{trace}: no requests")
+        self._check_size()
         self.preset = get_preset(WORKLOAD)
         self.setup = BenchSetup(tier_mix=args.tier_mix)
         self.engine_config = self.setup.engine_config()
@@ -39,6 +46,31 @@ class FleetBench:
             raise ValueError(
                 f"--rate-scale {args.rate_scale:g} --scale-by copies keeps none of the trace's "
                 f"{len(self.rows)} rows (about {args.rate_scale * len(self.rows):.2g} requests expected)"
+            )
+
+    def _check_size(self) -> None:
+        """Refuse, before anything runs, a run that could not end in reasonable time or memory:
+        too many requests, too long a virtual span, too many over-time bins."""
+        a, rows = self.args, self.rows
+        if a.scale_by == "copies" and a.rate_scale * len(rows) > MAX_REQUESTS:
+            raise ValueError(
+                f"--rate-scale {a.rate_scale:g} --scale-by copies makes about {a.rate_scale * len(rows):.3g} "
+                f"requests from {len(rows)} rows; at most {MAX_REQUESTS:,} in one run"
+            )
+        span_s = rows[-1].arrival_s - rows[0].arrival_s
+        if a.scale_by == "time":
+            span_s /= a.rate_scale
+        if span_s > MAX_SPAN_S:
+            raise ValueError(
+                f"the trace at --rate-scale {a.rate_scale:g} spans {span_s / 86_400:.3g} days of virtual "
+                f"time; at most {MAX_SPAN_S / 86_400:g} (the gateway scrapes every replica every 0.5 s "
+                "of it): raise --rate-scale or cut the trace"
+            )
+        num_bins = (span_s + FleetConfig.drain_timeout_s) / a.bin_s
+        if num_bins > MAX_BINS:
+            raise ValueError(
+                f"--bin-s {a.bin_s:g} cuts the run (up to {span_s + FleetConfig.drain_timeout_s:.3g} s) into "
+                f"{num_bins:.3g} bins; at most {MAX_BINS:,}: use a wider --bin-s"
             )
 
     def _executor(self) -> Any:
@@ -59,7 +91,8 @@ class FleetBench:
         autoscale = AutoscaleConfig(
             ScalingPolicy(scaling),
             min_replicas=min(a.min_replicas, a.replicas),
-            max_replicas=max(a.max_replicas, a.replicas),
+            # A fixed fleet never grows: --max-replicas is the autoscalers' bound only.
+            max_replicas=a.replicas if scaling == "fixed" else max(a.max_replicas, a.replicas),
             startup_delay_s=a.startup_delay_s,
             interval_s=a.scale_interval_s,
             idle_s=a.idle_s,

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tierserve.fleet.sim import FleetConfig
 from tierserve.tiers import ALL_TIERS
 
 Run = Mapping[str, Any]
@@ -35,6 +36,26 @@ def table(runs: Sequence[Run]) -> list[str]:
     return lines
 
 
+def outcomes_table(runs: Sequence[Run]) -> list[str]:
+    """Where every request went, and the tiers' TTFT at the gateway."""
+    head = ["router", "scaling", "replicas launched", "CPU s", "P0 TTFT p50 / p99", "P1 TTFT p50 / p99"]
+    head += ["P2 TTFT p50", "P3 TTFT p50", "outcomes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        s, tiers = r["summary"], r["summary"]["tiers"]
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items(), key=lambda kv: -kv[1]))
+        cells = [r["router"], r["scaling"], str(s["num_replicas_launched"]), f"{r['cpu_s']:.1f}"]
+        cells += [f"{_s(tiers[t]['ttft_p50_s'])} / {_s(tiers[t]['ttft_p99_s'])}" for t in ("P0", "P1")]
+        cells += [_s(tiers[t]["ttft_p50_s"]) for t in ("P2", "P3")]
+        cells.append(outcomes or "none")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3g} s"
+
+
 def _scaled(meta: Mapping[str, Any]) -> str:
     if meta.get("scale_by") == "copies":
         return f"by copies (its {meta['num_trace_rows']} rows over its own span)"
@@ -55,6 +76,12 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         "Goodput: attaining requests per second. GPU-hours include model loading.",
         "",
         *table(runs),
+        "",
+        "Every request sent is in the outcomes: completed, refused by the gateway (with its reason), "
+        "shed or rejected by an engine, lost with its replica after its first token, or unfinished "
+        f"when the run ended ({FleetConfig.drain_timeout_s:g} s after the last arrival).",
+        "",
+        *outcomes_table(runs),
         "",
     ]
     for r in runs:

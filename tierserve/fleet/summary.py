@@ -22,7 +22,15 @@ import numpy as np
 
 from tierserve.bench.summary import short_span
 from tierserve.config import EngineConfig
-from tierserve.fleet.requests import COMPLETED, LOST, REFUSED_PREFIX, UNFINISHED, FleetRequest
+from tierserve.fleet.requests import (
+    COMPLETED,
+    LOST,
+    REFUSED_PREFIX,
+    REJECTED,
+    SHED,
+    UNFINISHED,
+    FleetRequest,
+)
 from tierserve.fleet.sim import FleetResult
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -48,8 +56,10 @@ def tier_figures(reqs: Sequence[FleetRequest], config: EngineConfig, span_s: flo
         "num_completed": sum(fr.outcome == COMPLETED for fr in reqs),
         "num_refused": sum((fr.outcome or "").startswith(REFUSED_PREFIX) for fr in reqs),
         "num_lost": sum(fr.outcome == LOST for fr in reqs),
+        "num_shed": sum(fr.outcome == SHED for fr in reqs),
+        "num_rejected": sum(fr.outcome == REJECTED for fr in reqs),
+        "num_unfinished": sum(fr.outcome in (None, UNFINISHED) for fr in reqs),
         "num_retried": sum(fr.num_retries > 0 for fr in reqs),
-        "num_unfinished": sum(fr.outcome == UNFINISHED for fr in reqs),
         "ttft_p50_s": _percentile(ttfts, 50),
         "ttft_p99_s": _percentile(ttfts, 99),
     }
@@ -77,7 +87,9 @@ def over_time(reqs: Sequence[FleetRequest], config: EngineConfig, bin_s: float) 
 
 def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[str, Any]:
     reqs = result.requests
-    span = max((fr.arrival_s for fr in reqs), default=0.0) or result.end_s
+    # The arrivals' span, as `bench reproduce` measures it: a trace whose requests all come at
+    # once has none, and its goodput is not measured (`short_span`).
+    span = max((fr.arrival_s for fr in reqs), default=0.0) - min((fr.arrival_s for fr in reqs), default=0.0)
     unmeasured = short_span(span, [fr.finish_s - fr.arrival_s for fr in reqs if fr.finish_s is not None])
     by_tier = {t: [fr for fr in reqs if fr.tier is t] for t in ALL_TIERS}
     outcomes: dict[str, int] = {}
