@@ -94,6 +94,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "sim-check", "--shape", "zz"], 2, "shape 'zz'"),
         (["bench", "serve", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
         (["bench", "sim-check", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
+        (["bench", "sim-speed", "--out", "/"], 2, "--out / is a folder: name the JSON file"),
+        (["bench", "reproduce", "--quick", "--out", "/dev/null"], 2, "--out /dev/null exists and is not a folder"),
         (["serve", "--config", "/"], 2, "/: Is a directory"),
         (["bench", "sim-check", "--model", "gpt-9"], 2, "gpt-9"),
         pytest.param(["bench", "sim-check", "--device", "cuda"], 2, "no CUDA device", marks=cpu_only),
