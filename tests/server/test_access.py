@@ -248,3 +248,24 @@ def test_api_docs_can_be_turned_off_on_an_open_server() -> None:
     assert parse_serve_config({}).serves_api_docs
     with pytest.raises(ConfigError, match=r"server\.api_docs"):
         parse_serve_config({"server": {"api_docs": "yes"}})
+
+
+def test_a_tier_closed_by_a_queue_cap_of_0_is_named_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`[limits.queue_cap] P0 = 0` refuses every P0 request; it used to start without a word,
+    and an idle server then answered P0 with 503s that read like an outage."""
+    import socket
+
+    from tierserve.cli import main
+
+    path = tmp_path / "closed.toml"
+    path.write_text("[limits]\nrequests_per_s = 10\n[limits.queue_cap]\nP0 = 0\nP3 = 5\n")
+    with socket.socket() as busy:  # the start stops at the port check, after the warnings
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        caplog.set_level(logging.WARNING)
+        assert main(["serve", "--backend", "sim", "--config", str(path), "--port", str(port)]) == 2
+    closed = [r.getMessage() for r in caplog.records if "queue_cap" in r.getMessage()]
+    assert closed == ["limits.queue_cap.P0 = 0: every P0 request is refused (503 queue_full)"]

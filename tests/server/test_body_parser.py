@@ -140,3 +140,43 @@ def test_a_large_valid_prompt_is_served_whole(server: LiveServer) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 300
     assert server.state.body_parser.num_parsed_in_process == before + 1
+
+
+_SERVER = """
+import os, sys, time
+from tierserve.server.body_parser import BodyParser
+parser = BodyParser()
+parser.start()
+print(*parser._pool._processes, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for a parent to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_the_worker_exits_when_its_server_is_killed_outright() -> None:
+    """A server killed with SIGKILL never shuts its pool down; the worker, which holds both
+    ends of its job queue, waited for a job for ever (found still running minutes later)."""
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        worker = int(server.stdout.readline())
+        assert _alive(worker)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)

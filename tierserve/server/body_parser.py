@@ -18,8 +18,9 @@ Everything else (the model check, the tier, the options, the limits) runs as for
 body, in the same order, so a large body gets the same answer a small one would.
 
 The worker runs at the lowest CPU priority (it shares the server's CPUs, and a parse must
-not take a time slice from the event loop). Without the process (not started, or it
-died) the parse runs on a thread as before; a dead worker is replaced once the job that
+not take a time slice from the event loop), and exits within a second of a server that was
+killed outright. Without the process (not started, or it died) the parse runs on a thread
+as before; a dead worker is replaced once the job that
 found it dead has been served.
 """
 
@@ -30,6 +31,8 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
@@ -93,14 +96,28 @@ def _compact(body: Body) -> Body:
 
 
 WORKER_NICENESS = 19
+PARENT_CHECK_S = 0.5  # how often the worker looks for its server
 
 
-def _background_priority() -> None:
-    """In the worker: the lowest CPU priority. It shares the server's CPUs (it inherits
-    their affinity), and a token due on the event loop must not wait for a time slice of
-    a parse."""
+def _worker_init() -> None:
+    """In the worker: the lowest CPU priority, and an exit when the server is gone.
+
+    It shares the server's CPUs (it inherits their affinity), and a token due on the event
+    loop must not wait for a time slice of a parse. A server killed outright (SIGKILL, a
+    crash) never shuts the pool down, and the worker holds both ends of its own job queue,
+    so it would wait for a job for ever: a thread watches for the server's exit instead."""
     with contextlib.suppress(OSError):  # not permitted here: it runs at normal priority
         os.nice(WORKER_NICENESS)
+    server = os.getppid()
+    threading.Thread(target=_exit_with, args=(server,), name="parent-watch", daemon=True).start()
+
+
+def _exit_with(server: int) -> None:
+    """Exit once this process's parent is no longer `server` (it died, and the process was
+    handed to another)."""
+    while os.getppid() == server:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
 
 
 class BodyParser:
@@ -122,7 +139,7 @@ class BodyParser:
         if self._pool is not None:
             return
         pool = ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_background_priority
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
         )
         try:
             pool.submit(parse, "completion", b'{"model": "warm-up", "prompt": [0]}').result(timeout=120)

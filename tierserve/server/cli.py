@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.server.engine_client import EngineStartError
     from tierserve.server.http_guard import uvicorn_options
     from tierserve.server.listen_check import cannot_listen
-    from tierserve.server.permissive import log_permissive_settings
+    from tierserve.server.permissive import closed_tiers, log_permissive_settings
     from tierserve.server.state import spawn_state
 
     logging.basicConfig(
@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
     log_permissive_settings(config, log)
+    for line in closed_tiers(config):
+        log.warning("%s", line)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     problem = cannot_listen(host, port)  # asked before the model loads, which may take minutes

@@ -1,4 +1,5 @@
-"""The settings that open a server up, each named in a WARNING line at start-up."""
+"""The settings that open a server up, and those that close a tier of it, each named in a
+WARNING line at start-up."""
 
 from __future__ import annotations
 
@@ -49,6 +50,16 @@ def permissive_settings(config: ServeConfig) -> list[str]:
             f"{soft}: raise it (ulimit -n) or lower max_connections, or connections fail at accept"
         )
     return lines
+
+
+def closed_tiers(config: ServeConfig) -> list[str]:
+    """One line per tier that `tierserve serve` refuses every request of (a queue cap of 0):
+    a legitimate setting, but one that looks like an outage from outside."""
+    return [
+        f"limits.queue_cap.{tier.name} = 0: every {tier.name} request is refused (503 queue_full)"
+        for tier, cap in sorted(config.limits.queue_caps.items())
+        if cap == 0
+    ]
 
 
 def log_permissive_settings(config: ServeConfig, log: logging.Logger) -> None:
