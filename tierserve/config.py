@@ -144,7 +144,10 @@ def validate(config: EngineConfig) -> EngineConfig:
             if not 0 <= getattr(t, name) <= 1:
                 raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
         if t.ceiling < t.floor + t.reserve:
-            raise ConfigError(f"{p}.ceiling: {t.ceiling} is below floor + reserve ({t.floor} + {t.reserve})")
+            default = " (its default: set it too)" if t.ceiling == DEFAULT_TIERS[tier].ceiling else ""
+            raise ConfigError(
+                f"{p}.ceiling: {t.ceiling}{default} is below floor + reserve ({t.floor} + {t.reserve})"
+            )
         if t.expected_output_tokens < 1:
             raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
     total = sum(config.tiers[t].floor + config.tiers[t].reserve for t in ALL_TIERS)
@@ -224,6 +227,8 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: no such config file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def load_config(path: str | Path) -> EngineConfig:

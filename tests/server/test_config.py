@@ -68,3 +68,29 @@ def test_missing_file_and_bad_toml_are_config_errors(tmp_path: Path) -> None:
     bad.write_text("[server\nport = 1\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_serve_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        # The redis library's own error named neither the setting nor came before the start.
+        ({"server": {"ratelimit": {"redis_url": "notaurl"}}}, "server.ratelimit.redis_url: expected a URL"),
+        # Tier(7)'s "7 is not a valid Tier" named no valid value.
+        (
+            {"tenants": {"a": {"api_keys": ["k"], "max_tier": 7}}},
+            "tenants.a.max_tier: expected a tier name or 0..3",
+        ),
+        # The ceiling was named, though the file never set it: say that it is the default.
+        ({"tiers": {"P0": {"floor": 0.6}}}, r"tiers.P0.ceiling: 0.4 \(its default: set it too\)"),
+    ],
+)
+def test_errors_name_the_setting_and_what_it_takes(raw: dict[str, object], said: str) -> None:
+    with pytest.raises(ConfigError, match=said):
+        parse_serve_config(raw)
+
+
+def test_a_config_that_is_not_utf8_names_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "utf16.toml"
+    path.write_bytes("[server]\nport = 1\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=f"{path}: not UTF-8 text"):
+        load_serve_config(path)

@@ -163,6 +163,8 @@ def _tier(path: str, value: Any) -> Tier:
     try:
         return Tier.parse(value)
     except ValueError as e:
+        if isinstance(value, int):  # Tier(7)'s message names no valid value
+            raise ConfigError(f"{path}: expected a tier name or 0..3, got {value}") from None
         raise ConfigError(f"{path}: {e}") from None
 
 
@@ -191,12 +193,22 @@ def _rate_limit(path: str, raw: Mapping[str, Any]) -> RateLimit:
     )
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _redis_url(path: str, value: Any) -> str:
+    url = _string(path, value)
+    if not url.startswith(REDIS_SCHEMES):
+        raise ConfigError(f"{path}: expected a URL starting {', '.join(REDIS_SCHEMES)}, got {url!r}")
+    return url
+
+
 def _ratelimit_backend(path: str, raw: Mapping[str, Any]) -> RateLimitBackendConfig:
     _reject_unknown(path, raw, ("backend", "redis_url", "fail_mode", "redis_timeout_s", "key_prefix"))
     base = RateLimitBackendConfig()
     return RateLimitBackendConfig(
         backend=_string(f"{path}.backend", raw.get("backend", base.backend), ("memory", "redis")),
-        redis_url=_string(f"{path}.redis_url", raw.get("redis_url", base.redis_url)),
+        redis_url=_redis_url(f"{path}.redis_url", raw.get("redis_url", base.redis_url)),
         fail_mode=_string(f"{path}.fail_mode", raw.get("fail_mode", base.fail_mode), ("open", "closed")),
         redis_timeout_s=_number(
             f"{path}.redis_timeout_s",
