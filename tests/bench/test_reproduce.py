@@ -138,6 +138,9 @@ def test_explicit_cells_and_traces() -> None:
     assert closed.groups == (("default", "closed", 64.0),)
     twice = matrix_from_args(parse("--workloads", "mooncake", "--trace", "mooncake"))
     assert twice.groups == (("mooncake", "trace", 1.0),)  # named twice, run once
+    # So is a load given twice (the pooled results held the cell twice; a seed twice is refused).
+    again = matrix_from_args(parse("--workloads", "mooncake", "--trace-scale", "1", "2", "2"))
+    assert again.groups == (("mooncake", "trace", 1.0), ("mooncake", "trace", 2.0))
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,25 @@ def test_a_trace_that_is_not_utf8_names_its_file(tmp_path: Path, name: str, data
     path.write_bytes(data)
     with pytest.raises(TraceFormatError, match=f"{path}: not UTF-8 text"):
         load_trace(path)
+
+
+def test_what_the_csv_loader_takes_the_jsonl_loader_takes_too(tmp_path: Path) -> None:
+    """A byte order mark (the CSV loader took it, the JSONL one called it invalid JSON), a line
+    of spaces (skipped like an empty one, not "expected 3 columns, got 1"), and an upper-case
+    extension (refused as an unknown format)."""
+    bom = tmp_path / "bom.jsonl"
+    bom.write_text('{"timestamp": 0, "input_length": 5, "output_length": 5}\n', encoding="utf-8-sig")
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in load_trace(bom)] == [(5, 5)]
+    spaced = write(tmp_path, "SPACED.CSV", AZURE_HEADER + "2023-11-16 18:17:03.0,5,5\n   \n")
+    assert [r.num_prompt_tokens for r in load_trace(spaced)] == [5]
+
+
+def test_a_folder_named_as_a_trace_is_called_a_folder(tmp_path: Path) -> None:
+    from tierserve.workloads import get_preset
+
+    folder = tmp_path / "t.csv"
+    folder.mkdir()
+    with pytest.raises(TraceFormatError, match="a folder, not a trace file"):
+        load_trace(folder)
+    with pytest.raises(ValueError, match="a folder, not a trace file"):
+        get_preset(str(folder))

@@ -85,7 +85,8 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
     for at_s, replica in args.kill:
         if replica >= most:
             raise FleetArgsError(
-                f"--kill {at_s:g}@{replica}: the fleet never has a replica {replica} (at most {most})"
+                f"--kill {at_s:g}@{replica}: the fleet never has a replica {replica} "
+                f"(its replicas are numbered 0 to {most - 1})"
             )
 
 

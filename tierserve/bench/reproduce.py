@@ -20,7 +20,7 @@ from typing import Any
 from tierserve.bench.cell import SIM_MODES, BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
-from tierserve.cli_args import positive_float, positive_int
+from tierserve.cli_args import non_negative_int, positive_float, positive_int
 from tierserve.scheduling.registry import BENCH_POLICIES
 
 DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
@@ -56,7 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--policies", nargs="+", help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)})"
     )
-    p.add_argument("--seed", type=int, nargs="+", default=[0], help="workload seeds, pooled (default: 0)")
+    p.add_argument(
+        "--seed", type=non_negative_int, nargs="+", default=[0], help="workload seeds, pooled (default: 0)"
+    )
     p.add_argument(
         "--workloads",
         nargs="+",
@@ -132,7 +134,7 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
             }.get(pattern, args.loads or LOAD_FRACTIONS)
             if any(x <= 0 for x in loads):
                 raise ValueError("loads, clients and trace scales must be positive")
-            groups += [(workload, pattern, float(x)) for x in loads]
+            groups += [(workload, pattern, x) for x in dict.fromkeys(map(float, loads))]  # each once
     return tuple(groups)
 
 

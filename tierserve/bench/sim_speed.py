@@ -23,7 +23,7 @@ from tierserve.bench.cell import BenchSetup, Cell, Driven, Pattern, cell_result,
 from tierserve.bench.host import snapshot
 from tierserve.bench.output import emit, make_out_folder
 from tierserve.bench.summary import summarize
-from tierserve.cli_args import positive_int
+from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
 
 DESCRIPTION = """\
@@ -161,7 +161,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--load", type=float, default=256, help="clients, or the trace's rate scale (default: 256)"
     )
     p.add_argument("--policy", choices=POLICIES, default="hybrid", help="(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument(
         "--requests", type=positive_int, default=1000, help="measured requests (default: %(default)s)"
     )

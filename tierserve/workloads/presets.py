@@ -76,7 +76,7 @@ PRESETS: Mapping[str, WorkloadPreset] = {
 }
 
 
-TRACE_SUFFIXES = (".csv", ".jsonl")
+TRACE_SUFFIXES = (".csv", ".jsonl", ".json")
 
 
 def get_preset(name: str) -> WorkloadPreset:
@@ -85,7 +85,9 @@ def get_preset(name: str) -> WorkloadPreset:
     if preset is not None:
         return preset
     path = Path(name)
-    if path.suffix in TRACE_SUFFIXES or path.parent != Path("."):
+    if path.suffix.lower() in TRACE_SUFFIXES or path.parent != Path("."):
+        if path.is_dir():
+            raise ValueError(f"{name}: a folder, not a trace file")
         if not path.is_file():
             raise ValueError(f"{name}: no such trace file")
         base = PRESETS["default"]

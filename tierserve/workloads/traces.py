@@ -75,7 +75,7 @@ def load_azure_csv(path: str | Path) -> list[TraceRecord]:
         origin: datetime | None = None
         for row in reader:
             where = f"{p}:{reader.line_num}"
-            if not row:
+            if not row or (len(row) == 1 and not row[0].strip()):  # blank, or only spaces
                 continue
             if len(row) != len(AZURE_COLUMNS):
                 raise TraceFormatError(f"{where}: expected {len(AZURE_COLUMNS)} columns, got {len(row)}")
@@ -109,7 +109,7 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
     p = Path(path)
     records: list[TraceRecord] = []
     origin_ms: float | None = None
-    with p.open() as f:
+    with p.open(encoding="utf-8-sig") as f:  # a BOM, as the CSV loader takes it
         for line_no, line in enumerate(f, start=1):
             where = f"{p}:{line_no}"
             if not line.strip():
@@ -166,11 +166,14 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
 def load_trace(path: str | Path) -> list[TraceRecord]:
     """Pick the loader by extension: .csv (Azure) or .jsonl (Mooncake)."""
     p = Path(path)
+    if p.is_dir():
+        raise TraceFormatError(f"{p}: a folder, not a trace file")
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such trace file")
-    if p.suffix not in (".csv", ".jsonl", ".json"):
-        raise TraceFormatError(f"{p}: unknown trace format (expected .csv or .jsonl)")
+    suffix = p.suffix.lower()
+    if suffix not in (".csv", ".jsonl", ".json"):
+        raise TraceFormatError(f"{p}: unknown trace format (expected .csv, or .jsonl / .json lines)")
     try:
-        return load_azure_csv(p) if p.suffix == ".csv" else load_mooncake_jsonl(p)
+        return load_azure_csv(p) if suffix == ".csv" else load_mooncake_jsonl(p)
     except UnicodeDecodeError as e:
         raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
