@@ -206,11 +206,15 @@ def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
     raw_tiers = raw.get("tiers", {})
     if not isinstance(raw_tiers, Mapping):
         raise ConfigError("tiers: expected a table")
+    given: dict[Tier, str] = {}  # tier -> the name its table was given under
     for name, body in raw_tiers.items():
         try:
             tier = Tier.parse(name)
         except ValueError as e:
             raise ConfigError(f"tiers.{name}: {e}") from None
+        if tier in given:
+            raise ConfigError(f"tiers.{name}: tier {tier.name} is given twice (also as tiers.{given[tier]})")
+        given[tier] = name
         if not isinstance(body, Mapping):
             raise ConfigError(f"tiers.{name}: expected a table")
         tiers[tier] = _merge(f"tiers.{tier.name}", tiers[tier], body)

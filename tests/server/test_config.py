@@ -80,6 +80,14 @@ def test_missing_file_and_bad_toml_are_config_errors(tmp_path: Path) -> None:
             {"tenants": {"a": {"api_keys": ["k"], "max_tier": 7}}},
             "tenants.a.max_tier: expected a tier name or 0..3",
         ),
+        # A default above the tenant's own ceiling was lowered to it without a word.
+        (
+            {"tenants": {"a": {"api_keys": ["k"], "max_tier": "P2", "default_tier": "P0"}}},
+            "tenants.a.default_tier: P0 is above the tenant's max_tier P2",
+        ),
+        # Two names for one tier were merged silently, the later winning.
+        ({"tiers": {"realtime": {"floor": 0.1}, "P0": {"floor": 0.2}}}, "tier P0 is given twice"),
+        ({"limits": {"queue_cap": {"realtime": 1, "P0": 5}}}, "tier P0 is given twice"),
         # The ceiling was named, though the file never set it: say that it is the default.
         ({"tiers": {"P0": {"floor": 0.6}}}, r"tiers.P0.ceiling: 0.4 \(its default: set it too\)"),
     ],

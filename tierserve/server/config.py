@@ -275,8 +275,14 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
 def _limits(raw: Mapping[str, Any]) -> LimitsConfig:
     _reject_unknown("limits", raw, (*_RATE_KEYS, "queue_cap"))
     caps = dict(DEFAULT_QUEUE_CAPS)
+    given: dict[Tier, str] = {}
     for name, value in _table("limits.queue_cap", raw.get("queue_cap", {})).items():
         tier = _tier(f"limits.queue_cap.{name}", name)
+        if tier in given:
+            raise ConfigError(
+                f"limits.queue_cap.{name}: tier {tier.name} is given twice (also as {given[tier]})"
+            )
+        given[tier] = name
         caps[tier] = int(_number(f"limits.queue_cap.{name}", value, minimum=0, integer=True))
     return LimitsConfig(global_limit=_rate_limit("limits", raw), queue_caps=caps)
 
@@ -293,6 +299,11 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
         seen_keys[key] = name
     max_tier = _tier(f"{path}.max_tier", raw.get("max_tier", "P3"))
     default_tier = _tier(f"{path}.default_tier", raw.get("default_tier", "P1"))
+    if "default_tier" in raw and "max_tier" in raw and default_tier < max_tier:
+        # Both given: the default would always be lowered to max_tier without a word.
+        raise ConfigError(
+            f"{path}.default_tier: {default_tier.name} is above the tenant's max_tier {max_tier.name}"
+        )
     return TenantConfig(
         name=name,
         api_keys=tuple(keys),
