@@ -73,8 +73,27 @@ def test_a_model_that_does_not_fit_says_so_and_names_a_tp_that_fits(
 ) -> None:
     assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "1"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == ""  # no "capacity 0 tokens" figures
+    assert captured.out == ""  # no "capacity 0 tokens" figures (--json: the verdict, below)
     [line] = captured.err.splitlines()
     assert "does not fit on 1 x" in line and "try --tp 2" in line
     assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_capacity_tokens"] > 0
+
+
+def test_a_shape_no_engine_runs_is_predicted_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefill past the model's context and a decode batch whose K/V does not fit were
+    printed as ordinary steps."""
+    argv = ["profile", "--model", "llama-3.1-8b", "--gpu", "h200", "--prefill-tokens", "10000000"]
+    assert run([*argv, "--batch", "100000"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert len(notes) == 2 and "exceeds the model's context (131,072)" in notes[0]
+    assert "over the" in notes[1] and "that fit" in notes[1]
+    assert run(["profile", "--model", "llama-3.1-8b", "--gpu", "h200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["beyond_limits"] == []  # the defaults are a real step
+
+
+def test_json_says_when_the_model_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--json"]) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["fits"] is False and "try --tp 2" in out["reason"] and "does not fit" in captured.err

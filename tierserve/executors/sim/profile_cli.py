@@ -4,7 +4,10 @@ tierserve profile --model llama-3.1-70b --gpu a100-80gb --tp 8 [--prefill-tokens
                   [--batch 1 --context 2048] [--mem-util 0.9] [--json]
 
 A model whose weights leave no room for the K/V cache does not fit: one line on stderr
-that says so and names the smallest --tp that fits, and exit status 1 (bad arguments: 2).
+that says so and names the smallest --tp that fits, and exit status 1 (bad arguments: 2;
+with --json, the verdict is on stdout too, as `fits` and `reason`). A shape no engine would
+run (a prefill or context beyond the model's context, a decode batch whose K/V does not
+fit) is still predicted, with a note (`beyond_limits` in the JSON).
 """
 
 from __future__ import annotations
@@ -142,6 +145,23 @@ def does_not_fit(figures: Profile) -> str | None:
     )
 
 
+def beyond_limits(figures: Profile) -> list[str]:
+    """Shapes the engine would never run, each in a line: the figures are still the cost
+    model's, but for a step no deployment of this model takes."""
+    context = get_model(figures.model).max_position_embeddings
+    notes = []
+    for what, tokens in (("a prefill", figures.prefill_tokens), ("a context", figures.context + 1)):
+        if tokens > context:
+            notes.append(f"{what} of {tokens:,} tokens exceeds the model's context ({context:,})")
+    held = figures.batch * (figures.context + 1)
+    if held > figures.kv_capacity_tokens:
+        notes.append(
+            f"a decode step of {figures.batch:,} x {figures.context + 1:,} tokens holds {held:,} tokens "
+            f"of K/V, over the {figures.kv_capacity_tokens:,} that fit"
+        )
+    return notes
+
+
 def _fits(figures: Profile, tp: int) -> bool:
     try:
         cm = CostModel(get_gpu(figures.gpu), get_model(figures.model), tp)
@@ -160,7 +180,15 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_ARGUMENTS
     reason = does_not_fit(figures)
     if reason is not None:
+        if args.json:  # a JSON reader gets the verdict on stdout too
+            print(json.dumps({"fits": False, "reason": reason} | dataclasses.asdict(figures), indent=2))
         print(f"tierserve profile: {reason}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
-    print(json.dumps(dataclasses.asdict(figures), indent=2) if args.json else figures.text())
+    notes = beyond_limits(figures)
+    if args.json:
+        print(json.dumps({"fits": True, "beyond_limits": notes} | dataclasses.asdict(figures), indent=2))
+        return 0
+    print(figures.text())
+    for note in notes:
+        print(f"  note: {note}; no engine runs such a step")
     return 0
