@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 
+from tierserve.cli_args import port
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
 
@@ -19,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--config", required=True, help="TOML: [gateway], [[upstreams]] and the server's sections")
     p.add_argument("--host", default=None, help="bind address (default: [server].host)")
-    p.add_argument("--port", type=int, default=None, help="port (default: [server].port)")
+    p.add_argument("--port", type=port, default=None, help="port (default: [server].port)")
     add_http_flags(p)
     p.add_argument(
         "--log-level",
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.gateway.drain import DrainingGateway
     from tierserve.gateway.state import build_gateway_state
     from tierserve.server.http_guard import uvicorn_options
+    from tierserve.server.listen_check import cannot_listen
     from tierserve.server.permissive import log_permissive_settings
 
     logging.basicConfig(
@@ -53,13 +55,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     server = dataclasses.replace(config.serve.server, http=http)
     config = dataclasses.replace(config, serve=dataclasses.replace(config.serve, server=server))
+    host = args.host or server.host
+    port_number = server.port if args.port is None else args.port
+    problem = cannot_listen(host, port_number)  # asked before the upstreams are polled
+    if problem is not None:
+        print(f"tierserve gateway: {problem}", file=sys.stderr)
+        return 2
     log_permissive_settings(config.serve, logging.getLogger("tierserve.gateway"))
     gw = build_gateway_state(config)
     app = create_gateway_app(gw)
     uv_config = uvicorn.Config(
         app,
-        host=args.host or server.host,
-        port=server.port if args.port is None else args.port,
+        host=host,
+        port=port_number,
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

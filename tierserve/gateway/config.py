@@ -83,11 +83,8 @@ class GatewayConfig:
 def _upstream(i: int, raw: Mapping[str, Any], names: set[str]) -> UpstreamConfig:
     path = f"upstreams[{i}]"
     _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight", "order"))
-    url = _string(f"{path}.url", raw.get("url")).rstrip("/")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ConfigError(f"{path}.url: expected http(s)://host:port, got {url!r}")
-    name = _string(f"{path}.name", raw.get("name", parsed.netloc))
+    url = _base_url(f"{path}.url", _string(f"{path}.url", raw.get("url")))
+    name = _string(f"{path}.name", raw.get("name", urlparse(url).netloc))
     if name in names:
         raise ConfigError(f"{path}.name: {name!r} is used twice")
     names.add(name)
@@ -100,6 +97,22 @@ def _upstream(i: int, raw: Mapping[str, Any], names: set[str]) -> UpstreamConfig
         ),
         order=_string(f"{path}.order", raw["order"], QUEUE_ORDERS) if "order" in raw else None,
     )
+
+
+def _base_url(path: str, text: str) -> str:
+    """An upstream's base URL, the API's paths (`/v1/...`, `/metrics`) appended to it:
+    http(s), a host, a port of 1-65535 if one is given, and no query, fragment or `/v1`."""
+    url = text.rstrip("/")
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:  # not a number, or out of 0-65535
+        port = 0
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == 0:
+        raise ConfigError(f"{path}: expected http(s)://host:port with a port of 1-65535, got {text!r}")
+    if parsed.query or parsed.fragment or url.endswith("/v1"):
+        raise ConfigError(f"{path}: expected the base URL, without /v1, a query or a fragment, got {text!r}")
+    return url
 
 
 def _per_tier(raw: Mapping[str, Any], key: str) -> dict[Tier, Any]:
