@@ -35,11 +35,15 @@ def _event(i: int, last: bool) -> bytes:
 
 @dataclass
 class FakeUpstream:
-    """mode: "ok", "fail" (500 before any byte) or "break" (two events, then the connection drops)."""
+    """mode: "ok", "fail" (500 before any byte) or "break" (two events, then the connection drops).
+    A non-streaming reply comes after `reply_after_s`, or never if its client goes first
+    (counted in `num_clients_gone`)."""
 
     mode: str = "ok"
     num_events: int = 4
     event_gap_s: float = 0.0
+    reply_after_s: float = 0.0
+    num_clients_gone: int = 0
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -50,9 +54,21 @@ class FakeUpstream:
         if self.mode == "fail":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if not body.get("stream"):
+            if not await self._client_stays(request):
+                self.num_clients_gone += 1
+                return Response(status_code=499)
             usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
             return JSONResponse({"choices": [{"message": {"content": "ok"}}], "usage": usage})
         return StreamingResponse(self._stream(), media_type="text/event-stream")
+
+    async def _client_stays(self, request: Request) -> bool:
+        """Whether the client is still there after `reply_after_s`."""
+        deadline = time.monotonic() + self.reply_after_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     async def _stream(self) -> AsyncIterator[bytes]:
         for i in range(self.num_events):
@@ -74,6 +90,7 @@ class FakeUpstream:
                 Route("/metrics", metrics),
                 Route("/v1/models", models),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.chat, methods=["POST"]),
             ]
         )
 
@@ -112,7 +129,9 @@ def fake_upstream(fake: FakeUpstream) -> Iterator[str]:
 
 
 @contextmanager
-def gateway(upstream_urls: list[str], extra: str = "") -> Iterator[tuple[Running, GatewayState]]:
+def gateway(
+    upstream_urls: list[str], extra: str = "", drain_timeout_s: float = 10.0
+) -> Iterator[tuple[Running, GatewayState]]:
     import tomllib
 
     ups = "".join(
@@ -120,5 +139,7 @@ def gateway(upstream_urls: list[str], extra: str = "") -> Iterator[tuple[Running
     )
     config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{extra}\n{ups}"))
     gw = build_gateway_state(config)
-    with serve_thread(DrainingGateway, create_gateway_app(gw), gw=gw, drain_timeout_s=10.0) as running:
+    with serve_thread(
+        DrainingGateway, create_gateway_app(gw), gw=gw, drain_timeout_s=drain_timeout_s
+    ) as running:
         yield running, gw

@@ -101,3 +101,53 @@ def test_a_client_gone_mid_body_is_no_server_error_and_the_gateway_keeps_serving
     assert r.status_code == 200, r.text
     assert not fake.bodies[:-1]  # nothing of the cut request reached the upstream
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("tier", ["P0", "P1", "P2", "P3"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"model": "fake", "prompt": "\\ud800", "max_tokens": 2}'),
+        (
+            "/v1/chat/completions",
+            b'{"model": "fake", "messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+        ),
+    ],
+)
+def test_a_lone_surrogate_escape_is_invalid_json_at_every_tier(tier: str, path: str, body: bytes) -> None:
+    fake = FakeUpstream("ok")
+    with fake_upstream(fake) as url, gateway([url]) as (gw, _):
+        headers = {"content-type": "application/json", "x-request-tier": tier}
+        r = httpx.post(gw.url + path, content=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert not fake.bodies  # refused by the gateway, as `tierserve serve` refuses it
+
+
+def test_a_non_streaming_request_whose_client_leaves_is_dropped_upstream_too() -> None:
+    slow = FakeUpstream("ok", reply_after_s=20.0)
+    with fake_upstream(slow) as url, gateway([url]) as (gw, state):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while (state.num_in_flight or not slow.num_clients_gone) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        metrics = httpx.get(gw.url + "/metrics").text
+    assert slow.num_clients_gone == 1 and state.num_in_flight == 0
+    assert state.router.state("f0").num_in_flight == 0
+    assert 'tierserve_gateway_upstream_requests_total{outcome="client_left",upstream="f0"} 1.0' in metrics
+
+
+def test_a_stream_cut_at_the_drain_timeout_ends_with_an_error_event_and_done() -> None:
+    slow = FakeUpstream("ok", num_events=100, event_gap_s=0.1)
+    with fake_upstream(slow) as url, gateway([url], drain_timeout_s=0.5) as (gw, state):
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+        ) as r:
+            lines = r.iter_lines()
+            next(lines)
+            started = time.monotonic()
+            gw.server.handle_exit(signal.SIGTERM, None)
+            rest = [line for line in lines if line]
+        assert time.monotonic() - started < 5  # not the upstream's 10 s
+        assert any('"code": "aborted"' in line for line in rest) and rest[-1] == "data: [DONE]"
+        assert state.num_in_flight == 0 and not state.relays

@@ -1,8 +1,9 @@
 """Graceful shutdown of a gateway: SIGTERM stops admission, in-flight requests finish.
 
 New requests get 503 (`draining`) and /ready turns 503 while the requests already
-forwarded run to their end, up to the drain timeout; then uvicorn shuts down and the
-process exits with status 0. A second signal forces an immediate exit.
+forwarded run to their end, up to the drain timeout; then the streams still open end
+with an error event (`aborted`) and `data: [DONE]`, uvicorn shuts down and the process
+exits with status 0. A second signal forces an immediate exit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tierserve.gateway.state import GatewayState
 
 log = logging.getLogger("tierserve.gateway")
 POLL_S = 0.05
+CUT_GRACE_S = 2.0  # for the last event of each stream cut at the drain timeout to go out
 
 
 class DrainingGateway(uvicorn.Server):
@@ -52,5 +54,16 @@ class DrainingGateway(uvicorn.Server):
             await asyncio.sleep(POLL_S)
         if gw.num_in_flight:
             log.warning("drain timeout: %d requests still in flight are cut", gw.num_in_flight)
+            await self._cut_streams()
         log.info("drained; shutting down")
         self.should_exit = True
+
+    async def _cut_streams(self) -> None:
+        """End the streams still open with an error event and `data: [DONE]`, and wait
+        (briefly) for those to go out before uvicorn closes the connections."""
+        gw = self._gw
+        for relay in list(gw.relays):
+            relay.cut()
+        deadline = gw.clock.now() + CUT_GRACE_S
+        while gw.relays and gw.clock.now() < deadline:
+            await asyncio.sleep(POLL_S)

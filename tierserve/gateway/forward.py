@@ -11,6 +11,7 @@ an error event. Reserved tokens are settled with the upstream's reported usage.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -34,12 +35,13 @@ from tierserve.server.fast_routes import close_if_unread, unsupported_encoding
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, rate_refusal
-from tierserve.server.sse import SSEResponse
+from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.tenants import decide_tier, parse_declared_tier
 from tierserve.tiers import Tier
 
 log = logging.getLogger("tierserve.gateway")
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away
 
 
 @dataclass
@@ -59,8 +61,13 @@ class _Call:
 async def _read_body(
     http: HttpRequest, chat: bool
 ) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
+    """The body as sent (forwarded as is) and as validated. It is validated from its bytes,
+    as `tierserve serve` validates it, so that the server's 400s are the gateway's too:
+    a lone surrogate escape ("\\ud800"), which Python's `json` lets through, is
+    `invalid_json` at every tier."""
+    content = await http.body()
     try:
-        raw = json.loads(await http.body())
+        raw = json.loads(content)
     except ValueError as e:
         raise ApiError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
     except RecursionError:
@@ -69,7 +76,7 @@ async def _read_body(
         raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
-        return raw, model.model_validate(raw)
+        return raw, model.model_validate_json(content)
     except ValidationError as e:
         raise invalid_body(e.errors()) from None
 
@@ -120,7 +127,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     )
     gw.num_in_flight += 1
     try:
-        response = await _attempts(gw, call)
+        response = await (_attempts(gw, call) if call.stream else _unless_client_leaves(gw, call, http))
     except BaseException:
         gw.num_in_flight -= 1
         gw.spawn(gw.limiter.settle(call.reservation, 0))
@@ -128,6 +135,27 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     if not isinstance(response, SSEResponse):
         gw.num_in_flight -= 1
     return response
+
+
+async def _unless_client_leaves(gw: GatewayState, call: _Call, http: HttpRequest) -> Response:
+    """`_attempts` of a non-streaming request, given up when its client goes away first
+    (a stream's response watches its client itself): the upstream call is dropped, so the
+    upstream sees the client go too, and the reservation is kept whole, as for a stream
+    cut before its usage."""
+    attempts = asyncio.ensure_future(_attempts(gw, call))
+
+    def client_left() -> None:
+        attempts.cancel()
+
+    watcher = watch_disconnect(http.receive, client_left)
+    try:
+        return await attempts
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # not the client: the gateway is shutting down
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # no one reads it
+    finally:
+        watcher.cancel()
 
 
 async def _attempts(gw: GatewayState, call: _Call) -> Response:
@@ -151,6 +179,10 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             raise
         try:
             return await _try(gw, call, decision)
+        except asyncio.CancelledError:  # the client left (or the gateway is shutting down)
+            gw.dispatcher.finished(decision)
+            gw.metrics.upstream_requests.labels(decision.upstream, "client_left").inc()
+            raise
         except _Retry as e:
             gw.dispatcher.finished(decision)
             gw.metrics.retries.labels(decision.upstream).inc()

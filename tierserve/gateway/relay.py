@@ -2,9 +2,10 @@
 
 Once the first bytes have gone out the request can no longer move to another upstream:
 if the upstream breaks now, the stream ends with an error event (`upstream_failed`) and
-`data: [DONE]`, so the client always sees how it ended. When it ends, however it ends,
-the request leaves the router's in-flight count and its reservation is settled with the
-usage the upstream reported (or kept whole when none came).
+`data: [DONE]`, so the client always sees how it ended; so does a stream the gateway cuts
+at its drain timeout (`aborted`). When it ends, however it ends, the request leaves the
+router's in-flight count and its reservation is settled with the usage the upstream
+reported (or kept whole when none came).
 """
 
 from __future__ import annotations
@@ -50,8 +51,16 @@ class Relay:
         self._outcome = "client_left"
         self._reply.close()  # drops the upstream connection: the upstream sees the client go
 
+    def cut(self) -> None:
+        """The gateway is shutting down (its drain timed out): the stream ends now with an
+        error event and `data: [DONE]`."""
+        if self._outcome == "ok":
+            self._outcome = "cut"
+            self._reply.close()
+
     async def run(self, first: bytes) -> AsyncIterator[bytes]:
         tap = self._tap
+        self._gw.relays.add(self)
         try:
             yield tap.feed(first)
             # Resumed once the first bytes are with the server's transport.
@@ -66,18 +75,22 @@ class Relay:
             except (aiohttp.ClientError, TimeoutError) as e:
                 if self._outcome == "client_left":
                     return
-                self._outcome = "broken"
-                log.warning("upstream %s broke a stream midway: %s", self._name, type(e).__name__)
-                yield (
-                    tap.flush()
-                    + error_event(f"upstream {self._name} failed mid-stream", code="upstream_failed")
-                    + DONE
-                )
+                yield tap.flush() + self._error_event(type(e).__name__) + DONE
         finally:
             self._close()
 
+    def _error_event(self, error: str) -> bytes:
+        """The last event of a stream that did not run to its end: cut by the gateway, or
+        broken by the upstream (`error`: what broke it)."""
+        if self._outcome == "cut":
+            return error_event("the gateway is shutting down (drain timeout)", code="aborted")
+        self._outcome = "broken"
+        log.warning("upstream %s broke a stream midway: %s", self._name, error)
+        return error_event(f"upstream {self._name} failed mid-stream", code="upstream_failed")
+
     def _close(self) -> None:
         gw = self._gw
+        gw.relays.discard(self)
         gw.num_in_flight -= 1
         gw.dispatcher.finished(self._decision)
         gw.metrics.upstream_requests.labels(self._name, self._outcome).inc()

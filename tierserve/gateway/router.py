@@ -218,4 +218,5 @@ def _kv(s: UpstreamState) -> float:
 
 def _affinity(prefix: str, name: str) -> bytes:
     """Rendezvous hashing: each prefix prefers one replica, and losing a replica moves only its prefixes."""
-    return hashlib.sha256(f"{name}\0{prefix}".encode()).digest()
+    # surrogatepass: any str hashes (the gateway refuses a lone surrogate before routing).
+    return hashlib.sha256(f"{name}\0{prefix}".encode("utf-8", "surrogatepass")).digest()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
@@ -19,6 +19,9 @@ from tierserve.gateway.router import Router
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.ratelimit import RateLimiter
 from tierserve.server.tenants import TenantResolver
+
+if TYPE_CHECKING:
+    from tierserve.gateway.relay import Relay
 
 MAX_CONNECTIONS = 1024
 
@@ -40,6 +43,7 @@ class GatewayState:
     remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
     draining: bool = False
     num_in_flight: int = 0  # requests between arrival and their last byte
+    relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def open_streams(self) -> aiohttp.ClientSession:
