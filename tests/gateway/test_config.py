@@ -57,6 +57,14 @@ def test_unset_tiers_follow_the_servers_fail_mode() -> None:
         ({"upstreams": [UP], "gateway": {"policy": "lottery"}}, "gateway.policy"),
         ({"upstreams": [UP], "gateway": {"colour": 1}}, "gateway.colour"),
         ({"upstreams": [UP], "tenants": {"a": {"max_tier": "P7"}}}, "tenants.a.max_tier"),
+        # Accepted and ignored before: a misspelt limit, a KV share over 1, a staleness bound
+        # shorter than the scrapes (every upstream saturated, P0 refused).
+        ({"upstreams": [UP], "gateway": {"tier_limits": {"P3": {"rps": 3}}}}, "gateway.tier_limits.P3.rps"),
+        ({"upstreams": [UP], "gateway": {"max_kv_usage": 1.5}}, "gateway.max_kv_usage"),
+        (
+            {"upstreams": [UP], "gateway": {"stale_after_s": 0.1, "scrape_interval_s": 5}},
+            "gateway.stale_after_s",
+        ),
     ],
 )
 def test_a_bad_value_names_its_field(raw: dict[str, Any], field: str) -> None:

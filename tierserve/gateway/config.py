@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from tierserve.config import ConfigError, load_raw
 from tierserve.server.config import (
+    _RATE_KEYS,
     RateLimit,
     ServeConfig,
     _number,
@@ -121,6 +122,13 @@ def _per_tier(raw: Mapping[str, Any], key: str) -> dict[Tier, Any]:
     return {_tier(f"gateway.{key}.{name}", name): value for name, value in table.items()}
 
 
+def _tier_limit(tier: Tier, value: Any) -> RateLimit:
+    path = f"gateway.tier_limits.{tier.name}"
+    table = _table(path, value)
+    _reject_unknown(path, table, _RATE_KEYS)  # a misspelt key would leave the tier unlimited
+    return _rate_limit(path, table)
+
+
 def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
     base = GatewaySettings()
     numbers = {
@@ -151,13 +159,19 @@ def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
         t: _string(f"gateway.redis_fail.{t.name}", v, ("open", "closed")) == "open"
         for t, v in _per_tier(raw, "redis_fail").items()
     }
-    limits = {
-        t: _rate_limit(f"gateway.tier_limits.{t.name}", _table(f"gateway.tier_limits.{t.name}", v))
-        for t, v in _per_tier(raw, "tier_limits").items()
-    }
+    limits = {t: _tier_limit(t, v) for t, v in _per_tier(raw, "tier_limits").items()}
     waits = dict(DEFAULT_MAX_WAIT_S)
     for t, v in _per_tier(raw, "max_wait_s").items():
         waits[t] = _number(f"gateway.max_wait_s.{t.name}", v, minimum=0.0)
+    if values["max_kv_usage"] > 1:
+        raise ConfigError(
+            f"gateway.max_kv_usage: a share of the KV cache in (0, 1], got {values['max_kv_usage']}"
+        )
+    if values["stale_after_s"] < values["scrape_interval_s"]:
+        raise ConfigError(
+            f"gateway.stale_after_s: {values['stale_after_s']} s is shorter than scrape_interval_s "
+            f"({values['scrape_interval_s']} s): every upstream would always look stale (saturated)"
+        )
     from tierserve.scheduling import POLICIES
 
     policy = _string("gateway.policy", raw.get("policy", base.policy), tuple(POLICIES))
