@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
+import pytest
 
 from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.poller import UpstreamPoller
@@ -78,3 +80,28 @@ def test_the_waiting_queue_by_tier_is_read_where_the_upstream_exports_it() -> No
     assert sample.waiting_by_tier == (1.0, 0.0, 6.0, 0.0)
     assert (sample.num_waiting, sample.num_running, sample.kv_usage) == (7.0, 3.0, 0.5)
     assert parse_load("vllm", text.split("llm_scheduler")[0], 5.0).waiting_by_tier is None
+
+
+def test_an_upstream_never_admitted_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An upstream that fails its first checks (wrong URL, a key it wants) was never named in
+    the log: the gateway answered 503 no_upstream without a reason anywhere."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(401, json={"error": "missing API key"})
+
+    raw = {"upstreams": [{"name": "u", "kind": "openai", "url": "http://127.0.0.1:1"}]}
+    gw = build_gateway_state(parse_gateway_config(raw))
+
+    async def run() -> None:
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            poller = UpstreamPoller(gw)
+            for _ in range(3):
+                await poller.poll_once()
+        finally:
+            await gw.client.aclose()
+
+    caplog.set_level(logging.WARNING, logger="tierserve.gateway")
+    asyncio.run(run())
+    said = [r.getMessage() for r in caplog.records if "not admitted" in r.getMessage()]
+    assert len(said) == 1 and "upstream u (http://127.0.0.1:1) not admitted" in said[0] and "401" in said[0]

@@ -33,6 +33,7 @@ class UpstreamPoller:
         settings = gw.config.gateway
         self._interval_s = settings.scrape_interval_s
         self._timeout_s = max(settings.connect_timeout_s, settings.scrape_interval_s)
+        self._why_not: dict[str, str] = {}  # upstream -> why it was last not admitted (said once)
 
     async def _check(self, s: UpstreamState) -> None:
         gw, url = self._gw, s.config.url
@@ -54,10 +55,16 @@ class UpstreamPoller:
             else:
                 models = await fetch_models(gw.client, url, self._timeout_s)
         except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
+            why = str(e) or type(e).__name__
             if gw.router.record_failure(s.name):
                 gw.metrics.ejections.labels(s.name).inc()
-                log.warning("upstream %s ejected: %s", s.name, e or type(e).__name__)
+                log.warning("upstream %s ejected: %s", s.name, why)
+            elif not s.healthy and self._why_not.get(s.name) != why:
+                # One that was never admitted failed in silence: say why, once per reason.
+                log.warning("upstream %s (%s) not admitted: %s", s.name, url, why)
+            self._why_not[s.name] = why
             return
+        self._why_not.pop(s.name, None)
         if s.has_metrics:
             gw.router.record_sample(s.name, sample)
         if gw.router.record_success(s.name, models):
