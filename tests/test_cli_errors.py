@@ -100,6 +100,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "sim-check", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
         (["bench", "sim-speed", "--out", "/"], 2, "--out / is a folder: name the JSON file"),
         (["bench", "sim-speed", "--seed", "-5"], 2, "--seed"),
+        (["serve", "--max-headers", "0"], 2, "argument --max-headers: expected an integer >= 1"),
+        (["gateway", "--config", "x.toml", "--body-timeout", "-1"], 2, "argument --body-timeout"),
         (["bench", "reproduce", "--seed", "0", "-1"], 2, "--seed"),
         (
             ["bench", "reproduce", "--quick", "--out", "/dev/null"],

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierserve.cli_args import positive_float, positive_int
 from tierserve.config import ConfigError
 
 KEYS = (
@@ -67,14 +68,25 @@ def parse_http_limits(raw: Mapping[str, Any], base: HttpLimits | None = None) ->
     )
 
 
-# (flag, key, type, help): `tierserve serve` flags that override `[server.http]`.
-FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--max-header-bytes", "max_header_bytes", int, "largest request line + headers; past it 431"),
-    ("--max-headers", "max_headers", int, "most header fields per request; past it 431"),
-    ("--header-timeout", "header_timeout_s", float, "seconds to send a request's headers; then 408"),
-    ("--body-timeout", "body_timeout_s", float, "seconds to send a body after its headers; then 400"),
-    ("--keep-alive-timeout", "keep_alive_timeout_s", int, "seconds an idle keep-alive connection stays open"),
-    ("--max-connections", "max_connections", int, "open connections per server; past it 503"),
+# (flag, key, type, help): `tierserve serve` flags that override `[server.http]`. Each type
+# refuses what `parse_http_limits` refuses, so that the error names the flag, not the key.
+FLAGS: tuple[tuple[str, str, Callable[[str], float], str], ...] = (
+    ("--max-header-bytes", "max_header_bytes", positive_int, "largest request line + headers; past it 431"),
+    ("--max-headers", "max_headers", positive_int, "most header fields per request; past it 431"),
+    ("--header-timeout", "header_timeout_s", positive_float, "seconds to send a request's headers; then 408"),
+    (
+        "--body-timeout",
+        "body_timeout_s",
+        positive_float,
+        "seconds to send a body after its headers; then 400",
+    ),
+    (
+        "--keep-alive-timeout",
+        "keep_alive_timeout_s",
+        positive_int,
+        "seconds an idle keep-alive connection stays open",
+    ),
+    ("--max-connections", "max_connections", positive_int, "open connections per server; past it 503"),
 )
 
 
