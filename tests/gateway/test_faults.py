@@ -151,3 +151,12 @@ def test_a_stream_cut_at_the_drain_timeout_ends_with_an_error_event_and_done() -
         assert time.monotonic() - started < 5  # not the upstream's 10 s
         assert any('"code": "aborted"' in line for line in rest) and rest[-1] == "data: [DONE]"
         assert state.num_in_flight == 0 and not state.relays
+
+
+def test_one_model_can_be_retrieved_through_the_gateway_as_from_the_server() -> None:
+    """The OpenAI client's `models.retrieve` failed through the gateway (404 for any id)."""
+    with fake_upstream(FakeUpstream("ok")) as url, gateway([url]) as (gw, _):
+        card = httpx.get(f"{gw.url}/v1/models/{FAKE_MODEL}", timeout=10)
+        missing = httpx.get(f"{gw.url}/v1/models/no-such-model", timeout=10)
+    assert card.status_code == 200 and card.json()["id"] == FAKE_MODEL
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -132,19 +132,36 @@ def _add_routes(app: FastAPI, gw: GatewayState) -> None:
     async def completions(http: HttpRequest) -> Response:
         return await forward(gw, http, False, time.perf_counter())
 
-    @app.get("/v1/models")
-    async def models(http: HttpRequest) -> dict[str, Any]:
-        gw.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+    def cards() -> dict[str, dict[str, Any]]:
+        """The models the healthy upstreams serve, each with the upstreams serving it."""
         served: dict[str, list[str]] = {}
         for s in gw.router.states:
             if s.healthy:
                 for m in s.models:
                     served.setdefault(m, []).append(s.name)
-        data = [
-            {"id": m, "object": "model", "owned_by": "tierserve-gateway", "upstreams": sorted(ups)}
+        return {
+            m: {"id": m, "object": "model", "owned_by": "tierserve-gateway", "upstreams": sorted(ups)}
             for m, ups in sorted(served.items())
-        ]
-        return {"object": "list", "data": data}
+        }
+
+    @app.get("/v1/models")
+    async def models(http: HttpRequest) -> dict[str, Any]:
+        gw.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        return {"object": "list", "data": list(cards().values())}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, http: HttpRequest) -> dict[str, Any]:
+        """One model (the OpenAI client's `models.retrieve`), behind the same keys, as the server."""
+        gw.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        card = cards().get(model_id)
+        if card is None:
+            raise ApiError(
+                404,
+                f"The model {model_id!r} does not exist (served here: {', '.join(cards()) or 'none'}).",
+                param="model",
+                code="model_not_found",
+            )
+        return card
 
     @app.get("/health")
     async def health() -> dict[str, str]:
