@@ -160,3 +160,18 @@ def test_one_model_can_be_retrieved_through_the_gateway_as_from_the_server() -> 
         missing = httpx.get(f"{gw.url}/v1/models/no-such-model", timeout=10)
     assert card.status_code == 200 and card.json()["id"] == FAKE_MODEL
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_502_does_not_name_the_addresses_behind_the_gateway() -> None:
+    """An upstream gone before the first byte gave the client aiohttp's error text,
+    "Cannot connect to host 127.0.0.1:PORT"."""
+    from contextlib import ExitStack
+
+    with ExitStack() as upstream:
+        url = upstream.enter_context(fake_upstream(FakeUpstream("ok")))
+        with gateway([url]) as (gw, _):
+            upstream.close()  # admitted, then gone
+            r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    port = url.rsplit(":", 1)[1]
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
+    assert port not in r.text and "1 tried" in r.json()["error"]["message"]

@@ -192,9 +192,12 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             last_error = str(e)
             if not gw.router.candidates(str(call.body.get("model", "")), tried):
                 break
+    # The client hears how many were tried, not what failed: the errors name hosts and ports
+    # behind the gateway. Each failure is in the gateway's log, with its upstream.
+    log.warning("no upstream could serve a request; the last error: %s", last_error)
     raise ApiError(
         502,
-        f"No upstream could serve the request ({last_error}).",
+        f"No upstream could serve the request ({len(tried) or 'none'} tried).",
         type="server_error",
         code="upstream_unavailable",
         headers={**call.headers, "Retry-After": "1"},
