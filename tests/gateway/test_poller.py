@@ -4,19 +4,42 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.poller import UpstreamPoller
+from tierserve.gateway.router import UpstreamState
 from tierserve.gateway.saturation import parse_load
 from tierserve.gateway.state import build_gateway_state
 
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
 
 
-def _poll(metrics_text: str, rounds: int = 3) -> bool:
+Answer = Callable[[httpx.Request], httpx.Response]
+
+
+def _polled(answer: Answer, kind: str = "vllm", rounds: int = 3) -> UpstreamState:
+    """Upstream `u` as the gateway sees it after `rounds` polls answered by `answer`."""
+    raw = {"upstreams": [{"name": "u", "kind": kind, "url": "http://127.0.0.1:1"}]}
+    gw = build_gateway_state(parse_gateway_config(raw))
+
+    async def run() -> None:
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            poller = UpstreamPoller(gw)
+            for _ in range(rounds):
+                await poller.poll_once()
+        finally:
+            await gw.client.aclose()
+
+    asyncio.run(run())
+    return gw.router.states[0]
+
+
+def _poll(metrics_text: str) -> bool:
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/metrics":
             return httpx.Response(200, text=metrics_text)
@@ -24,20 +47,8 @@ def _poll(metrics_text: str, rounds: int = 3) -> bool:
             return httpx.Response(200, json=MODELS)
         return httpx.Response(404)
 
-    raw = {"upstreams": [{"name": "u", "kind": "vllm", "url": "http://127.0.0.1:1"}]}
-    gw = build_gateway_state(parse_gateway_config(raw))
-
-    async def run() -> bool:
-        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-        try:
-            poller = UpstreamPoller(gw)
-            for _ in range(rounds):
-                await poller.poll_once()
-            return gw.router.states[0].healthy and gw.router.states[0].models == frozenset({"tiny"})
-        finally:
-            await gw.client.aclose()
-
-    return asyncio.run(run())
+    state = _polled(answer)
+    return state.healthy and state.models == frozenset({"tiny"})
 
 
 def test_a_fresh_vllm_that_has_not_reported_load_yet_is_admitted_as_idle() -> None:
@@ -50,21 +61,7 @@ def test_an_upstream_reporting_its_load_is_admitted() -> None:
 
 
 def test_an_upstream_whose_models_fail_is_not_admitted() -> None:
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(500)
-
-    raw = {"upstreams": [{"name": "u", "kind": "vllm", "url": "http://127.0.0.1:1"}]}
-    gw = build_gateway_state(parse_gateway_config(raw))
-
-    async def run() -> bool:
-        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-        try:
-            await UpstreamPoller(gw).poll_once()
-            return gw.router.states[0].healthy
-        finally:
-            await gw.client.aclose()
-
-    assert not asyncio.run(run())
+    assert not _polled(lambda request: httpx.Response(500), rounds=1).healthy
 
 
 def test_the_waiting_queue_by_tier_is_read_where_the_upstream_exports_it() -> None:
@@ -89,19 +86,7 @@ def test_an_upstream_never_admitted_says_why_once(caplog: pytest.LogCaptureFixtu
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(401, json={"error": "missing API key"})
 
-    raw = {"upstreams": [{"name": "u", "kind": "openai", "url": "http://127.0.0.1:1"}]}
-    gw = build_gateway_state(parse_gateway_config(raw))
-
-    async def run() -> None:
-        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-        try:
-            poller = UpstreamPoller(gw)
-            for _ in range(3):
-                await poller.poll_once()
-        finally:
-            await gw.client.aclose()
-
     caplog.set_level(logging.WARNING, logger="tierserve.gateway")
-    asyncio.run(run())
+    _polled(answer, kind="openai")
     said = [r.getMessage() for r in caplog.records if "not admitted" in r.getMessage()]
     assert len(said) == 1 and "upstream u (http://127.0.0.1:1) not admitted" in said[0] and "401" in said[0]
