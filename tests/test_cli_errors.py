@@ -101,6 +101,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "sim-speed", "--out", "/"], 2, "--out / is a folder: name the JSON file"),
         (["bench", "sim-speed", "--seed", "-5"], 2, "--seed"),
         (["serve", "--max-headers", "0"], 2, "argument --max-headers: expected an integer >= 1"),
+        (["serve", "--backend", "sim", "--device", "cuda"], 2, "--device applies to --backend torch"),
+        (["serve", "--tp", "2"], 2, "--tp applies to --backend sim, not torch"),
         (["gateway", "--config", "x.toml", "--body-timeout", "-1"], 2, "argument --body-timeout"),
         (["bench", "reproduce", "--seed", "0", "-1"], 2, "--seed"),
         (

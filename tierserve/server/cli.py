@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="sim: the GPU to simulate: a100-80gb, h100-80gb or h200 (default a100-80gb)",
     )
     p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
-    p.add_argument("--device", default="cpu", help="torch: cpu or cuda (default cpu)")
+    p.add_argument("--device", default=None, help="torch: cpu or cuda (default cpu)")
     p.add_argument(
         "--policy",
         choices=policy_names(),
@@ -71,6 +71,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
+def other_backends_flags(args: argparse.Namespace) -> str | None:
+    """A flag given for the backend not chosen (it would be ignored without a word)."""
+    given = {"torch": [("--device", args.device)], "sim": [("--gpu", args.gpu), ("--tp", args.tp)]}
+    for backend, flags in given.items():
+        if backend != args.backend:
+            for flag, value in flags:
+                if value is not None:
+                    return f"{flag} applies to --backend {backend}, not {args.backend}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -89,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("tierserve.server")
+    ignored = other_backends_flags(args)
+    if ignored is not None:
+        print(f"tierserve serve: {ignored}", file=sys.stderr)
+        return 2
     try:
         config = load_serve_config(args.config)
         http = parse_http_limits(http_overrides(args), config.server.http)
@@ -105,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tierserve serve: {problem}", file=sys.stderr)
         return 2
-    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device)
+    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device or "cpu")
     try:  # the engine, and the model, are built in a process of their own
         state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())
     except EngineStartError as e:
