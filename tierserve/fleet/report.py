@@ -129,7 +129,7 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
         names.append(name)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, max(3.6, 0.3 * len(runs) + 1.2)))
     for r in runs:
         rot = r["summary"]["replicas_over_time"]
         ax1.step(
@@ -141,9 +141,11 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
     ax1.set_title("replicas (serving + starting)")
     ax1.set_xlabel("time (s)")
     ax1.legend(fontsize=7)
-    labels = [f"{r['router']}\n{r['scaling']}" for r in runs]
-    ax2.bar(range(len(runs)), [r["summary"]["gpu_hours"] for r in runs])
-    ax2.set_xticks(range(len(runs)), labels, fontsize=7)
+    # Horizontal bars: one label a row stays readable for all twelve router x scaling runs.
+    labels = [f"{r['router']} / {r['scaling']}" for r in runs]
+    ax2.barh(range(len(runs)), [r["summary"]["gpu_hours"] for r in runs])
+    ax2.set_yticks(range(len(runs)), labels, fontsize=7)
+    ax2.invert_yaxis()  # the first run on top, as in the tables
     ax2.set_title("GPU-hours")
     fig.tight_layout()
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
