@@ -255,3 +255,12 @@ def test_a_refusal_names_the_limit_that_ran_out() -> None:
     server_wide, own = asyncio.run(scenario())
     assert server_wide == "Rate limit reached: the server-wide limit (requests)."
     assert own == "Rate limit reached: tenant 't' (tokens)."
+
+
+def test_a_request_too_large_names_the_tightest_limit() -> None:
+    """The server-wide bucket (2,000 tokens) was named although the tenant's (300) was the
+    one that could never hold the request."""
+    tenant = TenantConfig(name="acme", limit=RateLimit(tokens_per_s=300.0, token_burst=300.0))
+    limiter = RateLimiter(RateLimit(tokens_per_s=2000.0, token_burst=2000.0))
+    decision = asyncio.run(limiter.acquire(tenant, 5000))
+    assert decision.reason == "too_large" and "tenant 'acme' allows at most 300 at once" in decision.message

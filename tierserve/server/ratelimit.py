@@ -151,12 +151,13 @@ class RateLimiter:
         requests, tokens = self._for_tenant(tenant, tier)
         if not requests and not tokens:
             return RateDecision(allowed=True, headers={})
-        for bucket in tokens:
-            if num_tokens > bucket.capacity:
-                message = (
-                    f"{num_tokens} tokens requested; the limit allows at most {bucket.capacity:g} at once"
-                )
-                return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
+        tightest = min(tokens, key=lambda b: b.capacity, default=None)  # the one to name
+        if tightest is not None and num_tokens > tightest.capacity:
+            message = (
+                f"{num_tokens} tokens requested; {_scope(tightest.key)} allows at most "
+                f"{tightest.capacity:g} at once"
+            )
+            return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
         buckets = requests + tokens
         costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
         outcome = await self._run_take(buckets, costs, tier)
