@@ -175,3 +175,24 @@ def test_a_502_does_not_name_the_addresses_behind_the_gateway() -> None:
     port = url.rsplit(":", 1)[1]
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
     assert port not in r.text and "1 tried" in r.json()["error"]["message"]
+
+
+def test_a_non_streaming_request_cut_at_the_drain_timeout_gets_a_503() -> None:
+    """It was cancelled with the server after uvicorn's own grace, with no answer at all."""
+    slow = FakeUpstream("ok", reply_after_s=10.0)
+    with fake_upstream(slow) as url, gateway([url], drain_timeout_s=0.5) as (gw, state):
+        answers: list[httpx.Response] = []
+        client = threading.Thread(
+            target=lambda: answers.append(httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30))
+        )
+        client.start()
+        deadline = time.monotonic() + 10
+        while not state.calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = time.monotonic()
+        gw.server.handle_exit(signal.SIGTERM, None)
+        client.join(timeout=10)
+        assert time.monotonic() - started < 5  # not the upstream's 10 s
+    (r,) = answers
+    assert r.status_code == 503 and r.json()["error"]["code"] == "aborted"
+    assert state.num_in_flight == 0 and not state.calls

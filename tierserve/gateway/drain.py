@@ -2,8 +2,8 @@
 
 New requests get 503 (`draining`) and /ready turns 503 while the requests already
 forwarded run to their end, up to the drain timeout; then the streams still open end
-with an error event (`aborted`) and `data: [DONE]`, uvicorn shuts down and the process
-exits with status 0. A second signal forces an immediate exit.
+with an error event (`aborted`) and `data: [DONE]`, the other requests with a 503
+`aborted`, uvicorn shuts down and the process exits with status 0. A second signal forces an immediate exit.
 """
 
 from __future__ import annotations
@@ -59,11 +59,14 @@ class DrainingGateway(uvicorn.Server):
         self.should_exit = True
 
     async def _cut_streams(self) -> None:
-        """End the streams still open with an error event and `data: [DONE]`, and wait
-        (briefly) for those to go out before uvicorn closes the connections."""
+        """End the streams still open with an error event and `data: [DONE]`, and the
+        non-streaming calls with a 503 `aborted`, and wait (briefly) for those to go out
+        before uvicorn closes the connections."""
         gw = self._gw
         for relay in list(gw.relays):
             relay.cut()
+        for call in list(gw.calls):
+            call.cancel()
         deadline = gw.clock.now() + CUT_GRACE_S
-        while gw.relays and gw.clock.now() < deadline:
+        while (gw.relays or gw.calls) and gw.clock.now() < deadline:
             await asyncio.sleep(POLL_S)

@@ -141,20 +141,28 @@ async def _unless_client_leaves(gw: GatewayState, call: _Call, http: HttpRequest
     """`_attempts` of a non-streaming request, given up when its client goes away first
     (a stream's response watches its client itself): the upstream call is dropped, so the
     upstream sees the client go too, and the reservation is kept whole, as for a stream
-    cut before its usage."""
+    cut before its usage. Given up too when the gateway's drain times out (`gw.calls`):
+    then the client gets a 503 `aborted`, as a stream gets its `aborted` event."""
     attempts = asyncio.ensure_future(_attempts(gw, call))
 
     def client_left() -> None:
         attempts.cancel()
 
     watcher = watch_disconnect(http.receive, client_left)
+    gw.calls.add(attempts)
     try:
         return await attempts
     except asyncio.CancelledError:
-        if not watcher.done():
-            raise  # not the client: the gateway is shutting down
-        return Response(status_code=CLIENT_CLOSED_REQUEST)  # no one reads it
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this handler itself is cancelled (the server stops)
+        if watcher.done():
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # no one reads it
+        raise ApiError(
+            503, "The gateway is shutting down (drain timeout).", type="server_error", code="aborted"
+        ) from None
     finally:
+        gw.calls.discard(attempts)
         watcher.cancel()
 
 

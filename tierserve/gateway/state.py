@@ -44,6 +44,7 @@ class GatewayState:
     draining: bool = False
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
+    calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def open_streams(self) -> aiohttp.ClientSession:
