@@ -25,7 +25,7 @@ WORKLOAD = "default"  # each replica: this workload's model on its GPUs
 # 0.5 virtual seconds and the autoscaler decides on its interval, busy or idle, so the CPU
 # a run takes grows with its virtual span as well as with its requests.
 MAX_SPAN_S = 31 * 86_400.0  # a month of virtual time
-MAX_REQUESTS = 10_000_000  # hours of CPU at a fleet's few thousand requests per CPU-second
+MAX_REQUESTS = 10_000_000  # about 3 CPU-hours at a fleet's ~1,000 requests per CPU-second
 MAX_BINS = 100_000  # over-time bins in the summary and the plots
 
 
