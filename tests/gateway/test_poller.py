@@ -90,3 +90,27 @@ def test_an_upstream_never_admitted_says_why_once(caplog: pytest.LogCaptureFixtu
     _polled(answer, kind="openai")
     said = [r.getMessage() for r in caplog.records if "not admitted" in r.getMessage()]
     assert len(said) == 1 and "upstream u (http://127.0.0.1:1) not admitted" in said[0] and "401" in said[0]
+
+
+def test_a_draining_tierserve_upstream_is_ejected_at_once() -> None:
+    """Its /metrics still answers while it drains, so the gateway kept sending it requests,
+    each refused with a 503 and retried elsewhere. Admitted on two good polls, it starts to
+    drain before the third: one failed check ejects it (not `eject_after_failures`)."""
+    readies: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='vllm:num_requests_running{model_name="tiny"} 1.0\n')
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        if request.url.path == "/ready":
+            readies.append(1)
+            if len(readies) > 2:
+                return httpx.Response(503, json={"status": "not ready", "reason": "draining"})
+            return httpx.Response(200, json={"status": "ready"})
+        return httpx.Response(404)
+
+    assert _polled(answer, kind="tierserve", rounds=2).healthy
+    readies.clear()
+    state = _polled(answer, kind="tierserve", rounds=3)
+    assert len(readies) == 3 and not state.healthy

@@ -1,9 +1,10 @@
 """Health checks and load scrapes of every upstream, on a timer.
 
 Each round fetches `/metrics` (or `/v1/models` for plain OpenAI endpoints, which export
-no load) from every upstream at once. A success admits (or re-admits) the upstream and
-records its load; failures in a row eject it. An admitted upstream's model list is
-refreshed from `/v1/models` when it is (re-)admitted.
+no load) from every upstream at once, and `/ready` from tierserve upstreams, which say
+there when they drain (their `/metrics` still answers). A success admits (or re-admits)
+the upstream and records its load; failures in a row eject it. An admitted upstream's
+model list is refreshed from `/v1/models` when it is (re-)admitted.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ async def fetch_models(client: httpx.AsyncClient, url: str, timeout_s: float) ->
     r.raise_for_status()
     data = r.json().get("data", [])
     return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+
+
+class NotReady(ValueError):
+    """A tierserve upstream's `/ready` says it takes no new requests (draining, say)."""
+
+
+async def check_ready(client: httpx.AsyncClient, url: str, timeout_s: float) -> None:
+    r = await client.get(url + "/ready", timeout=timeout_s)
+    if r.status_code == 503:
+        try:
+            reason = r.json().get("reason", "not ready")
+        except ValueError:
+            reason = "not ready"
+        raise NotReady(f"/ready: {reason}")
+    r.raise_for_status()
 
 
 class UpstreamPoller:
@@ -54,9 +70,11 @@ class UpstreamPoller:
                     models = await fetch_models(gw.client, url, self._timeout_s)
             else:
                 models = await fetch_models(gw.client, url, self._timeout_s)
+            if s.config.kind == "tierserve":
+                await check_ready(gw.client, url, self._timeout_s)
         except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
             why = str(e) or type(e).__name__
-            if gw.router.record_failure(s.name):
+            if gw.router.record_failure(s.name, eject_now=isinstance(e, NotReady)):  # draining: now
                 gw.metrics.ejections.labels(s.name).inc()
                 log.warning("upstream %s ejected: %s", s.name, why)
             elif not s.healthy and self._why_not.get(s.name) != why:
