@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tierserve.clock import VirtualClock
 from tierserve.gateway.config import GatewaySettings, UpstreamConfig
-from tierserve.gateway.router import Router
+from tierserve.gateway.router import Router, _affinity
 from tierserve.gateway.saturation import LoadSample
 from tierserve.tiers import Tier
 
@@ -191,3 +191,9 @@ def test_an_aggregate_waiting_count_is_shared_out_by_the_tiers_this_gateway_has_
     router.record_sample("u0", LoadSample(12, 8, 0.5, clock.now()))
     assert router.waiting_ahead(u0, Tier.P0) == 3  # 1 of our 4 in flight is P0
     assert [router.saturated(u0, t) for t in Tier] == [False, False, True, True]
+
+
+def test_prefix_affinity_hashes_any_string() -> None:
+    """A lone surrogate in a prompt made the rendezvous hash raise (a 500 at P1-P3); the
+    gateway now refuses such a body first, and the hash takes any str all the same."""
+    assert _affinity("\ud800 prompt", "u1") != _affinity("\ud800 prompt", "u2")

@@ -59,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--seed", type=non_negative_int, nargs="+", default=[0], help="workload seeds, pooled (default: 0)"
     )
+    _add_cell_args(p)
+    _add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_cell_args(p: argparse.ArgumentParser) -> None:
+    """Which workloads, arrival patterns and loads make the matrix's cells."""
     p.add_argument(
         "--workloads",
         nargs="+",
@@ -85,6 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
     p.add_argument("--think-time", type=float, default=2.0, help="closed loop: mean think time, s")
     p.add_argument("--burst-cv", type=float, default=4.0, help="bursty: CV of inter-arrival times")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine every policy runs under, the sample sizes, and how the matrix is run."""
     p.add_argument(
         "--engine-limits",
         default=DEFAULT_LIMITS,
@@ -109,7 +120,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "step: every step (default: %(default)s)",
     )
     p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default: %(default)s)")
-    p.set_defaults(func=run)
 
 
 def _groups(args: argparse.Namespace) -> tuple[Group, ...]:

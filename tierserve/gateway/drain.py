@@ -3,7 +3,8 @@
 New requests get 503 (`draining`) and /ready turns 503 while the requests already
 forwarded run to their end, up to the drain timeout; then the streams still open end
 with an error event (`aborted`) and `data: [DONE]`, the other requests with a 503
-`aborted`, uvicorn shuts down and the process exits with status 0. A second signal forces an immediate exit.
+`aborted`, uvicorn shuts down and the process exits with status 0. A second signal forces
+an immediate exit.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ body, in the same order, so a large body gets the same answer a small one would.
 The worker runs at the lowest CPU priority (it shares the server's CPUs, and a parse must
 not take a time slice from the event loop), and exits within a second of a server that was
 killed outright. Without the process (not started, or it died) the parse runs on a thread
-as before; a dead worker is replaced once the job that
-found it dead has been served.
+as before; a dead worker is replaced once the job that found it dead has been served.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tierserve.tiers import Tier
 from tierserve.workloads.lengths import DEFAULT_SHAPES, TierShape, lognormal, uniform
+from tierserve.workloads.traces import TRACE_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,6 @@ PRESETS: Mapping[str, WorkloadPreset] = {
         trace_file="AzureLLMInferenceTrace_code.csv",
     ),
 }
-
-
-TRACE_SUFFIXES = (".csv", ".jsonl", ".json")
 
 
 def get_preset(name: str) -> WorkloadPreset:

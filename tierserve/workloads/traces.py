@@ -30,6 +30,9 @@ class TraceFormatError(ValueError):
     """A trace file is malformed; the message starts with ``file:line:``."""
 
 
+TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # Azure CSV; Mooncake JSON lines (either name)
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRecord:
     arrival_s: float  # from the first row of the trace
@@ -171,7 +174,7 @@ def load_trace(path: str | Path) -> list[TraceRecord]:
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such trace file")
     suffix = p.suffix.lower()
-    if suffix not in (".csv", ".jsonl", ".json"):
+    if suffix not in TRACE_SUFFIXES:
         raise TraceFormatError(f"{p}: unknown trace format (expected .csv, or .jsonl / .json lines)")
     try:
         return load_azure_csv(p) if suffix == ".csv" else load_mooncake_jsonl(p)
