@@ -19,6 +19,7 @@ import pytest
 from tests.server.helpers import MODEL, LiveServer, live_server, make_state
 from tierserve.server import fast_routes
 from tierserve.server.body_parser import WORKER_NICENESS, BodyInvalid, BodyParser, parse
+from tierserve.server.config import ServeConfig, ServerSettings
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 CONTEXT = 512
@@ -180,3 +181,22 @@ def test_the_worker_exits_when_its_server_is_killed_outright() -> None:
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_the_large_body_gate_takes_its_share_and_queue_from_the_config() -> None:
+    # A gate that rests 99 times a parse's duration after it, with room for one body: of
+    # two large bodies sent together after a first, one waits and the other gets 503 `busy`.
+    # Under the defaults (10 %, 16 waiting) all three are served.
+    settings = ServerSettings(large_body_share=0.01, large_body_queue=1)
+    padding = "u" * (fast_routes.OFFLOAD_BYTES + 1)
+    body = {"model": MODEL, "prompt": [65, 66], "max_tokens": 1, "user": padding}
+
+    async def three(base_url: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            first = await http.post("/completions", json=body)
+            rest = await asyncio.gather(*(http.post("/completions", json=body) for _ in range(2)))
+        return [first.status_code, *sorted(r.status_code for r in rest)]
+
+    for config, expected in ((ServeConfig(server=settings), [200, 200, 503]), (ServeConfig(), [200] * 3)):
+        with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
+            assert asyncio.run(three(srv.base_url)) == expected

@@ -60,6 +60,10 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
+    # Bodies over 64 KiB are parsed one at a time, for at most this share of the time, with
+    # at most `large_body_queue` waiting (more get 503 `busy`): body_gate.py.
+    large_body_share: float = 0.1
+    large_body_queue: int = 16
     default_max_tokens: int = 512  # when a request gives none (capped by the context left)
     tenant_header: bool = False  # accept `x-tenant-id` to name a tenant without an API key
     default_tenant: str = "default"  # tenant of requests without a key, where those are allowed
@@ -225,6 +229,8 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "host",
         "port",
         "max_body_bytes",
+        "large_body_share",
+        "large_body_queue",
         "default_max_tokens",
         "tenant_header",
         "default_tenant",
@@ -239,6 +245,14 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
     port = int(_number("server.port", raw.get("port", base.port), minimum=0, integer=True))
     if port > 65535:
         raise ConfigError(f"server.port: must be <= 65535, got {port}")
+    share = _number(
+        "server.large_body_share",
+        raw.get("large_body_share", base.large_body_share),
+        minimum=0.0,
+        strict=True,
+    )
+    if share > 1.0:
+        raise ConfigError(f"server.large_body_share: a share of the time, at most 1, got {share:g}")
     return ServerSettings(
         host=_string("server.host", raw.get("host", base.host)),
         port=port,
@@ -246,6 +260,15 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
             _number(
                 "server.max_body_bytes",
                 raw.get("max_body_bytes", base.max_body_bytes),
+                minimum=1,
+                integer=True,
+            )
+        ),
+        large_body_share=share,
+        large_body_queue=int(
+            _number(
+                "server.large_body_queue",
+                raw.get("large_body_queue", base.large_body_queue),
                 minimum=1,
                 integer=True,
             )

@@ -52,7 +52,8 @@ class GenerationRoutes:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self._app = app
         self._state = state
-        self._gate = BodyGate()
+        server = state.config.server
+        self._gate = BodyGate(server.large_body_share, server.large_body_queue)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
