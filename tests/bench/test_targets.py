@@ -40,6 +40,9 @@ def test_hybrid_is_judged_against_the_numbers_and_the_baselines() -> None:
     assert [met for target, met in got.items() if target.startswith("P0")] == [True]
     assert [met for target, met in got.items() if target.startswith("beyond")] == [False]  # 90 % < 95 %
     assert [met for target, met in got.items() if target.startswith("goodput")] == [False]  # 7.0 < 7.5
+    # The detail names the best baseline and how far behind it hybrid is.
+    goodput = next(v for v in judge(runs) if v.target.startswith("goodput"))
+    assert goodput.detail.endswith("7.0 vs best baseline 7.5 rps (vllm-priority, -6.67 %)")
     assert [met for target, met in got.items() if target.startswith("P1 SLO")] == [None]  # no cell <= 1.0x
 
 

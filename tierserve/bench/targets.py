@@ -113,26 +113,33 @@ def _p1_never_below_vllm(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
 
 
 def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
-    def best(run: Run) -> float | None:
+    def best_run(run: Run) -> Run | None:
+        """The baseline with the most goodput in the run's cell; None where one is unmeasured
+        (summary.py: `_goodput_unmeasured`) or none ran."""
         cells = [o for b in BASELINES if (o := _same_cell(runs, run, b)) is not None]
-        if any(o["goodput_rps"] is None for o in cells):
-            return None  # not measured in this cell (summary.py: `_goodput_unmeasured`)
-        return max((o["goodput_rps"] for o in cells), default=None)
+        if not cells or any(o["goodput_rps"] is None for o in cells):
+            return None
+        return max(cells, key=lambda o: float(o["goodput_rps"]))
+
+    def best(run: Run) -> float | None:
+        top = best_run(run)
+        return None if top is None else float(top["goodput_rps"])
 
     def ok(run: Run) -> bool | None:
         theirs = best(run)
         return None if theirs is None or run["goodput_rps"] is None else run["goodput_rps"] >= theirs
 
-    return _judge(
-        "goodput >= every baseline's at every load",
-        cells,
-        ok,
-        lambda r: (
-            "not measured (see the sample-size warnings)"
-            if r["goodput_rps"] is None
-            else f"{r['goodput_rps']} vs best baseline {_or_dash(best(r))} rps"
-        ),
-    )
+    def show(run: Run) -> str:
+        mine, top = run["goodput_rps"], best_run(run)
+        if mine is None:
+            return "not measured (see the sample-size warnings)"
+        if top is None:
+            return f"{mine} vs best baseline – rps"
+        theirs = float(top["goodput_rps"])
+        gap = f", {100 * (mine - theirs) / theirs:+.2f} %" if theirs > 0 else ""
+        return f"{mine} vs best baseline {theirs} rps ({top['policy']}{gap})"
+
+    return _judge("goodput >= every baseline's at every load", cells, ok, show)
 
 
 def _p3_accounted(run: Run) -> bool | None:
