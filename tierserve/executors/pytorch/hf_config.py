@@ -31,6 +31,7 @@ class HFModelSpec:
     qkv_bias: bool
     checkpoint_dtype: str | None  # "bfloat16", ... as the checkpoint declares it
     max_model_len: int  # positions the model may attend over (a sliding window caps it)
+    rope_linear_factor: float = 1.0  # rope_type "linear": every rotary frequency divided by it
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -46,9 +47,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _int(path: Path, raw: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
+    # null counts as absent, as in transformers (`"num_key_value_heads": null` means MHA)
+    value = default if raw.get(key) is None else raw[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        what = "missing" if key not in raw else f"must be a positive integer, got {value!r}"
+        what = "missing" if raw.get(key) is None else f"must be a positive integer, got {value!r}"
         raise ModelLoadError(f"{path}: {key}: {what}")
     return value
 
@@ -74,18 +76,31 @@ def _architecture(path: Path, raw: dict[str, Any]) -> str:
     return arch
 
 
-def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, Llama-3 scaling or None, the linear scaling factor: 1.0 when not linear)."""
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files
     # have `rope_theta` and `rope_scaling` at the top level.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelLoadError(f"{path}: rope_scaling: expected an object, got {params!r}")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ModelLoadError(f"{path}: rope_theta: must be a positive number, got {theta!r}")
+    theta = float(theta)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
-        return theta, None
+        return theta, None, 1.0
+    if kind == "linear":
+        factor = params.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ModelLoadError(
+                f"{path}: linear rope scaling: factor must be a positive number, got {factor!r}"
+            )
+        return theta, None, float(factor)
     if kind != "llama3":
-        raise ModelLoadError(f"{path}: rope_type {kind!r} is not supported (supported: default, llama3)")
+        raise ModelLoadError(
+            f"{path}: rope_type {kind!r} is not supported (supported: default, linear, llama3)"
+        )
     try:
         scaling = RopeScaling(
             factor=float(params["factor"]),
@@ -97,7 +112,7 @@ def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid {e}") from None
     if scaling.high_freq_factor <= scaling.low_freq_factor:
         raise ModelLoadError(f"{path}: llama3 rope scaling: high_freq_factor must exceed low_freq_factor")
-    return theta, scaling
+    return theta, scaling, 1.0
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -130,7 +145,7 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         raise ModelLoadError(f"{path}: head_dim must be a positive even integer, got {head_dim!r}")
     if head_dim is None and hidden % heads:
         raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-    theta, scaling = _rope(path, raw)
+    theta, scaling, linear_factor = _rope(path, raw)
     dtype = raw.get("torch_dtype", raw.get("dtype"))
     gen = generation_config or {}
     eos = _eos_ids(gen.get("eos_token_id")) or _eos_ids(raw.get("eos_token_id"))
@@ -157,4 +172,6 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
     window = raw.get("sliding_window")
     if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
         max_len = min(max_len, window)  # within the window, sliding attention is full attention
-    return HFModelSpec(config, arch, SUPPORTED_ARCHITECTURES[arch], str(dtype) if dtype else None, max_len)
+    return HFModelSpec(
+        config, arch, SUPPORTED_ARCHITECTURES[arch], str(dtype) if dtype else None, max_len, linear_factor
+    )

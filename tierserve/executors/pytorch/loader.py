@@ -66,13 +66,18 @@ def make_random_model(
 
 
 def _unfilled_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, *, qkv_bias: bool = False
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    qkv_bias: bool = False,
+    rope_linear_factor: float = 1.0,
 ) -> CausalLM:
     """A model of `config`'s shape on `device`, its weights allocated but not filled. The dtype
     comes first, on the meta device: the weights are allocated once, at their size (not in
     float32 and then cast, three times a half-precision model's size at the peak)."""
     with torch.device("meta"):
-        model = CausalLM(config, qkv_bias=qkv_bias)
+        model = CausalLM(config, qkv_bias=qkv_bias, rope_linear_factor=rope_linear_factor)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     return model.to_device(device, dtype)
@@ -92,15 +97,30 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return files
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
-        raise ModelLoadError(f"{directory}: missing file: no *.safetensors weights")
-    from safetensors import safe_open
+        raise ModelLoadError(
+            f"{directory}: missing file: no *.safetensors weights{_unread_weights(directory)}"
+        )
+    from safetensors import SafetensorError, safe_open
 
     files = {}
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
-                files[name] = shard
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+                    files[name] = shard
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{shard}: unreadable safetensors: {e}") from None
     return files
+
+
+def _unread_weights(directory: Path) -> str:
+    """A hint naming weights in a format this loader does not read (PyTorch pickles, GGUF), if any."""
+    patterns = ("pytorch_model*.bin", "*.pt", "*.pth", "*.gguf")
+    found = sorted({p.name for pattern in patterns for p in directory.glob(pattern)})
+    if not found:
+        return ""
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    return f" ({found[0]}{more} found, but only safetensors weights are read: convert them to safetensors)"
 
 
 def load_weights(model: CausalLM, directory: Path) -> None:
@@ -131,7 +151,7 @@ def load_weights(model: CausalLM, directory: Path) -> None:
                                 f"config.json implies {tuple(param.shape)}"
                             )
                         param.copy_(tensor)
-            except SafetensorError as e:
+            except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f"{path}: unreadable safetensors: {e}") from None
 
 
@@ -148,7 +168,13 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
 
     path = directory / "tokenizer.json"
     if not path.is_file():
-        raise ModelLoadError(f"{path}: missing file")
+        hint = ""
+        if (directory / "tokenizer.model").is_file():
+            hint = (
+                " (tokenizer.model, a SentencePiece model, is not read: loading the directory with "
+                "transformers' AutoTokenizer and calling save_pretrained() on it writes tokenizer.json)"
+            )
+        raise ModelLoadError(f"{path}: missing file{hint}")
     try:
         raw = RawTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on bad files
@@ -157,11 +183,13 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
     if (directory / "tokenizer_config.json").exists():
         tok_config = read_json(directory / "tokenizer_config.json")
     template = tok_config.get("chat_template")
+    template_file = directory / "tokenizer_config.json"
     if isinstance(template, list):  # named templates: take the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not template and (directory / "chat_template.jinja").is_file():
-        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        template_file = directory / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8")
     bos = _token_text(tok_config.get("bos_token"))
     eos = _token_text(tok_config.get("eos_token"))
     if bos is None and config.bos_token_id is not None:
@@ -172,13 +200,18 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
         eos_ids = (int(eos_id),)
     if eos is None and eos_ids:
         eos = raw.id_to_token(eos_ids[0])
-    return HFTokenizer(
-        raw,
-        eos_ids,
-        chat_template=template if isinstance(template, str) else None,
-        bos_token=bos,
-        eos_token=eos,
-    )
+    from jinja2 import TemplateError
+
+    try:
+        return HFTokenizer(
+            raw,
+            eos_ids,
+            chat_template=template if isinstance(template, str) else None,
+            bos_token=bos,
+            eos_token=eos,
+        )
+    except TemplateError as e:
+        raise ModelLoadError(f"{template_file}: chat_template: {type(e).__name__}: {e}") from None
 
 
 def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
@@ -199,6 +232,8 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
         # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
         half = _HALF_DTYPES.get(spec.checkpoint_dtype or "", torch.bfloat16)
         dtype = torch.float32 if device.type == "cpu" else half
-    model = _unfilled_model(spec.config, device, dtype, qkv_bias=spec.qkv_bias)
+    model = _unfilled_model(
+        spec.config, device, dtype, qkv_bias=spec.qkv_bias, rope_linear_factor=spec.rope_linear_factor
+    )
     load_weights(model, directory)
     return LoadedModel(model, tokenizer, spec.max_model_len)

@@ -136,9 +136,13 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its output head; `lm_head` is absent when embeddings are tied."""
+    """The decoder plus its output head; `lm_head` is absent when embeddings are tied.
 
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool = False):
+    `rope_linear_factor` is a checkpoint's linear rope scaling (rope_type "linear"): every
+    rotary frequency is divided by it, as transformers does.
+    """
+
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool = False, rope_linear_factor: float = 1.0):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config, qkv_bias)
@@ -148,7 +152,7 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(
-            config.head_size, config.rope_theta, config.rope_scaling, torch.device("cpu")
+            config.head_size, config.rope_theta, config.rope_scaling, torch.device("cpu"), rope_linear_factor
         )
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:

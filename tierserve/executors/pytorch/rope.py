@@ -14,10 +14,15 @@ import torch
 from tierserve.model_config import RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """One inverse frequency per rotated pair ([head_dim // 2], float32)."""
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, linear_factor: float = 1.0
+) -> torch.Tensor:
+    """One inverse frequency per rotated pair ([head_dim // 2], float32); `linear_factor`
+    divides them all (rope_type "linear", position interpolation)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
     if scaling is None:
         return inv_freq
     return _llama3_scale(inv_freq, scaling)
@@ -41,8 +46,15 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding:
     """Maps positions to (cos, sin) tables and rotates query/key heads."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device):
-        self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        device: torch.device,
+        linear_factor: float = 1.0,
+    ):
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling, linear_factor).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens] int positions -> cos, sin of shape [num_tokens, 1, head_dim]."""

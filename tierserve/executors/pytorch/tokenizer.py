@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any, Protocol
 
 Message = Mapping[str, str]
@@ -75,11 +77,7 @@ class HFTokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         if chat_template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(chat_template)
+            self._template = _template_environment().from_string(chat_template)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -110,3 +108,48 @@ class HFTokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """JSON as transformers' templates get it: not HTML-escaped (Jinja's own `tojson` writes
+    `<` as `\\u003c`), non-ASCII kept, with json.dumps's options."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _template_environment() -> Any:
+    """A sandboxed Jinja environment that compiles what transformers' `apply_chat_template`
+    compiles: `{% break %}` / `{% continue %}`, the `{% generation %}` block (it marks the
+    assistant's tokens for training; here it renders its body), `raise_exception`,
+    `strftime_now` and transformers' `tojson`."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.parser import Parser
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}  # noqa: RUF012 (Jinja reads it from the class)
+
+        def parse(self, parser: Parser) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationBlock]
+    )
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env

@@ -1,0 +1,125 @@
+"""Checkpoints as users bring them: damaged or foreign weight files, SentencePiece-only tokenizers,
+chat templates that use transformers' Jinja extras, and config.json values written as null."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch_checkpoints import Checkpoint
+
+from tierserve.executors.pytorch.hf_config import ModelLoadError
+from tierserve.executors.pytorch.loader import load_model
+from tierserve.executors.pytorch.tokenizer import HFTokenizer
+
+CPU = torch.device("cpu")
+
+# Every extra that transformers' apply_chat_template gives a template: {% break %}, the
+# {% generation %} block (with a `set` inside, which must not leak out), transformers' tojson
+# (no HTML escaping, non-ASCII kept, json.dumps options) and strftime_now.
+EXTRAS_TEMPLATE = (
+    "{% set seen = 'outer' %}"
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{% set seen = 'inner' %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}<{{ m['role'] }}>{{ m['content'] | tojson }}{% endif %}{% endfor %}"
+    "{{ seen }}{{ {'b': '<i>&ü', 'a': 1} | tojson(indent=2, sort_keys=true) }}"
+    "[{{ strftime_now('%Y') | length }}]"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MESSAGES = [
+    {"role": "user", "content": "hi <x> ü"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "never rendered: the loop breaks first"},
+]
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, CPU)
+    return str(info.value)
+
+
+def set_template(ckpt: Checkpoint, template: str) -> None:
+    path = ckpt.path / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config))
+
+
+def test_a_truncated_safetensors_file_is_a_load_error_naming_it(checkpoint: Checkpoint) -> None:
+    weights = checkpoint.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    message = load_error(checkpoint.path)
+    assert "model.safetensors" in message and "unreadable safetensors" in message
+
+
+def test_a_garbage_shard_listed_in_the_index_is_a_load_error_naming_it(make_checkpoint) -> None:
+    ckpt: Checkpoint = make_checkpoint(max_shard_size="60KB")
+    shard = sorted(ckpt.path.glob("*.safetensors"))[0]
+    shard.write_bytes(b"not a safetensors file at all")
+    message = load_error(ckpt.path)
+    assert shard.name in message and "unreadable safetensors" in message
+
+
+def test_pytorch_bin_weights_are_named_when_no_safetensors_exist(checkpoint: Checkpoint) -> None:
+    weights = checkpoint.path / "model.safetensors"
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, checkpoint.path / "pytorch_model.bin")
+    weights.unlink()
+    message = load_error(checkpoint.path)
+    assert "missing file" in message and "pytorch_model.bin" in message and "safetensors" in message
+
+
+def test_a_sentencepiece_model_without_tokenizer_json_is_named(checkpoint: Checkpoint) -> None:
+    (checkpoint.path / "tokenizer.json").unlink()
+    (checkpoint.path / "tokenizer.model").write_bytes(b"\x00")
+    message = load_error(checkpoint.path)
+    assert "tokenizer.json: missing file" in message and "tokenizer.model" in message
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_chat_template_that_does_not_compile_is_a_load_error_naming_its_file(
+    checkpoint: Checkpoint, where: str
+) -> None:
+    broken = "{% for m in messages %}{{ m['content'] }"
+    if where == "chat_template.jinja":
+        set_template(checkpoint, "")
+        (checkpoint.path / where).write_text(broken)
+    else:
+        set_template(checkpoint, broken)
+    message = load_error(checkpoint.path)
+    assert where in message and "chat_template" in message and "TemplateSyntaxError" in message
+
+
+def test_a_template_with_transformers_extras_renders_as_transformers_does(checkpoint: Checkpoint) -> None:
+    transformers = pytest.importorskip("transformers")
+    set_template(checkpoint, EXTRAS_TEMPLATE)
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    assert isinstance(tok, HFTokenizer)
+    reference = transformers.AutoTokenizer.from_pretrained(checkpoint.path)
+    expected = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert '<user>"hi <x> ü"yo' in expected and "outer" in expected and "[4]" in expected
+    assert tok.decode(tok.apply_chat_template(MESSAGES)) == expected
+    assert tok.apply_chat_template(MESSAGES) == reference(expected, add_special_tokens=False).input_ids
+
+
+def test_a_non_numeric_rope_theta_is_a_load_error_naming_config_json(checkpoint: Checkpoint) -> None:
+    path = checkpoint.path / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = "abc"
+    path.write_text(json.dumps(config))
+    message = load_error(checkpoint.path)
+    assert "config.json" in message and "rope_theta" in message and "'abc'" in message
+
+
+def test_null_num_key_value_heads_means_one_kv_head_per_query_head(checkpoint: Checkpoint) -> None:
+    # transformers reads `"num_key_value_heads": null` as "as many as the attention heads".
+    path = checkpoint.path / "config.json"
+    config = json.loads(path.read_text())
+    config["num_key_value_heads"] = None
+    path.write_text(json.dumps(config))
+    # The checkpoint has 2 KV heads of 4, so the shapes must now disagree: MHA was inferred.
+    message = load_error(checkpoint.path)
+    assert "k_proj" in message and "(32, 64)" in message and "(64, 64)" in message
