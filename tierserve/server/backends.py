@@ -66,7 +66,9 @@ def _torch_backend(model: str, device: str) -> Backend:
         executor, tokenizer = build_torch_executor(model, device=device)
     except (ModelLoadError, OSError, ValueError) as e:
         raise BackendError(f"--model {model}: {e}") from None
-    name = "demo" if model == "demo" else Path(model).name
+    # The directory's own name, also for `.` or `..` (whose `Path.name` is empty or `..`:
+    # a model no request could name).
+    name = "demo" if model == "demo" else (Path(model).resolve().name or "model")
     return Backend(executor, tokenizer, name, executor.model.config.vocab_size, pace=False)
 
 

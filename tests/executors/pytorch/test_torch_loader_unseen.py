@@ -123,3 +123,16 @@ def test_null_num_key_value_heads_means_one_kv_head_per_query_head(checkpoint: C
     # The checkpoint has 2 KV heads of 4, so the shapes must now disagree: MHA was inferred.
     message = load_error(checkpoint.path)
     assert "k_proj" in message and "(32, 64)" in message and "(64, 64)" in message
+
+
+def test_a_checkpoint_given_as_dot_is_served_under_its_directory_name(
+    checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `tierserve serve --model .` named the model "" (Path(".").name), and no request can
+    # name an empty model.
+    from tierserve.server.backends import build_backend
+
+    monkeypatch.chdir(checkpoint.path)
+    assert build_backend("torch", ".").model_name == checkpoint.path.name
+    monkeypatch.chdir(checkpoint.path / "..")
+    assert build_backend("torch", f"{checkpoint.path.name}/").model_name == checkpoint.path.name
