@@ -35,7 +35,9 @@ def _event(i: int, last: bool) -> bytes:
 
 @dataclass
 class FakeUpstream:
-    """mode: "ok", "fail" (500 before any byte) or "break" (two events, then the connection drops).
+    """mode: "ok", "fail" (500 before any byte), "break" (two events, then the connection drops),
+    "stop" (two events, then a clean end without `data: [DONE]`) or "refuse" (`refusal_status`,
+    with `refusal_body`, `refusal_type` and a Retry-After of 7).
     A non-streaming reply comes after `reply_after_s`, or never if its client goes first
     (counted in `num_clients_gone`)."""
 
@@ -43,6 +45,9 @@ class FakeUpstream:
     num_events: int = 4
     event_gap_s: float = 0.0
     reply_after_s: float = 0.0
+    refusal_status: int = 429
+    refusal_body: bytes = b'{"detail": "slow down"}'
+    refusal_type: str = "application/json"
     num_clients_gone: int = 0
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -53,6 +58,9 @@ class FakeUpstream:
         self.headers.append(dict(request.headers))
         if self.mode == "fail":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if self.mode == "refuse":
+            headers = {"Retry-After": "7"}
+            return Response(self.refusal_body, self.refusal_status, headers, media_type=self.refusal_type)
         if not body.get("stream"):
             if not await self._client_stays(request):
                 self.num_clients_gone += 1
@@ -74,6 +82,8 @@ class FakeUpstream:
         for i in range(self.num_events):
             if self.mode == "break" and i == 2:
                 raise ConnectionError("the upstream died mid-stream")
+            if self.mode == "stop" and i == 2:
+                return
             yield _event(i, i == self.num_events - 1)
             await asyncio.sleep(self.event_gap_s)
         yield b"data: [DONE]\n\n"

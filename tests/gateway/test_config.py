@@ -24,10 +24,11 @@ def test_the_example_config_loads_with_every_kind_and_per_tier_rules() -> None:
 
 
 def test_an_upstream_orders_by_priority_by_kind_unless_its_config_says_fifo() -> None:
-    kinds = [{**UP, "name": k, "kind": k} for k in ("vllm", "sglang", "tierserve", "openai")]
-    c = parse_gateway_config(
-        {"upstreams": [*kinds, {**UP, "name": "plain-sglang", "kind": "sglang", "order": "fifo"}]}
-    )
+    kinds = [
+        {"name": k, "kind": k, "url": f"http://{k}:8000"} for k in ("vllm", "sglang", "tierserve", "openai")
+    ]
+    plain = {"name": "plain-sglang", "kind": "sglang", "url": "http://plain:8000", "order": "fifo"}
+    c = parse_gateway_config({"upstreams": [*kinds, plain]})
     assert [u.orders_by_priority for u in c.upstreams] == [True, True, True, False, False]
 
 
@@ -50,7 +51,15 @@ def test_unset_tiers_follow_the_servers_fail_mode() -> None:
         ({"upstreams": [{**UP, "url": "http://127.0.0.1:99999"}]}, "upstreams[0].url"),
         ({"upstreams": [{**UP, "url": "http://127.0.0.1:8000/?x=1"}]}, "upstreams[0].url"),
         ({"upstreams": [{**UP, "order": "lifo"}]}, "upstreams[0].order"),
-        ({"upstreams": [{**UP, "name": "a"}, {**UP, "name": "a"}]}, "upstreams[1].name"),
+        ({"upstreams": [{**UP, "name": "a"}, {**UP, "name": "a", "url": "http://h:1"}]}, "upstreams[1].name"),
+        # One replica listed twice (under two names, or spelt two ways) took two shares of
+        # the traffic; credentials in a URL became its default name, a metrics label.
+        ({"upstreams": [{**UP, "name": "a"}, {**UP, "name": "b"}]}, "upstreams[1].url"),
+        (
+            {"upstreams": [{**UP, "url": "http://H:80/"}, {**UP, "name": "b", "url": "http://h"}]},
+            "upstreams[1].url",
+        ),
+        ({"upstreams": [{**UP, "url": "http://user:secret@h:8000"}]}, "upstreams[0].url"),
         ({"upstreams": [UP], "gateway": {"instances": 0}}, "gateway.instances"),
         ({"upstreams": [UP], "gateway": {"redis_fail": {"P9": "open"}}}, "gateway.redis_fail.P9"),
         ({"upstreams": [UP], "gateway": {"redis_fail": {"P1": "maybe"}}}, "gateway.redis_fail.P1"),

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
+from urllib.parse import urlparse
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierserve import __version__
+from tierserve.gateway.config import fail_open_by_tier
 from tierserve.gateway.forward import forward
 from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
@@ -72,7 +74,7 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         gw.open_streams()
         poller = UpstreamPoller(gw)
-        await poller.poll_once()  # know the upstreams before the first request
+        await asyncio.gather(poller.poll_once(), _check_redis(gw))  # know both before the first request
         task = asyncio.get_running_loop().create_task(poller.run())
         healthy = [s.name for s in gw.router.states if s.healthy]
         log.info("tierserve gateway ready: %d/%d upstreams healthy", len(healthy), len(gw.router.states))
@@ -88,6 +90,34 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
                 await gw.remote_buckets.close()
 
     return lifespan
+
+
+async def _check_redis(gw: GatewayState) -> None:
+    """Ask the limits' Redis once at start-up: one that cannot be reached is said in one
+    WARNING line (the gateway still serves, each tier by its `[gateway.redis_fail]` rule)
+    and exported as `tierserve_ratelimit_redis_up 0`, not 1 until the first request finds out."""
+    remote = gw.remote_buckets
+    if remote is None or not hasattr(remote, "ping"):
+        return
+    rl = gw.config.serve.server.ratelimit
+    try:
+        await asyncio.wait_for(
+            remote.ping(), timeout=max(rl.redis_timeout_s, gw.config.gateway.connect_timeout_s)
+        )
+        return
+    except Exception as e:  # any failure to answer: refused, timed out, auth, a bad database
+        why = str(e) or type(e).__name__
+    url = urlparse(rl.redis_url)  # named without its password
+    where = f"{url.hostname}:{url.port or 6379}" if url.hostname else url.path
+    fail = fail_open_by_tier(gw.config)
+    rules = ", ".join(f"{t.name} {'open' if fail[t] else 'closed'}" for t in fail)
+    log.warning(
+        "rate-limit Redis %s unreachable at start-up (%s): each tier follows its rule (%s) until it answers",
+        where,
+        why,
+        rules,
+    )
+    gw.limiter.redis_up = False
 
 
 def create_gateway_app(gw: GatewayState) -> FastAPI:

@@ -81,10 +81,14 @@ class GatewayConfig:
     upstreams: tuple[UpstreamConfig, ...]
 
 
-def _upstream(i: int, raw: Mapping[str, Any], names: set[str]) -> UpstreamConfig:
+def _upstream(i: int, raw: Mapping[str, Any], names: set[str], urls: dict[str, int]) -> UpstreamConfig:
     path = f"upstreams[{i}]"
     _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight", "order"))
     url = _base_url(f"{path}.url", _string(f"{path}.url", raw.get("url")))
+    # One replica listed twice would take twice its share and be counted as two.
+    same = urls.setdefault(_same_replica_key(url), i)
+    if same != i:
+        raise ConfigError(f"{path}.url: {url!r} is already upstreams[{same}]'s (one entry per replica)")
     name = _string(f"{path}.name", raw.get("name", urlparse(url).netloc))
     if name in names:
         raise ConfigError(f"{path}.name: {name!r} is used twice")
@@ -113,7 +117,21 @@ def _base_url(path: str, text: str) -> str:
         raise ConfigError(f"{path}: expected http(s)://host:port with a port of 1-65535, got {text!r}")
     if parsed.query or parsed.fragment or url.endswith("/v1"):
         raise ConfigError(f"{path}: expected the base URL, without /v1, a query or a fragment, got {text!r}")
+    if parsed.username is not None or parsed.password is not None:
+        # The default name (host:port) is a metrics label and is listed by /v1/models.
+        raise ConfigError(
+            f"{path}: expected no user or password in the URL (the gateway sends no credentials upstream), "
+            f"got one for {parsed.hostname}"
+        )
     return url
+
+
+def _same_replica_key(url: str) -> str:
+    """What two spellings of one replica's URL share: scheme, host (any case), port (the
+    scheme's own when none is given) and path."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return f"{parsed.scheme}://{(parsed.hostname or '').lower()}:{port}{parsed.path}"
 
 
 def _per_tier(raw: Mapping[str, Any], key: str) -> dict[Tier, Any]:
@@ -188,7 +206,8 @@ def parse_gateway_config(raw: Mapping[str, Any], source: str | None = None) -> G
     if not isinstance(ups, list) or not ups:
         raise ConfigError("upstreams: expected at least one [[upstreams]] table")
     names: set[str] = set()
-    upstreams = tuple(_upstream(i, _table(f"upstreams[{i}]", u), names) for i, u in enumerate(ups))
+    urls: dict[str, int] = {}
+    upstreams = tuple(_upstream(i, _table(f"upstreams[{i}]", u), names, urls) for i, u in enumerate(ups))
     return GatewayConfig(serve=serve, gateway=settings, upstreams=upstreams)
 
 

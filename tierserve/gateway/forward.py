@@ -28,7 +28,7 @@ from tierserve.gateway.prompt import estimate_prompt_tokens, prefix_key
 from tierserve.gateway.relay import Relay
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
-from tierserve.gateway.usage import SseUsageTap, TokenUsage, usage_of
+from tierserve.gateway.usage import SseUsageTap, usage_of
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, invalid_body
 from tierserve.server.fast_routes import close_if_unread, unsupported_encoding
@@ -260,6 +260,9 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
 async def _whole(
     gw: GatewayState, call: _Call, decision: RouteDecision, reply: aiohttp.ClientResponse
 ) -> Response:
+    """A reply read whole: a non-streaming one, or any refusal. A 200 that is not a JSON
+    object is a failure before the first byte (retried); any other status reaches the
+    client in OpenAI's error envelope, whatever the upstream wrote, with its Retry-After."""
     name = decision.upstream
     try:
         content = await reply.read()
@@ -267,14 +270,61 @@ async def _whole(
         raise _Retry(f"reply cut: {type(e).__name__}") from None
     finally:
         reply.release()
+    payload = _json_object(content)
+    if reply.status == 200 and payload is None:
+        raise _Retry("a 200 reply that is not a JSON object")
     gw.dispatcher.finished(decision)
-    usage: TokenUsage | None = None
-    if reply.status == 200:
-        try:
-            usage = usage_of(json.loads(content))
-        except ValueError:
-            usage = None
+    usage = usage_of(payload) if reply.status == 200 else None
     gw.metrics.upstream_requests.labels(name, "ok" if reply.status == 200 else f"http_{reply.status}").inc()
     gw.spawn(gw.limiter.settle(call.reservation, usage.total if usage else 0))
-    media = reply.headers.get("content-type", "application/json")
-    return Response(content, status_code=reply.status, headers=call.headers, media_type=media)
+    if reply.status == 200 or (payload is not None and _is_error_envelope(payload)):
+        headers = {**call.headers, **_retry_after(reply)}
+        return Response(content, status_code=reply.status, headers=headers, media_type="application/json")
+    raise _upstream_refusal(name, reply, payload, content, call.headers)
+
+
+def _json_object(content: bytes) -> dict[str, Any] | None:
+    try:
+        payload = json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _is_error_envelope(payload: dict[str, Any]) -> bool:
+    """OpenAI's `{"error": {"message": ...}}`: passed on as the upstream wrote it."""
+    error = payload.get("error")
+    return isinstance(error, dict) and isinstance(error.get("message"), str)
+
+
+def _retry_after(reply: aiohttp.ClientResponse) -> dict[str, str]:
+    value = reply.headers.get("retry-after")
+    return {"Retry-After": value} if value else {}
+
+
+MAX_QUOTED_CHARS = 500  # of an upstream's error text, quoted in the envelope
+
+
+def _upstream_refusal(
+    name: str,
+    reply: aiohttp.ClientResponse,
+    payload: dict[str, Any] | None,
+    content: bytes,
+    headers: dict[str, str],
+) -> ApiError:
+    """An upstream's error reply that is not in OpenAI's envelope (vLLM's older top-level
+    `message`, FastAPI's `detail`, plain text or HTML), put in it: the same status, the
+    upstream's own message where there is one, and its Retry-After."""
+    if payload is None:
+        message = content.decode("utf-8", "replace").strip()
+    else:
+        found = payload.get("message", payload.get("detail"))
+        message = found if isinstance(found, str) else json.dumps(payload)
+    log.info("upstream %s answered HTTP %d: %s", name, reply.status, message[:MAX_QUOTED_CHARS])
+    return ApiError(
+        reply.status,
+        message[:MAX_QUOTED_CHARS] or f"The upstream answered HTTP {reply.status}.",
+        type="invalid_request_error" if reply.status < 500 else "server_error",
+        code="upstream_error",
+        headers={**headers, **_retry_after(reply)},
+    )

@@ -1,11 +1,11 @@
 """Passing an upstream's SSE stream on to the client, whole events as they come.
 
 Once the first bytes have gone out the request can no longer move to another upstream:
-if the upstream breaks now, the stream ends with an error event (`upstream_failed`) and
-`data: [DONE]`, so the client always sees how it ended; so does a stream the gateway cuts
-at its drain timeout (`aborted`). When it ends, however it ends, the request leaves the
-router's in-flight count and its reservation is settled with the usage the upstream
-reported (or kept whole when none came).
+if the upstream breaks now (its connection drops, or its reply ends without `data: [DONE]`),
+the stream ends with an error event (`upstream_failed`) and `data: [DONE]`, so the client
+always sees how it ended; so does a stream the gateway cuts at its drain timeout (`aborted`).
+When it ends, however it ends, the request leaves the router's in-flight count and its
+reservation is settled with the usage the upstream reported (or kept whole when none came).
 """
 
 from __future__ import annotations
@@ -71,11 +71,19 @@ class Relay:
                     out = tap.feed(chunk)
                     if out:
                         yield out
-                yield tap.flush()
             except (aiohttp.ClientError, TimeoutError) as e:
                 if self._outcome == "client_left":
                     return
                 yield tap.flush() + self._error_event(type(e).__name__) + DONE
+                return
+            rest = tap.flush()
+            if tap.done or self._outcome == "client_left":
+                if rest:
+                    yield rest
+                return
+            # A clean end without `data: [DONE]` (an upstream that stopped early, or a stream
+            # the gateway cut): the client hears that it did not run to its end.
+            yield rest + self._error_event("the reply ended before data: [DONE]") + DONE
         finally:
             self._close()
 

@@ -3,7 +3,8 @@
 A streamed reply is cut into whole SSE events (blank-line separated) and passed on as
 received; events that mention `"usage"` are parsed to learn the count. When the client
 did not ask for usage, the gateway asks the upstream anyway and drops the usage-only
-event (no choices) before it reaches the client.
+event (no choices) before it reaches the client. The tap also notes whether the stream's
+last word, `data: [DONE]`, came: a stream that stops without it did not run to its end.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
+_DONE = re.compile(rb"data:\s?\[DONE\]\s*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,7 @@ class SseUsageTap:
         self._forward_usage = forward_usage
         self._buffer = b""
         self.usage: TokenUsage | None = None
+        self.done = False  # `data: [DONE]` came
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk.replace(b"\r\n", b"\n")
@@ -53,11 +56,20 @@ class SseUsageTap:
         return b"".join(self._event(e + b"\n\n") for e in head.split(b"\n\n") if e)
 
     def flush(self) -> bytes:
-        """Whatever is left at the end of the stream (an event without its blank line)."""
+        """Whatever is left at the end of the stream (an event without its blank line),
+        ended with one so that an event written after it stays an event of its own."""
         rest, self._buffer = self._buffer, b""
-        return rest
+        if not rest.strip():
+            return b""
+        self._note_done(rest)
+        return rest.rstrip(b"\n") + b"\n\n"
+
+    def _note_done(self, event: bytes) -> None:
+        if _DONE.fullmatch(event):
+            self.done = True
 
     def _event(self, event: bytes) -> bytes:
+        self._note_done(event)
         # With usage asked for, every chunk carries `"usage": null` (OpenAI's format, and
         # tierserve's and vLLM's): only one whose usage is not null is worth parsing.
         if b'"usage"' not in event or not event.startswith(b"data: {") or _NULL_USAGE.search(event):

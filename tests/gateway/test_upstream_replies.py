@@ -1,0 +1,120 @@
+"""What the client gets when an upstream's reply is not what an OpenAI-compatible server
+should send: a stream that stops without `data: [DONE]`, a refusal outside OpenAI's error
+envelope, a 200 that is not JSON. Found by probing the gateway with a misbehaving upstream."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import httpx
+import pytest
+
+from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
+from tierserve.gateway.usage import SseUsageTap
+
+CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_a_stream_the_upstream_ends_without_done_ends_with_an_error_event_and_done() -> None:
+    """It was passed on as a clean end: two events, no error, no `[DONE]`, counted `ok`."""
+    with (
+        fake_upstream(FakeUpstream("stop")) as url,
+        gateway([url]) as (gw, state),
+    ):
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+        ) as r:
+            text = r.read().decode()
+        metrics = httpx.get(gw.url + "/metrics").text
+    events = [e for e in text.split("\n\n") if e]
+    assert '"t0"' in events[0] and '"t1"' in events[1] and len(events) == 4, text
+    assert '"code": "upstream_failed"' in events[2] and events[3] == "data: [DONE]"
+    assert 'tierserve_gateway_upstream_requests_total{outcome="broken",upstream="f0"} 1.0' in metrics
+    assert state.num_in_flight == 0
+
+
+def test_the_usage_tap_notes_done_and_ends_a_last_event_without_its_blank_line() -> None:
+    tap = SseUsageTap(forward_usage=False)
+    assert tap.feed(b'data: {"choices": []}\n\ndata: {"cho') == b'data: {"choices": []}\n\n'
+    assert tap.flush() == b'data: {"cho\n\n' and not tap.done  # kept apart from what follows
+    for last in (b"data: [DONE]\n\n", b"data: [DONE]\n", b"data:[DONE]"):
+        tap = SseUsageTap(forward_usage=False)
+        assert tap.feed(last) + tap.flush() == last.rstrip(b"\n") + b"\n\n" and tap.done, last
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "media", "message"),
+    [
+        (429, b'{"detail": "slow down"}', "application/json", "slow down"),  # FastAPI's shape
+        (400, b'{"object": "error", "message": "bad n"}', "application/json", "bad n"),  # older vLLM
+        (429, b"<html>Too Many Requests</html>", "text/html", "<html>Too Many Requests</html>"),
+        (413, b'{"what": 1}', "application/json", '{"what": 1}'),
+    ],
+)
+def test_an_upstream_refusal_reaches_the_client_in_openais_envelope_with_its_retry_after(
+    status: int, body: bytes, media: str, message: str
+) -> None:
+    """It was passed on as the upstream wrote it (`{"detail": ...}`, HTML) and without its
+    Retry-After."""
+    fake = FakeUpstream("refuse", refusal_status=status, refusal_body=body, refusal_type=media)
+    with fake_upstream(fake) as url, gateway([url]) as (gw, state):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == status and r.headers["retry-after"] == "7"
+    error = r.json()["error"]
+    assert error["message"] == message and error["code"] == "upstream_error", r.text
+    assert r.headers["x-tierserve-tier"] == "P1" and state.num_in_flight == 0
+
+
+def test_an_upstream_refusal_in_openais_envelope_is_passed_on_as_written() -> None:
+    body = b'{"error": {"message": "no such model", "type": "NotFoundError", "code": 404}}'
+    fake = FakeUpstream("refuse", refusal_status=404, refusal_body=body)
+    with fake_upstream(fake) as url, gateway([url]) as (gw, _):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 404 and r.content == body and r.headers["retry-after"] == "7"
+
+
+def test_a_200_that_is_not_json_is_retried_elsewhere_and_never_reaches_the_client() -> None:
+    """An HTML page with status 200 (a proxy's, say) reached the client as the answer."""
+    html = FakeUpstream(
+        "refuse", refusal_status=200, refusal_body=b"<html>oops</html>", refusal_type="text/html"
+    )
+    good = FakeUpstream("ok")
+    with fake_upstream(html) as html_url, fake_upstream(good) as good_url:
+        with gateway([html_url, good_url]) as (gw, _):
+            answers = [
+                httpx.post(
+                    gw.url + "/v1/chat/completions",
+                    json={**CHAT, "messages": [{"role": "user", "content": f"prefix {i}"}]},
+                    timeout=30,
+                )
+                for i in range(6)
+            ]
+        with gateway([html_url]) as (gw, _):
+            alone = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert [r.status_code for r in answers] == [200] * 6 and html.bodies
+    assert all(r.json()["choices"][0]["message"]["content"] == "ok" for r in answers)
+    assert alone.status_code == 502 and alone.json()["error"]["code"] == "upstream_unavailable"
+
+
+def test_a_redis_unreachable_at_start_up_is_said_in_one_line_and_exported_as_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing was said until the first request, and `tierserve_ratelimit_redis_up` read 1."""
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    extra = (
+        f'[server.ratelimit]\nbackend = "redis"\nredis_url = "redis://:secret@127.0.0.1:{port}/9"\n'
+        '[gateway.redis_fail]\nP2 = "closed"\n'
+    )
+    with (
+        caplog.at_level(logging.WARNING),
+        fake_upstream(FakeUpstream("ok")) as url,
+        gateway([url], extra=extra) as (gw, _),
+    ):
+        metrics = httpx.get(gw.url + "/metrics").text
+    lines = [r.getMessage() for r in caplog.records if "unreachable at start-up" in r.getMessage()]
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "secret" not in lines[0], lines
+    assert "P1 open, P2 closed" in lines[0]
+    assert "tierserve_ratelimit_redis_up 0.0" in metrics
