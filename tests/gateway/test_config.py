@@ -70,6 +70,7 @@ def test_unset_tiers_follow_the_servers_fail_mode() -> None:
         # shorter than the scrapes (every upstream saturated, P0 refused).
         ({"upstreams": [UP], "gateway": {"tier_limits": {"P3": {"rps": 3}}}}, "gateway.tier_limits.P3.rps"),
         ({"upstreams": [UP], "gateway": {"max_kv_usage": 1.5}}, "gateway.max_kv_usage"),
+        ({"upstreams": [UP], "gateway": {"read_timeout_s": 0}}, "gateway.read_timeout_s"),
         (
             {"upstreams": [UP], "gateway": {"stale_after_s": 0.1, "scrape_interval_s": 5}},
             "gateway.stale_after_s",

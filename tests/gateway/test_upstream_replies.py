@@ -118,3 +118,20 @@ def test_a_redis_unreachable_at_start_up_is_said_in_one_line_and_exported_as_dow
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "secret" not in lines[0], lines
     assert "P1 open, P2 closed" in lines[0]
     assert "tierserve_ratelimit_redis_up 0.0" in metrics
+
+
+def test_an_upstream_silent_past_the_read_timeout_fails_instead_of_holding_the_request() -> None:
+    """A replica that took a request and never answered held it until the client left."""
+    silent = FakeUpstream("ok", reply_after_s=60.0)
+    with fake_upstream(silent) as url, gateway([url], extra="read_timeout_s = 0.5") as (gw, state):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+        assert state.num_in_flight == 0
+    stalled = FakeUpstream("ok", event_gap_s=60.0)  # the first event, then nothing for a minute
+    with fake_upstream(stalled) as url, gateway([url], extra="read_timeout_s = 0.5") as (gw, state):
+        with httpx.stream(
+            "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30
+        ) as r:
+            events = [e for e in r.read().decode().split("\n\n") if e]
+        assert '"t0"' in events[0] and '"code": "upstream_failed"' in events[1], events
+        assert events[-1] == "data: [DONE]" and len(events) == 3 and state.num_in_flight == 0

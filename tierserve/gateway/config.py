@@ -71,6 +71,9 @@ class GatewaySettings:
     affinity_load_bound: float = 1.5  # the preferred replica is used while its load <= bound x (least + 1)
     sglang_preemption_threshold: int = 10  # SGLang tiers are spaced one more than this apart
     connect_timeout_s: float = 2.0
+    # An upstream silent this long (no reply yet, or no next chunk of a stream) has failed:
+    # the OpenAI Python client's own default timeout, 10 minutes.
+    read_timeout_s: float = 600.0
     max_attempts: int = 3  # upstreams tried for one request before its first byte
 
 
@@ -160,6 +163,7 @@ def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
         "affinity_load_bound": (1.0, False, False),
         "sglang_preemption_threshold": (0, True, False),
         "connect_timeout_s": (0.0, False, True),
+        "read_timeout_s": (0.0, False, True),
         "max_attempts": (1, True, False),
     }
     _reject_unknown("gateway", raw, (*numbers, "policy", "redis_fail", "tier_limits", "max_wait_s"))

@@ -53,7 +53,9 @@ class GatewayState:
             settings = self.config.gateway
             self.streams = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+                ),
             )
         return self.streams
 
