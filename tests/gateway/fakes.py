@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from tierserve.gateway.app import create_gateway_app
-from tierserve.gateway.config import parse_gateway_config
+from tierserve.gateway.config import GatewayConfig, parse_gateway_config
 from tierserve.gateway.drain import DrainingGateway
 from tierserve.gateway.state import GatewayState, build_gateway_state
 from tierserve.server.embedded import loopback_socket
@@ -49,6 +50,7 @@ class FakeUpstream:
     refusal_body: bytes = b'{"detail": "slow down"}'
     refusal_type: str = "application/json"
     num_clients_gone: int = 0
+    api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -88,14 +90,14 @@ class FakeUpstream:
             await asyncio.sleep(self.event_gap_s)
         yield b"data: [DONE]\n\n"
 
-    def app(self) -> Starlette:
+    def app(self) -> Any:
         async def metrics(_: Request) -> Response:
             return PlainTextResponse(METRICS)
 
         async def models(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
 
-        return Starlette(
+        app = Starlette(
             routes=[
                 Route("/metrics", metrics),
                 Route("/v1/models", models),
@@ -103,6 +105,19 @@ class FakeUpstream:
                 Route("/v1/completions", self.chat, methods=["POST"]),
             ]
         )
+        key = self.api_key
+        if key is None:
+            return app
+
+        async def wants_key(scope: Any, receive: Any, send: Any) -> None:
+            headers = dict(scope.get("headers") or [])
+            if scope["type"] == "http" and headers.get(b"authorization") != f"Bearer {key}".encode():
+                refusal = JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
+                await refusal(scope, receive, send)
+                return
+            await app(scope, receive, send)
+
+        return wants_key
 
 
 @dataclass
@@ -148,6 +163,14 @@ def gateway(
         f'\n[[upstreams]]\nname = "f{i}"\nkind = "vllm"\nurl = "{u}"\n' for i, u in enumerate(upstream_urls)
     )
     config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{extra}\n{ups}"))
+    with gateway_of(config, drain_timeout_s) as running:
+        yield running
+
+
+@contextmanager
+def gateway_of(
+    config: GatewayConfig, drain_timeout_s: float = 10.0
+) -> Iterator[tuple[Running, GatewayState]]:
     gw = build_gateway_state(config)
     with serve_thread(
         DrainingGateway, create_gateway_app(gw), gw=gw, drain_timeout_s=drain_timeout_s

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import socket
+import tomllib
 
 import httpx
 import pytest
 
-from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
+from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway, gateway_of
+from tierserve.config import ConfigError
+from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.usage import SseUsageTap
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -135,3 +138,27 @@ def test_an_upstream_silent_past_the_read_timeout_fails_instead_of_holding_the_r
             events = [e for e in r.read().decode().split("\n\n") if e]
         assert '"t0"' in events[0] and '"code": "upstream_failed"' in events[1], events
         assert events[-1] == "data: [DONE]" and len(events) == 3 and state.num_in_flight == 0
+
+
+def test_an_upstream_that_wants_an_api_key_gets_it_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway sent no key upstream: a vLLM started with --api-key was never admitted."""
+    fake = FakeUpstream("ok", api_key="sk-upstream")
+    monkeypatch.setenv("UPSTREAM_KEY", "sk-upstream")
+    with fake_upstream(fake) as url:
+        ups = f'\n[[upstreams]]\nkind = "vllm"\nurl = "{url}"\napi_key_env = "UPSTREAM_KEY"\n'
+        config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{ups}"))
+        assert "sk-upstream" not in repr(config)
+        with gateway_of(config) as (gw, _):
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json=CHAT,
+                headers={"authorization": "Bearer client"},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+    assert fake.headers[-1]["authorization"] == "Bearer sk-upstream"  # its key, not the client's
+    monkeypatch.delenv("UPSTREAM_KEY")
+    with pytest.raises(ConfigError, match=r"upstreams\[0\]\.api_key_env: .*UPSTREAM_KEY is not set"):
+        parse_gateway_config(tomllib.loads(ups))

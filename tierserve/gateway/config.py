@@ -8,6 +8,7 @@ each tier and the number of gateways sharing the limits. Errors name the field.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,14 @@ class UpstreamConfig:
     url: str  # base URL, without /v1
     max_in_flight: int = 0  # this gateway's requests in flight to it that saturate it; 0 = no cap
     order: str | None = None  # how it orders its waiting queue, one of QUEUE_ORDERS; None: by kind
+    # The key it wants (vLLM's and SGLang's --api-key), read at start-up from the environment
+    # variable `api_key_env` names; kept out of reprs and logs.
+    api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """What every call to it carries: its API key, where it wants one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def orders_by_priority(self) -> bool:
@@ -86,7 +95,7 @@ class GatewayConfig:
 
 def _upstream(i: int, raw: Mapping[str, Any], names: set[str], urls: dict[str, int]) -> UpstreamConfig:
     path = f"upstreams[{i}]"
-    _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight", "order"))
+    _reject_unknown(path, raw, ("name", "kind", "url", "max_in_flight", "order", "api_key_env"))
     url = _base_url(f"{path}.url", _string(f"{path}.url", raw.get("url")))
     # One replica listed twice would take twice its share and be counted as two.
     same = urls.setdefault(_same_replica_key(url), i)
@@ -104,7 +113,17 @@ def _upstream(i: int, raw: Mapping[str, Any], names: set[str], urls: dict[str, i
             _number(f"{path}.max_in_flight", raw.get("max_in_flight", 0), minimum=0, integer=True)
         ),
         order=_string(f"{path}.order", raw["order"], QUEUE_ORDERS) if "order" in raw else None,
+        api_key=_api_key(f"{path}.api_key_env", raw["api_key_env"]) if "api_key_env" in raw else None,
     )
+
+
+def _api_key(path: str, raw: Any) -> str:
+    """The key in the environment variable `raw` names (a key is not written in the file)."""
+    variable = _string(path, raw)
+    key = os.environ.get(variable, "").strip()
+    if not key:
+        raise ConfigError(f"{path}: the environment variable {variable} is not set (or empty)")
+    return key
 
 
 def _base_url(path: str, text: str) -> str:

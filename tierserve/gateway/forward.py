@@ -232,7 +232,9 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
     sent = time.perf_counter()
     try:
         # Returns once the reply's status and headers are in; its body is read as it comes.
-        reply = await gw.open_streams().post(upstream.url + call.path, json=down.body, headers=down.headers)
+        reply = await gw.open_streams().post(
+            upstream.url + call.path, json=down.body, headers={**down.headers, **upstream.auth_headers}
+        )
     except (aiohttp.ClientError, TimeoutError) as e:
         if gw.router.record_failure(decision.upstream, eject_now=True):
             gw.metrics.ejections.labels(decision.upstream).inc()

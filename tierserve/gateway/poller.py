@@ -21,8 +21,10 @@ from tierserve.gateway.state import GatewayState
 log = logging.getLogger("tierserve.gateway")
 
 
-async def fetch_models(client: httpx.AsyncClient, url: str, timeout_s: float) -> frozenset[str]:
-    r = await client.get(url + "/v1/models", timeout=timeout_s)
+async def fetch_models(
+    client: httpx.AsyncClient, url: str, timeout_s: float, headers: dict[str, str] | None = None
+) -> frozenset[str]:
+    r = await client.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     r.raise_for_status()
     data = r.json().get("data", [])
     return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
@@ -32,8 +34,10 @@ class NotReady(ValueError):
     """A tierserve upstream's `/ready` says it takes no new requests (draining, say)."""
 
 
-async def check_ready(client: httpx.AsyncClient, url: str, timeout_s: float) -> None:
-    r = await client.get(url + "/ready", timeout=timeout_s)
+async def check_ready(
+    client: httpx.AsyncClient, url: str, timeout_s: float, headers: dict[str, str] | None = None
+) -> None:
+    r = await client.get(url + "/ready", timeout=timeout_s, headers=headers)
     if r.status_code == 503:
         try:
             reason = r.json().get("reason", "not ready")
@@ -52,11 +56,11 @@ class UpstreamPoller:
         self._why_not: dict[str, str] = {}  # upstream -> why it was last not admitted (said once)
 
     async def _check(self, s: UpstreamState) -> None:
-        gw, url = self._gw, s.config.url
+        gw, url, auth = self._gw, s.config.url, s.config.auth_headers
         try:
             models = None
             if s.has_metrics:
-                r = await gw.client.get(url + "/metrics", timeout=self._timeout_s)
+                r = await gw.client.get(url + "/metrics", timeout=self._timeout_s, headers=auth)
                 r.raise_for_status()
                 try:
                     sample = parse_load(s.config.kind, r.text, gw.clock.now())
@@ -64,14 +68,14 @@ class UpstreamPoller:
                     # A fresh vLLM whose metrics are kept per process (PROMETHEUS_MULTIPROC_DIR)
                     # exports its load gauges only after its first request: a replica that
                     # answers and has never reported load is idle, not broken.
-                    models = await fetch_models(gw.client, url, self._timeout_s)
+                    models = await fetch_models(gw.client, url, self._timeout_s, auth)
                     sample = LoadSample(0.0, 0.0, 0.0, gw.clock.now())
                 if models is None and (not s.healthy or not s.models):
-                    models = await fetch_models(gw.client, url, self._timeout_s)
+                    models = await fetch_models(gw.client, url, self._timeout_s, auth)
             else:
-                models = await fetch_models(gw.client, url, self._timeout_s)
+                models = await fetch_models(gw.client, url, self._timeout_s, auth)
             if s.config.kind == "tierserve":
-                await check_ready(gw.client, url, self._timeout_s)
+                await check_ready(gw.client, url, self._timeout_s, auth)
         except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
             why = str(e) or type(e).__name__
             if gw.router.record_failure(s.name, eject_now=isinstance(e, NotReady)):  # draining: now
