@@ -30,7 +30,12 @@ def checkpoint(root: Path) -> Path:
 
 
 def make_llm(
-    model: Path, *, scheduler_cls: str | None, policy: str = "fcfs", prefix_caching: bool = True
+    model: Path,
+    *,
+    scheduler_cls: str | None,
+    policy: str = "fcfs",
+    prefix_caching: bool = True,
+    max_model_len: int = 512,
 ) -> LLM:
     kw: dict[str, Any] = {}
     if scheduler_cls is not None:
@@ -39,7 +44,7 @@ def make_llm(
         str(model),
         dtype="float32",
         block_size=BLOCK_SIZE,
-        max_model_len=512,
+        max_model_len=max_model_len,
         kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=512,

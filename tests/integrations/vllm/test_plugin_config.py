@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from tierserve.config import ConfigError
-from tierserve.integrations.vllm.ledger import LedgerError, TierLedger
+from tierserve.integrations.vllm.ledger import LedgerError, TierLedger, check_room_for_one_request
 from tierserve.integrations.vllm.plugin_config import (
     CONFIG_ENV,
     PluginConfig,
     load_plugin_config,
     parse_plugin_config,
 )
-from tierserve.integrations.vllm.request_tier import TierArgsError, label_request
+from tierserve.integrations.vllm.request_tier import MAX_ECHO_CHARS, TierArgsError, label_request
 from tierserve.integrations.vllm.versions import (
     SUPPORTED_VLLM_VERSIONS,
     UnsupportedVllmError,
@@ -77,11 +77,21 @@ def test_additional_config_inline() -> None:
         ({"vllm": {"priority": {"1": "P7"}}}, "vllm.priority.1"),
         ({"vllm": {"default_tier": True}}, "vllm.default_tier"),
         ({"tiers": {"P0": {"floor": 2.0}}}, "tiers.P0.floor"),
+        ({"vllm": {"policy": ["hybrid"]}}, "vllm.policy"),
+        ({"vllm": {"policy": {"name": "hybrid"}}}, "vllm.policy"),
+        ({"vllm": {"priority": {" 1 ": "P0"}}}, "vllm.priority. 1 "),
+        ({"vllm": {"priority": {"1_0": "P0"}}}, "vllm.priority.1_0"),
+        ({"vllm": {"priority": {"+1": "P0"}}}, r"vllm.priority.\+1"),
     ],
 )
 def test_bad_config_names_the_field(raw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse_plugin_config(raw)
+
+
+def test_negative_priorities_map() -> None:
+    config = parse_plugin_config({"vllm": {"priority": {"-5": "P0", "0": "P3"}}})
+    assert config.tier_for_priority(-5) == Tier.P0 and config.tier_for_priority(0) == Tier.P3
 
 
 def test_both_sources_is_an_error(tmp_path: Path) -> None:
@@ -116,6 +126,22 @@ def test_malformed_xargs_raise_a_clear_error(xargs: dict[str, object]) -> None:
         label_request(0, xargs, PluginConfig())
 
 
+@pytest.mark.parametrize(
+    "xargs", [{"tier": "P" * 1_000_000}, {"tier": ["P0"] * 100_000}, {"tenant": " " * 1_000_000}]
+)
+def test_a_huge_malformed_value_is_not_echoed_back_whole(xargs: dict[str, object]) -> None:
+    """The message becomes the 400's body and a log line: a megabyte sent is not a megabyte back."""
+    with pytest.raises(TierArgsError) as e:
+        label_request(0, xargs, PluginConfig())
+    assert len(str(e.value)) < MAX_ECHO_CHARS + 200
+    assert "characters)" in str(e.value)
+
+
+def test_an_out_of_range_tier_number_says_which_tiers_exist() -> None:
+    with pytest.raises(TierArgsError, match=r"unknown tier 4; expected one of P0/realtime/0"):
+        label_request(0, {"tier": 4}, PluginConfig())
+
+
 def _ledger() -> TierLedger:
     # 100 blocks: P0 floor 15, P1 reserve 30, P0 ceiling 40.
     return TierLedger(TierPartition(100, (15, 0, 0, 0), (0, 30, 0, 0), (40, 100, 100, 100)))
@@ -148,3 +174,25 @@ def test_ledger_refuses_negative_counts() -> None:
     ledger = _ledger()
     with pytest.raises(LedgerError):
         ledger.add(Tier.P2, -1)
+
+
+def test_a_tier_held_by_its_ceiling_is_told_apart_from_a_full_pool() -> None:
+    ledger = _ledger()
+    ledger.reset([40, 0, 0, 20])  # P0 at its ceiling of 40, 40 blocks free
+    assert ledger.ceiling_binds(Tier.P0, num_free=40)
+    ledger.reset([30, 0, 0, 70])  # P0 10 below its ceiling, but the pool is full
+    assert not ledger.ceiling_binds(Tier.P0, num_free=0)
+    assert not ledger.ceiling_binds(Tier.P3, num_free=0)
+    ledger.reset([39, 0, 0, 50])  # P0 has 1 block of headroom among 11 free
+    assert ledger.ceiling_binds(Tier.P0, num_free=11)
+    assert not ledger.ceiling_binds(Tier.P0, num_free=11, reserved_blocks=11)
+
+
+def test_every_tier_must_have_room_for_one_request_of_the_models_context() -> None:
+    part = TierPartition(100, (15, 0, 0, 0), (0, 30, 0, 0), (40, 100, 100, 100))
+    check_room_for_one_request(part, 40, 1280)  # P0's ceiling is exactly one request
+    with pytest.raises(ConfigError, match=r"tiers\.P0\.ceiling: .* at least 0\.410"):
+        check_room_for_one_request(part, 41, 1312)
+    wide = TierPartition(100, (15, 0, 0, 0), (0, 30, 0, 0), (100, 100, 100, 100))
+    with pytest.raises(ConfigError, match=r"tiers\.P0\.floor: .* leave it 85 "):
+        check_room_for_one_request(wide, 90, 2880)

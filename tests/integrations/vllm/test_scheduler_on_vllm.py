@@ -24,6 +24,7 @@ from tests.integrations.vllm.engines import (
     prompt,
     scheduler_of,
 )
+from tierserve.config import ConfigError
 from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS, SHAPING_WINDOW
 from tierserve.tiers import Tier
 
@@ -258,3 +259,58 @@ def test_while_a_p0_is_likely_the_step_bound_caps_the_other_tiers_prompts(
     assert set(p3) <= set().union(*chunks[:2]), "the P3 decodes ran beside the capped chunks"
     for rid in (*p1, *p3):
         assert plugin.tokens[rid] == vanilla.tokens[rid], rid
+
+
+def _preempted(sched: Any, tier: Tier) -> float:
+    return float(sched.tier_metrics.preemptions.labels(tier.name, "recompute")._value.get())
+
+
+def test_a_tier_at_its_ceiling_gives_up_its_own_latest_request_not_a_lower_tiers(plugin: Driver) -> None:
+    """A running P0 that needs a block past P0's ceiling: vLLM preempts by priority, which
+    alone would take every running P3 (whose blocks P0 may not have) before a P0."""
+    sched = scheduler_of(plugin.llm)
+    ceiling = sched.ledger.partition.ceiling[Tier.P0]
+    before = {t: _preempted(sched, t) for t in (Tier.P0, Tier.P3)}
+    for i in range(4):
+        plugin.submit(f"ceil-p3-{i}", prompt(500 + i, 40), 200, Tier.P3)
+    plugin.steps(3)
+    for i in range(3):  # 250 prompt tokens: 8 blocks each, 9 once they decode past 256
+        plugin.submit(f"ceil-p0-{i}", prompt(520 + i, 250), 100, Tier.P0)
+    assert 3 * 8 <= ceiling < 3 * 9
+    plugin.run(2000)
+    assert _preempted(sched, Tier.P0) > before[Tier.P0], "the ceiling was reached"
+    assert _preempted(sched, Tier.P3) == before[Tier.P3], "no P3 was preempted for P0's ceiling"
+    assert all(plugin.finished[rid] == 1 for rid in plugin.submitted_at if rid.startswith("ceil-"))
+    assert all(r.priority <= Tier.P3 for r in sched.running)
+
+
+def _state_gauges(sched: Any) -> list[float]:
+    registry = sched.tier_metrics.registry
+    names = ("llm_scheduler_queue_depth", "tierserve_kv_blocks_used", "tierserve_kv_blocks_borrowed")
+    return [registry.get_sample_value(n, {"priority": t.name}) for n in names for t in Tier]
+
+
+def test_state_gauges_are_back_to_zero_once_the_engine_idles(plugin: Driver) -> None:
+    """The gauges are written on each step; the engine takes no step once idle, so the
+    state the last requests leave must be written when they end (finished or aborted)."""
+    sched = scheduler_of(plugin.llm)
+    for i in range(6):
+        plugin.submit(f"idle-{i}", prompt(600 + i, 70), 10, Tier(i % 4))
+    plugin.steps(2)
+    assert any(_state_gauges(sched))
+    plugin.run(500)
+    assert _state_gauges(sched) == [0.0] * 12
+    for i in range(MAX_NUM_SEQS + 2):  # some running, some queued, then all aborted
+        plugin.submit(f"idle-abort-{i}", prompt(620 + i, 70), 100, Tier.P2)
+    plugin.steps(2)
+    assert any(_state_gauges(sched))
+    plugin.abort([f"idle-abort-{i}" for i in range(MAX_NUM_SEQS + 2)])
+    assert _state_gauges(sched) == [0.0] * 12
+
+
+def test_a_tier_that_may_not_hold_one_max_length_request_is_refused_at_start(model: Path) -> None:
+    """P0's default ceiling is 0.4 of the pool (25 of 63 blocks, 800 tokens): a P0 prompt
+    of --max-model-len 1536 tokens would never be admitted, and would hold up every tier
+    queued behind it, so the engine does not start."""
+    with pytest.raises(ConfigError, match=r"tiers\.P0\.ceiling: .* --max-model-len 1536"):
+        make_llm(model, scheduler_cls=PLUGIN, max_model_len=1536)

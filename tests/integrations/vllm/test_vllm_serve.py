@@ -114,6 +114,23 @@ def test_malformed_tier_args_get_400_and_the_engine_lives(
     assert good.json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_streamed_request_with_a_malformed_tier_gets_one_error_event(server: str) -> None:
+    """vLLM validates only once a stream has begun: 200, then the 400 as the one event."""
+    body = {
+        "model": "tiny",
+        "prompt": "hi",
+        "max_tokens": 4,
+        "stream": True,
+        "vllm_xargs": {"tier": "P" * 5000},
+    }
+    reply = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200
+    events = [ln for ln in reply.text.splitlines() if ln.startswith("data: ")]
+    assert len(events) == 2 and events[-1] == "data: [DONE]", events
+    assert '"code": 400' in events[0] and "vllm_xargs.tier: unknown tier" in events[0]
+    assert len(events[0]) < 600, "the value is echoed shortened"
+
+
 def test_per_tier_metrics_on_vllm_endpoint(server: str) -> None:
     assert _complete(server, vllm_xargs={"tier": "P2"}).status_code == 200
     text = httpx.get(f"{server}/metrics", timeout=30).text

@@ -6,18 +6,23 @@ unfilled floors; whatever is past the tier's ceiling) and passes that as vLLM's 
 `reserved_blocks`, so an allocation that would break a floor or a ceiling fails the way
 any allocation fails when memory is short: vLLM then preempts the lowest-priority running
 request (the plug-in sets `priority` to the tier) or leaves the waiting one queued.
+A running request held back by its own tier's ceiling is the exception: no other tier's
+blocks would make room for it, so the guard tells the scheduler (`on_ceiling`), which
+points vLLM's victim choice at that tier's own latest request instead.
 Everything else is vLLM's manager, unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from tierserve.integrations.vllm.book import RequestBook
 from tierserve.integrations.vllm.ledger import TierLedger
+from tierserve.tiers import Tier
 
 
 def blocks_held(manager: KVCacheManager, request_id: str) -> int:
@@ -32,6 +37,8 @@ class TierGuardedKVCacheManager:
         self.inner = inner
         self._ledger = ledger
         self._book = book
+        # Called with a running request, and its tier, that its tier's ceiling holds back.
+        self.on_ceiling: Callable[[Request, Tier], None] | None = None
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, *args: Any, reserved_blocks: int = 0, **kwargs: Any
@@ -43,6 +50,12 @@ class TierGuardedKVCacheManager:
         blocks = self.inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=reserve, **kwargs)
         if blocks is not None:
             self._ledger.add(tier, blocks_held(self.inner, request.request_id) - before)
+        elif (
+            self.on_ceiling is not None
+            and request.status == RequestStatus.RUNNING
+            and self._ledger.ceiling_binds(tier, num_free, reserved_blocks)
+        ):
+            self.on_ceiling(request, tier)
         return blocks
 
     def __getattr__(self, name: str) -> Any:

@@ -11,6 +11,9 @@ A block shared by several requests (a prefix-cache hit) counts once for each hol
 
 from __future__ import annotations
 
+import math
+
+from tierserve.config import ConfigError
 from tierserve.memory.partition import TierPartition
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -46,6 +49,14 @@ class TierLedger:
         headroom = max(0, self.partition.ceiling[tier] - self.used[tier])
         return max(protected, num_free - headroom)
 
+    def ceiling_binds(self, tier: Tier, num_free: int, reserved_blocks: int = 0) -> bool:
+        """Whether an allocation for `tier` that found too few blocks was held back by the
+        tier's ceiling (`reserved_blocks`: what the caller itself asked to leave). Then no
+        other tier's blocks would make room (the part held back grows with every block
+        they free); only blocks of `tier` itself would."""
+        headroom = max(0, self.partition.ceiling[tier] - self.used[tier])
+        return num_free - headroom >= max(reserved_blocks, self.partition.protected_free(tier, self.used))
+
     def fits(self, tier: Tier, num_blocks: int, num_free: int) -> bool:
         return num_blocks <= num_free - self.reserved_blocks(tier, num_free)
 
@@ -58,3 +69,29 @@ class TierLedger:
 
     def is_borrowing(self, tier: Tier) -> bool:
         return self.borrowed()[tier] > 0
+
+
+def check_room_for_one_request(partition: TierPartition, num_blocks_needed: int, max_model_len: int) -> None:
+    """Raise `ConfigError` unless every tier may hold the `num_blocks_needed` blocks of one
+    request of `max_model_len` tokens: a longer request of a tier that may hold fewer would
+    never be admitted (or, grown past it, never come back), and in vLLM it would hold up
+    every request queued behind it."""
+    for tier in ALL_TIERS:
+        most = partition.max_blocks(tier)
+        if most >= num_blocks_needed:
+            continue
+        share = math.ceil(1000 * num_blocks_needed / partition.num_blocks) / 1000  # enough, rounded up
+        if partition.ceiling[tier] == most:
+            raise ConfigError(
+                f"tiers.{tier.name}.ceiling: {tier.name} may hold {most} of vLLM's {partition.num_blocks} "
+                f"KV blocks, fewer than the {num_blocks_needed} one request of --max-model-len "
+                f"{max_model_len} tokens needs (such a request would wait forever): raise the ceiling "
+                f"to at least {share:.3f} or lower --max-model-len"
+            )
+        urgent = "+".join(f"tiers.{u.name}.floor" for u in ALL_TIERS[:tier] if partition.floor[u])
+        raise ConfigError(
+            f"{urgent}: the floors of the tiers more urgent than {tier.name} leave it {most} of vLLM's "
+            f"{partition.num_blocks} KV blocks, fewer than the {num_blocks_needed} one request of "
+            f"--max-model-len {max_model_len} tokens needs (such a request would wait forever): "
+            "lower the floors or --max-model-len"
+        )

@@ -15,6 +15,7 @@ error. Every value is checked here, before the engine starts; errors name the fi
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 CONFIG_ENV = "TIERSERVE_CONFIG"
 ADDITIONAL_CONFIG_KEY = "tierserve"
 _VLLM_KEYS = ("policy", "default_tier", "priority")
+_PRIORITY_KEY = re.compile(r"-?[0-9]+")  # what vLLM's `priority` is: a plain integer
 
 
 def _identity_priorities() -> dict[int, Tier]:
@@ -57,11 +59,10 @@ def _parse_priorities(raw: Any) -> dict[int, Tier]:
         raise ConfigError("vllm.priority: expected a table of priority = tier")
     out: dict[int, Tier] = {}
     for key, value in raw.items():
-        try:
-            priority = int(key)
-        except ValueError:
-            raise ConfigError(f"vllm.priority.{key}: the key must be an integer priority") from None
-        out[priority] = _parse_tier(f"vllm.priority.{key}", value)
+        # int() alone would also take " 1 " and "1_0" (as 10); a priority is written plainly.
+        if not isinstance(key, str) or not _PRIORITY_KEY.fullmatch(key):
+            raise ConfigError(f"vllm.priority.{key}: the key must be an integer priority, such as 0 or -1")
+        out[int(key)] = _parse_tier(f"vllm.priority.{key}", value)
     return out
 
 
@@ -74,7 +75,7 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
         if key not in _VLLM_KEYS:
             raise ConfigError(f"vllm.{key}: unknown key (known: {', '.join(_VLLM_KEYS)})")
     policy = vllm.get("policy", "hybrid")
-    if policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise ConfigError(f"vllm.policy: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     priorities = _parse_priorities(vllm["priority"]) if "priority" in vllm else _identity_priorities()
     default_tier = _parse_tier("vllm.default_tier", vllm.get("default_tier", "P1"))

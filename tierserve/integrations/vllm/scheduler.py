@@ -17,7 +17,9 @@ What it changes, and nothing else (vLLM's `schedule()` still builds every step):
     its token to the cap;
   * every block allocation is held to the tier partition (see `kv_guard.py`), and a
     request's vLLM `priority` is set to its tier, so vLLM's own preemption on a failed
-    allocation picks the lowest tier;
+    allocation picks the lowest tier (but a request held back by its own tier's ceiling
+    makes vLLM pick that tier's latest request: no other tier's blocks would help it);
+    every tier must be allowed one request of vLLM's `max_model_len` (checked at start);
   * per-tier metrics (see `tier_metrics.py`).
 A step already running is never interrupted: preemption happens between steps.
 """
@@ -37,11 +39,11 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from tierserve.integrations.vllm.book import RequestBook
 from tierserve.integrations.vllm.kv_guard import TierGuardedKVCacheManager, blocks_held
-from tierserve.integrations.vllm.ledger import TierLedger
+from tierserve.integrations.vllm.ledger import TierLedger, check_room_for_one_request
 from tierserve.integrations.vllm.plugin_config import PluginConfig, load_plugin_config
 from tierserve.integrations.vllm.queue import PolicyRequestQueue
 from tierserve.integrations.vllm.request_tier import TierArgsError, TierLabel, label_request
@@ -55,6 +57,10 @@ if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager as TierserveKVCacheManager
 
 logger = logging.getLogger(__name__)
+
+# Above every tier's priority: vLLM's victim choice, the highest (priority, arrival), takes
+# requests so marked first (see `_ceiling_reached`).
+CEILING_VICTIM_PRIORITY = len(ALL_TIERS)
 
 
 class TierScheduler(Scheduler):
@@ -84,8 +90,12 @@ class TierScheduler(Scheduler):
             if self.tier_policy.tiered_memory
             else TierPartition.flat(self.num_pool_blocks)
         )
+        max_model_len = int(self.vllm_config.model_config.max_model_len)
+        check_room_for_one_request(partition, self._blocks_for(max_model_len), max_model_len)
         self.ledger = TierLedger(partition)
         self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)
+        self.kv_cache_manager.on_ceiling = self._ceiling_reached
+        self._ceiling_victims: list[Request] = []  # marked by `_ceiling_reached` in this pass
         self.tier_metrics = TierMetrics()
         self.step_times = StepTimes()
         if not on_vllm_endpoint():
@@ -120,6 +130,13 @@ class TierScheduler(Scheduler):
             request.priority = int(label.tier)
         super().add_request(request)
 
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        finished: list[Request] = super().finish_requests(request_ids, finished_status)
+        if finished:  # an abort may leave the engine idle: no step would publish the state
+            self._recount()
+            self._publish_state()
+        return finished
+
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         self._release(request)
         entry = self.book.end(request.request_id)  # a second end of one request raises
@@ -134,7 +151,9 @@ class TierScheduler(Scheduler):
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         self._release(request)
-        self.tier_metrics.preempted(self.book.tier(request.request_id), "recompute")
+        tier = self.book.tier(request.request_id)
+        request.priority = int(tier)  # undo `_ceiling_reached`'s mark
+        self.tier_metrics.preempted(tier, "recompute")
         super()._preempt_request(request, timestamp, drop_stale_output)
 
     # ---- the step ------------------------------------------------------------------------
@@ -147,17 +166,41 @@ class TierScheduler(Scheduler):
         # vLLM hands the token budget to running requests in list order: most urgent first.
         self.running.sort(key=lambda r: r.priority)
         solo = self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
-        if solo is not None:
-            output = self._schedule_solo(solo, *args, **kwargs)
-        elif (budget := self._capped_budget(now)) is not None:
-            output = self._schedule_capped(budget, *args, **kwargs)
-        else:
-            output = super().schedule(*args, **kwargs)
+        try:
+            if solo is not None:
+                output = self._schedule_solo(solo, *args, **kwargs)
+            elif (budget := self._capped_budget(now)) is not None:
+                output = self._schedule_capped(budget, *args, **kwargs)
+            else:
+                output = super().schedule(*args, **kwargs)
+        finally:
+            self._unmark_ceiling_victims()
         self.step_times.scheduled(output, output.total_num_scheduled_tokens, time.monotonic())
+        self._publish_state()
+        return output
+
+    def _publish_state(self) -> None:
         self.tier_metrics.publish_state(
             [self.tier_policy.num_waiting(t) for t in ALL_TIERS], self.ledger.used, self.ledger.borrowed()
         )
-        return output
+
+    def _ceiling_reached(self, request: Request, tier: Tier) -> None:
+        """`request`, running, cannot grow: `tier` holds all its ceiling allows. vLLM will
+        preempt the running request of highest (priority, arrival) and try again, until
+        the allocation succeeds or `request` itself is the victim; by priority alone that
+        is every lower tier's request first, whose blocks `tier` may not take. For this
+        pass, `tier`'s running requests are marked above every tier instead, so the victims
+        are `tier`'s own, latest first, as vLLM picks within a tier."""
+        book = self.book
+        for r in self.running:
+            if r.priority != CEILING_VICTIM_PRIORITY and book.tier(r.request_id) is tier:
+                r.priority = CEILING_VICTIM_PRIORITY
+                self._ceiling_victims.append(r)
+
+    def _unmark_ceiling_victims(self) -> None:
+        for r in self._ceiling_victims:
+            r.priority = int(self.book.tier(r.request_id))
+        self._ceiling_victims.clear()
 
     def _tiers_prefilling(self, admitted: Tier | None) -> set[Tier]:
         """The tiers with prompt tokens to compute in the coming step: the running
@@ -228,7 +271,11 @@ class TierScheduler(Scheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> Any:
         self.step_times.finished(scheduler_output, time.monotonic())
+        num_live = len(self.book)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if len(self.book) < num_live:  # the last step before the engine idles publishes nothing
+            self._recount()
+            self._publish_state()
         now = time.time()
         for rid in scheduler_output.num_scheduled_tokens:
             entry = self.book.find(rid)
@@ -285,8 +332,12 @@ class TierScheduler(Scheduler):
         return head.shadow.tier
 
     def _blocks_to_admit(self, request: Request) -> int:
-        num_tokens = int(request.num_tokens) + int(self.num_lookahead_tokens)
-        watermark = int(self.kv_cache_manager.inner.watermark_blocks)
+        return self._blocks_for(int(request.num_tokens))
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Blocks vLLM wants free to admit a request of `num_tokens` tokens."""
+        num_tokens += int(self.num_lookahead_tokens)
+        watermark = int(self.kv_cache_manager.watermark_blocks)
         return -(-num_tokens // int(self.block_size)) + watermark
 
     def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int) -> bool:
