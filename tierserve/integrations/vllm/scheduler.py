@@ -56,7 +56,9 @@ from tierserve.tiers import ALL_TIERS, Tier
 if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager as TierserveKVCacheManager
 
-logger = logging.getLogger(__name__)
+# Under vLLM's own logger, so that its handler and format (and VLLM_LOGGING_LEVEL) apply: a
+# logger outside "vllm" has no handler under `vllm serve`, and its INFO lines were lost.
+logger = logging.getLogger("vllm.tierserve")
 
 # Above every tier's priority: vLLM's victim choice, the highest (priority, arrival), takes
 # requests so marked first (see `_ceiling_reached`).
