@@ -554,3 +554,21 @@ def test_pricing_at_the_context_never_cuts_a_chunk_below_the_floor() -> None:
     assert n == 333 and estimate(n, 200) <= estimate(1000, 0) < estimate(n + 1, 200)
     step.add_prefill(mid, n)
     assert 0 <= step.capped_tokens_left <= 10, "it was charged the fresh tokens it costs"
+
+
+def test_a_p0_head_held_by_its_own_ceiling_does_not_hold_up_the_other_tiers() -> None:
+    # 100 blocks of 16: P0 may hold 40. Two running P0s hold 38; the third P0 (7 blocks)
+    # must wait for one of them, and the pool has 62 blocks free. Admission stopped at that
+    # head, so the P1 behind it waited for a P0 to finish (20 steps) with the memory idle.
+    eng = engine(blocks=100)
+    p0s = [make_request(num_prompt=290, max_tokens=20, tier=Tier.P0) for _ in range(3)]
+    p0s[2] = make_request(num_prompt=100, max_tokens=20, tier=Tier.P0)
+    p1 = make_request(num_prompt=50, max_tokens=4, tier=Tier.P1)
+    for r in (*p0s, p1):
+        assert eng.add_request(r)
+    eng.step()
+    eng.memory.check_integrity()
+    assert p0s[0].status is RequestStatus.RUNNING and p0s[2].status is RequestStatus.WAITING
+    assert p1.status is RequestStatus.RUNNING, "P1 waited behind a P0 that only P0 can make room for"
+    run(eng)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in (*p0s, p1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,11 +43,16 @@ def test_fast_mode_equals_step_mode_on_the_default_workload(policy: str, clients
     assert step.run.stats.num_steps > 100
 
 
-def _small_cache_run(fast: bool, policy: str) -> DriverResult:
-    """memory-pressure's traffic on a 3000-block cache: 24 clients outgrow it."""
+def _small_cache_run(fast: bool, policy: str, p1_ceiling: float | None = None) -> DriverResult:
+    """memory-pressure's traffic on a 3000-block cache: 24 clients outgrow it (and, with
+    `p1_ceiling`, P1 its share of it)."""
     executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 4, num_device_blocks=3000)
     clock, setup = VirtualClock(), BenchSetup()
-    engine = Engine(setup.engine_config(), policy, executor, clock, fast=fast)
+    config = setup.engine_config()
+    if p1_ceiling is not None:
+        p1 = replace(config.tiers[Tier.P1], reserve=0.0, ceiling=p1_ceiling)
+        config = replace(config, tiers={**config.tiers, Tier.P1: p1})
+    engine = Engine(config, policy, executor, clock, fast=fast)
     specs = setup.stream("memory-pressure", 1, executor.spec.max_model_len)
     config = DriverConfig(num_measured=15, num_warmup=24, concurrency=24, think_time_s=0.5, seed=1)
     return run_workload(engine, clock, specs, config)
@@ -87,6 +93,26 @@ def test_fast_mode_leaps_while_requests_wait_and_gives_the_step_by_step_results(
             comparison = compare(a, b)
             assert comparison.mismatches == 0 and comparison.max_rel_diff == 0.0
     assert fast.stats.num_leapt_steps > only_idle.stats.num_leapt_steps
+
+
+def test_fast_mode_equals_step_mode_when_a_tier_waits_at_its_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P1 held to 10 % of the cache: its heads wait for P1's own blocks while hybrid admits
+    the other tiers past them (`Policy.hold_tier`); the fast mode gives the same results."""
+    held: list[Tier] = []
+    hold = POLICIES["hybrid"].hold_tier
+
+    def counted(self: Any, tier: Tier) -> None:
+        held.append(tier)
+        hold(self, tier)
+
+    monkeypatch.setattr(POLICIES["hybrid"], "hold_tier", counted)
+    step = _small_cache_run(False, "hybrid", 0.1)
+    assert Tier.P1 in held  # the path under test ran
+    fast = _small_cache_run(True, "hybrid", 0.1)
+    assert fast.stats.num_leapt_steps > 0
+    for a, b in ((step.records, fast.records), (step.window, fast.window), (step.end_s, fast.end_s)):
+        comparison = compare(a, b)
+        assert comparison.mismatches == 0 and comparison.max_rel_diff == 0.0
 
 
 def test_fast_mode_equals_step_mode_on_a_trace_slice(shared_data: Path) -> None:

@@ -215,6 +215,11 @@ class Scheduler:
             status = memory.admit(req)
             if status is Alloc.NO_SPACE:
                 status = self.preemptor.reclaim_for(req, step, now)
+            if status is Alloc.OVER_CEILING and policy.holds_tiers:
+                # Only its own tier's running requests can make room for it: the tiers behind
+                # it need not wait with it.
+                policy.hold_tier(req.tier)
+                continue
             if status is not Alloc.OK:
                 self._note_memory_wait(req, status)
                 break
@@ -280,8 +285,8 @@ class Scheduler:
         if len(life.running) >= step.seats:
             return not policy.preempts_for_seat(req)
         status = memory.admit_status_after(req, taken)
-        if status is Alloc.OK:
-            return False
+        if status is Alloc.OK or (status is Alloc.OVER_CEILING and policy.holds_tiers):
+            return False  # it, or (its tier held) a request of another tier, might be admitted
         if status is Alloc.NO_SPACE:
             if policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
                 return False

@@ -43,6 +43,10 @@ class Policy(ABC):
     running_pass: ClassVar[RunningPass] = RunningPass.PROTECTED
     admits_after_preemption: ClassVar[bool] = True  # False: a pass that preempted admits nothing
     options_type: ClassVar[type[PolicyOptions] | None] = None  # its [policy.NAME] settings
+    # Whether admission may pass a head that waits for its own tier's memory (its ceiling):
+    # `hold_tier` sets its tier aside for the rest of the pass. False: admission stops at
+    # such a head, and every tier behind it waits too (vLLM's admission does the same).
+    holds_tiers: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -145,6 +149,11 @@ class Policy(ABC):
     def may_swap_in(self, swapped: Request) -> bool:
         """Whether a swapped-out request may come back now (seats and memory permitting)."""
         return True
+
+    def hold_tier(self, tier: Tier) -> None:
+        """For the rest of this pass, leave `tier` out of `peek` and `pop`: its head waits
+        for memory only its own tier's running requests can free (where `holds_tiers`)."""
+        raise NotImplementedError(f"{self.name} does not hold tiers")
 
     # ---- shaping the step (hooks every policy may use; the defaults do nothing) -----------
 

@@ -136,6 +136,7 @@ class HybridPolicy(FairQueuePolicy):
     options_type: ClassVar[type[PolicyOptions] | None] = HybridOptions
     leaps_decodes: ClassVar[bool] = True  # nothing to shed or cap; `end_step` keeps history
     leaps_while_waiting: ClassVar[bool] = True
+    holds_tiers: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -154,28 +155,34 @@ class HybridPolicy(FairQueuePolicy):
         self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
         self._deferred = False  # P3 steps aside in this pass (set by `begin_step`)
+        self._held: set[Tier] = set()  # tiers set aside for the rest of the pass (`hold_tier`)
 
     def _choose(self, now: float) -> Choice | None:
-        sfq = self._sfq
-        if sfq.count(Tier.P0):
+        sfq, held = self._sfq, self._held
+        if sfq.count(Tier.P0) and Tier.P0 not in held:
             return Choice(Tier.P0, None, in_order=False)
         for urgent in (self._rescue(Tier.P1, now), self._aged(now)):
             if urgent is not None:
                 return Choice(urgent.tier, urgent, in_order=False)
         # Under overload the loss falls on P3, then P2: P1 goes first, in its fair order.
-        if sfq.count(Tier.P1):
+        if sfq.count(Tier.P1) and Tier.P1 not in held:
             return Choice(Tier.P1, None, in_order=True)
         rescued = self._rescue(Tier.P2, now)
         if rescued is not None:
             return Choice(Tier.P2, rescued, in_order=False)
-        if self._deferred and sfq.count(Tier.P2):
+        if self._deferred and sfq.count(Tier.P2) and Tier.P2 not in held:
             return Choice(Tier.P2, None, in_order=True)
-        fair = sfq.best((Tier.P2, Tier.P3))
+        fair = sfq.best([t for t in (Tier.P2, Tier.P3) if t not in held] if held else (Tier.P2, Tier.P3))
         return None if fair is None else Choice(fair, None, in_order=True)
+
+    def hold_tier(self, tier: Tier) -> None:
+        self._held.add(tier)
 
     def _rescue(self, tier: Tier, now: float, fraction: float = RESCUE_FRACTION) -> Request | None:
         """The oldest request of `tier` that can still meet its TTFT target, if it has
         waited over `fraction` of it."""
+        if tier in self._held:
+            return None
         target = self._target_s[tier]
         req = self._savable.oldest(tier, arrived_after=now - target)
         if req is None or now - req.arrival_time <= fraction * target:
@@ -187,7 +194,7 @@ class HybridPolicy(FairQueuePolicy):
         oldest is older still (aging never overtakes an older, more urgent request)."""
         aged: Request | None = None
         for tier in AGED_TIERS:
-            if tier is Tier.P3 and self._deferred:
+            if (tier is Tier.P3 and self._deferred) or tier in self._held:
                 continue
             oldest = self._waiting.oldest(tier)
             if oldest is None or now - oldest.arrival_time <= self._aging_s[tier]:
@@ -294,6 +301,7 @@ class HybridPolicy(FairQueuePolicy):
 
     def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
         self._step = step
+        self._held.clear()
         self._deferred = self._p1_p2_in_danger(now)
         prefilling = prefilling_of(running)  # one scan of the running
         self._p0_by_length = self._p0_prompts(prefilling)
@@ -304,6 +312,7 @@ class HybridPolicy(FairQueuePolicy):
     def end_step(self, step: StepBudget, now: float) -> None:
         self._shaper.end(step, self._more_urgent_queued(now), now)
         self._step, self._p0_by_length = None, []
+        self._held.clear()
 
     def _more_urgent_queued(self, now: float) -> bool:
         """Whether, after this pass, a P0 request still waits, or a P1 or P2 one that has
