@@ -251,22 +251,35 @@ def test_api_docs_can_be_turned_off_on_an_open_server() -> None:
         parse_serve_config({"server": {"api_docs": "yes"}})
 
 
-def test_a_tier_closed_by_a_queue_cap_of_0_is_named_at_start_up(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_tier_closed_by_a_queue_cap_of_0_is_named_at_start_up(tmp_path: Path) -> None:
     """`[limits.queue_cap] P0 = 0` refuses every P0 request; it used to start without a word,
     and an idle server then answered P0 with 503s that read like an outage."""
+    import signal
     import socket
-
-    from tierserve.cli import main
+    import subprocess
+    import sys
+    import time
 
     path = tmp_path / "closed.toml"
     path.write_text("[limits]\nrequests_per_s = 10\n[limits.queue_cap]\nP0 = 0\nP3 = 5\n")
-    with socket.socket() as busy:  # the start stops at the port check, after the warnings
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        caplog.set_level(logging.WARNING)
-        assert main(["serve", "--backend", "sim", "--config", str(path), "--port", str(port)]) == 2
-    closed = [r.getMessage() for r in caplog.records if "queue_cap" in r.getMessage()]
-    assert closed == ["limits.queue_cap.P0 = 0: every P0 request is refused (503 queue_full)"]
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = ["serve", "--backend", "sim", "--config", str(path), "--port", str(port)]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tierserve.cli", *command], stderr=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    try:
+        assert server.stderr is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("tierserve ready" in line for line in lines):
+            line = server.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=60)
+    closed = [line.split(": ", 1)[1].strip() for line in lines if "queue_cap" in line]
+    assert closed == ["limits.queue_cap.P0 = 0: every P0 request is refused (503 queue_full)"], lines

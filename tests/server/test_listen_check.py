@@ -34,3 +34,23 @@ def test_serve_on_a_port_in_use_exits_2_with_one_line(capsys: pytest.CaptureFixt
         assert main(["serve", "--backend", "sim", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"tierserve serve: cannot listen on 127.0.0.1:{port}")
+
+
+def test_a_start_up_error_is_the_only_line_even_on_an_open_server() -> None:
+    # The open server's WARNING (no --config) came first, so the error was the second line.
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "tierserve.cli", "serve", "--backend", "sim", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith(f"tierserve serve: cannot listen on 127.0.0.1:{port}")

@@ -111,9 +111,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
-    log_permissive_settings(config, log)
-    for line in closed_tiers(config):
-        log.warning("%s", line)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     problem = cannot_listen(host, port)  # asked before the model loads, which may take minutes
@@ -126,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
     except EngineStartError as e:
         print(f"tierserve serve: {e}", file=sys.stderr)
         return 2
+    # Said once the server will start: a start-up error is then its one line on stderr.
+    log_permissive_settings(config, log)
+    for line in closed_tiers(config):
+        log.warning("%s", line)
     app = create_app(state, freeze_heap=True)
     uv_config = uvicorn.Config(
         app,
