@@ -1,5 +1,5 @@
 """`tierserve bench vllm`'s figures: per run, P0 TTFT alone and under the flood, per-tier
-SLO attainment, throughput, preemptions; across runs, the ratios the issue sets targets on."""
+SLO attainment, throughput, preemptions; across runs, the ratios the targets are set on."""
 
 from __future__ import annotations
 
