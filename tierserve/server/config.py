@@ -253,34 +253,18 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
     )
     if share > 1.0:
         raise ConfigError(f"server.large_body_share: a share of the time, at most 1, got {share:g}")
+
+    def whole(key: str) -> int:
+        """A positive whole-number setting, its default where the file gives none."""
+        return int(_number(f"server.{key}", raw.get(key, getattr(base, key)), minimum=1, integer=True))
+
     return ServerSettings(
         host=_string("server.host", raw.get("host", base.host)),
         port=port,
-        max_body_bytes=int(
-            _number(
-                "server.max_body_bytes",
-                raw.get("max_body_bytes", base.max_body_bytes),
-                minimum=1,
-                integer=True,
-            )
-        ),
+        max_body_bytes=whole("max_body_bytes"),
         large_body_share=share,
-        large_body_queue=int(
-            _number(
-                "server.large_body_queue",
-                raw.get("large_body_queue", base.large_body_queue),
-                minimum=1,
-                integer=True,
-            )
-        ),
-        default_max_tokens=int(
-            _number(
-                "server.default_max_tokens",
-                raw.get("default_max_tokens", base.default_max_tokens),
-                minimum=1,
-                integer=True,
-            )
-        ),
+        large_body_queue=whole("large_body_queue"),
+        default_max_tokens=whole("default_max_tokens"),
         tenant_header=_bool("server.tenant_header", raw.get("tenant_header", base.tenant_header)),
         default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
         allow_anonymous=_bool("server.allow_anonymous", raw.get("allow_anonymous", base.allow_anonymous)),
