@@ -64,11 +64,16 @@ class Autoscaler:
         self._calm_since: float | None = None  # since when scale-in conditions have held
 
     def decide(self, obs: Observation) -> int:
-        """Replicas to add (> 0), remove (< 0) or 0."""
+        """Replicas to add (> 0), remove (< 0) or 0. A scaling fleet under its minimum (a
+        replica died) adds one first, whatever its load: with every replica dead there is no
+        busy fraction to read, and the gateway refuses every request meanwhile."""
         c = self.config
         if c.policy is ScalingPolicy.FIXED:
             return 0
         total = obs.num_serving + obs.num_starting
+        if total < c.min_replicas:  # a replica died: replace it, whatever the load says
+            self._calm_since = None
+            return 1 if obs.num_starting < c.max_starting else 0
         util = sum(obs.utilization) / len(obs.utilization) if obs.utilization else 0.0
         if self._wants_more(obs, util):
             self._calm_since = None

@@ -138,7 +138,7 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
             where="post",
             label=f"{r['router']} / {r['scaling']}",
         )
-    ax1.set_title("replicas (serving + starting)")
+    ax1.set_title("replicas (serving or draining, + starting)")
     ax1.set_xlabel("time (s)")
     ax1.legend(fontsize=7)
     # Horizontal bars: one label a row stays readable for all twelve router x scaling runs.

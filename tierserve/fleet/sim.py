@@ -64,7 +64,9 @@ class FleetResult:
     requests: list[FleetRequest]
     end_s: float
     gpu_seconds: float
-    replicas_over_time: list[tuple[float, int, int]]  # (time, serving, starting)
+    # (time, serving, starting) from the start, at every change and at the end; serving counts
+    # draining replicas too, so the step curve times the GPUs per replica integrates to gpu_seconds
+    replicas_over_time: list[tuple[float, int, int]]
     routed_by_reason: dict[str, int]
     num_launched: int
 
@@ -132,6 +134,7 @@ class FleetSim:
         for fr in self.requests:
             if fr.outcome is None:
                 fr.end(UNFINISHED, now)
+        self._record_replicas(final=True)
         gpus = self.config.num_gpus_per_replica
         return FleetResult(
             self.requests,
@@ -208,6 +211,7 @@ class FleetSim:
             self.events.push(self.clock.now() + delay_s, EventKind.READY, name)
         else:
             self._make_ready(replica)
+        self._record_replicas()
         return replica
 
     def _ready(self, ev: Event) -> None:
@@ -218,6 +222,7 @@ class FleetSim:
     def _make_ready(self, replica: Replica) -> None:
         replica.state = ReplicaState.READY
         replica.ready_s = self.clock.now()
+        self._record_replicas()
         self._scrape(replica)
         self._handle(self.dispatch.pump())
 
@@ -248,6 +253,7 @@ class FleetSim:
         self._schedule(replica)
         if replica.state is ReplicaState.DRAINING and replica.next_boundary is None and not replica.inbox:
             replica.end(ReplicaState.STOPPED, self.clock.now())
+            self._record_replicas()
 
     def _quiet_until(self) -> float:
         """Until when nothing can reach a replica or read its state, as far as the fleet
@@ -267,6 +273,7 @@ class FleetSim:
         # flight would have ended: that step's outputs never reach the gateway.
         live = [(rid, fr) for rid, fr in self._live.items() if fr.tried[-1] == name]
         replica.end(ReplicaState.DEAD, self.clock.now())
+        self._record_replicas()
         self.dispatch.router.record_failure(name, eject_now=True)
         for rid, fr in live:
             del self._live[rid]
@@ -305,7 +312,6 @@ class FleetSim:
         for replica in serving:
             replica.observe_busy(now)  # the busy fraction over the autoscaler's interval
         starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
-        self.replicas_over_time.append((now, len(serving), len(starting)))
         states = {s.name: s for s in self.dispatch.router.states}
         obs = Observation(
             now,
@@ -328,3 +334,18 @@ class FleetSim:
         self.dispatch.router.record_failure(replica.name, eject_now=True)
         if replica.next_boundary is None and not replica.inbox:
             replica.end(ReplicaState.STOPPED, self.clock.now())
+        self._record_replicas()
+
+    def _record_replicas(self, final: bool = False) -> None:
+        """Note the fleet's size now, (time, serving, starting), if it changed (`final`: the
+        run's end, always). Serving counts draining replicas, which hold their GPUs until they
+        stop; a point replaces one taken at the same instant."""
+        now = self.clock.now()
+        states = [r.state for r in self.replicas.values()]
+        serving = sum(s in (ReplicaState.READY, ReplicaState.DRAINING) for s in states)
+        point = (now, serving, states.count(ReplicaState.STARTING))
+        points = self.replicas_over_time
+        if points and points[-1][0] == now:
+            points[-1] = point
+        elif final or not points or points[-1][1:] != point[1:]:
+            points.append(point)
