@@ -117,7 +117,7 @@ class LiveServer:
             time.sleep(0.02)
 
 
-def text_backend(**executor_kw: object) -> Backend:
+def text_backend(**executor_kw: Any) -> Backend:
     """The stand-in backend (`TextExecutor`, `ByteTokenizer`), built where it is called: pass
     `partial(text_backend, ...)` to the engine process."""
     return Backend(TextExecutor(**executor_kw), ByteTokenizer(), MODEL, 512, pace=True)

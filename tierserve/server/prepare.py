@@ -25,6 +25,35 @@ from tierserve.tiers import Tier
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
+# Fields tierserve does not implement and whose effect a client would see (its output, or
+# what comes back with it): refused with a 400 naming the field unless absent or at one of
+# these neutral values, never dropped. OpenAI's fields first, then vLLM's extensions.
+UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "modalities": (None, [], ["text"]),
+    "audio": (None,),
+    "echo": (None, False),  # chat: vLLM's; completions: declared, refused the same way
+    "best_of": (None, 1),  # chat: vLLM's; completions: declared
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+# `tool_choice` / `function_call` values that ask for no call (or leave it to the model, which
+# makes none here); anything else demands a call this server cannot make.
+_NO_CALL = (None, "none", "auto")
+
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
@@ -45,6 +74,28 @@ def check_model(state: ServerState, model: str) -> None:
         )
 
 
+def _sent(body: ChatCompletionRequest | CompletionRequest, field: str) -> object:
+    """A field's value as sent: declared ones from the model, the others from its extras."""
+    if field in type(body).model_fields:
+        return getattr(body, field)
+    return (body.model_extra or {}).get(field)
+
+
+def _check_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    for field, neutral in UNSUPPORTED_FIELDS.items():
+        value = _sent(body, field)
+        # `type(...) is` too: True == 1, so `repetition_penalty: true` must not pass as neutral.
+        if not any(value == n and type(value) is type(n) for n in neutral) and not (
+            isinstance(value, float) and value in neutral  # 1.0 for 1, 0.0 for 0
+        ):
+            raise bad_request(f"{field}: not supported by this server (got {_quote(value)})", field)
+
+
+def _quote(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
 def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
     if (body.n or 1) > 1:
         raise bad_request("n: only n=1 is supported", "n")
@@ -56,6 +107,11 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request("tools: function calling is not supported", "tools")
         if body.functions:
             raise bad_request("functions: function calling is not supported", "functions")
+        for field in ("tool_choice", "function_call"):
+            choice = _sent(body, field)
+            if not any(choice == c for c in _NO_CALL):
+                raise bad_request(f"{field}: function calling is not supported (got {_quote(choice)})", field)
+        _check_content(body)
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
             raise bad_request(
@@ -68,6 +124,7 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request("logprobs: not supported", "logprobs")
         if (body.best_of or 1) > 1:
             raise bad_request("best_of: only best_of=1 is supported", "best_of")
+    _check_unsupported(body)
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
     stops = body.stop_strings()
@@ -75,6 +132,23 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise bad_request(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
+
+
+def _check_content(body: ChatCompletionRequest) -> None:
+    """Every content part must be one this server takes: text (or an assistant's refusal)."""
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, str) or message.content is None:
+            continue
+        for j, part in enumerate(message.content):
+            if part.served_text() is not None:
+                continue
+            where = f"messages.{i}.content.{j}"
+            if part.type in ("text", "refusal"):
+                raise bad_request(f"{where}: a part of type {part.type!r} needs its {part.type!r}", where)
+            raise bad_request(
+                f"{where}: content of type {_quote(part.type)} is not supported (text only here)",
+                where,
+            )
 
 
 def _prompt_ids(
@@ -175,6 +249,10 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
         raise bad_request(f"{prompt_param}: the prompt is empty", prompt_param)
     max_tokens = _max_tokens(state, body, tier, len(ids), prompt_param)
     temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    stop_ids = tuple(body.stop_token_ids or ())
+    vocab = state.model.vocab_size
+    if stop_ids and (min(stop_ids) < 0 or max(stop_ids) >= vocab):
+        raise bad_request(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -184,6 +262,8 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
             seed=body.seed,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
+            stop_token_ids=stop_ids,
+            ignore_eos=bool(body.ignore_eos),
         )
     except ValueError as e:
         raise bad_request(str(e), None) from None

@@ -2,8 +2,12 @@
 
 Fields that change nothing here (`user`, `parallel_tool_calls`, tools the model may not
 call, ...) are accepted and ignored; fields tierserve cannot honour (`n` > 1, `logprobs`,
-`echo`, callable `tools`, a `response_format` other than text) are rejected with a 400 by
-the handler rather than silently dropped. Numbers are bounded so that no value can reach the engine unchecked.
+`echo`, callable `tools`, a `response_format` other than text, `logit_bias`, vLLM's sampling
+extensions such as `min_p`, content parts other than text) are rejected with a 400 by the
+handler (prepare.py) rather than silently dropped. The two request bodies keep the fields
+they do not declare (`model_extra`) so that the handler can tell which were sent; a gateway
+forwards such a body as it came. Numbers are bounded so that no value can reach the engine
+unchecked.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 MAX_TOKENS_BOUND = 2**31 - 1
@@ -24,22 +29,37 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    """One part of a message's content. Text (and an assistant's `refusal`) is served; the
+    other kinds (`image_url`, `input_audio`, `file`, ...) parse too, so that the 400 can name
+    the part (prepare.py) and a gateway can forward them to a replica that takes them."""
+
+    type: str = Field(min_length=1, max_length=64)
+    text: str | None = None
+    refusal: str | None = None
+
+    def served_text(self) -> str | None:
+        """The part's text, or None where this server cannot take the part."""
+        if self.type == "text":
+            return self.text
+        if self.type == "refusal":
+            return self.refusal
+        return None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text; a part this server cannot take counts as none (prepare.py
+        refuses such a message before this is used)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.served_text() or "" for part in self.content)
 
 
 class StreamOptions(_Body):
@@ -61,6 +81,11 @@ class _SamplingBody(_Body):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_BOUND, description="vLLM's extension: 0 or -1 = off")
     priority: int | None = Field(None, ge=0, le=3, description="tierserve: 0 (realtime) .. 3 (background)")
     user: str | None = None
+    # vLLM's sampling extensions that tierserve's engine honours.
+    ignore_eos: bool | None = Field(None, description="vLLM's extension: generate past EOS up to max_tokens")
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM's extension: token ids that end the output"
+    )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -68,7 +93,13 @@ class _SamplingBody(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_SamplingBody):
+class _RequestBody(_SamplingBody):
+    # Undeclared fields are kept (not validated) so that prepare.py can refuse those it
+    # cannot honour; the nested objects still ignore theirs.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class ChatCompletionRequest(_RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     logprobs: bool | None = False
@@ -84,7 +115,7 @@ class ChatCompletionRequest(_SamplingBody):
         return self.max_tokens, "max_tokens"
 
 
-class CompletionRequest(_SamplingBody):
+class CompletionRequest(_RequestBody):
     # list[int] first: a long list of token ids matches it at once (10x faster than last).
     prompt: list[int] | str | list[str] | list[list[int]]
     echo: bool | None = False
