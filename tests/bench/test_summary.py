@@ -179,3 +179,13 @@ def test_closed_loops_and_unmeasured_capacity_report_no_offered_load() -> None:
     for res in (closed, unknown):
         out = summarize([res], EngineConfig())
         assert out["offered_load_x_capacity"] is None and out["peak_offered_load_x_capacity"] is None
+
+
+def test_goodput_over_no_span_and_no_latency_says_why_it_is_not_measured() -> None:
+    # A fleet whose one request was refused (every replica dead) had goodput null and no
+    # reason: there was no latency to compare the span with.
+    from tierserve.bench.summary import short_span
+
+    assert short_span(0.0, []) is not None and "one instant" in (short_span(0.0, []) or "")
+    assert short_span(5.0, []) is None  # a span and nothing finished: goodput is 0, measured
+    assert short_span(1.0, [3.0, 4.0]) is not None and short_span(10.0, [3.0, 4.0]) is None

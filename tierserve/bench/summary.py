@@ -215,7 +215,12 @@ def short_span(span_s: float, latencies: Sequence[float]) -> str | None:
     attained requests over that span would claim a rate no engine served (50 requests sent
     within a microsecond are not served at 5e7 a second), and no other span is the same for
     every policy. `tierserve bench fleet` applies the same rule."""
-    if not latencies or span_s >= (median := float(np.median(latencies))):
+    if not latencies:
+        if span_s > 0:
+            return None
+        # Nothing finished to compare with (every request refused, say), and no span either.
+        return "the measured requests all arrived at one instant: there is no span to measure a rate over"
+    if span_s >= (median := float(np.median(latencies))):
         return None
     return (
         f"the measured requests arrived within {span_s:.3g} s, less than their median latency "
