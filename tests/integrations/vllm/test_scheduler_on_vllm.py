@@ -225,6 +225,15 @@ def test_outputs_match_vanilla_vllm_through_p0_only_steps(
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.num_pool_blocks
 
 
+def test_the_policy_sizes_its_steps_by_vllms_limits_not_tierserves_own(plugin: Driver) -> None:
+    # `[scheduler]`'s 8,192 tokens configure tierserve's engine; the steps here are vLLM's.
+    sched = scheduler_of(plugin.llm)
+    limits = sched.tier_policy.config.scheduler
+    assert limits.max_num_batched_tokens == sched.scheduler_config.max_num_batched_tokens != 8192
+    assert limits.max_num_seqs == sched.scheduler_config.max_num_seqs
+    assert sched.tier_policy._shaper.max_step_tokens == sched.scheduler_config.max_num_batched_tokens
+
+
 def test_while_a_p0_is_likely_the_step_bound_caps_the_other_tiers_prompts(
     plugin: Driver, vanilla: Driver, monkeypatch: pytest.MonkeyPatch
 ) -> None:

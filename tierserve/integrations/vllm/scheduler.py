@@ -30,6 +30,7 @@ from tierserve.integrations.vllm.versions import check_vllm_version
 
 VLLM_VERSION = check_vllm_version()  # before any vLLM internal is imported
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -41,6 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from tierserve.config import EngineConfig
 from tierserve.integrations.vllm.book import RequestBook
 from tierserve.integrations.vllm.kv_guard import TierGuardedKVCacheManager, blocks_held
 from tierserve.integrations.vllm.ledger import TierLedger, check_room_for_one_request
@@ -80,7 +82,7 @@ class TierScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.tier_config: PluginConfig = load_plugin_config(self.vllm_config.additional_config)
         self.book = RequestBook()
-        self.tier_policy = create_policy(self.tier_config.policy, self.tier_config.engine)
+        self.tier_policy = create_policy(self.tier_config.policy, self._policy_engine_config())
         # vLLM's own victim choice on a failed allocation: highest (priority, arrival).
         self.policy = SchedulingPolicy.PRIORITY
         self.waiting: PolicyRequestQueue = PolicyRequestQueue(self.tier_policy, self.book)
@@ -131,6 +133,18 @@ class TierScheduler(Scheduler):
             self.book.add(request, label.tier, label.tenant)
             request.priority = int(label.tier)
         super().add_request(request)
+
+    def _policy_engine_config(self) -> EngineConfig:
+        """The tiers config with vLLM's step limits in place of `[scheduler]`'s, which configure
+        tierserve's own engine: hybrid sizes its step shaping (the step bound's most tokens, how
+        many steps a P0 prompt still needs) from the steps vLLM builds."""
+        engine = self.tier_config.engine
+        vllm_limits = dataclasses.replace(
+            engine.scheduler,
+            max_num_batched_tokens=int(self.scheduler_config.max_num_batched_tokens),
+            max_num_seqs=int(self.scheduler_config.max_num_seqs),
+        )
+        return dataclasses.replace(engine, scheduler=vllm_limits)
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         finished: list[Request] = super().finish_requests(request_ids, finished_status)
