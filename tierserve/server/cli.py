@@ -1,6 +1,7 @@
 """`tierserve serve`: the OpenAI-compatible server.
 
-Import cost stays low: FastAPI, uvicorn and torch are imported inside `run`.
+Import cost stays low: FastAPI, uvicorn and torch are imported inside the functions that run
+the server.
 """
 
 from __future__ import annotations
@@ -9,10 +10,15 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from tierserve.cli_args import port, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
+
+if TYPE_CHECKING:
+    from tierserve.server.config import ServeConfig
+    from tierserve.server.state import ServerState
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -82,56 +88,76 @@ def other_backends_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+class _CannotStart(Exception):
+    """A refusal before serving: its message is the one line on stderr (exit status 2)."""
 
-    from tierserve.config import ConfigError
-    from tierserve.server.app import create_app
-    from tierserve.server.backends import BackendSpec
-    from tierserve.server.config import load_serve_config
-    from tierserve.server.drain import DrainingServer
-    from tierserve.server.engine_client import EngineStartError
-    from tierserve.server.http_guard import uvicorn_options
-    from tierserve.server.listen_check import cannot_listen
+
+def run(args: argparse.Namespace) -> int:
     from tierserve.server.permissive import closed_tiers, log_permissive_settings
-    from tierserve.server.state import spawn_state
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        config, state, (host, port_number) = _start(args)
+    except _CannotStart as e:
+        print(f"tierserve serve: {e}", file=sys.stderr)
+        return 2
+    # Said once the server will start: a start-up error is then its one line on stderr.
     log = logging.getLogger("tierserve.server")
+    log_permissive_settings(config, log)
+    for line in closed_tiers(config):
+        log.warning("%s", line)
+    return _serve(args, config, state, host, port_number)
+
+
+def _start(args: argparse.Namespace) -> tuple[ServeConfig, ServerState, tuple[str, int]]:
+    """The config, the address and the engine process, each refused in one line
+    (`_CannotStart`) before the next is tried: the address before the model loads, which
+    may take minutes."""
+    from tierserve.config import ConfigError
+    from tierserve.server.backends import BackendSpec
+    from tierserve.server.config import load_serve_config
+    from tierserve.server.engine_client import EngineStartError
+    from tierserve.server.listen_check import cannot_listen
+    from tierserve.server.state import spawn_state
+
     ignored = other_backends_flags(args)
     if ignored is not None:
-        print(f"tierserve serve: {ignored}", file=sys.stderr)
-        return 2
+        raise _CannotStart(ignored)
     try:
         config = load_serve_config(args.config)
         http = parse_http_limits(http_overrides(args), config.server.http)
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, http=http))
     except ConfigError as e:
-        print(f"tierserve serve: {e}", file=sys.stderr)
-        return 2
+        raise _CannotStart(str(e)) from None
     host = args.host or config.server.host
-    port = config.server.port if args.port is None else args.port
-    problem = cannot_listen(host, port)  # asked before the model loads, which may take minutes
+    port_number = config.server.port if args.port is None else args.port
+    problem = cannot_listen(host, port_number)
     if problem is not None:
-        print(f"tierserve serve: {problem}", file=sys.stderr)
-        return 2
+        raise _CannotStart(problem)
     backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device or "cpu")
     try:  # the engine, and the model, are built in a process of their own
         state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())
     except EngineStartError as e:
-        print(f"tierserve serve: {e}", file=sys.stderr)
-        return 2
-    # Said once the server will start: a start-up error is then its one line on stderr.
-    log_permissive_settings(config, log)
-    for line in closed_tiers(config):
-        log.warning("%s", line)
-    app = create_app(state, freeze_heap=True)
+        raise _CannotStart(str(e)) from None
+    return config, state, (host, port_number)
+
+
+def _serve(
+    args: argparse.Namespace, config: ServeConfig, state: ServerState, host: str, port_number: int
+) -> int:
+    """Serve until SIGTERM (drained) or a second signal; the exit status the drain leaves."""
+    import uvicorn
+
+    from tierserve.server.app import create_app
+    from tierserve.server.drain import DrainingServer
+    from tierserve.server.http_guard import uvicorn_options
+
     uv_config = uvicorn.Config(
-        app,
+        create_app(state, freeze_heap=True),
         host=host,
-        port=port,
+        port=port_number,
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

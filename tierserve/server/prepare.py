@@ -84,11 +84,16 @@ def _sent(body: ChatCompletionRequest | CompletionRequest, field: str) -> object
 def _check_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     for field, neutral in UNSUPPORTED_FIELDS.items():
         value = _sent(body, field)
-        # `type(...) is` too: True == 1, so `repetition_penalty: true` must not pass as neutral.
-        if not any(value == n and type(value) is type(n) for n in neutral) and not (
-            isinstance(value, float) and value in neutral  # 1.0 for 1, 0.0 for 0
-        ):
+        if not _is_neutral(value, neutral):
             raise bad_request(f"{field}: not supported by this server (got {_quote(value)})", field)
+
+
+def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    """`value` is one of `neutral`, of the same type (True == 1, yet `repetition_penalty:
+    true` is no penalty of 1), or a float equal to one (1.0 for 1)."""
+    if isinstance(value, float):
+        return value in neutral
+    return any(value == n and type(value) is type(n) for n in neutral)
 
 
 def _quote(value: object) -> str:
@@ -109,7 +114,7 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request("functions: function calling is not supported", "functions")
         for field in ("tool_choice", "function_call"):
             choice = _sent(body, field)
-            if not any(choice == c for c in _NO_CALL):
+            if choice not in _NO_CALL:
                 raise bad_request(f"{field}: function calling is not supported (got {_quote(choice)})", field)
         _check_content(body)
         kind = (body.response_format or {}).get("type", "text")
