@@ -155,6 +155,8 @@ def test_leap_runs_steady_decodes_up_to_the_step_that_ends_a_request() -> None:
     assert [o.request for o in leapt.ended] == [req] and req.status.is_final
     assert req.num_output_tokens == 50 and req.finish_time == clock.now()
     assert len(durations) == 49 and all(d > 0 for d in durations)
+    # r1 decodes on, kept unwritten; a lookup brings it up to date.
+    assert other.num_output_tokens < 50 and engine.get_request("r1") is other
     assert other.num_output_tokens == 50 and other.num_computed_tokens == other.num_tokens - 1
     assert len(other.block_ids) == engine.memory.blocks_for(other.num_tokens - 1)
     engine.memory.check_integrity()

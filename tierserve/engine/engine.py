@@ -65,7 +65,6 @@ class Engine:
 
     def add_request(self, req: Request) -> bool:
         """Queue a request, or reject it now (returns False) if it can never fit."""
-        self._flush()
         now = self.clock.now()
         if self.lifecycle.get(req.request_id) is not None:
             raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -151,32 +150,26 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns the requests that got tokens or ended in it."""
-        self._flush()
+        """One iteration. Returns the requests that got tokens or ended in it (in fast mode,
+        of the requests that decoded, only those that ended: see engine/leap.py)."""
+        leap = self._leap
+        kept = leap is not None and not self.scheduler.has_forced() and leap.keeps()
+        if not kept:
+            self._flush()
         self._in_step = True
         outputs: list[RequestOutput] = []
         try:
             started = time.thread_time()
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule(leap if kept else None)
             self.stats.last_schedule_cpu_s = time.thread_time() - started
             for victim, mode in out.preempted:
                 self.stats.preemptions[(victim.tier, mode.value)] += 1
             outputs.extend(RequestOutput(r, [], True) for r in out.shed)
-            duration = self._swap(out)
-            result: StepResult | None = None
-            if len(out.batch):
-                result = self.executor.execute(out.batch)
-                duration += result.duration_s
-                self.stats.roofline_s += result.roofline_s
-            if duration > 0:
-                self.clock.elapse(duration)
-            self.stats.busy_s += duration
-            if result is not None:
-                outputs.extend(self.lifecycle.apply(out.batch, result, self.spec.eos_token_ids))
-            self.stats.num_steps += bool(result)
-            self.stats.last_step_tokens = out.batch.num_tokens
-            self.stats.last_step_seqs = len(out.batch)
-            self.stats.last_step_s = duration
+            if leap is not None and kept and leap.takes(out):
+                outputs.extend(leap.execute(out))
+            else:
+                self._flush()
+                outputs.extend(self._execute(out))
         finally:
             self._in_step = False
         for request_id, reason in self._deferred:
@@ -185,6 +178,26 @@ class Engine:
                 self.lifecycle.end(req, reason)
                 outputs.append(RequestOutput(req, [], True))
         self._deferred.clear()
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Run the pass's swaps and batch, and record what they did."""
+        duration = self._swap(out)
+        result: StepResult | None = None
+        if len(out.batch):
+            result = self.executor.execute(out.batch)
+            duration += result.duration_s
+            self.stats.roofline_s += result.roofline_s
+        if duration > 0:
+            self.clock.elapse(duration)
+        self.stats.busy_s += duration
+        outputs = []
+        if result is not None:
+            outputs = self.lifecycle.apply(out.batch, result, self.spec.eos_token_ids)
+        self.stats.num_steps += bool(result)
+        self.stats.last_step_tokens = out.batch.num_tokens
+        self.stats.last_step_seqs = len(out.batch)
+        self.stats.last_step_s = duration
         return outputs
 
     def leap(self, until: float, on_step: StepObserver | None = None) -> LeapResult:

@@ -28,6 +28,9 @@ class Preemptor:
         self.memory = memory
         self.executor = executor
         self.lifecycle = lifecycle
+        # Called before a victim is chosen among the running requests (fast simulation:
+        # writes out the requests it keeps in aggregate, whose counts the choice reads).
+        self.before_choosing: Callable[[], None] | None = None
 
     def _borrowed(self) -> Sequence[int]:
         return self.memory.partition.borrowed(self.memory.pool.used_by_tier)
@@ -66,6 +69,8 @@ class Preemptor:
         self, req: Request, step: StepBudget, ok: Callable[[Request, Request, KVCacheManager], bool]
     ) -> list[Request]:
         """The running requests `ok` lets `req` take, first victim first."""
+        if self.before_choosing is not None:
+            self.before_choosing()
         memory, victim_key = self.memory, self.policy.victim_key
         borrowed = self._borrowed()
         candidates = [r for r in self.lifecycle.running if r not in step.fresh and ok(req, r, memory)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
@@ -37,6 +38,24 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     preempted: list[tuple[Request, PreemptMode]] = field(default_factory=list)
     shed: list[Request] = field(default_factory=list)
+
+
+class KeptDecodes(Protocol):
+    """Fast simulation (engine/leap.py): running requests whose decodes are kept in
+    aggregate, their token counts brought up to date only when read one by one."""
+
+    def prefilling(self) -> list[Request]:
+        """The running requests that still prefill, in protection order."""
+        ...
+
+    def decode(self, step: StepBudget) -> None:
+        """`_decode_protected` for a pass in which every kept request decodes and every
+        block they need is known to be free: take the blocks, add the decodes."""
+        ...
+
+    def flush(self) -> None:
+        """Bring every kept request up to date and stop keeping them."""
+        ...
 
 
 class Scheduler:
@@ -68,18 +87,36 @@ class Scheduler:
 
     # ---- the pass ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, kept: KeptDecodes | None = None) -> SchedulerOutput:
+        """The pass. `kept` (fast simulation): the running requests that decode in this
+        pass, kept in aggregate (`RunningPass.PROTECTED` only); before choosing a victim
+        among the running requests, the pass has them written out."""
         now = self.clock.now()
         cfg = self.config.scheduler
         step = StepBudget(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, estimate_s=self.executor.estimate_prefill_s
         )
-        shed = self._begin(step, now)
-        if self.policy.running_pass is RunningPass.ADMISSION_ORDER:
-            self._walk_in_admission_order(step, now)
-            prefilling: list[Request] = []
+        if kept is None:
+            shed = self._begin(step, now)
+            if self.policy.running_pass is RunningPass.ADMISSION_ORDER:
+                self._walk_in_admission_order(step, now)
+                prefilling: list[Request] = []
+            else:
+                prefilling = self._decode_protected(step, now)
         else:
-            prefilling = self._decode_protected(step, now)
+            prefilling = kept.prefilling()
+            shed = self._begin(step, now, prefilling)
+            kept.decode(step)
+            self.preemptor.before_choosing = kept.flush
+        try:
+            return self._finish(step, prefilling, shed, now)
+        finally:
+            self.preemptor.before_choosing = None
+
+    def _finish(
+        self, step: StepBudget, prefilling: list[Request], shed: list[Request], now: float
+    ) -> SchedulerOutput:
+        """The pass after the running requests' decodes: swaps in, prompts, admissions."""
         self._swap_in(step, prefilling, now)
         self._prefill_running(step, prefilling)
         if self.policy.admits_after_preemption or not step.preempted:
@@ -93,7 +130,7 @@ class Scheduler:
         batch = StepBatch(decode_seqs(step.decodes), [ScheduledSeq(r, n) for r, n in step.prefills.items()])
         return SchedulerOutput(batch, step.swap_out, step.swap_in, step.preempted, shed)
 
-    def _begin(self, step: StepBudget, now: float) -> list[Request]:
+    def _begin(self, step: StepBudget, now: float, prefilling: list[Request] | None = None) -> list[Request]:
         for req in self._forced:
             if req.status is RequestStatus.RUNNING:
                 self.preemptor.preempt(req, step, now)
@@ -102,7 +139,7 @@ class Scheduler:
         for req, reason in self.policy.to_shed(now):
             self.lifecycle.end(req, FinishReason.SHED, reason)
             shed.append(req)
-        self.policy.begin_step(step, self.lifecycle.running, now)
+        self.policy.begin_step(step, self.lifecycle.running, now, prefilling)
         return shed
 
     def _decode_protected(self, step: StepBudget, now: float) -> list[Request]:
@@ -251,7 +288,7 @@ class Scheduler:
         step = StepBudget(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, estimate_s=self.executor.estimate_prefill_s
         )
-        policy.begin_step(step, life.running, now)
+        policy.begin_step(step, life.running, now, prefilling=())
         step.add_decodes(life.running)
         for req in life.swapped:  # `_swap_in`
             if len(life.running) >= step.seats:

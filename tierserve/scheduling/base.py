@@ -161,8 +161,16 @@ class Policy(ABC):
         """Waiting requests to drop now, each with the reason recorded on it (overload)."""
         return []
 
-    def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
-        """Called before a pass fills `step`; may cap some tiers' prefill (`step.cap_prefill`)."""
+    def begin_step(
+        self,
+        step: StepBudget,
+        running: Sequence[Request],
+        now: float,
+        prefilling: Sequence[Request] | None = None,
+    ) -> None:
+        """Called before a pass fills `step`; may cap some tiers' prefill (`step.cap_prefill`).
+        `prefilling`: the running requests still prefilling, where the caller knows them
+        (None: `request.prefilling(running)`)."""
         return None
 
     def end_step(self, step: StepBudget, now: float) -> None:

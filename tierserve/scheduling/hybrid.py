@@ -299,11 +299,18 @@ class HybridPolicy(FairQueuePolicy):
         reason = f"overload: waited over {limit:g} s while P1/P2 requests waited"
         return [(r, reason) for r in self if r.tier == Tier.P3 and now - r.arrival_time > limit]
 
-    def begin_step(self, step: StepBudget, running: Sequence[Request], now: float) -> None:
+    def begin_step(
+        self,
+        step: StepBudget,
+        running: Sequence[Request],
+        now: float,
+        prefilling: Sequence[Request] | None = None,
+    ) -> None:
         self._step = step
         self._held.clear()
         self._deferred = self._p1_p2_in_danger(now)
-        prefilling = prefilling_of(running)  # one scan of the running
+        if prefilling is None:
+            prefilling = prefilling_of(running)  # one scan of the running
         self._p0_by_length = self._p0_prompts(prefilling)
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)

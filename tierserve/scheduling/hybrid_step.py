@@ -156,7 +156,7 @@ class StepShaper:
         if not prompts or share == 0 or step.estimate_s is None or not math.isfinite(self.p0_target_s):
             return bool(prompts)
         num_tokens = len(step.decodes) + sum(step.prefills.values())
-        context = sum(r.num_computed_tokens for r in step.decodes)
+        context = step.decode_context_tokens()
         context += sum(n * r.num_computed_tokens for r, n in step.prefills.items())
         shared_s = step.estimate_s(num_tokens, context // num_tokens)
         limit = share * self.p0_target_s

@@ -44,6 +44,10 @@ class StepBudget:
     capped_tiers: frozenset[Tier] = frozenset()
     capped_tokens_left: int = 0
     capped_at_least: int = 1  # pricing at the context never cuts a chunk below this
+    # The summed context (computed tokens) of `decodes`, where the fast simulation keeps it
+    # (its decoding requests' counts are brought up to date only when read one by one);
+    # None: sum them (`decode_context_tokens`). Any change to `decodes` drops it.
+    decode_context: int | None = None
 
     def cap_prefill(self, tiers: Collection[Tier], num_tokens: int, *, at_least: int = 1) -> None:
         """Let the prefill chunks of `tiers` take at most `num_tokens` of this step together,
@@ -74,11 +78,19 @@ class StepBudget:
     def add_decode(self, req: Request) -> None:
         self.decodes[req] = 1
         self.tokens_left -= 1
+        self.decode_context = None
 
     def add_decodes(self, requests: Collection[Request]) -> None:
         """`add_decode` for each of `requests` (distinct), in one go."""
         self.decodes.update(dict.fromkeys(requests, 1))
         self.tokens_left -= len(requests)
+        self.decode_context = None
+
+    def decode_context_tokens(self) -> int:
+        """The computed tokens the step's decodes attend over, in all."""
+        if self.decode_context is not None:
+            return self.decode_context
+        return sum(r.num_computed_tokens for r in self.decodes)
 
     def add_prefill(self, req: Request, num_tokens: int) -> None:
         self.prefills[req] = num_tokens
@@ -106,11 +118,14 @@ class StepBudget:
         """Take `req`'s work out of the step (a victim, or shaping); returns the tokens freed."""
         n = self.decodes.pop(req, 0) + self.prefills.pop(req, 0)
         self.tokens_left += n
+        self.decode_context = None
         return n
 
     def drop_where(self, tiers: Collection[Tier], *, decodes: bool, prefills: bool) -> None:
         """Leave the decodes and/or prefill chunks of `tiers` out of this step (shaping: the
         tokens are not handed back, since the step is already built)."""
+        if decodes:
+            self.decode_context = None
         for work, on in ((self.decodes, decodes), (self.prefills, prefills)):
             if on:
                 for req in [r for r in work if r.tier in tiers]:

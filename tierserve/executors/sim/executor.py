@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierserve.executors.base import ExecutorSpec, StepBatch, StepResult
+from tierserve.executors.base import ExecutorSpec, ScheduledSeq, StepBatch, StepResult
 from tierserve.executors.sim.cost_model import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     CostModel,
@@ -179,6 +179,23 @@ class SimExecutor:
                     samples.append((req.request_id, num_tokens))
         sampled = self._tokens.at(samples)
         cost = self.cost.step_cost(chunks, num_decodes, decode_context)
+        return StepResult(duration_s=cost.total_s, sampled_token_ids=sampled, roofline_s=cost.roofline_s)
+
+    def execute_beside(
+        self, prefills: Sequence[ScheduledSeq], num_decodes: int, decode_context: int
+    ) -> StepResult:
+        """`execute` for a batch of `prefills` and `num_decodes` one-token decodes over
+        `decode_context` cached tokens in all, listed only by count (fast simulation): the
+        same duration, and the prefills' samples (the decodes' are `tokens_at`'s)."""
+        samples: list[tuple[str, int]] = []
+        chunks: list[SeqChunk] = []
+        for req, n in prefills:
+            computed, num_tokens = req.num_computed_tokens, len(req.token_ids)
+            chunks.append(SeqChunk(n, computed))
+            if computed + n == num_tokens:
+                samples.append((req.request_id, num_tokens))
+        cost = self.cost.step_cost(chunks, num_decodes, decode_context)
+        sampled = self._tokens.at(samples)
         return StepResult(duration_s=cost.total_s, sampled_token_ids=sampled, roofline_s=cost.roofline_s)
 
     def decode_step_cost(self, num_seqs: int, num_context_tokens: int) -> StepCost:
