@@ -3,6 +3,7 @@ every request's record, the window's counters and the cell's summary, to the bit
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,41 @@ def test_a_kept_leap_refuses_requests_changed_behind_its_back() -> None:
     assert engine.abort("r0") and reqs[1].num_computed_tokens == reqs[1].num_tokens - 1
     assert reqs[1].num_output_tokens == engine.stats.num_steps
     assert engine.leap(clock.now() + 0.004).num_steps > 0
+
+
+def test_full_steps_keep_the_decoders_and_give_the_step_by_step_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admissions, prompt chunks and hybrid's shaped steps (P0 alone, P3 yielding) run
+    beside the kept decoders: they are built once, not written out and rebuilt at every
+    full step, and the results are still the step-by-step ones."""
+    from collections import Counter
+
+    from tierserve.engine.leap import DecodeLeap
+
+    calls: Counter[str] = Counter()
+    for name in ("_start", "execute", "_advance_some", "_shift"):
+        original = getattr(DecodeLeap, name)
+
+        def counted(self: DecodeLeap, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            key = f"{_name}{args[2]:+d}" if _name == "_shift" else _name
+            calls[key] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(DecodeLeap, name, counted)
+    _, fast = _assert_same(BenchSetup(num_measured=200), Cell("default", "closed", 64, "hybrid", 3))
+    num_full = fast.run.stats.num_steps - fast.run.stats.num_leapt_steps
+    assert calls["_start"] <= 2 and calls["execute"] > num_full * 0.9
+    assert calls["_advance_some"] > 0 and calls["_shift+1"] > 0  # a few decode, most sit out
+    assert calls["_shift-1"] > 0  # a few sit out
+
+
+def test_a_rank_between_two_adjacent_floats_renumbers_the_running() -> None:
+    from tierserve.engine.leap import _rank_between
+
+    a, b, c = (Request(f"r{i}", [1], SamplingParams()) for i in range(3))
+    running = [a, c, b]
+    ranks = {a: 1.0, b: math.nextafter(1.0, 2.0)}
+    assert _rank_between(running, 1, ranks) == 1.0
+    assert ranks == {a: 0.0, c: 1.0, b: 2.0}
+    assert _rank_between([a, c], 1, {a: 0.0}) == 1.0 and _rank_between([c, a], 0, {a: 0.0}) == -1.0
