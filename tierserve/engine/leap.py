@@ -250,7 +250,7 @@ class DecodeLeap:
             run.context -= len(sitting)
             outputs = self._advance(run, step)
         outputs.extend(life.apply(StepBatch([], prefills), result, self.executor.spec.eos_token_ids))
-        stats.num_steps += 1
+        stats.num_steps += bool(len(out.batch))  # as `Engine._execute`: a step with no work is none
         stats.last_step_tokens = out.batch.num_tokens
         stats.last_step_seqs = len(out.batch)
         stats.last_step_s = duration
