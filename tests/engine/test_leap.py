@@ -4,6 +4,7 @@ every request's record, the window's counters and the cell's summary, to the bit
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tierserve.executors.null import NullExecutor
 from tierserve.executors.sim.executor import build_sim_executor
 from tierserve.request import Request, SamplingParams
 from tierserve.scheduling import POLICIES
+from tierserve.scheduling.step import StepBudget
 from tierserve.tiers import Tier
 
 
@@ -252,8 +254,6 @@ def test_full_steps_keep_the_decoders_and_give_the_step_by_step_results(
     """Admissions, prompt chunks and hybrid's shaped steps (P0 alone, P3 yielding) run
     beside the kept decoders: they are built once, not written out and rebuilt at every
     full step, and the results are still the step-by-step ones."""
-    from collections import Counter
-
     from tierserve.engine.leap import DecodeLeap
 
     calls: Counter[str] = Counter()
@@ -282,3 +282,60 @@ def test_a_rank_between_two_adjacent_floats_renumbers_the_running() -> None:
     assert _rank_between(running, 1, ranks) == 1.0
     assert ranks == {a: 0.0, c: 1.0, b: 2.0}
     assert _rank_between([a, c], 1, {a: 0.0}) == 1.0 and _rank_between([c, a], 0, {a: 0.0}) == -1.0
+
+
+def _walk_run(fast: bool) -> tuple[VirtualClock, list[Request], Counter[str]]:
+    """A long prompt walked in chunks ahead of short requests that decode behind it (vLLM's
+    walk, with the base class's chunk cap), then a smaller step budget: the prompt's chunk
+    takes the tokens and the decoders behind it sit steps out."""
+    from tierserve.engine.leap import DecodeLeap
+    from tierserve.scheduling.base import Policy
+    from tierserve.scheduling.vllm_priority import VllmPriorityPolicy
+
+    class CappedWalk(VllmPriorityPolicy):
+        def prefill_chunk_cap(self, req: Request) -> int | None:
+            return Policy.prefill_chunk_cap(self, req)
+
+    walks: Counter[str] = Counter()
+    original = DecodeLeap.walk
+
+    def counted(self: DecodeLeap, step: StepBudget) -> bool:
+        kept = len(self._kept().decoders)
+        taken = original(self, step)
+        walks["cut" if taken and len(step.decodes) < kept else str(taken)] += 1
+        return taken
+
+    config = EngineConfig()
+    limits = replace(
+        config.scheduler, max_num_batched_tokens=100, long_prompt_tokens=100, long_prompt_chunk_tokens=64
+    )
+    config = replace(config, scheduler=limits)
+    clock = VirtualClock()
+    engine = Engine(
+        config, CappedWalk(config), build_sim_executor("llama-3.1-70b", "a100-80gb", 8), clock, fast=fast
+    )
+    reqs = [Request("long", list(range(3000)), SamplingParams(max_tokens=20, ignore_eos=True), tier=Tier.P1)]
+    reqs += [
+        Request(f"s{i}", [i] * (10 + i % 7), SamplingParams(max_tokens=40 + i, ignore_eos=True), tier=Tier.P1)
+        for i in range(70)
+    ]
+    for req in reqs:
+        engine.add_request(req)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeLeap, "walk", counted)
+        for _ in range(20):
+            engine.step()
+        smaller = replace(config.scheduler, max_num_batched_tokens=50)
+        engine.scheduler.config = replace(config, scheduler=smaller)
+        while engine.has_unfinished():
+            if not engine.leap(clock.now() + 0.05).num_steps:
+                engine.step()
+    return clock, reqs, walks
+
+
+def test_vllms_walk_keeps_the_decoders_and_gives_the_step_by_step_results() -> None:
+    fast_clock, fast, walks = _walk_run(fast=True)
+    step_clock, step, _ = _walk_run(fast=False)
+    assert walks["cut"] > 0 and walks["True"] > 0  # decoders behind the prompt sat steps out
+    assert fast_clock.now() == step_clock.now()
+    assert [(r.finish_time, r.token_ids) for r in fast] == [(r.finish_time, r.token_ids) for r in step]

@@ -36,6 +36,7 @@ came another way (a `LeapStateError`, not silently wrong results).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -178,21 +179,23 @@ class DecodeLeap:
     # ---- a full step beside the kept decoders (`Engine.step`, `Scheduler.schedule`) ------
 
     def keeps(self) -> bool:
-        """Whether the coming full step can keep the running decodes in aggregate: a
-        protected-order pass, nobody swapped out, every decoder keepable and in the step's
-        token budget, and a block free for each that needs one. Changes nothing if not
-        (the caller then flushes and steps the ordinary way)."""
+        """Whether the coming full step can keep the running decodes in aggregate: nobody
+        swapped out, every decoder keepable and in the step's token budget, and a block free
+        for each that needs one. Changes nothing if not (the caller then flushes and steps
+        the ordinary way)."""
         life, policy = self.lifecycle, self.policy
-        if not policy.leaps_decodes or policy.running_pass is not RunningPass.PROTECTED:
-            return False
-        if not life.running or life.swapped:
+        if not policy.leaps_decodes or not life.running or life.swapped:
             return False
         run = self._resume() or self._start()
-        if run is None or len(run.decoders) > self.config.scheduler.max_num_batched_tokens:
+        if run is None:
             return False
         growing = self._needing_blocks(run, run.k + 1)
-        if growing and not self.memory.fits_one_each([d.request.tier for d in growing]):
-            return False
+        # vLLM's walk checks its own blocks and tokens (`walk`): they may run out partway.
+        if policy.running_pass is RunningPass.PROTECTED:
+            if len(run.decoders) > self.config.scheduler.max_num_batched_tokens:
+                return False
+            if growing and not self.memory.fits_one_each([d.request.tier for d in growing]):
+                return False
         self._growing = growing
         self._num_running = len(life.running)
         return True
@@ -209,6 +212,75 @@ class DecodeLeap:
         running = self.lifecycle.running
         step.add_decodes(running if not run.prefilling else [r for r in running if r in run.decoders])
         step.decode_context = run.context
+
+    def walk(self, step: StepBudget) -> bool:
+        """`KeptDecodes.walk`: vLLM's walk over the running requests in admission order
+        (`Scheduler._walk_in_admission_order`) with the kept decoders in aggregate: each
+        decoder takes one token and each prompt its chunk, in running order, until the
+        step's tokens run out (the decoders after that sit the step out). False, with
+        nothing changed, where a block it needs is short (the walk would preempt) or the
+        policy capped the step."""
+        run, memory, policy = self._kept(), self.memory, self.policy
+        if step.capped_tiers:
+            return False
+        running, ranks = self.lifecycle.running, run.ranks
+        initial = tokens_left = step.tokens_left
+        last = -1  # the position of the last prompt walked
+        cut = len(running)  # the walk stops before this position
+        chunks: list[tuple[Request, int, int]] = []  # (prompt, chunk, tokens left before it)
+        for req in run.prefilling:
+            i = running.index(req)
+            if tokens_left < i - last:  # the decoders before it take the last tokens
+                cut = last + 1 + tokens_left
+                break
+            tokens_left -= i - last - 1
+            last = i
+            step.tokens_left = tokens_left
+            n = step.chunk_for(req, policy.prefill_chunk_cap(req))
+            if n >= 1:
+                chunks.append((req, n, tokens_left))
+                tokens_left -= n
+        if cut == len(running):
+            trailing = len(running) - last - 1
+            if tokens_left < trailing:
+                cut = last + 1 + tokens_left
+            tokens_left = max(0, tokens_left - trailing)
+        else:
+            tokens_left = 0
+        limit = ranks[running[cut]] if cut < len(running) else math.inf
+        growing = [d for d in self._growing if ranks[d.request] < limit]
+        # The blocks the walk takes, in its order, checked before any is taken.
+        order: list[tuple[float, _Decoder | None, tuple[Request, int, int] | None]] = [
+            (ranks[d.request], d, None) for d in growing
+        ]
+        order.extend((ranks[c[0]], None, c) for c in chunks)
+        order.sort(key=lambda t: t[0])
+        needs: list[tuple[Tier, int]] = []
+        for _, d, chunk in order:
+            if d is not None:
+                needs.append((d.request.tier, 1))
+            elif chunk is not None:
+                req, n, _ = chunk
+                needs.append((req.tier, memory.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)))
+        if not memory.fits_each(needs):
+            step.tokens_left = initial
+            return False
+        step_number = run.k + 1
+        for _, d, chunk in order:
+            if d is not None:
+                self._grow([d], step_number)
+            elif chunk is not None:
+                req, n, before = chunk
+                if memory.grow(req, req.num_computed_tokens + n) is not Alloc.OK:
+                    raise KVIntegrityError(f"{req.request_id}: a checked block could not be had")
+                step.tokens_left = before
+                step.add_prefill(req, n)
+        decoding = [r for r in (running[:cut] if cut < len(running) else running) if r in run.decoders]
+        step.add_decodes(decoding)
+        step.tokens_left = tokens_left
+        if len(decoding) == len(run.decoders):
+            step.decode_context = run.context
+        return True
 
     def takes(self, out: SchedulerOutput) -> bool:
         """Whether the pass that built `out` left the kept decoders as they were: nothing
@@ -428,8 +500,15 @@ class DecodeLeap:
         admitted = running[n:]
         if not admitted:
             return []
+        ranks = run.ranks
+        if self.policy.running_pass is RunningPass.ADMISSION_ORDER:  # never sorted: at the end
+            rank = ranks[running[n - 1]] if n else 0.0
+            for req in admitted:
+                rank += 1.0
+                ranks[req] = rank
+            return admitted
         del running[n:]
-        key, ranks = self.policy.running_key, run.ranks
+        key = self.policy.running_key
         for req in admitted:
             i = bisect.bisect_right(running, key(req), key=key)
             running.insert(i, req)

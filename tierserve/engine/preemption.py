@@ -53,7 +53,12 @@ class Preemptor:
         prefill_s = self.executor.estimate_prefill_s(req.num_computed_tokens)
         return PreemptMode.SWAP if self.policy.prefers_swap(swap_s, prefill_s) else PreemptMode.RECOMPUTE
 
+    def _choosing(self) -> None:
+        if self.before_choosing is not None:
+            self.before_choosing()
+
     def decode_victim(self, req: Request, after: list[Request], *, same_tier: bool) -> Request | None:
+        self._choosing()
         candidates: Iterable[Request] = after
         if same_tier:
             candidates = [r for r in after if r.tier == req.tier]
@@ -62,6 +67,7 @@ class Preemptor:
 
     def any_victim(self, running: list[Request]) -> Request:
         """The policy's first victim among all running requests (vLLM's rule)."""
+        self._choosing()
         key, borrowed = self.policy.victim_key, self._borrowed()
         return min(running, key=lambda r: key(r, borrowed))
 
@@ -69,8 +75,7 @@ class Preemptor:
         self, req: Request, step: StepBudget, ok: Callable[[Request, Request, KVCacheManager], bool]
     ) -> list[Request]:
         """The running requests `ok` lets `req` take, first victim first."""
-        if self.before_choosing is not None:
-            self.before_choosing()
+        self._choosing()
         memory, victim_key = self.memory, self.policy.victim_key
         borrowed = self._borrowed()
         candidates = [r for r in self.lifecycle.running if r not in step.fresh and ok(req, r, memory)]

@@ -53,6 +53,11 @@ class KeptDecodes(Protocol):
         block they need is known to be free: take the blocks, add the decodes."""
         ...
 
+    def walk(self, step: StepBudget) -> bool:
+        """`_walk_in_admission_order` with the kept requests' decodes in aggregate; False,
+        with nothing changed, where the walk would have to preempt."""
+        ...
+
     def flush(self) -> None:
         """Bring every kept request up to date and stop keeping them."""
         ...
@@ -89,8 +94,8 @@ class Scheduler:
 
     def schedule(self, kept: KeptDecodes | None = None) -> SchedulerOutput:
         """The pass. `kept` (fast simulation): the running requests that decode in this
-        pass, kept in aggregate (`RunningPass.PROTECTED` only); before choosing a victim
-        among the running requests, the pass has them written out."""
+        pass, kept in aggregate; before choosing a victim among the running requests, the
+        pass has them written out."""
         now = self.clock.now()
         cfg = self.config.scheduler
         step = StepBudget(
@@ -103,12 +108,18 @@ class Scheduler:
                 prefilling: list[Request] = []
             else:
                 prefilling = self._decode_protected(step, now)
-        else:
+            return self._finish(step, prefilling, shed, now)
+        self.preemptor.before_choosing = kept.flush
+        try:
             prefilling = kept.prefilling()
             shed = self._begin(step, now, prefilling)
-            kept.decode(step)
-            self.preemptor.before_choosing = kept.flush
-        try:
+            if self.policy.running_pass is RunningPass.PROTECTED:
+                kept.decode(step)
+            else:
+                if not kept.walk(step):
+                    kept.flush()
+                    self._walk_in_admission_order(step, now)
+                prefilling = []
             return self._finish(step, prefilling, shed, now)
         finally:
             self.preemptor.before_choosing = None

@@ -108,6 +108,22 @@ class KVCacheManager:
             num_free -= 1
         return True
 
+    def fits_each(self, needs: Sequence[tuple[Tier, int]]) -> bool:
+        """Whether `grow`s taking n new blocks for tier t, for each (t, n) of `needs` in this
+        order, would each pass `check` (`fits_one_each` with counts; n <= 0 takes none)."""
+        used = list(self.pool.used_by_tier)
+        num_free = self.pool.num_free
+        for tier, n in needs:
+            if n <= 0:
+                continue
+            if used[tier] + n > self.partition.ceiling[tier]:
+                return False
+            if num_free - n < self.partition.protected_free(tier, used):
+                return False
+            used[tier] += n
+            num_free -= n
+        return True
+
     def check_after(self, tier: Tier, num_new_blocks: int, taken: Sequence[int]) -> Alloc:
         """`check` as it would answer once `taken[t]` more blocks had gone to each tier t
         (a step's decodes, before they take them)."""
