@@ -23,6 +23,8 @@ def test_sim_speed_reports_both_rates_and_no_difference(
     rate_ratio = printed["fast_requests_per_cpu_s"] / printed["step_requests_per_cpu_s"]
     assert printed["speedup"] == pytest.approx(rate_ratio, rel=0.01)
     assert 0 < printed["leapt_share"] < 1 and printed["num_requests"] >= 20
+    # Prompts run in full steps beside the kept decoders (admissions need a full step).
+    assert 0 < printed["kept_share"] <= 1 - printed["leapt_share"]
 
 
 def test_sim_speed_refuses_a_load_of_zero(capsys: pytest.CaptureFixture[str]) -> None:

@@ -323,6 +323,7 @@ class DecodeLeap:
             outputs = self._advance(run, step)
         outputs.extend(life.apply(StepBatch([], prefills), result, self.executor.spec.eos_token_ids))
         stats.num_steps += bool(len(out.batch))  # as `Engine._execute`: a step with no work is none
+        stats.num_kept_steps += bool(len(out.batch))
         stats.last_step_tokens = out.batch.num_tokens
         stats.last_step_seqs = len(out.batch)
         stats.last_step_s = duration

@@ -12,6 +12,7 @@ from tierserve.tiers import Tier
 class EngineStats:
     num_steps: int = 0
     num_leapt_steps: int = 0  # of num_steps, run by the fast simulation's leaps
+    num_kept_steps: int = 0  # of num_steps, full steps run beside the fast simulation's kept decoders
     num_generated_tokens: int = 0
     num_computed_prompt_tokens: int = 0  # prefill tokens actually computed (cache hits excluded)
     preemptions: Counter[tuple[Tier, str]] = field(default_factory=Counter)  # (victim tier, swap|recompute)
