@@ -2,7 +2,8 @@
 
 The executor and the clock are passed in, so the same engine runs in simulation
 (`SimExecutor` + `VirtualClock`) and for real (`TorchExecutor` + `WallClock`). With
-`fast=True` (simulation only) `leap` runs runs of all-decode steps at once (engine/leap.py).
+`fast=True` (simulation only) the running decodes are kept in aggregate through every step
+and `leap` runs runs of all-decode steps at once (engine/leap.py).
 """
 
 from __future__ import annotations
