@@ -10,6 +10,7 @@ from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig
 from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
+from tierserve.executors.sim.executor import build_sim_executor
 from tierserve.request import EventKind, Request, RequestStatus
 from tierserve.tiers import Tier
 from tierserve.workloads.spec import RequestSpec
@@ -285,3 +286,28 @@ def test_think_time_spreads_closed_loop_arrivals_inside_steps() -> None:
 def test_think_times_follow_the_seed() -> None:
     assert arrival_times_of(1.0, seed=1)[0] == arrival_times_of(1.0, seed=1)[0]
     assert arrival_times_of(1.0, seed=1)[0] != arrival_times_of(1.0, seed=2)[0]
+
+
+def _last_measured_rejected(fast: bool) -> DriverResult:
+    """Two warm-up requests, one still decoding; the one measured request can never fit."""
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 4, max_model_len=1000)
+    clock = VirtualClock()
+    engine = Engine(EngineConfig(), "fcfs", executor, clock, fast=fast)
+    specs = [
+        RequestSpec(0, Tier.P1, "a", tuple(range(1, 20)), 200),
+        RequestSpec(1, Tier.P1, "a", tuple(range(1, 10)), 1),
+        RequestSpec(2, Tier.P1, "a", tuple(range(1, 2000)), 5),  # over max_model_len: rejected
+    ]
+    config = DriverConfig(num_measured=1, num_warmup=2, concurrency=2, think_time_s=0.0)
+    return run_workload(engine, clock, specs, config)
+
+
+def test_the_window_closes_at_the_same_step_in_both_simulation_modes() -> None:
+    """The last measured request rejected on arrival closes the window after one more step;
+    the fast simulation must not leap past it (it leapt to the warm-up's end before)."""
+    step, fast = _last_measured_rejected(fast=False), _last_measured_rejected(fast=True)
+    assert step.stats.num_steps == fast.stats.num_steps == 2 and step.end_s == fast.end_s
+    assert [(r.request_id, r.status, r.num_output_tokens) for r in step.records] == [
+        (r.request_id, r.status, r.num_output_tokens) for r in fast.records
+    ]
+    assert fast.records[-1].status is RequestStatus.ABORTED  # the warm-up still decoding

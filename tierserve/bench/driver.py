@@ -262,10 +262,18 @@ class _Run:
         now = self.clock.now()
         self.sampler.add((now + duration_s) - now, used, borrowed)
 
+    def _window_closes(self) -> bool:
+        """Whether the loop closes the measurement window at its next turn: every measured
+        request sent and none live (the last may have been rejected on arrival)."""
+        return self.start is not None and self._all_measured_submitted() and self.num_measured_live == 0
+
     def _leap(self) -> bool:
         """Fast simulation: the steps before the next arrival (or the drain deadline), up
         to the first in which requests end, at once; False if there were none (the next
-        must be a `_step`)."""
+        must be a `_step`). No leap while the window is about to close: the loop runs one
+        more step, then stops."""
+        if self._window_closes():
+            return False
         arrival = self._next_arrival() if self._may_submit() else None
         until = min(math.inf if arrival is None else arrival, self.deadline)
         leapt = self.engine.leap(until, self._sample if self._sampling() else None)
@@ -316,7 +324,7 @@ class _Run:
     def run(self) -> DriverResult:
         num_idle = 0
         while True:
-            if self.start is not None and self._all_measured_submitted() and self.num_measured_live == 0:
+            if self._window_closes():
                 self._close_window()
             self._submit_due()
             if self.window is not None or self.clock.now() >= self.deadline:
