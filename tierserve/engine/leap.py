@@ -46,7 +46,7 @@ from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle, RequestOutput
 from tierserve.engine.scheduler import Scheduler, SchedulerOutput
 from tierserve.engine.stats import EngineStats
-from tierserve.executors.base import ScheduledSeq, StepBatch
+from tierserve.executors.base import ScheduledSeq, StepBatch, StepResult
 from tierserve.executors.sim.executor import SimExecutor
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.manager import Alloc, KVCacheManager
@@ -77,6 +77,14 @@ class _Decoder:
     request: Request
     num_tokens0: int
     num_done: int
+
+
+class _Chunk(NamedTuple):
+    """A prompt's chunk in vLLM's walk, with the step's tokens left when the walk reaches it."""
+
+    request: Request
+    num_tokens: int
+    tokens_left: int
 
 
 @dataclass(slots=True)
@@ -116,7 +124,6 @@ class DecodeLeap:
         self.stats = stats
         self._run: _Run | None = None
         self._growing: list[_Decoder] = []  # the decoders that take a block in the coming full step
-        self._num_running = 0  # running requests before the coming full step's pass
 
     # ---- leaping over steps --------------------------------------------------------------
 
@@ -197,7 +204,6 @@ class DecodeLeap:
             if growing and not self.memory.fits_one_each([d.request.tier for d in growing]):
                 return False
         self._growing = growing
-        self._num_running = len(life.running)
         return True
 
     def prefilling(self) -> list[Request]:
@@ -220,67 +226,65 @@ class DecodeLeap:
         step's tokens run out (the decoders after that sit the step out). False, with
         nothing changed, where a block it needs is short (the walk would preempt) or the
         policy capped the step."""
-        run, memory, policy = self._kept(), self.memory, self.policy
+        run, memory = self._kept(), self.memory
         if step.capped_tiers:
             return False
         running, ranks = self.lifecycle.running, run.ranks
-        initial = tokens_left = step.tokens_left
-        last = -1  # the position of the last prompt walked
-        cut = len(running)  # the walk stops before this position
-        chunks: list[tuple[Request, int, int]] = []  # (prompt, chunk, tokens left before it)
-        for req in run.prefilling:
-            i = running.index(req)
-            if tokens_left < i - last:  # the decoders before it take the last tokens
-                cut = last + 1 + tokens_left
-                break
-            tokens_left -= i - last - 1
-            last = i
-            step.tokens_left = tokens_left
-            n = step.chunk_for(req, policy.prefill_chunk_cap(req))
-            if n >= 1:
-                chunks.append((req, n, tokens_left))
-                tokens_left -= n
-        if cut == len(running):
-            trailing = len(running) - last - 1
-            if tokens_left < trailing:
-                cut = last + 1 + tokens_left
-            tokens_left = max(0, tokens_left - trailing)
-        else:
-            tokens_left = 0
+        initial = step.tokens_left
+        chunks, cut, tokens_left = self._plan_walk(run, step)
         limit = ranks[running[cut]] if cut < len(running) else math.inf
-        growing = [d for d in self._growing if ranks[d.request] < limit]
         # The blocks the walk takes, in its order, checked before any is taken.
-        order: list[tuple[float, _Decoder | None, tuple[Request, int, int] | None]] = [
-            (ranks[d.request], d, None) for d in growing
-        ]
-        order.extend((ranks[c[0]], None, c) for c in chunks)
-        order.sort(key=lambda t: t[0])
-        needs: list[tuple[Tier, int]] = []
-        for _, d, chunk in order:
-            if d is not None:
-                needs.append((d.request.tier, 1))
-            elif chunk is not None:
-                req, n, _ = chunk
-                needs.append((req.tier, memory.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)))
-        if not memory.fits_each(needs):
+        walked: list[_Decoder | _Chunk] = [d for d in self._growing if ranks[d.request] < limit]
+        walked.extend(chunks)
+        walked.sort(key=lambda x: ranks[x.request])
+        if not memory.fits_each([(x.request.tier, self._new_blocks(x)) for x in walked]):
             step.tokens_left = initial
             return False
-        step_number = run.k + 1
-        for _, d, chunk in order:
-            if d is not None:
-                self._grow([d], step_number)
-            elif chunk is not None:
-                req, n, before = chunk
-                if memory.grow(req, req.num_computed_tokens + n) is not Alloc.OK:
-                    raise KVIntegrityError(f"{req.request_id}: a checked block could not be had")
-                step.tokens_left = before
-                step.add_prefill(req, n)
-        decoding = [r for r in (running[:cut] if cut < len(running) else running) if r in run.decoders]
+        for x in walked:
+            if isinstance(x, _Decoder):
+                self._grow([x], run.k + 1)
+            else:
+                if memory.grow(x.request, x.request.num_computed_tokens + x.num_tokens) is not Alloc.OK:
+                    raise KVIntegrityError(f"{x.request.request_id}: a checked block could not be had")
+                step.tokens_left = x.tokens_left
+                step.add_prefill(x.request, x.num_tokens)
+        decoding = [r for r in running[:cut] if r in run.decoders]
         step.add_decodes(decoding)
         step.tokens_left = tokens_left
         if len(decoding) == len(run.decoders):
             step.decode_context = run.context
         return True
+
+    def _plan_walk(self, run: _Run, step: StepBudget) -> tuple[list[_Chunk], int, int]:
+        """The walk's tokens, without taking anything: each prompt's chunk (from the tokens
+        left at its place, behind the decoders before it), the position before which the
+        walk stops (the tokens ran out), and the tokens left after it."""
+        running, policy = self.lifecycle.running, self.policy
+        tokens_left = step.tokens_left
+        last = -1  # the position of the last prompt walked
+        chunks: list[_Chunk] = []
+        for req in run.prefilling:
+            i = running.index(req)
+            if tokens_left < i - last:  # the decoders before it take the last tokens
+                return chunks, last + 1 + tokens_left, 0
+            tokens_left -= i - last - 1
+            last = i
+            step.tokens_left = tokens_left
+            n = step.chunk_for(req, policy.prefill_chunk_cap(req))
+            if n >= 1:
+                chunks.append(_Chunk(req, n, tokens_left))
+                tokens_left -= n
+        trailing = len(running) - last - 1
+        if tokens_left < trailing:
+            return chunks, last + 1 + tokens_left, 0
+        return chunks, len(running), tokens_left - trailing
+
+    def _new_blocks(self, x: _Decoder | _Chunk) -> int:
+        """The blocks a walked decoder (one: it is among those that need one) or chunk takes."""
+        if isinstance(x, _Decoder):
+            return 1
+        req = x.request
+        return self.memory.blocks_for(req.num_computed_tokens + x.num_tokens) - len(req.block_ids)
 
     def takes(self, out: SchedulerOutput) -> bool:
         """Whether the pass that built `out` left the kept decoders as they were: nothing
@@ -300,23 +304,20 @@ class DecodeLeap:
         admitted = self._place_admitted(run)
         prefills, decodes = out.batch.prefills, out.batch.decodes
         if len(decodes) == len(run.decoders):
-            result = self.executor.execute_beside(prefills, len(decodes), run.context)
-            duration = self._elapse(result.duration_s, result.roofline_s, len(decodes))
+            result = self._execute_beside(prefills, len(decodes), run.context)
             outputs = self._advance(run, step)
         elif 2 * len(decodes) < len(run.decoders):
             # Most decoders sit this step out (e.g. a P0-only step): the run stays at its
             # step, and the few that decode move on one step ahead of it.
             decoding = [run.decoders[seq.request] for seq in decodes]
             context = sum(d.num_tokens0 + step - 2 for d in decoding)
-            result = self.executor.execute_beside(prefills, len(decodes), context)
-            duration = self._elapse(result.duration_s, result.roofline_s, len(decodes))
+            result = self._execute_beside(prefills, len(decodes), context)
             outputs = self._advance_some(run, decoding, step)
         else:
             # A few sit it out: they fall one step behind the run, which moves on.
             sitting = _left_out(run, decodes)
             context = run.context - sum(d.num_tokens0 + step - 2 for d in sitting)
-            result = self.executor.execute_beside(prefills, len(decodes), context)
-            duration = self._elapse(result.duration_s, result.roofline_s, len(decodes))
+            result = self._execute_beside(prefills, len(decodes), context)
             for d in sitting:
                 self._shift(run, d, -1)
             run.context -= len(sitting)
@@ -326,7 +327,7 @@ class DecodeLeap:
         stats.num_kept_steps += bool(len(out.batch))
         stats.last_step_tokens = out.batch.num_tokens
         stats.last_step_seqs = len(out.batch)
-        stats.last_step_s = duration
+        stats.last_step_s = result.duration_s
         self._join(run, admitted)
         return outputs
 
@@ -461,15 +462,17 @@ class DecodeLeap:
                 run.context -= req.num_computed_tokens
         return outputs
 
-    def _elapse(self, duration_s: float, roofline_s: float, num_decodes: int) -> float:
-        """`Engine.step`'s bookkeeping for a step's execution, before its results apply."""
+    def _execute_beside(self, prefills: list[ScheduledSeq], num_decodes: int, context: int) -> StepResult:
+        """Price the step and take its time (`Engine._execute`'s bookkeeping, before the
+        results apply); the decodes' tokens are counted here, their ids drawn when read."""
+        result = self.executor.execute_beside(prefills, num_decodes, context)
         stats = self.stats
-        stats.roofline_s += roofline_s
-        if duration_s > 0:
-            self.clock.elapse(duration_s)
-        stats.busy_s += duration_s
+        stats.roofline_s += result.roofline_s
+        if result.duration_s > 0:
+            self.clock.elapse(result.duration_s)
+        stats.busy_s += result.duration_s
         stats.num_generated_tokens += num_decodes
-        return duration_s
+        return result
 
     def _advance_some(self, run: _Run, decoding: list[_Decoder], step: int) -> list[RequestOutput]:
         """`_advance` for a step (the run's `step`) in which only `decoding` (in the batch's
@@ -497,7 +500,8 @@ class DecodeLeap:
         """Put the requests the pass admitted (appended to the running list) where the next
         pass's sort would (stable: after their equals, in admission order); returns them."""
         life = self.lifecycle
-        running, n = life.running, self._num_running
+        running = life.running
+        n = len(run.decoders) + len(run.prefilling)  # the running requests before the pass
         admitted = running[n:]
         if not admitted:
             return []
