@@ -59,6 +59,49 @@ def test_chat_stream_sends_role_text_finish_usage_and_done(client: openai.OpenAI
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    """vLLM's extension: each chunk's usage counts the tokens sent up to it."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[0].usage is not None and chunks[0].usage.completion_tokens == 0  # the role
+    sent = 0
+    for c in chunks[1:-1]:
+        assert c.usage is not None and c.choices
+        sent += len(c.choices[0].delta.content or "")  # one character a token in this model
+        assert c.usage.completion_tokens == sent
+        assert c.usage.total_tokens == c.usage.prompt_tokens + sent
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_continuous_usage_stats_needs_include_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=4,
+        stream=True,
+        stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    )
+    assert all(c.usage is None for c in stream)
+
+
+def test_completion_takes_max_completion_tokens(client: openai.OpenAI) -> None:
+    """As vLLM takes it on /v1/completions (OpenAI names it for chat only); it wins over
+    max_tokens, as on chat."""
+    r = client.completions.create(
+        model=MODEL, prompt="Say hello", max_tokens=9, extra_body={"max_completion_tokens": 3}
+    )
+    assert r.choices[0].text == REPLY[:3] and r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 3
+
+
 def test_completion_non_streaming_and_streaming(client: openai.OpenAI) -> None:
     r = client.completions.create(
         model=MODEL, prompt="Say hello", max_tokens=5, seed=3, temperature=0.5, top_p=0.9

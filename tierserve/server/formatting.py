@@ -32,13 +32,21 @@ class ResponseFormatter:
     """Builds the bodies of one response; `chat` selects chat.completion vs text_completion."""
 
     def __init__(
-        self, *, chat: bool, response_id: str, created: int, model: str, include_usage: bool
+        self,
+        *,
+        chat: bool,
+        response_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        continuous_usage: bool = False,
     ) -> None:
         self.chat = chat
         self.response_id = response_id
         self.created = created
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # chunks carry the usage so far, not null
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = json.dumps({"id": response_id, "object": obj, "created": created, "model": model})[:-1]
         self._head = "data: " + head + ', "choices": ['
@@ -57,18 +65,24 @@ class ResponseFormatter:
             body = f'"text": {json.dumps(content or "")}'
         return f'{{"index": 0, {body}, "logprobs": null, "finish_reason": {reason}}}'
 
-    def first_chunk(self) -> bytes:
+    def _end(self, usage: Usage | None) -> str:
+        """A chunk's end: its usage so far where the stream carries it continuously."""
+        if usage is None or not self.continuous_usage:
+            return self._tail
+        return '], "usage": ' + json.dumps(usage.body()) + "}\n\n"
+
+    def first_chunk(self, usage: Usage | None = None) -> bytes:
         """Chat streams open with the assistant's role (as OpenAI's do); completions need nothing."""
         if not self.chat:
             return b""
-        return (self._head + self._choice("", None, role=True) + self._tail).encode()
+        return (self._head + self._choice("", None, role=True) + self._end(usage)).encode()
 
-    def text_chunk(self, text: str) -> bytes:
-        return (self._head + self._choice(text, None) + self._tail).encode()
+    def text_chunk(self, text: str, usage: Usage | None = None) -> bytes:
+        return (self._head + self._choice(text, None) + self._end(usage)).encode()
 
-    def finish_chunk(self, finish_reason: str) -> bytes:
+    def finish_chunk(self, finish_reason: str, usage: Usage | None = None) -> bytes:
         content = None if self.chat else ""
-        return (self._head + self._choice(content, finish_reason) + self._tail).encode()
+        return (self._head + self._choice(content, finish_reason) + self._end(usage)).encode()
 
     def usage_chunk(self, usage: Usage) -> bytes:
         body: dict[str, Any] = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -76,6 +77,7 @@ async def generate(
         created=int(time.time()),
         model=state.model.name,
         include_usage=prepared.include_usage,
+        continuous_usage=prepared.continuous_usage,
     )
     run = GenerationRun(state, handle, fmt, prepared, rate.reservation)
     if state.trace is not None:
@@ -190,13 +192,15 @@ class GenerationRun:
                     yield error_event(failed.error or "request aborted", code="aborted") + DONE
                     return
                 first = not started
+                usage = self._usage if fmt.continuous_usage else None
                 if first:
                     started = True
-                    out.append(fmt.first_chunk())
+                    # The role comes before any token, as vLLM counts it.
+                    out.append(fmt.first_chunk(usage and replace(usage, completion_tokens=0)))
                 if text:
-                    out.append(fmt.text_chunk(text))
+                    out.append(fmt.text_chunk(text, usage))
                 if reason is not None:
-                    out.append(fmt.finish_chunk(reason))
+                    out.append(fmt.finish_chunk(reason, usage))
                     if fmt.include_usage:
                         out.append(fmt.usage_chunk(self._usage))
                     out.append(DONE)

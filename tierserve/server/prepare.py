@@ -62,6 +62,7 @@ class Prepared:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's extension)
 
 
 def check_model(state: ServerState, model: str) -> None:
@@ -272,9 +273,16 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
         )
     except ValueError as e:
         raise bad_request(str(e), None) from None
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
     if isinstance(ids, np.ndarray):
         ids = ids.tolist()
     return Prepared(
-        ids, sampling, tuple(s for s in body.stop_strings() if s), bool(body.stream), include_usage
+        ids,
+        sampling,
+        tuple(s for s in body.stop_strings() if s),
+        bool(body.stream),
+        include_usage,
+        # As vLLM: continuous_usage_stats counts only with include_usage.
+        continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
     )

@@ -64,11 +64,15 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingBody(_Body):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
+    # OpenAI's newer name (chat only there): honoured on completions too, not dropped.
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
@@ -87,6 +91,13 @@ class _SamplingBody(_Body):
         None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM's extension: token ids that end the output"
     )
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output limit the client set, and the field it came from (for error messages):
+        max_completion_tokens where both are sent, as OpenAI reads them."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -101,18 +112,11 @@ class _RequestBody(_SamplingBody):
 
 class ChatCompletionRequest(_RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     logprobs: bool | None = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        """The output limit the client set, and the field it came from (for error messages)."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
 
 
 class CompletionRequest(_RequestBody):
@@ -122,6 +126,3 @@ class CompletionRequest(_RequestBody):
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = None
-
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
