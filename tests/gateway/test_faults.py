@@ -59,6 +59,21 @@ def test_the_tier_reaches_a_vllm_upstream_and_the_usage_event_it_was_asked_for_i
     assert text.endswith("data: [DONE]\n\n") and '"usage"' not in text
 
 
+def test_continuous_usage_without_include_usage_is_not_asked_of_the_upstream() -> None:
+    """The gateway asks for the usage for its own count; vLLM's continuous_usage_stats,
+    which the client's request left without effect, must not ride along with it (it would
+    put a usage in every chunk the client sees)."""
+    fake = FakeUpstream("ok")
+    body = {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with (
+        fake_upstream(fake) as url,
+        gateway([url]) as (gw, _),
+        httpx.stream("POST", gw.url + "/v1/chat/completions", json=body) as r,
+    ):
+        r.read()
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True}
+
+
 def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests() -> None:
     slow = FakeUpstream("ok", num_events=10, event_gap_s=0.1)
     with fake_upstream(slow) as url, gateway([url]) as (gw, state):

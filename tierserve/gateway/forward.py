@@ -220,8 +220,12 @@ class _Retry(Exception):
 async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
     upstream = gw.router.state(decision.upstream).config
     body = call.body
-    if call.stream and not (body.get("stream_options") or {}).get("include_usage"):
-        body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+    options = body.get("stream_options") or {}
+    if call.stream and not options.get("include_usage"):
+        # Asked for the count only: vLLM's continuous_usage_stats, which counts only with
+        # include_usage, would put it in every chunk the client sees.
+        options = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
+        body = {**body, "stream_options": {**options, "include_usage": True}}
     down = pass_down(
         upstream.kind,
         body,
