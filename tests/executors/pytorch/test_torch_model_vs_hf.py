@@ -27,7 +27,12 @@ def build(ckpt: Checkpoint, dtype: torch.dtype = torch.float64, num_blocks: int 
     return executor
 
 
-def test_first_step_logits_are_close_to_transformers(checkpoint: Checkpoint) -> None:
+# Qwen3 in float32 takes RMSNorm's fused path for its query/key norms too.
+@pytest.mark.parametrize("variant", [{}, {"arch": "qwen3", "attention_bias": True}], ids=["llama", "qwen3"])
+def test_first_step_logits_are_close_to_transformers(
+    make_checkpoint: Callable[..., Checkpoint], variant: dict
+) -> None:
+    checkpoint = make_checkpoint(**variant)
     executor = build(checkpoint, dtype=torch.float32)
     hf32 = checkpoint.hf.to(torch.float32)
     for p in prompts():
@@ -118,8 +123,12 @@ def test_llama3_rope_scaling_matches_beyond_the_original_context(
         {"tie": True},
         {"arch": "mistral"},
         {"arch": "qwen2"},  # q/k/v biases
+        {"arch": "qwen3"},  # per-head query/key RMSNorm, head_dim 128 (transformers' default)
+        {"arch": "qwen3", "attention_bias": True},  # and q/k/v/o biases
+        {"attention_bias": True},  # Llama: q/k/v/o biases
+        {"mlp_bias": True},  # Llama: gate/up/down biases
     ],
-    ids=["head_dim", "tied", "mistral", "qwen2"],
+    ids=["head_dim", "tied", "mistral", "qwen2", "qwen3", "qwen3-bias", "attention-bias", "mlp-bias"],
 )
 def test_model_variants_match_transformers(make_checkpoint: Callable[..., Checkpoint], variant: dict) -> None:
     ckpt = make_checkpoint(**variant)

@@ -74,10 +74,13 @@ def write_checkpoint(
     head_dim: int | None = None,
     rope_scaling: dict[str, Any] | None = None,
     tie: bool = False,
+    attention_bias: bool = False,
+    mlp_bias: bool = False,
     max_shard_size: str | None = None,
     seed: int = 0,
 ) -> Checkpoint:
-    """Save a 2-layer random model plus tokenizer files to `path`."""
+    """Save a 2-layer random model plus tokenizer files to `path`. Biases and Qwen3's query/key
+    norm weights are drawn at random too (transformers starts them at 0 and 1), so each matters."""
     kwargs: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden_size,
@@ -97,20 +100,26 @@ def write_checkpoint(
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
         kwargs["rope_theta"] = 500000.0
+    if attention_bias:
+        kwargs["attention_bias"] = True
+    if mlp_bias:
+        kwargs["mlp_bias"] = True
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     if arch == "mistral":
         kwargs["sliding_window"] = None
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
-    if arch == "qwen2":  # biases start at zero; make them matter
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.3)
     path.mkdir(parents=True, exist_ok=True)
     save: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:

@@ -14,24 +14,44 @@ class ModelLoadError(Exception):
     """A model directory cannot be loaded; the message names the file and what is wrong."""
 
 
-# Architecture -> whether q/k/v projections carry a bias.
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
+# config.json's model_type -> the architecture it names, for files without `architectures`.
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Where a checkpoint's decoder departs from plain Llama, as its transformers class builds it.
+
+    Qwen2 has q/k/v biases and no o bias; Llama's `attention_bias` puts biases on all four
+    projections and `mlp_bias` on gate, up and down; Qwen3 (`attention_bias` too) normalises
+    each query and key head with its own RMSNorm (`q_norm`, `k_norm`) before the rotation.
+    `rope_linear_factor` is rope_type "linear": every rotary frequency is divided by it.
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope_linear_factor: float = 1.0
+
+
+PLAIN_LLAMA = DecoderOptions()
 
 
 @dataclass(frozen=True)
 class HFModelSpec:
     config: ModelConfig
     architecture: str
-    qkv_bias: bool
+    options: DecoderOptions
     checkpoint_dtype: str | None  # "bfloat16", ... as the checkpoint declares it
     max_model_len: int  # positions the model may attend over (a sliding window caps it)
-    rope_linear_factor: float = 1.0  # rope_type "linear": every rotary frequency divided by it
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -60,6 +80,14 @@ def _float(path: Path, raw: dict[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ModelLoadError(f"{path}: {key}: must be a positive number, got {value!r}")
     return float(value)
+
+
+def _flag(path: Path, raw: dict[str, Any], key: str) -> bool:
+    """A true/false key (null or absent: false), refusing a string such as "false"."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ModelLoadError(f"{path}: {key}: must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _architecture(path: Path, raw: dict[str, Any]) -> str:
@@ -115,6 +143,41 @@ def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, f
     return theta, scaling, 1.0
 
 
+def _decoder_options(path: Path, raw: dict[str, Any], arch: str, linear_factor: float) -> DecoderOptions:
+    """The biases and norms transformers' class for `arch` builds from config.json."""
+    attention_bias, mlp_bias = _flag(path, raw, "attention_bias"), _flag(path, raw, "mlp_bias")
+    if arch == "Qwen2ForCausalLM":  # q/k/v biases whatever the keys say, as transformers builds it
+        return DecoderOptions(qkv_bias=True, rope_linear_factor=linear_factor)
+    # transformers' Mistral has no biases at all, and its Qwen3 none in the MLP: it would drop
+    # such biases from the weights, where other servers (vLLM) add them. Neither is safe to guess.
+    ignored = {"MistralForCausalLM": ("attention_bias", "mlp_bias"), "Qwen3ForCausalLM": ("mlp_bias",)}
+    for key in ignored.get(arch, ()):
+        if raw.get(key):
+            raise ModelLoadError(
+                f"{path}: {key} is not supported for {arch}, which has no such biases in transformers"
+            )
+    return DecoderOptions(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope_linear_factor=linear_factor,
+    )
+
+
+def _refuse_sliding_window(path: Path, raw: dict[str, Any]) -> None:
+    if raw.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: use_sliding_window is not supported")
+    # Qwen2/Qwen3 may name each layer's kind; without use_sliding_window transformers itself
+    # cannot build a sliding layer's mask.
+    kinds = raw.get("layer_types") or []
+    if not isinstance(kinds, list):
+        raise ModelLoadError(f"{path}: layer_types: expected a list, got {kinds!r}")
+    other = next((kind for kind in kinds if kind != "full_attention"), None)
+    if other is not None:
+        raise ModelLoadError(f"{path}: layer_types: only full_attention layers are supported, got {other!r}")
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
@@ -129,10 +192,7 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
     arch = _architecture(path, raw)
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-    if arch != "Qwen2ForCausalLM" and (raw.get("attention_bias") or raw.get("mlp_bias")):
-        raise ModelLoadError(f"{path}: attention_bias / mlp_bias are not supported for {arch}")
-    if raw.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: use_sliding_window is not supported")
+    _refuse_sliding_window(path, raw)
     heads = _int(path, raw, "num_attention_heads")
     kv_heads = _int(path, raw, "num_key_value_heads", heads)
     if heads % kv_heads:
@@ -141,11 +201,14 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         )
     hidden = _int(path, raw, "hidden_size")
     head_dim = raw.get("head_dim")
+    if head_dim is None and arch == "Qwen3ForCausalLM":
+        head_dim = 128  # transformers' Qwen3Config default, not hidden_size / heads
     if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
         raise ModelLoadError(f"{path}: head_dim must be a positive even integer, got {head_dim!r}")
     if head_dim is None and hidden % heads:
         raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     theta, scaling, linear_factor = _rope(path, raw)
+    options = _decoder_options(path, raw, arch, linear_factor)
     dtype = raw.get("torch_dtype", raw.get("dtype"))
     gen = generation_config or {}
     eos = _eos_ids(gen.get("eos_token_id")) or _eos_ids(raw.get("eos_token_id"))
@@ -172,6 +235,4 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
     window = raw.get("sliding_window")
     if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
         max_len = min(max_len, window)  # within the window, sliding attention is full attention
-    return HFModelSpec(
-        config, arch, SUPPORTED_ARCHITECTURES[arch], str(dtype) if dtype else None, max_len, linear_factor
-    )
+    return HFModelSpec(config, arch, options, str(dtype) if dtype else None, max_len)

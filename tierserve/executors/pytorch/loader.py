@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from tierserve.executors.pytorch.hf_config import ModelLoadError, parse_hf_config, read_json
+from tierserve.executors.pytorch.hf_config import (
+    PLAIN_LLAMA,
+    DecoderOptions,
+    ModelLoadError,
+    parse_hf_config,
+    read_json,
+)
 from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tierserve.model_config import DEMO_MODEL, ModelConfig
@@ -69,15 +75,13 @@ def _unfilled_model(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
-    *,
-    qkv_bias: bool = False,
-    rope_linear_factor: float = 1.0,
+    options: DecoderOptions = PLAIN_LLAMA,
 ) -> CausalLM:
     """A model of `config`'s shape on `device`, its weights allocated but not filled. The dtype
     comes first, on the meta device: the weights are allocated once, at their size (not in
     float32 and then cast, three times a half-precision model's size at the peak)."""
     with torch.device("meta"):
-        model = CausalLM(config, qkv_bias=qkv_bias, rope_linear_factor=rope_linear_factor)
+        model = CausalLM(config, options)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     return model.to_device(device, dtype)
@@ -124,7 +128,8 @@ def _unread_weights(directory: Path) -> str:
 
 
 def load_weights(model: CausalLM, directory: Path) -> None:
-    """Copy every parameter of `model` from the directory's safetensors, checking names and shapes."""
+    """Copy every parameter of `model` from the directory's safetensors, checking names and shapes;
+    a layer tensor that the model does not have is an error too."""
     from safetensors import SafetensorError, safe_open
 
     files = _weight_files(directory)
@@ -134,6 +139,19 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     if missing:
         raise ModelLoadError(
             f"{directory}: tensor {missing[0]!r} not found in {where} ({len(missing)} missing)"
+        )
+    # A layer tensor the model has no place for means config.json does not describe these
+    # weights (biases without attention_bias, more layers than num_hidden_layers): loading
+    # without it would compute something else. Old checkpoints' rotary inv_freq is recomputed.
+    unused = sorted(
+        name
+        for name in files
+        if name.startswith("model.layers.") and name not in expected and not name.endswith(".inv_freq")
+    )
+    if unused:
+        raise ModelLoadError(
+            f"{files[unused[0]]}: tensor {unused[0]!r} has no place in the model config.json describes "
+            f"({len(unused)} such tensors; check attention_bias, mlp_bias, num_hidden_layers, architectures)"
         )
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -232,8 +250,6 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
         # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
         half = _HALF_DTYPES.get(spec.checkpoint_dtype or "", torch.bfloat16)
         dtype = torch.float32 if device.type == "cpu" else half
-    model = _unfilled_model(
-        spec.config, device, dtype, qkv_bias=spec.qkv_bias, rope_linear_factor=spec.rope_linear_factor
-    )
+    model = _unfilled_model(spec.config, device, dtype, spec.options)
     load_weights(model, directory)
     return LoadedModel(model, tokenizer, spec.max_model_len)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) that keeps its K/V in a paged pool.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) that keeps its K/V in a paged pool.
 
 One forward call runs a whole engine step: the linear layers see every token of the step
 at once; only attention is per sequence. The query, key and value projections are one
@@ -6,7 +6,8 @@ matrix, and so are the MLP's gate and up projections: one matrix multiply where 
 Face's Llama runs three and two, which on a CPU is 10-20 % faster for the same result.
 `CausalLM.checkpoint_tensors()` names each part as a checkpoint does
 (`model.layers.0.self_attn.q_proj.weight`, ...), so a safetensors state dict loads into
-the parts of the fused matrices.
+the parts of the fused matrices. What sets the families apart (biases, Qwen3's per-head
+query/key norms) are `DecoderOptions`, read from config.json.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.executors.pytorch.attention import AttentionMetadata, paged_attention
+from tierserve.executors.pytorch.hf_config import PLAIN_LLAMA, DecoderOptions
 from tierserve.executors.pytorch.kv_pool import KVPool
 from tierserve.executors.pytorch.rope import RotaryEmbedding, apply_rotary
 from tierserve.executors.pytorch.workspace import Workspace
@@ -61,16 +63,24 @@ class FusedLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(
-            config.hidden_size, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)), qkv_bias
+            config.hidden_size,
+            (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
+            options.qkv_bias,
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=options.o_bias)
+        # Qwen3: one norm shared by every query head, one by every key head.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -81,8 +91,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        qk = qkv[:, : heads + kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:  # before the rotation, as Qwen3 does
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # Queries and keys are rotated together: one pass over both.
-        qk = apply_rotary(qkv[:, : heads + kv_heads], *cos_sin)
+        qk = apply_rotary(qk, *cos_sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         out = paged_attention(q, k, v, kv[0], kv[1], meta)
         result: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -90,17 +103,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
         self.gate_up_proj = FusedLinear(
-            hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)), bias=False
+            hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)), bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, workspace: Workspace) -> torch.Tensor:
-        w = self.gate_up_proj.weight  # no bias: Llama's MLP has none
+        w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
         gate_up = workspace.take("gate_up", (x.shape[0], w.shape[0]), x.dtype, x.device)
-        torch.mm(x, w.t(), out=gate_up)
+        if b is None:
+            torch.mm(x, w.t(), out=gate_up)
+        else:  # Llama's mlp_bias
+            torch.addmm(b, x, w.t(), out=gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         # In place: the gate's half of the buffer becomes silu(gate) * up.
         result: torch.Tensor = self.down_proj(F.silu(gate, inplace=True).mul_(up))
@@ -108,10 +124,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = Attention(config, options)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,31 +144,31 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool):
+    def __init__(self, config: ModelConfig, options: DecoderOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, options) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its output head; `lm_head` is absent when embeddings are tied.
+    """The decoder plus its output head; `lm_head` is absent when embeddings are tied."""
 
-    `rope_linear_factor` is a checkpoint's linear rope scaling (rope_type "linear"): every
-    rotary frequency is divided by it, as transformers does.
-    """
-
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool = False, rope_linear_factor: float = 1.0):
+    def __init__(self, config: ModelConfig, options: DecoderOptions = PLAIN_LLAMA):
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, qkv_bias)
+        self.model = DecoderStack(config, options)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(
-            config.head_size, config.rope_theta, config.rope_scaling, torch.device("cpu"), rope_linear_factor
+            config.head_size,
+            config.rope_theta,
+            config.rope_scaling,
+            torch.device("cpu"),
+            options.rope_linear_factor,
         )
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,106 @@
+"""What config.json's architecture keys build (biases, Qwen3's head_dim), and what is refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch_checkpoints import Checkpoint
+from torch_paged_runner import prompt_logits
+
+from tierserve.executors.pytorch.executor import build_torch_executor
+from tierserve.executors.pytorch.hf_config import ModelLoadError
+from tierserve.executors.pytorch.loader import load_model
+
+CPU = torch.device("cpu")
+PROMPT = [5, 9, 200, 31, 7, 64, 2]
+
+
+def edit_config(ckpt: Checkpoint, **changes: object) -> None:
+    """Set each key of config.json; None removes it."""
+    path = ckpt.path / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+def load_error(ckpt: Checkpoint) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(ckpt.path, CPU)
+    return str(info.value)
+
+
+def test_qwen3_without_head_dim_or_architectures_takes_transformers_defaults(
+    make_checkpoint: Callable[..., Checkpoint],
+) -> None:
+    # Qwen3Config's head_dim defaults to 128, not hidden_size / heads (64 / 4 here).
+    ckpt = make_checkpoint(arch="qwen3")
+    edit_config(ckpt, head_dim=None, architectures=None)  # model_type "qwen3" names it
+    executor, _ = build_torch_executor(ckpt.path, dtype=torch.float64, num_device_blocks=8)
+    assert executor.model.config.head_size == 128
+    torch.testing.assert_close(prompt_logits(executor, PROMPT), ckpt.logits(PROMPT), atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("arch", "key"),
+    [("mistral", "attention_bias"), ("mistral", "mlp_bias"), ("qwen3", "mlp_bias")],
+)
+def test_a_bias_key_the_architectures_transformers_class_ignores_is_refused(
+    make_checkpoint: Callable[..., Checkpoint], arch: str, key: str
+) -> None:
+    # transformers would build these without the biases, vLLM with them: no single answer.
+    ckpt = make_checkpoint(arch=arch)
+    edit_config(ckpt, **{key: True})
+    message = load_error(ckpt)
+    assert "config.json" in message and key in message and "ForCausalLM" in message
+
+
+def test_a_bias_key_that_is_not_a_boolean_is_refused(checkpoint: Checkpoint) -> None:
+    edit_config(checkpoint, attention_bias="false")
+    message = load_error(checkpoint)
+    assert "attention_bias" in message and "true or false" in message and "'false'" in message
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"use_sliding_window": True, "sliding_window": 16},
+        {"layer_types": ["full_attention", "sliding_attention"]},
+    ],
+    ids=["use_sliding_window", "layer_types"],
+)
+def test_qwen3_sliding_window_attention_is_refused(
+    make_checkpoint: Callable[..., Checkpoint], change: dict[str, object]
+) -> None:
+    ckpt = make_checkpoint(arch="qwen3")
+    edit_config(ckpt, **change)
+    message = load_error(ckpt)
+    assert "config.json" in message and next(iter(change)) in message
+
+
+def test_biases_in_the_weights_that_config_json_does_not_declare_are_refused(
+    make_checkpoint: Callable[..., Checkpoint],
+) -> None:
+    # Loading without them would silently compute another model.
+    ckpt = make_checkpoint(attention_bias=True)
+    edit_config(ckpt, attention_bias=None)
+    message = load_error(ckpt)
+    assert "model.safetensors" in message and "_proj.bias" in message and "attention_bias" in message
+
+
+def test_biases_that_config_json_declares_must_be_in_the_weights(checkpoint: Checkpoint) -> None:
+    edit_config(checkpoint, mlp_bias=True)
+    message = load_error(checkpoint)
+    assert "mlp." in message and ".bias" in message and "not found" in message
+
+
+def test_layers_beyond_num_hidden_layers_in_the_weights_are_refused(checkpoint: Checkpoint) -> None:
+    edit_config(checkpoint, num_hidden_layers=1)  # the file has layers 0 and 1
+    message = load_error(checkpoint)
+    assert "model.layers.1." in message and "num_hidden_layers" in message
