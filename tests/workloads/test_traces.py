@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gzip
+import logging
 from pathlib import Path
 
 import pytest
@@ -55,7 +57,10 @@ def test_azure_csv_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
 
 
 def test_azure_wrong_header_is_line_1(tmp_path: Path) -> None:
-    with pytest.raises(TraceFormatError, match=r"a\.csv:1: expected the header"):
+    with pytest.raises(
+        TraceFormatError,
+        match=r"a\.csv:1: expected the Azure LLM inference trace's header .* got 'time,in,out'",
+    ):
         load_azure_csv(write(tmp_path, "a.csv", "time,in,out\n"))
 
 
@@ -176,3 +181,81 @@ def test_a_folder_named_as_a_trace_is_called_a_folder(tmp_path: Path) -> None:
         load_trace(folder)
     with pytest.raises(ValueError, match="a folder, not a trace file"):
         get_preset(str(folder))
+
+
+MOONCAKE_ROW = '{"timestamp": %s, "input_length": 10, "output_length": 5}\n'
+
+
+def test_gzipped_traces_load_as_the_plain_ones(tmp_path: Path) -> None:
+    csv_text = AZURE_HEADER + "2023-11-16 18:17:03.9799600,4808,10\n2023-11-16 18:17:05.4799600,110,0\n"
+    jsonl_text = MOONCAKE_ROW % 0 + MOONCAKE_ROW % 250
+    for name, text in (("a.csv", csv_text), ("b.jsonl", jsonl_text)):
+        plain = write(tmp_path, name, text)
+        zipped = tmp_path / (name + ".GZ")  # any case, as the plain suffixes
+        zipped.write_bytes(gzip.compress(text.encode()))
+        assert load_trace(zipped) == load_trace(plain)
+    broken = tmp_path / "c.csv.gz"
+    broken.write_bytes(b"not gzip at all")
+    with pytest.raises(TraceFormatError, match=r"c\.csv\.gz: not a readable gzip file"):
+        load_trace(broken)
+
+
+def test_max_rows_reads_no_further(tmp_path: Path) -> None:
+    """A bench replaying the first rows of a large trace neither parses the rest nor stops
+    on a bad row beyond them."""
+    rows = "".join(f"2023-11-16 18:17:{i:02d}.0,100,10\n" for i in range(5))
+    path = write(tmp_path, "a.csv", AZURE_HEADER + rows + "not a row\n")
+    assert len(load_trace(path, max_rows=5)) == 5
+    with pytest.raises(TraceFormatError, match=r"a\.csv:7"):
+        load_trace(path)
+    jsonl = write(tmp_path, "b.jsonl", MOONCAKE_ROW % 0 + MOONCAKE_ROW % 1 + "{broken\n")
+    assert [r.line for r in load_trace(jsonl, max_rows=2)] == [1, 2]
+
+
+def test_a_trace_is_parsed_once_and_each_caller_gets_its_own_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierserve.workloads import traces
+
+    path = write(tmp_path, "a.jsonl", MOONCAKE_ROW % 0 + MOONCAKE_ROW % 5)
+    calls: list[Path] = []
+    real = traces.load_mooncake_jsonl
+
+    def counting(p: Path, max_rows: int | None = None) -> list[traces.TraceRecord]:
+        calls.append(p)
+        return real(p, max_rows)
+
+    monkeypatch.setattr(traces, "load_mooncake_jsonl", counting)
+    first = load_trace(path)
+    first.clear()  # a caller's change stays its own
+    assert len(load_trace(path)) == 2 and len(calls) == 1
+    path.write_text(MOONCAKE_ROW % 0)  # a changed file is read again
+    assert len(load_trace(path)) == 1 and len(calls) == 2
+
+
+def test_unsorted_rows_say_which_timestamp_and_how_to_fix_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "a.jsonl", MOONCAKE_ROW % 5000 + MOONCAKE_ROW % 4000)
+    with pytest.raises(TraceFormatError, match=r"a\.jsonl:2: timestamp 4000 ms goes back .* sort the file"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['[{"timestamp": 0, "input_length": 10, "output_length": 5}]\n', '{\n  "timestamp": 0\n}\n'],
+    ids=["array", "indented"],
+)
+def test_json_that_is_not_json_lines_says_so(tmp_path: Path, text: str) -> None:
+    with pytest.raises(TraceFormatError, match="one object per line"):
+        load_trace(write(tmp_path, "a.json", text))
+
+
+def test_seconds_read_as_milliseconds_are_warned_of(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seconds = write(tmp_path, "s.jsonl", "".join(MOONCAKE_ROW % (i * 0.5) for i in range(200)))
+    with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
+        load_trace(seconds)
+    assert "multiply them by 1000" in caplog.text
+    caplog.clear()
+    millis = write(tmp_path, "ms.jsonl", "".join(MOONCAKE_ROW % (i * 500) for i in range(200)))
+    with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
+        load_trace(millis)
+    assert caplog.text == ""

@@ -66,7 +66,7 @@ class BenchSetup:
         if preset.trace_file is None:
             raise ValueError(f"workload {workload} is not a trace")
         path = Path(self.data_dir) / preset.trace_file if self.data_dir else data_path(preset.trace_file)
-        return load_trace(path)[: self.max_trace_rows]
+        return load_trace(path, self.max_trace_rows)
 
     def stream(self, workload: str, seed: int, max_model_len: int) -> Iterator[RequestSpec]:
         """The workload's specs, without arrival times (a trace's at its own timestamps)."""

@@ -33,7 +33,7 @@ class FleetBench:
     def __init__(self, args: argparse.Namespace, trace: Path) -> None:
         self.args = args
         self.trace = trace
-        self.rows = load_trace(trace)[: args.max_requests]
+        self.rows = load_trace(trace, args.max_requests)
         if not self.rows:
             raise ValueError(f"{trace}: no requests")
         self._check_size()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tierserve.tiers import Tier
 from tierserve.workloads.lengths import DEFAULT_SHAPES, TierShape, lognormal, uniform
-from tierserve.workloads.traces import TRACE_SUFFIXES
+from tierserve.workloads.traces import trace_suffix
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def get_preset(name: str) -> WorkloadPreset:
     if preset is not None:
         return preset
     path = Path(name)
-    if path.suffix.lower() in TRACE_SUFFIXES or path.parent != Path("."):
+    if trace_suffix(path) is not None or path.parent != Path("."):
         if path.is_dir():
             raise ValueError(f"{name}: a folder, not a trace file")
         if not path.is_file():

@@ -7,18 +7,26 @@
   `hash_ids` (one id per 512-token prefix block; the last block may be partial). A trace
   of the same shape without `hash_ids` loads too: its prompts share no prefixes.
 
-A malformed row raises `TraceFormatError` naming the file and the line.
+Either may be gzip-compressed (`.csv.gz`, `.jsonl.gz`). A malformed row raises
+`TraceFormatError` naming the file and the line; rows past `max_rows` are not read. A
+parsed file is kept (by path, size, modification time and row limit), so the cells of a
+bench that replay one trace parse it once.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
+import itertools
 import json
+import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tierserve.workloads.tokens import TRACE_BLOCK_TOKENS
 
@@ -31,6 +39,15 @@ class TraceFormatError(ValueError):
 
 
 TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # Azure CSV; Mooncake JSON lines (either name)
+TRACE_SUFFIXES_GZ = tuple(s + ".gz" for s in TRACE_SUFFIXES)
+# A Mooncake trace whose rows come this close together (median gap) likely has its
+# timestamps in seconds, not milliseconds: the replay would send them all at once.
+_SUSPICIOUS_GAP_MS = 1.0
+_MIN_ROWS_TO_JUDGE = 100
+_CACHE_ENTRIES = 4
+
+log = logging.getLogger(__name__)
+_cache: dict[tuple[str, int, int, int | None], list[TraceRecord]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,23 +77,42 @@ def _int_field(where: str, name: str, text: str, minimum: int) -> int:
     return _count(where, name, value, minimum)
 
 
-def _check_order(where: str, arrival_s: float, previous_s: float) -> None:
+def _check_order(where: str, stamp: object, arrival_s: float, previous_s: float) -> None:
     if arrival_s < previous_s:
         raise TraceFormatError(
-            f"{where}: timestamp goes back in time ({arrival_s:.3f} s < {previous_s:.3f} s)"
+            f"{where}: timestamp {stamp} goes back in time ({arrival_s:.3f} s from the first row, the "
+            f"row before at {previous_s:.3f} s): rows must be in arrival order; sort the file by timestamp"
         )
 
 
-def load_azure_csv(path: str | Path) -> list[TraceRecord]:
+@contextmanager
+def _open_text(p: Path, newline: str | None = None) -> Iterator[IO[str]]:
+    """The file as text, gunzipped where its name ends in .gz; a BOM at the start is skipped
+    (a spreadsheet's export may start with one)."""
+    if p.name.lower().endswith(".gz"):
+        with gzip.open(p, "rt", encoding="utf-8-sig", newline=newline) as f:
+            yield f
+    else:
+        with p.open(encoding="utf-8-sig", newline=newline) as f:
+            yield f
+
+
+def load_azure_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
     p = Path(path)
     records: list[TraceRecord] = []
-    with p.open(newline="", encoding="utf-8-sig") as f:  # a spreadsheet's export may start with a BOM
+    with _open_text(p, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != AZURE_COLUMNS:
-            raise TraceFormatError(f"{p}:1: expected the header {','.join(AZURE_COLUMNS)}, got {header!r}")
+            got = "nothing" if header is None else repr(",".join(header))
+            raise TraceFormatError(
+                f"{p}:1: expected the Azure LLM inference trace's header {','.join(AZURE_COLUMNS)}, "
+                f"got {got} (other CSV layouts need converting to these three columns)"
+            )
         origin: datetime | None = None
         for row in reader:
+            if len(records) == max_rows:
+                break
             where = f"{p}:{reader.line_num}"
             if not row or (len(row) == 1 and not row[0].strip()):  # blank, or only spaces
                 continue
@@ -94,7 +130,7 @@ def load_azure_csv(path: str | Path) -> list[TraceRecord]:
                     f"{where}: TIMESTAMP {row[0].strip()!r} and the first row's {origin.isoformat()!r} "
                     "must both have a UTC offset or both have none"
                 ) from None
-            _check_order(where, arrival_s, records[-1].arrival_s if records else 0.0)
+            _check_order(where, repr(row[0].strip()), arrival_s, records[-1].arrival_s if records else 0.0)
             records.append(
                 TraceRecord(
                     arrival_s,
@@ -108,21 +144,25 @@ def load_azure_csv(path: str | Path) -> list[TraceRecord]:
     return records
 
 
-def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
+def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
     p = Path(path)
     records: list[TraceRecord] = []
     origin_ms: float | None = None
-    with p.open(encoding="utf-8-sig") as f:  # a BOM, as the CSV loader takes it
+    lines_hint = "the file must be JSON lines: one object per line"
+    with _open_text(p) as f:
         for line_no, line in enumerate(f, start=1):
+            if len(records) == max_rows:
+                break
             where = f"{p}:{line_no}"
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{where}: invalid JSON ({e.msg})") from None
+                raise TraceFormatError(f"{where}: invalid JSON ({e.msg}; {lines_hint})") from None
             if not isinstance(row, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object")
+                got = "an array" if isinstance(row, list) else type(row).__name__
+                raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
             for key in ("timestamp", "input_length", "output_length"):
                 if key not in row:
                     raise TraceFormatError(f"{where}: missing {key!r}")
@@ -151,7 +191,7 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
             if origin_ms is None:
                 origin_ms = stamp  # arrivals count from the first row (a trace may carry epoch ms)
             arrival_s = (stamp - origin_ms) / 1000.0
-            _check_order(where, arrival_s, records[-1].arrival_s if records else 0.0)
+            _check_order(where, f"{stamp!r} ms", arrival_s, records[-1].arrival_s if records else 0.0)
             records.append(
                 TraceRecord(
                     arrival_s,
@@ -163,20 +203,58 @@ def load_mooncake_jsonl(path: str | Path) -> list[TraceRecord]:
             )
     if not records:
         raise TraceFormatError(f"{p}: no rows")
+    _warn_if_seconds(p, records)
     return records
 
 
-def load_trace(path: str | Path) -> list[TraceRecord]:
-    """Pick the loader by extension: .csv (Azure) or .jsonl (Mooncake)."""
+def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:
+    """Timestamps in seconds read as milliseconds put a whole trace into an instant."""
+    if len(records) < _MIN_ROWS_TO_JUDGE:
+        return
+    gaps = sorted(b.arrival_s - a.arrival_s for a, b in itertools.pairwise(records))
+    median_ms = gaps[len(gaps) // 2] * 1000.0
+    if median_ms < _SUSPICIOUS_GAP_MS:
+        log.warning(
+            "%s: %d rows arrive over %.3f s (median gap %.3f ms): its timestamps are read as "
+            "milliseconds; if they are seconds, multiply them by 1000",
+            p,
+            len(records),
+            records[-1].arrival_s,
+            median_ms,
+        )
+
+
+def trace_suffix(path: Path) -> str | None:
+    """The trace format's suffix (".csv", ".jsonl" or ".json"), past a ".gz"; None if neither."""
+    name = path.name.lower().removesuffix(".gz")
+    return next((s for s in TRACE_SUFFIXES if name.endswith(s)), None)
+
+
+def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
+    """Pick the loader by extension: .csv (Azure) or .jsonl (Mooncake), either gzipped or
+    not; read at most `max_rows` rows. A new list each call (of the rows parsed once)."""
     p = Path(path)
     if p.is_dir():
         raise TraceFormatError(f"{p}: a folder, not a trace file")
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such trace file")
-    suffix = p.suffix.lower()
-    if suffix not in TRACE_SUFFIXES:
-        raise TraceFormatError(f"{p}: unknown trace format (expected .csv, or .jsonl / .json lines)")
-    try:
-        return load_azure_csv(p) if suffix == ".csv" else load_mooncake_jsonl(p)
-    except UnicodeDecodeError as e:
-        raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    suffix = trace_suffix(p)
+    if suffix is None:
+        raise TraceFormatError(
+            f"{p}: unknown trace format (expected .csv, or .jsonl / .json lines; either may be .gz)"
+        )
+    stat = p.stat()
+    key = (str(p.resolve()), stat.st_size, stat.st_mtime_ns, max_rows)
+    cached = _cache.get(key)
+    if cached is None:
+        try:
+            loader = load_azure_csv if suffix == ".csv" else load_mooncake_jsonl
+            cached = loader(p, max_rows)
+        except UnicodeDecodeError as e:
+            raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise TraceFormatError(f"{p}: not a readable gzip file ({e})") from None
+        if len(_cache) >= _CACHE_ENTRIES:
+            del _cache[next(iter(_cache))]
+        _cache[key] = cached
+    return list(cached)
