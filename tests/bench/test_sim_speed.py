@@ -30,3 +30,35 @@ def test_sim_speed_reports_both_rates_and_no_difference(
 def test_sim_speed_refuses_a_load_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "sim-speed", "--load", "0"]) == 2
     assert "--load must be > 0" in capsys.readouterr().err
+
+
+def _trace(tmp_path: Path, num_rows: int) -> Path:
+    rows = "".join(
+        f'{{"timestamp": {i * 400}, "input_length": 300, "output_length": 20}}\n' for i in range(num_rows)
+    )
+    path = tmp_path / "t.jsonl"
+    path.write_text(rows)
+    return path
+
+
+def test_a_trace_file_replays_at_its_own_timestamps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not 256 closed-loop clients, whose warm-up (one request each) took every row of a
+    small trace and left nothing measured."""
+    argv = ["bench", "sim-speed", "--workload", str(_trace(tmp_path, 60)), "--repeats", "1", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "out.json")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["pattern"] == "trace" and printed["load"] == 1.0
+    assert printed["num_requests"] == 60 and printed["num_measured"] > 0
+
+
+def test_a_trace_refuses_the_closed_loop_and_a_synthetic_workload_the_trace_pattern(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(_trace(tmp_path, 5))
+    assert main(["bench", "sim-speed", "--workload", trace, "--pattern", "closed"]) == 2
+    assert "is a trace, replayed at its own timestamps" in capsys.readouterr().err
+    assert main(["bench", "sim-speed", "--pattern", "trace"]) == 2
+    assert "default is not a trace file" in capsys.readouterr().err
+

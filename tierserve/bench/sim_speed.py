@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import enum
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -25,6 +26,7 @@ from tierserve.bench.output import emit, make_out_folder
 from tierserve.bench.summary import summarize
 from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
+from tierserve.workloads import get_preset
 
 DESCRIPTION = """\
 Simulate one benchmark cell twice, step by step and in the fast mode (which keeps the
@@ -129,6 +131,7 @@ def measure(setup: BenchSetup, cell: Cell, repeats: int = 1) -> dict[str, Any]:
         "policy": cell.policy,
         "seed": cell.seed,
         "num_requests": num_requests,
+        "num_measured": sum(r.measured for r in step.run.records),
         "repeats": repeats,
         "num_steps": step.run.stats.num_steps,
         "leapt_share": round(fast.run.stats.num_leapt_steps / max(1, fast.run.stats.num_steps), 4),
@@ -157,11 +160,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--pattern",
         choices=("closed", "trace"),
-        default="closed",
-        help="closed: --load clients; trace: the trace at --load times its rate (default: %(default)s)",
+        help="closed: --load clients; trace: the trace at --load times its rate "
+        "(default: trace for a trace file, closed otherwise)",
     )
     p.add_argument(
-        "--load", type=float, default=256, help="clients, or the trace's rate scale (default: 256)"
+        "--load", type=float, help="clients, or the trace's rate scale (default: 256 clients, or 1x)"
     )
     p.add_argument("--policy", choices=POLICIES, default="hybrid", help="(default: %(default)s)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (default: %(default)s)")
@@ -183,13 +186,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
+def _pattern(workload: str, asked: Pattern | None) -> Pattern:
+    """A trace replays at its own timestamps (as in `bench reproduce`); the synthetic
+    workloads run closed-loop clients."""
+    trace = get_preset(workload).trace_file is not None
+    if asked == "closed" and trace:
+        raise ValueError(
+            f"--pattern closed: {workload} is a trace, replayed at its own timestamps (--pattern trace)"
+        )
+    if asked == "trace" and not trace:
+        raise ValueError(f"--pattern trace: {workload} is not a trace file")
+    return asked or ("trace" if trace else "closed")
+
+
 def run(args: argparse.Namespace) -> int:
+    pattern = _pattern(args.workload, args.pattern)
+    if args.load is None:
+        args.load = 256 if pattern == "closed" else 1.0
     if not 0 < args.load < math.inf or not 0 <= args.think_time < math.inf:
         raise ValueError("--load must be > 0 and --think-time >= 0")
-    if args.pattern == "closed" and args.load != int(args.load):
+    if pattern == "closed" and args.load != int(args.load):
         raise ValueError(f"--load: a closed loop has a whole number of clients, got {args.load:g}")
     make_out_folder(args.out)
-    pattern: Pattern = args.pattern
     setup = BenchSetup(
         num_measured=args.requests, think_time_s=args.think_time, max_trace_rows=args.trace_rows
     )
@@ -201,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     def table() -> None:
         r = result
         print(f"{cell.workload}, {pattern} {args.load:g}, {cell.policy}, seed {cell.seed}: ", end="")
-        print(f"{r['num_requests']} requests, {r['num_steps']} steps: {r['leapt_share']:.1%} leapt, ", end="")
+        print(f"{r['num_requests']} requests ({r['num_measured']} measured), ", end="")
+        print(f"{r['num_steps']} steps: {r['leapt_share']:.1%} leapt, ", end="")
         print(f"{r['kept_share']:.1%} full beside the kept decoders, the rest full and ordinary")
         print("| mode | CPU s | requests per CPU-s |\n|---|---|---|")
         print(f"| step | {r['step_cpu_s']} | {r['step_requests_per_cpu_s']} |")
@@ -209,4 +228,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"speed-up {r['speedup']}x; max_rel_diff {r['max_rel_diff']}; mismatches {r['mismatches']}")
 
     emit(result, args.out, args.json, table)
+    if not result["num_measured"]:
+        # The comparison covers the measured requests' figures: with none, it checked nothing.
+        print(
+            f"tierserve: no request was measured (all {result['num_requests']} were warm-up): "
+            "give more trace rows or fewer clients",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if result["mismatches"] == 0 and result["max_rel_diff"] is not None else 1
