@@ -182,6 +182,7 @@ def test_a_trace_cell_reports_its_offered_load_against_the_measured_capacity(
     if rows == 12:  # too short to saturate 16 clients: no capacity, no offered load, no failure
         assert doc["capacity"] == {} and run_["offered_load_x_capacity"] is None
         return
+    assert doc["setup"]["trace_rows"] == rows  # what was replayed, in results.json and report.md
     capacity = doc["capacity"]["azure-code"]["requests_per_s"]
     trace = setup.trace_rows("azure-code")
     warmup = setup.num_measured // 10
@@ -190,10 +191,9 @@ def test_a_trace_cell_reports_its_offered_load_against_the_measured_capacity(
     assert run_["offered_load_x_capacity"] == pytest.approx(rate / capacity, rel=1e-3)
     assert run_["peak_offered_load_x_capacity"] >= run_["offered_load_x_capacity"]
     write_all(tmp_path, doc)
-    assert (
-        f"({run_['offered_load_x_capacity']:.2f}x capacity; busiest minute"
-        in (tmp_path / "report.md").read_text()
-    )
+    report = (tmp_path / "report.md").read_text()
+    assert f"({run_['offered_load_x_capacity']:.2f}x capacity; busiest minute" in report
+    assert f"- **trace_rows**: {rows}" in report
 
 
 def test_a_trace_shorter_than_the_warm_up_still_measures_most_of_its_rows(shared_data: Path) -> None:
@@ -203,3 +203,21 @@ def test_a_trace_shorter_than_the_warm_up_still_measures_most_of_its_rows(shared
     driven = drive(setup, Cell("azure-code", "trace", 1.0, "fcfs", 0))
     measured = [r for r in driven.run.records if r.measured]
     assert len(measured) == 180 and len(driven.run.records) == 200
+
+
+def test_one_trace_file_by_two_paths_runs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n')
+    monkeypatch.chdir(tmp_path)
+    m = matrix_from_args(parse("--workloads", "t.jsonl", "--trace", str(trace)))
+    assert [w for w, _, _ in m.groups] == ["t.jsonl"]
+
+
+def test_a_bad_trace_fails_before_any_cell_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It used to fail after the cells of the workloads named before it (minutes)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10}\n')
+    args = parse("--workloads", "default", str(bad), "--out", str(tmp_path / "out"), "--workers", "1")
+    assert run(args) == 2
+    assert "bad.jsonl:1: missing 'output_length'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

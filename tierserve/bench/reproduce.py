@@ -131,7 +131,11 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
 
     groups: list[Group] = []
     workloads = (args.workloads or ([] if args.trace else ["default"])) + (args.trace or [])
-    workloads = list(dict.fromkeys(workloads))  # one given twice (--workloads and --trace) runs once
+    # One given twice (--workloads and --trace, or one file by two paths) runs once.
+    by_key: dict[str, str] = {}
+    for w in workloads:
+        by_key.setdefault(get_preset(w).trace_file or w, w)
+    workloads = list(by_key.values())
     for workload in workloads:
         trace = get_preset(workload).trace_file is not None
         patterns: Sequence[Pattern] = ["trace"] if trace else (args.patterns or ["poisson", "closed"])
@@ -177,6 +181,13 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
     return Matrix(setup, policies, tuple(args.seed), _groups(args))
 
 
+def check_traces(matrix: Matrix) -> None:
+    """Read every trace the matrix replays (up to its row limit): a missing or malformed one
+    fails before any cell runs, not after the cells before it."""
+    for workload in dict.fromkeys(w for w, pattern, _ in matrix.groups if pattern == "trace"):
+        matrix.setup.trace_rows(workload)
+
+
 def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
     from tierserve.bench.output import source_commit
     from tierserve.workloads import get_preset
@@ -198,6 +209,15 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
         "seeds": list(matrix.seeds),
         "tier_mix": s.tier_mix,
         "measured_requests_per_cell_and_seed": s.num_measured,
+        **(
+            {
+                # A trace's first tenth warms up; the measured count is what rows are left.
+                "trace_measured": "each trace's rows after its first tenth, at most the count above",
+                "trace_rows": s.max_trace_rows or "all",
+            }
+            if any(get_preset(w).trace_file for w in workloads)
+            else {}
+        ),
         "think_time_s": s.think_time_s,
         "burst_cv": s.burst_cv,
         "drain_timeout_s": s.drain_timeout_s,
@@ -218,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         matrix = matrix_from_args(args)
+        check_traces(matrix)
         make_out_dir(Path(args.out))  # now: a bad --out must not cost the whole matrix
     except (ValueError, OSError) as e:
         print(f"tierserve bench reproduce: {e}", file=sys.stderr)
