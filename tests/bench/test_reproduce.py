@@ -183,6 +183,7 @@ def test_a_trace_cell_reports_its_offered_load_against_the_measured_capacity(
         assert doc["capacity"] == {} and run_["offered_load_x_capacity"] is None
         return
     assert doc["setup"]["trace_rows"] == rows  # what was replayed, in results.json and report.md
+    assert doc["setup"]["trace_rows_cut_to_context"] == {"azure-code": 0}  # every row fits 128k
     capacity = doc["capacity"]["azure-code"]["requests_per_s"]
     trace = setup.trace_rows("azure-code")
     warmup = setup.num_measured // 10

@@ -61,4 +61,3 @@ def test_a_trace_refuses_the_closed_loop_and_a_synthetic_workload_the_trace_patt
     assert "is a trace, replayed at its own timestamps" in capsys.readouterr().err
     assert main(["bench", "sim-speed", "--pattern", "trace"]) == 2
     assert "default is not a trace file" in capsys.readouterr().err
-

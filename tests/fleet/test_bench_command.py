@@ -97,3 +97,19 @@ def test_copies_that_keep_no_row_are_one_line_and_exit_2(
     err = capsys.readouterr().err.strip()
     assert "keeps none of the trace's 40 rows" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_rows_cut_to_fit_the_context_are_counted_in_the_report(tmp_path: Path) -> None:
+    """A 200k-token prompt runs shortened to the 131,072-token context: the report says how
+    many rows were not replayed as the trace has them."""
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:00:{i:02d}.0,{200_000 if i % 4 == 0 else 500},20" for i in range(12)]
+    trace = tmp_path / "long.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", "fleet", "--replicas", "1", "--trace", str(trace), "--out", str(out)]) == 0
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["num_rows_cut_to_context"] == 3 and meta["max_model_len"] == 131072
+    assert (
+        "**3 of the trace's 12 rows were cut to fit the model's context**" in (out / "report.md").read_text()
+    )

@@ -116,3 +116,22 @@ def test_bad_scaling_is_refused(scale: float, scale_by: str) -> None:
         list(trace_stream(_trace(3), seed=0, max_model_len=4096, rate_scale=scale, scale_by=scale_by))
     with pytest.raises(ValueError):
         replay_count(_trace(3), 0, scale, scale_by)
+
+
+def test_num_cut_to_fit_counts_the_rows_the_replay_shortens() -> None:
+    from tierserve.workloads.trace_stream import num_cut_to_fit
+
+    rows = [
+        TraceRecord(0.0, 100, 10),  # fits
+        TraceRecord(0.0, 100, 0),  # an output of 0 becomes 1: not a cut
+        TraceRecord(0.0, 990, 20),  # the prompt is cut to 1000 - 20
+        TraceRecord(0.0, 10, 900),  # the output is cut to half the context
+        TraceRecord(0.0, 980, 20),  # exactly fits
+    ]
+    assert num_cut_to_fit(rows, 1000) == 2
+    specs = list(trace_stream(rows, 0, 1000))
+    cut = [
+        (len(s.prompt_token_ids), s.max_tokens) != (r.num_prompt_tokens, max(1, r.num_output_tokens))
+        for s, r in zip(specs, rows, strict=True)
+    ]
+    assert sum(cut) == 2

@@ -191,6 +191,7 @@ def check_traces(matrix: Matrix) -> None:
 def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
     from tierserve.bench.output import source_commit
     from tierserve.workloads import get_preset
+    from tierserve.workloads.trace_stream import num_cut_to_fit
 
     s = matrix.setup
     config = s.engine_config()
@@ -214,6 +215,12 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
                 # A trace's first tenth warms up; the measured count is what rows are left.
                 "trace_measured": "each trace's rows after its first tenth, at most the count above",
                 "trace_rows": s.max_trace_rows or "all",
+                # Rows longer than the model's context run shortened: not the trace's requests.
+                "trace_rows_cut_to_context": {
+                    w: num_cut_to_fit(s.trace_rows(w), s.executor(w).spec.max_model_len)
+                    for w in workloads
+                    if get_preset(w).trace_file
+                },
             }
             if any(get_preset(w).trace_file for w in workloads)
             else {}

@@ -18,7 +18,7 @@ from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
 from tierserve.fleet.sim import FleetConfig, FleetSim
 from tierserve.fleet.summary import summarize
 from tierserve.workloads import RequestSpec, TierMix, get_preset, load_trace, trace_stream
-from tierserve.workloads.trace_stream import replay_count
+from tierserve.workloads.trace_stream import num_cut_to_fit, replay_count
 
 WORKLOAD = "default"  # each replica: this workload's model on its GPUs
 # Bounds on one run, checked before it starts. The gateway scrapes every replica every
@@ -127,6 +127,8 @@ class FleetBench:
             "rate_scale": self.args.rate_scale,
             "scale_by": self.args.scale_by,
             "num_trace_rows": len(self.rows),
+            "num_rows_cut_to_context": num_cut_to_fit(self.rows, self.max_model_len),
+            "max_model_len": self.max_model_len,
             "num_requests": self.num_requests,
             "replicas": self.args.replicas,
             "model": self.preset.model,

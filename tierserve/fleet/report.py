@@ -62,6 +62,17 @@ def _scaled(meta: Mapping[str, Any]) -> str:
     return "in time (each row once, timestamps divided by the scale)"
 
 
+def _cut_lines(meta: Mapping[str, Any]) -> list[str]:
+    cut = meta.get("num_rows_cut_to_context")
+    if not cut:
+        return []
+    return [
+        f"**{cut} of the trace's {meta['num_trace_rows']} rows were cut to fit the model's context** "
+        f"({meta['max_model_len']} tokens: the output to at most half of it, the prompt to the rest).",
+        "",
+    ]
+
+
 def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots: Sequence[str]) -> None:
     lines = [
         "# Fleet simulation",
@@ -72,6 +83,7 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         f"(engine policy {meta['policy']}); commit {meta['commit']}; "
         f"start-up delay {meta['startup_delay_s']:.0f} s; CPU {meta['cpu_s']:.1f} s.",
         "",
+        *_cut_lines(meta),
         "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
         "Goodput: attaining requests per second. GPU-hours include model loading.",
         "",

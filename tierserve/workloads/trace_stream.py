@@ -80,6 +80,16 @@ def trace_stream(
         )
 
 
+def num_cut_to_fit(records: Sequence[TraceRecord], max_model_len: int) -> int:
+    """Rows whose prompt or output `trace_stream` shortens to fit the model's context (the
+    reports count them: such a row's request is not the trace's)."""
+    return sum(
+        cap_lengths(r.num_prompt_tokens, r.num_output_tokens, max_model_len)
+        != (r.num_prompt_tokens, max(1, r.num_output_tokens))
+        for r in records
+    )
+
+
 def replay_count(
     records: Sequence[TraceRecord], seed: int, rate_scale: float = 1.0, scale_by: str = "time"
 ) -> int:
