@@ -7,7 +7,12 @@ from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import SeqChunk
-from tierserve.executors.sim.executor import SimExecutor, build_sim_executor, placeholder_token
+from tierserve.executors.sim.executor import (
+    PlaceholderTokens,
+    SimExecutor,
+    build_sim_executor,
+    placeholder_token,
+)
 from tierserve.executors.sim.gpus import A100_80GB, GiB
 from tierserve.model_config import DEMO_MODEL, LLAMA_3_1_8B, LLAMA_3_1_70B, ModelConfig
 
@@ -95,3 +100,32 @@ def test_sim_executor_drives_the_engine_on_a_virtual_clock() -> None:
     # 19 more decode steps of ~20 ms after the prefill: the virtual clock moved by about that.
     assert 0.3 < clock.now() < 1.5
     assert 0 < engine.stats.roofline_s < engine.stats.busy_s
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        PlaceholderTokens.of(LLAMA_3_1_8B),
+        PlaceholderTokens(limit=10, vocab_size=12, special=frozenset({3, 4, 9})),  # specials hit often
+    ],
+    ids=["llama-3.1-8b", "tiny-vocab"],
+)
+def test_runs_of_tokens_are_the_tokens_one_by_one(tokens: PlaceholderTokens) -> None:
+    """`tokens` draws runs ahead in numpy and serves later reads from them: every read, in
+    any order (a recompute reads from the start again), equals `token` position by position."""
+    reads = [
+        (0, 16),
+        (16, 32),
+        (32, 48),
+        (5, 9),
+        (250, 300),
+        (300, 301),
+        (0, 600),
+        (1000, 1000),
+        (2**40, 2**40 + 70),
+    ]
+    for request_id in ("r0", "a-longer-request-id", "r0"):
+        for start, stop in reads:
+            expected = [tokens.at(((request_id, p),))[request_id] for p in range(start, stop)]
+            assert tokens.tokens(request_id, start, stop) == expected
+    assert not tokens.special & set(tokens.tokens("r1", 0, 2000))

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tierserve.executors.base import ExecutorSpec, ScheduledSeq, StepBatch, StepResult
 from tierserve.executors.sim.cost_model import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
@@ -27,6 +29,7 @@ from tierserve.model_config import KNOWN_MODELS, ModelConfig
 DEFAULT_HOST_SWAP_BYTES_PER_GPU = 64 * GiB  # pinned host memory set aside for swapped K/V, per GPU
 PREFILL_MEMO_SIZE = 1 << 16  # estimate_prefill_s answers kept (then forgotten all at once)
 SEED_MEMO_SIZE = 1 << 16  # placeholder-token seeds kept, one per request (then forgotten)
+READ_AHEAD = 256  # placeholder tokens drawn at once for a request's run (`PlaceholderTokens.tokens`)
 _blake2b = hashlib.blake2b
 _unpack_u64 = struct.Struct("<Q").unpack
 _MASK64 = (1 << 64) - 1
@@ -55,6 +58,8 @@ class PlaceholderTokens:
     vocab_size: int
     special: frozenset[int]
     _seeds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    # Each request's latest run of drawn tokens, from its first position (`tokens`).
+    _ahead: dict[str, tuple[int, list[int]]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, model: ModelConfig) -> PlaceholderTokens:
@@ -92,17 +97,34 @@ class PlaceholderTokens:
         return sampled
 
     def tokens(self, request_id: str, start: int, stop: int) -> list[int]:
-        """`token` at each position in [start, stop) (its body inlined: a leap draws a
-        request's tokens in runs)."""
-        seed, limit, special, vocab_size = self._seed(request_id), self.limit, self.special, self.vocab_size
-        tokens: list[int] = []
-        for position in range(start, stop):
-            x = (seed + position * _GOLDEN64) & _MASK64
-            x = ((x ^ (x >> 31)) * _MIX64) & _MASK64
-            token = (x ^ (x >> 29)) % limit
-            while token in special:
-                token = (token + 1) % vocab_size
-            tokens.append(token)
+        """`token` at each position in [start, stop). A leap reads a request's tokens a
+        block at a time as they are needed, so a run of `READ_AHEAD` is drawn at once (in
+        numpy) and the next reads are slices of it."""
+        ahead = self._ahead
+        drawn = ahead.get(request_id)
+        if drawn is not None and drawn[0] <= start and stop <= drawn[0] + len(drawn[1]):
+            offset = drawn[0]
+            return drawn[1][start - offset : stop - offset]
+        if len(ahead) >= SEED_MEMO_SIZE:
+            ahead.clear()
+        run = self._draw(self._seed(request_id), start, max(stop, start + READ_AHEAD))
+        ahead[request_id] = (start, run)
+        return run[: stop - start]
+
+    def _draw(self, seed: int, start: int, stop: int) -> list[int]:
+        """`token` at each position in [start, stop) for the request with this seed, the
+        same arithmetic on uint64 arrays (whose products wrap modulo 2^64, as the masks do)."""
+        with np.errstate(over="ignore"):
+            x = np.uint64(seed) + np.arange(start, stop, dtype=np.uint64) * np.uint64(_GOLDEN64)
+            x = (x ^ (x >> np.uint64(31))) * np.uint64(_MIX64)
+            tokens: list[int] = ((x ^ (x >> np.uint64(29))) % np.uint64(self.limit)).tolist()
+        special, vocab_size = self.special, self.vocab_size
+        if special:
+            for i in [i for i, token in enumerate(tokens) if token in special]:
+                token = tokens[i]
+                while token in special:
+                    token = (token + 1) % vocab_size
+                tokens[i] = token
         return tokens
 
 
