@@ -169,7 +169,7 @@ def _prompt_ids(
             raise bad_request(f"messages: {e}", "messages") from None
     prompt: Any = body.prompt
     if isinstance(prompt, str):
-        return tok.encode(prompt)
+        return _encoded(state, prompt)
     if isinstance(prompt, np.ndarray):  # token ids of a large body (body_parser.py)
         return _checked_ids(state, prompt)
     if len(prompt) == 0:
@@ -179,9 +179,16 @@ def _prompt_ids(
         if len(prompt) != 1:
             raise bad_request("prompt: only one prompt per request is supported", "prompt")
         if isinstance(first, str):
-            return tok.encode(first)
+            return _encoded(state, first)
         return _checked_ids(state, first)
     return _checked_ids(state, prompt)  # ints: the body's validation made them so
+
+
+def _encoded(state: ServerState, text: str) -> list[int]:
+    try:
+        return state.tokenizer.encode(text)
+    except ValueError as e:  # a token the model cannot take (tokenizer.py)
+        raise bad_request(f"prompt: {e}", "prompt") from None
 
 
 def _checked_ids(state: ServerState, ids: Any) -> list[int] | np.ndarray:

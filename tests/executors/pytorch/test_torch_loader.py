@@ -186,3 +186,63 @@ def test_on_a_cpu_linear_weights_are_stored_column_major_with_the_checkpoints_va
             assert module.weight.stride() == (1, module.weight.shape[0]), name
     for name, tensor in loaded.model.checkpoint_tensors().items():
         torch.testing.assert_close(tensor, expected[name].to(torch.float64), rtol=0, atol=0, msg=name)
+
+
+def test_the_tokenizer_crosses_a_process_boundary_with_its_chat_template(checkpoint: Checkpoint) -> None:
+    """`serve --backend torch` sends the engine's tokenizer to the HTTP server: a compiled
+    chat template does not pickle, so every templated checkpoint failed to start."""
+    import pickle
+
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    assert isinstance(tok, HFTokenizer) and tok.has_chat_template
+    copy = pickle.loads(pickle.dumps(tok))
+    chat = [{"role": "user", "content": "hi"}]
+    assert copy.apply_chat_template(chat) == tok.apply_chat_template(chat)
+    assert copy.encode("hello world") == tok.encode("hello world")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages[0].content + 1 }}",
+        "{{ (messages | selectattr('role', 'eq', 'system') | first).content }}",
+    ],
+    ids=["type-error", "undefined"],
+)
+def test_a_template_that_fails_on_the_messages_is_a_value_error(
+    checkpoint: Checkpoint, template: str
+) -> None:
+    """The server answers a ValueError with a 400 naming `messages`; any other error was a 500."""
+    edit_json(checkpoint.path / "tokenizer_config.json", chat_template=template)
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    with pytest.raises(ValueError, match=r"^chat template: (TypeError|UndefinedError): "):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_text_holding_a_token_past_the_models_vocabulary_is_refused(checkpoint: Checkpoint) -> None:
+    """A tokenizer with added tokens the embeddings do not cover: encoding one used to crash
+    the engine step (and every request in it)."""
+    path = checkpoint.path / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab_size = json.loads((checkpoint.path / "config.json").read_text())["vocab_size"]
+    for n in range(
+        vocab_size - 300 + 1
+    ):  # the test tokenizer's 300 ids, then up to the model's last and one past
+        data["added_tokens"].append(
+            {
+                "id": 300 + n,
+                "content": f"<x{n}>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+    path.write_text(json.dumps(data))
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    assert tok.encode(f"hello <x{vocab_size - 301}>")  # the model's last id still encodes
+    with pytest.raises(
+        ValueError, match=rf"'<x{vocab_size - 300}>' \(id {vocab_size}\), past the model's vocabulary"
+    ):
+        tok.encode(f"hello <x{vocab_size - 300}>")

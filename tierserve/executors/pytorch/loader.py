@@ -218,6 +218,8 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
         eos_ids = (int(eos_id),)
     if eos is None and eos_ids:
         eos = raw.id_to_token(eos_ids[0])
+    # Added tokens past the model's embeddings: text that encodes to one is refused.
+    oversized = max(raw.get_vocab(with_added_tokens=True).values(), default=0) >= config.vocab_size
     from jinja2 import TemplateError
 
     try:
@@ -227,6 +229,7 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
             chat_template=template if isinstance(template, str) else None,
             bos_token=bos,
             eos_token=eos,
+            vocab_limit=config.vocab_size if oversized else None,
         )
     except TemplateError as e:
         raise ModelLoadError(f"{template_file}: chat_template: {type(e).__name__}: {e}") from None

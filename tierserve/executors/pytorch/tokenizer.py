@@ -70,14 +70,29 @@ class HFTokenizer:
         chat_template: str | None = None,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        vocab_limit: int | None = None,
     ):
         self._tok = tokenizer
         self._eos = tuple(eos_token_ids)
-        self._template = None
+        self._vocab_limit = vocab_limit  # set where the tokenizer has ids the model has not
+        self._template_source = chat_template or None
+        self._template = self._compile()
         self.bos_token = bos_token
         self.eos_token = eos_token
-        if chat_template:
-            self._template = _template_environment().from_string(chat_template)
+
+    def _compile(self) -> Any:
+        if not self._template_source:
+            return None
+        return _template_environment().from_string(self._template_source)
+
+    # The engine process hands its tokenizer to the server's: a compiled template does not
+    # pickle (its code is generated), so its source travels and is compiled again.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._template = self._compile()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -88,7 +103,15 @@ class HFTokenizer:
         return self._template is not None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        limit = self._vocab_limit
+        if limit is not None and ids and max(ids) >= limit:
+            token = self._tok.id_to_token(max(ids))
+            raise ValueError(
+                f"the text holds the token {token!r} (id {max(ids)}), past the model's vocabulary of "
+                f"{limit}: the checkpoint's tokenizer has tokens its model has no embedding for"
+            )
+        return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
@@ -96,12 +119,17 @@ class HFTokenizer:
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         if self._template is None:
             return self.encode(plain_chat_text(messages))
-        text = self._template.render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=True,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            text = self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ValueError:
+            raise  # raise_exception's, already "chat template: ..."
+        except Exception as e:  # the template failed on these messages: the caller's to fix
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
         # The template writes BOS itself where the model wants one.
         return self.encode(text, add_special_tokens=False)
 

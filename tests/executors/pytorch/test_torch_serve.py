@@ -1,0 +1,102 @@
+"""`tierserve serve --backend torch --model DIR` on a checkpoint the test writes, with a chat
+template: the engine process hands its tokenizer to the HTTP server, and the answers are
+transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+from torch_checkpoints import EOS_ID, Checkpoint, write_checkpoint
+
+from tierserve.executors.pytorch.loader import load_model
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Checkpoint) -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--backend", "torch"]
+    cmd += ["--model", str(checkpoint.path), "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"serve did not become ready:\n{proc.communicate()[0]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _expected(checkpoint: Checkpoint, prompt: list[int]) -> list[int]:
+    tokens = checkpoint.greedy(prompt, MAX_TOKENS)
+    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+def test_a_templated_checkpoint_serves_chat_with_transformers_greedy_tokens(
+    checkpoint: Checkpoint, server: str
+) -> None:
+    tok = load_model(checkpoint.path, torch.device("cpu")).tokenizer
+    messages = [{"role": "user", "content": "hello world"}]
+    expected = _expected(checkpoint, tok.apply_chat_template(messages))
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert r.choices[0].message.content == tok.decode(expected)
+    assert r.usage is not None and r.usage.completion_tokens == len(expected)
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == tok.decode(expected)
+
+
+def test_completions_take_text_and_token_ids(checkpoint: Checkpoint, server: str) -> None:
+    tok = load_model(checkpoint.path, torch.device("cpu")).tokenizer
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    for prompt in ("the quick brown fox", tok.encode("jumps over")):
+        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        expected = _expected(checkpoint, ids)
+        r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == tok.decode(ids + expected)[len(tok.decode(ids)) :]
