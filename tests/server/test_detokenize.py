@@ -57,3 +57,40 @@ def test_held_text_is_released_at_the_end() -> None:
     stream = TextStream(ByteTokenizer(), stop=["xyz"])
     assert "".join(_feed(stream, "abcxy")) == "abc"
     assert stream.flush() == "xy"
+
+
+class _WordStartTokenizer:
+    """Llama-2 / Mistral style: pieces mark a word's start with "▁", and decoding drops the
+    space of the first piece decoded."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {"<unk>": 0, "</s>": 1, "▁the": 2, "▁quick": 3, "▁fox": 4}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        tok.add_special_tokens(["</s>"])
+        self._tok = tok
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (1,)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, token_ids: list[int]) -> str:  # type: ignore[override]
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: object) -> list[int]:
+        raise NotImplementedError
+
+
+def test_word_start_tokenizers_keep_the_space_of_the_first_word_and_after_an_eos() -> None:
+    """The prompt's last tokens give the first output token its leading space, and a token
+    that decodes to nothing (EOS under ignore_eos) does not take the next word's."""
+    tok = _WordStartTokenizer()
+    stream = TextStream(tok, context_token_ids=tok.encode("the"))  # type: ignore[arg-type]
+    out = [stream.push([t]) for t in (3, 4, 1, 2, 3)] + [stream.flush()]
+    assert "".join(out) == " quick fox the quick"

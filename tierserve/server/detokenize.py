@@ -18,15 +18,24 @@ _REPLACEMENT = "\ufffd"
 # A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still ending in U+FFFD
 # after that many is a real replacement character (bytes that decode to none), and is sent.
 MAX_INCOMPLETE_TOKENS = 4
+# Tokens decoded before the new ones, for context: tokenizers that mark word starts (Llama-2's
+# and Mistral's SentencePiece) drop the space of a window's first word, so that word must be
+# an old one; a few, since a special token (EOS under ignore_eos) decodes to nothing.
+DECODE_CONTEXT_TOKENS = 4
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    """`context_token_ids`: the prompt's last tokens, for the first output tokens' context
+    (never part of the text)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), context_token_ids: Sequence[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context_token_ids[-DECODE_CONTEXT_TOKENS:]) if context_token_ids else []
         self._prefix = 0  # decode context starts here
-        self._read = 0  # tokens before this one have been turned into text
+        self._read = len(self._ids)  # tokens before this one have been turned into text
         self._held = ""  # decoded, not yet released (may be the start of a stop string)
         self.stopped = False
         self.num_tokens_used = 0  # tokens up to and including the one that completed a stop string
@@ -51,7 +60,8 @@ class TextStream:
         if self._read < len(self._ids):
             before = self._tok.decode(self._ids[self._prefix : self._read])
             tail = self._tok.decode(self._ids[self._prefix :])[len(before) :]
-            self._prefix, self._read = self._read, len(self._ids)
+            self._read = len(self._ids)
+            self._prefix = max(0, self._read - DECODE_CONTEXT_TOKENS)
         text = self._release(self._held + tail)
         if not self.stopped:
             text += self._held
@@ -65,7 +75,8 @@ class TextStream:
             return ""  # the new tokens changed the text before them: wait for more
         if after.endswith(_REPLACEMENT) and len(self._ids) - self._read < MAX_INCOMPLETE_TOKENS:
             return ""  # an incomplete character: wait for the next token
-        self._prefix, self._read = self._read, len(self._ids)
+        self._read = len(self._ids)
+        self._prefix = max(0, self._read - DECODE_CONTEXT_TOKENS)
         return after[len(before) :]
 
     def _release(self, text: str) -> str:

@@ -133,7 +133,7 @@ class GenerationRun:
         self._fmt = fmt
         self._prepared = prepared
         self._reservation = reservation
-        self._text = TextStream(state.tokenizer, prepared.stop)
+        self._text = TextStream(state.tokenizer, prepared.stop, prepared.prompt_token_ids)
         self._num_received = 0
         self._cached = 0
         self._closed = False

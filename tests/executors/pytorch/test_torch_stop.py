@@ -11,7 +11,7 @@ from tierserve.executors.pytorch.tokenizer import ByteTokenizer
 class WordTokenizer:
     """Each id is a word; a word-start marker gives the space, dropped at the start of a decode."""
 
-    WORDS = ("▁hello", "▁world", "!", "▁STOP", "▁the", "▁end")
+    WORDS = ("▁hello", "▁world", "!", "▁STOP", "▁the", "▁end", "")  # 6: EOS, decodes to nothing
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(self.WORDS[t] for t in token_ids).replace("▁", " ").lstrip(" ")
@@ -25,6 +25,12 @@ def test_without_stops_text_streams_token_by_token() -> None:
     c = StopStringChecker(WordTokenizer(), context_token_ids=[4])
     assert stream(c, [[0], [1], [2]]) == [" hello", " world", "!"]
     assert c.text == " hello world!" and not c.stopped and c.flush() == ""
+
+
+def test_a_word_after_a_token_that_decodes_to_nothing_keeps_its_space() -> None:
+    """EOS under ignore_eos: a decode window starting at it dropped the next word's space."""
+    c = StopStringChecker(WordTokenizer(), context_token_ids=[4])
+    assert "".join(stream(c, [[0], [6], [1], [1]])) + c.flush() == " hello world world"
 
 
 def test_stop_string_spanning_tokens_ends_the_text_before_it() -> None:

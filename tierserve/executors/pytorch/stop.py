@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for a partial multi-byte character
+DECODE_CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for their leading space
 
 
 class Detokenizer(Protocol):
@@ -71,7 +72,10 @@ class StopStringChecker:
         if not final and (full.endswith(_REPLACEMENT) or not full.startswith(prefix)):
             return False
         self._text += full[_common_prefix_len(prefix, full) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        # The next decode starts a few tokens back: a window whose first token is the new
+        # word's would drop its leading space where the one before decodes to nothing (EOS).
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - DECODE_CONTEXT_TOKENS)
         self._find_stop()
         return True
 
