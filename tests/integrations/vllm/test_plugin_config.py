@@ -43,11 +43,16 @@ def test_missing_vllm_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -
         versions.check_vllm_version()
 
 
-def test_defaults_are_hybrid_with_identity_priorities() -> None:
+def test_defaults_are_hybrid_and_an_untagged_request_gets_the_default_tier() -> None:
+    """vLLM's default priority is 0: mapped to P0, every untagged request ran as realtime,
+    held to P0's ceiling. By default a priority is the tier number less one."""
     config = load_plugin_config(None, environ={})
     assert config.policy == "hybrid"
-    assert [config.tier_for_priority(p) for p in range(4)] == list(Tier)
+    assert [config.tier_for_priority(p) for p in (-1, 0, 1, 2)] == list(Tier)
+    assert config.tier_for_priority(0) == config.default_tier == Tier.P1
     assert config.tier_for_priority(17) == Tier.P1
+    moved = parse_plugin_config({"vllm": {"default_tier": "P2"}})
+    assert moved.tier_for_priority(0) == Tier.P2 and moved.tier_for_priority(-1) == Tier.P0
 
 
 def test_toml_file_from_the_environment(tmp_path: Path) -> None:
@@ -82,6 +87,11 @@ def test_additional_config_inline() -> None:
         ({"vllm": {"priority": {" 1 ": "P0"}}}, "vllm.priority. 1 "),
         ({"vllm": {"priority": {"1_0": "P0"}}}, "vllm.priority.1_0"),
         ({"vllm": {"priority": {"+1": "P0"}}}, r"vllm.priority.\+1"),
+        ({"vllm": {"priority": {"1": "P0", "01": "P3"}}}, "vllm.priority.01: priority 1 is given twice"),
+        # The server's tables configure tierserve's HTTP layer, which vLLM's replaces.
+        ({"tenants": {"acme": {"weight": -5}}}, "tenants: not read by the vLLM plug-in"),
+        ({"limits": {}}, "limits: not read"),
+        ({"server": 42}, "server: not read"),
     ],
 )
 def test_bad_config_names_the_field(raw: dict[str, object], field: str) -> None:
@@ -105,7 +115,8 @@ def test_tier_from_xargs_wins_over_priority() -> None:
     config = PluginConfig()
     label = label_request(3, {"tier": "realtime", "tenant": "acme"}, config)
     assert (label.tier, label.tenant) == (Tier.P0, "acme")
-    assert label_request(2, None, config).tier == Tier.P2
+    assert label_request(1, None, config).tier == Tier.P2  # the default map: tier number less one
+    assert label_request(0, None, config).tier == Tier.P1  # vLLM's default priority: default_tier
     assert label_request(0, {"tier": 3}, config).tier == Tier.P3
 
 
@@ -196,3 +207,8 @@ def test_every_tier_must_have_room_for_one_request_of_the_models_context() -> No
     wide = TierPartition(100, (15, 0, 0, 0), (0, 30, 0, 0), (100, 100, 100, 100))
     with pytest.raises(ConfigError, match=r"tiers\.P0\.floor: .* leave it 85 "):
         check_room_for_one_request(wide, 90, 2880)
+
+
+def test_a_config_path_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="a folder, not a config file"):
+        load_plugin_config(None, environ={CONFIG_ENV: str(tmp_path)})

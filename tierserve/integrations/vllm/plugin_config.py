@@ -3,9 +3,15 @@
     [vllm]
     policy = "hybrid"          # any tierserve policy name
     default_tier = "P1"        # requests that name no tier and whose priority is unmapped
-    [vllm.priority]            # vLLM request priority -> tier
-    0 = "P0"
-    1 = "P1"
+    [vllm.priority]            # vLLM request priority -> tier (the default below)
+    -1 = "P0"
+    1 = "P2"
+    2 = "P3"
+
+vLLM gives every request priority 0 unless told otherwise, and schedules a lower value
+first; so by default 0 is unmapped (an untagged request gets `default_tier`), -1 is P0,
+and 1 and 2 are P2 and P3: the tier number less one. (Mapping 0 to P0 ran every untagged
+request as realtime, held to P0's ceiling.)
 
 It comes from the TOML file named by $TIERSERVE_CONFIG, or from vLLM's extra config
 (`--additional-config '{"tierserve": {...}}'`, the same tables as JSON); naming both is an
@@ -28,17 +34,21 @@ CONFIG_ENV = "TIERSERVE_CONFIG"
 ADDITIONAL_CONFIG_KEY = "tierserve"
 _VLLM_KEYS = ("policy", "default_tier", "priority")
 _PRIORITY_KEY = re.compile(r"-?[0-9]+")  # what vLLM's `priority` is: a plain integer
+# The tables the plug-in reads; the server's ([server], [tenants], [limits]) configure
+# tierserve's own HTTP layer, which vLLM's replaces.
+_SECTIONS = ("vllm", "scheduler", "tiers", "policy")
 
 
-def _identity_priorities() -> dict[int, Tier]:
-    return {int(t): t for t in ALL_TIERS}
+def _default_priorities() -> dict[int, Tier]:
+    """The tier number less one; vLLM's default 0 is left to `default_tier`."""
+    return {int(t) - 1: t for t in ALL_TIERS if t is not Tier.P1}
 
 
 @dataclass(frozen=True)
 class PluginConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     policy: str = "hybrid"
-    priority_tiers: Mapping[int, Tier] = field(default_factory=_identity_priorities)
+    priority_tiers: Mapping[int, Tier] = field(default_factory=_default_priorities)
     default_tier: Tier = Tier.P1
 
     def tier_for_priority(self, priority: int) -> Tier:
@@ -62,11 +72,20 @@ def _parse_priorities(raw: Any) -> dict[int, Tier]:
         # int() alone would also take " 1 " and "1_0" (as 10); a priority is written plainly.
         if not isinstance(key, str) or not _PRIORITY_KEY.fullmatch(key):
             raise ConfigError(f"vllm.priority.{key}: the key must be an integer priority, such as 0 or -1")
-        out[int(key)] = _parse_tier(f"vllm.priority.{key}", value)
+        priority = int(key)
+        if priority in out:
+            raise ConfigError(f"vllm.priority.{key}: priority {priority} is given twice")
+        out[priority] = _parse_tier(f"vllm.priority.{key}", value)
     return out
 
 
 def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
+    for key in raw:
+        if key not in _SECTIONS:
+            raise ConfigError(
+                f"{key}: not read by the vLLM plug-in (it reads {', '.join(f'[{k}]' for k in _SECTIONS)}; "
+                "a request's tenant comes in vllm_xargs.tenant)"
+            )
     body = dict(raw)
     vllm = body.pop("vllm", {})
     if not isinstance(vllm, Mapping):
@@ -77,7 +96,7 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
     policy = vllm.get("policy", "hybrid")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ConfigError(f"vllm.policy: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    priorities = _parse_priorities(vllm["priority"]) if "priority" in vllm else _identity_priorities()
+    priorities = _parse_priorities(vllm["priority"]) if "priority" in vllm else _default_priorities()
     default_tier = _parse_tier("vllm.default_tier", vllm.get("default_tier", "P1"))
     return PluginConfig(parse_config(body), policy, priorities, default_tier)
 
