@@ -323,3 +323,54 @@ def test_a_tier_that_may_not_hold_one_max_length_request_is_refused_at_start(mod
     queued behind it, so the engine does not start."""
     with pytest.raises(ConfigError, match=r"tiers\.P0\.ceiling: .* --max-model-len 1536"):
         make_llm(model, scheduler_cls=PLUGIN, max_model_len=1536)
+
+
+def test_a_shared_prefix_counts_once_toward_its_tier(plugin: Driver, vanilla: Driver) -> None:
+    """Eight P0 requests behind one 256-token system prompt: counted once per holder, its 8
+    blocks made P0 look past its ceiling (25 of 63 blocks) with 49 free, and the requests
+    ran in waves, preempting each other. Counted once, they run together, as on vanilla."""
+    sched = scheduler_of(plugin.llm)
+    pool = sched.kv_cache_manager.block_pool
+    shared = prompt(900, 256)
+    rids = [f"shared-p0-{i}" for i in range(8)]
+    for d in (plugin, vanilla):
+        for i, rid in enumerate(rids):
+            d.submit(rid, shared + prompt(901 + i, 8), 30, Tier.P0)
+    for _ in range(60):
+        plugin.step()
+        in_use = sched.num_pool_blocks - pool.get_num_free_blocks()
+        assert sum(sched.ledger.used) == in_use  # each block once
+        assert sched.ledger.used[Tier.P0] <= sched.ledger.partition.ceiling[Tier.P0]
+        if not plugin.llm.llm_engine.has_unfinished_requests():
+            break
+    vanilla.run(200)
+    assert all(plugin.finished[rid] == 1 for rid in rids)
+    assert max(plugin.ttft_steps(rid) for rid in rids) == max(vanilla.ttft_steps(rid) for rid in rids)
+    assert not any(sched.requests[rid].num_preemptions for rid in rids if rid in sched.requests)
+
+
+def test_a_seat_for_p0_is_taken_from_the_request_with_least_work_done(plugin: Driver) -> None:
+    """Eight P3 requests admitted ten steps apart hold every seat; the P0 takes the seat of
+    the latest (least computed), not of the oldest (the shadows' computed counts were
+    never updated, so every victim tied)."""
+    sched = scheduler_of(plugin.llm)
+    preempted: list[tuple[str, int]] = []
+    original = sched._preempt_request
+
+    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
+        preempted.append((request.request_id, request.num_computed_tokens))
+        original(request, *args, **kwargs)
+
+    sched._preempt_request = spy
+    try:
+        for i in range(MAX_NUM_SEQS):
+            plugin.submit(f"seat-p3-{i}", prompt(5000 + i, 10), 150, Tier.P3)
+            plugin.steps(10)
+        computed = {r.request_id: r.num_computed_tokens for r in sched.running}
+        plugin.submit("seat-p0", prompt(5100, 10), 5, Tier.P0)
+        plugin.run(5, until=lambda: "seat-p0" in plugin.first_token_step)
+    finally:
+        del sched._preempt_request
+    assert len(computed) == MAX_NUM_SEQS and preempted
+    latest = min(computed, key=computed.__getitem__)
+    assert preempted[0][0] == latest and latest.startswith(f"seat-p3-{MAX_NUM_SEQS - 1}-")  # vLLM's id suffix

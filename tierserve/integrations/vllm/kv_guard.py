@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
 from tierserve.integrations.vllm.book import RequestBook
@@ -25,11 +26,48 @@ from tierserve.integrations.vllm.ledger import TierLedger
 from tierserve.tiers import Tier
 
 
-def blocks_held(manager: KVCacheManager, request_id: str) -> int:
-    """Blocks the request holds in vLLM's pool, over all KV cache groups (counted on the
-    coordinator's lists: `get_block_ids` would build a list of ids for each, several
-    times a step for every running request)."""
-    return sum(len(blocks) for blocks in manager.coordinator.get_blocks(request_id))
+def holdings(manager: KVCacheManager, request_id: str) -> tuple[list[KVCacheBlock], int]:
+    """The request's blocks in vLLM's pool, over all KV cache groups: those other requests
+    hold too, and the number of its own. (A block is shared through a prefix-cache hit,
+    which always takes a request's leading blocks, so the walk stops at the first block of
+    its own: the rest are its own too. Read on the coordinator's lists: `get_block_ids`
+    would build a list of ids for each, several times a step for every running request.)"""
+    shared: list[KVCacheBlock] = []
+    own = 0
+    for blocks in manager.coordinator.get_blocks(request_id):
+        i, n = 0, len(blocks)
+        while i < n:
+            block = blocks[i]
+            if block.is_null:  # a sliding window's dropped block: in no pool
+                pass
+            elif block.ref_cnt > 1:
+                shared.append(block)
+            else:
+                break
+            i += 1
+        own += n - i
+    return shared, own
+
+
+class Freeing:
+    """The blocks that freeing (or preempting) some requests gives back to vLLM's pool:
+    their own, and the shared ones once every holder is among them."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+        self._refs_left: dict[int, int] = {}
+        self.num_blocks = 0
+
+    def add(self, request_id: str) -> int:
+        shared, own = holdings(self._manager, request_id)
+        self.num_blocks += own
+        refs_left = self._refs_left
+        for block in shared:
+            left = refs_left.get(block.block_id, block.ref_cnt) - 1
+            refs_left[block.block_id] = left
+            if left == 0:
+                self.num_blocks += 1
+        return self.num_blocks
 
 
 class TierGuardedKVCacheManager:
@@ -44,12 +82,14 @@ class TierGuardedKVCacheManager:
         self, request: Request, num_new_tokens: int, *args: Any, reserved_blocks: int = 0, **kwargs: Any
     ) -> KVCacheBlocks | None:
         tier = self._book.tier(request.request_id)
-        num_free = self.inner.block_pool.get_num_free_blocks()
+        pool = self.inner.block_pool
+        num_free = pool.get_num_free_blocks()
         reserve = max(reserved_blocks, self._ledger.reserved_blocks(tier, num_free))
-        before = blocks_held(self.inner, request.request_id)
         blocks = self.inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=reserve, **kwargs)
         if blocks is not None:
-            self._ledger.add(tier, blocks_held(self.inner, request.request_id) - before)
+            # What the pool gave: new blocks and cached ones revived. A prefix hit on blocks
+            # other requests hold takes none (the tier that holds them counts them).
+            self._ledger.add(tier, num_free - pool.get_num_free_blocks())
         elif (
             self.on_ceiling is not None
             and request.status == RequestStatus.RUNNING

@@ -6,7 +6,8 @@ and turns `TierPartition` (floors, reserves, ceilings, borrowing) into the one l
 alone. It also answers the two questions tierserve's policies ask about memory
 (`within_entitlement`, `is_borrowing`), so the policies run unchanged.
 
-A block shared by several requests (a prefix-cache hit) counts once for each holder.
+A block shared by several requests (a prefix-cache hit) counts once, for the most urgent
+tier among its holders: the counts add up to the blocks in use, never past the pool.
 """
 
 from __future__ import annotations

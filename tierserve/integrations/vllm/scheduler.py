@@ -44,7 +44,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from tierserve.config import EngineConfig
 from tierserve.integrations.vllm.book import RequestBook
-from tierserve.integrations.vllm.kv_guard import TierGuardedKVCacheManager, blocks_held
+from tierserve.integrations.vllm.kv_guard import Freeing, TierGuardedKVCacheManager, holdings
 from tierserve.integrations.vllm.ledger import TierLedger, check_room_for_one_request
 from tierserve.integrations.vllm.plugin_config import PluginConfig, load_plugin_config
 from tierserve.integrations.vllm.queue import PolicyRequestQueue
@@ -161,9 +161,10 @@ class TierScheduler(Scheduler):
         return super()._free_request(request, delay_free_blocks)
 
     def _release(self, request: Request) -> None:
-        """Take the request's blocks off its tier's count (they are about to be freed)."""
-        held = blocks_held(self.kv_cache_manager.inner, request.request_id)
-        self.ledger.release(self.book.tier(request.request_id), held)
+        """Take the blocks the request's end frees off its tier's count (those it shares
+        stay with their other holders until the next recount)."""
+        freed = Freeing(self.kv_cache_manager.inner).add(request.request_id)
+        self.ledger.release(self.book.tier(request.request_id), freed)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         self._release(request)
@@ -304,12 +305,24 @@ class TierScheduler(Scheduler):
         return [*self.running, *self.kv_holding_waiting]
 
     def _recount(self) -> None:
+        """Each tier's blocks, from vLLM's pool: a request's own, and each shared block once,
+        for the most urgent tier holding it."""
         used = [0] * len(ALL_TIERS)
         inner = self.kv_cache_manager.inner
+        shared_by: dict[int, Tier] = {}
         for req in self._holders():
             entry = self.book.find(req.request_id)
-            if entry is not None:
-                used[entry.shadow.tier] += blocks_held(inner, req.request_id)
+            if entry is None:
+                continue
+            tier = entry.shadow.tier
+            shared, own = holdings(inner, req.request_id)
+            used[tier] += own
+            for block in shared:
+                held_by = shared_by.get(block.block_id)
+                if held_by is None or tier < held_by:
+                    shared_by[block.block_id] = tier
+        for tier in shared_by.values():
+            used[tier] += 1
         self.ledger.reset(used)
 
     def _make_room(self, now: float) -> Tier | None:
@@ -332,12 +345,14 @@ class TierScheduler(Scheduler):
             if self.tier_policy.admission_victim_ok(head.shadow, self.book.get(r.request_id).shadow, memory)
         ]
         policy = self.tier_policy
+        for r in candidates:  # "least work lost" reads the shadows: bring them up to date
+            self.book.get(r.request_id).shadow.num_computed_tokens = r.num_computed_tokens
         candidates.sort(key=lambda r: policy.victim_key(self.book.get(r.request_id).shadow, borrowed))
         chosen: list[Request] = []
-        freed = 0
+        freeing = Freeing(inner)
         for victim in candidates:
             chosen.append(victim)
-            freed += blocks_held(inner, victim.request_id)
+            freed = freeing.add(victim.request_id)
             if self._fits(head.shadow.tier, need, freed, len(chosen)):
                 break
         else:
