@@ -110,7 +110,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             2,
             "--out /dev/null exists and is not a folder",
         ),
-        (["serve", "--config", "/"], 2, "/: Is a directory"),
+        (["serve", "--config", "/"], 2, "/: a folder, not a config file"),
         (["bench", "sim-check", "--model", "gpt-9"], 2, "gpt-9"),
         pytest.param(["bench", "sim-check", "--device", "cuda"], 2, "no CUDA device", marks=cpu_only),
     ],
