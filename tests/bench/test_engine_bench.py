@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,14 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tierserve.bench import engine_bench
+
+# The torch executor tests' tiny checkpoints (random weights and a tokenizer, written on the spot).
+sys.path.insert(0, str(Path(__file__).parents[1] / "executors" / "pytorch"))
+
+from torch_checkpoints import BOS_ID, EOS_ID, VOCAB_SIZE, write_checkpoint
+
+TINY = ["--num-prompts", "3", "--prompt-tokens", "8", "24", "--output-tokens", "4", "8"]
+TINY += ["--flood", "4", "--num-p0", "1", "--repeats", "1"]
 
 KEYS = (
     "tierserve_tokens_per_s",
@@ -99,3 +109,83 @@ def test_a_missing_or_malformed_trace_is_a_clear_error(
         assert args.func(args) == 2
         err = capsys.readouterr().err
         assert err.startswith("tierserve bench engine: --lengths-from:") and message in err, err
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    engine_bench.register(parser.add_subparsers(dest="bench", required=True))
+    return parser
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("engine-bench") / "tiny-llama"
+    write_checkpoint(path)  # 512 tokens of context
+    return path
+
+
+def test_a_checkpoint_is_benchmarked_and_transformers_loads_the_same_weights(
+    checkpoint_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parser().parse_args(["engine", "--model", str(checkpoint_dir), *TINY, "--json"])
+    assert args.func(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["model"] == str(checkpoint_dir)
+    assert res["tierserve_tokens_per_s"] > 0 and 12 <= res["num_output_tokens"] <= 24
+    assert res["hf_serial_tokens_per_s"] > 0 and res["p0_ttft_alone_s"] > 0
+    # transformers read the checkpoint itself, not the demo model's weights: every greedy token agrees.
+    assert res["greedy_agreement_with_hf"] == 1.0
+
+
+def test_a_checkpoints_prompts_draw_its_vocabulary_but_not_bos_or_eos(checkpoint_dir: Path) -> None:
+    executor = engine_bench.load_executor(str(checkpoint_dir), "cpu", threads=1)
+    ids = engine_bench.prompt_token_ids(str(checkpoint_dir), executor)
+    assert set(ids) == set(range(VOCAB_SIZE)) - {BOS_ID, EOS_ID}
+    w = engine_bench.make_workload(20, seed=0, token_ids=ids)
+    drawn = {t for p in w.prompts for t in p}
+    assert max(drawn) >= 256 and not drawn & {BOS_ID, EOS_ID}  # past the demo model's byte ids
+
+
+def test_the_text_report_names_the_checkpoint(
+    checkpoint_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parser().parse_args(["engine", "--model", str(checkpoint_dir), *TINY, "--skip-hf"])
+    assert args.func(args) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"model {checkpoint_dir} on cpu (1 threads): 3 prompts"), first
+
+
+def test_a_bad_model_directory_is_one_line_and_exit_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, message in ((tmp_path / "none", "not a directory"), (empty, "config.json")):
+        args = _parser().parse_args(["engine", "--model", str(path), "--skip-hf"])
+        assert args.func(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tierserve bench engine: --model:") and message in err, err
+        assert err.count("\n") == 1, err
+
+
+def test_lengths_past_the_checkpoints_context_are_refused_naming_the_flags(
+    checkpoint_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parser().parse_args(
+        [
+            "engine",
+            "--model",
+            str(checkpoint_dir),
+            "--prompt-tokens",
+            "8",
+            "400",
+            "--output-tokens",
+            "4",
+            "200",
+        ]
+    )
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith("tierserve bench engine: --prompt-tokens MAX + --output-tokens MAX")
+    assert "400 + 200 = 600 tokens" in captured.err and "context of 512" in captured.err, captured.err

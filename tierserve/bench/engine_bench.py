@@ -1,9 +1,10 @@
-"""`tierserve bench engine`: the real engine on the demo model against Hugging Face generate().
+"""`tierserve bench engine`: the real engine on a model against Hugging Face generate().
 
 Same weights everywhere (the seeded demo model, copied into a transformers
-`LlamaForCausalLM`), greedy decoding, EOS ignored so every request runs to its own
-max_tokens. Throughput counts only the tokens each request asked for. Then P0's TTFT,
-alone and under a flood of P2 requests (policy hybrid). Importing this module is cheap.
+`LlamaForCausalLM`, or a local checkpoint that both sides load), greedy decoding, EOS
+ignored so every request runs to its own max_tokens. Throughput counts only the tokens
+each request asked for. Then P0's TTFT, alone and under a flood of P2 requests (policy
+hybrid). Importing this module is cheap.
 """
 
 from __future__ import annotations
@@ -14,23 +15,30 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import device_name, non_negative_int, positive_int
+from tierserve.cli_args import device_name, fail, non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from tierserve.config import EngineConfig
     from tierserve.executors.pytorch.executor import TorchExecutor
 
 
+PROG = "tierserve bench engine"
+# The demo model's byte tokens: its ids 256 and up are BOS, EOS and PAD.
+DEMO_TOKEN_IDS = range(256)
+
 DESCRIPTION = """\
-Run tierserve's engine on the demo model (random weights, made at start-up; nothing is
-downloaded) and compare its throughput with Hugging Face transformers' generate() on the
-same weights: one request at a time, and one left-padded batch. Decoding is greedy and
-ignores end-of-sequence, so every request produces its own max_tokens. Then it measures
-P0's time to first token alone and behind a flood of P2 requests.
+Run tierserve's engine on a model -- the demo model (random weights, made at start-up;
+nothing is downloaded) or a local Hugging Face checkpoint given with --model -- and
+compare its throughput with Hugging Face transformers' generate() on the same weights:
+one request at a time, and one left-padded batch. The prompts are random token ids.
+Decoding is greedy and ignores end-of-sequence, so every request produces its own
+max_tokens. Then it measures P0's time to first token alone and behind a flood of P2
+requests.
 
 The engine and the padded batch take turns --repeats times; the speed-up is the median of
 the pairs' ratios. On a busy host the figures drop and scatter; the report says when the
@@ -53,16 +61,28 @@ def make_workload(
     prompt_range: tuple[int, ...] = (16, 256),
     output_range: tuple[int, ...] = (16, 128),
     lengths: list[tuple[int, int]] | None = None,
+    token_ids: Sequence[int] = DEMO_TOKEN_IDS,
 ) -> Workload:
-    """Seeded prompts of random byte tokens, each with its own max_tokens: lengths drawn
-    uniformly from the ranges, or the given (prompt, output) `lengths`."""
+    """Seeded prompts of tokens drawn from `token_ids` (default: the demo model's bytes), each
+    with its own max_tokens: lengths drawn uniformly from the ranges, or the given (prompt,
+    output) `lengths`."""
     rng = random.Random(seed)
     (lo, hi), (out_lo, out_hi) = prompt_range, output_range
     if lengths is None:
-        prompts = [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
+        prompts = [[rng.choice(token_ids) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
         return Workload(prompts, [rng.randint(out_lo, out_hi) for _ in range(num_prompts)])
-    prompts = [[rng.randrange(256) for _ in range(n)] for n, _ in lengths]
+    prompts = [[rng.choice(token_ids) for _ in range(n)] for n, _ in lengths]
     return Workload(prompts, [m for _, m in lengths])
+
+
+def prompt_token_ids(model: str, executor: TorchExecutor) -> Sequence[int]:
+    """The ids a prompt draws from: the demo model's bytes, or every id of the checkpoint's
+    vocabulary but its BOS and EOS (an EOS inside a prompt reads as a finished text)."""
+    if model == "demo":
+        return DEMO_TOKEN_IDS
+    config = executor.model.config
+    special = {config.bos_token_id, *config.eos_token_ids, *executor.eos_token_ids}
+    return [i for i in range(config.vocab_size) if i not in special]
 
 
 def trace_lengths(
@@ -123,6 +143,32 @@ def run_tierserve(
             bar.update(sum(len(o.new_token_ids) for o in engine.step()))
     elapsed = time.perf_counter() - start
     return w.num_output_tokens / elapsed, [r.output_token_ids for r in reqs]
+
+
+def load_executor(model: str, device: str, threads: int) -> TorchExecutor:
+    """The engine's executor for `model` ("demo" or a local Hugging Face directory), loaded
+    as `tierserve serve --backend torch` loads it. The thread count is set first: the
+    executor's start-up calibration and every contender run with it."""
+    import torch
+
+    from tierserve.executors.pytorch.executor import build_torch_executor
+
+    if threads > 0:
+        torch.set_num_threads(threads)  # the same for the engine and the HF baselines
+    executor, _ = build_torch_executor(model, device)
+    return executor
+
+
+def load_hf_model(directory: str, executor: TorchExecutor) -> Any:
+    """transformers' own model of the checkpoint in `directory`, in the executor's dtype, on its
+    device, EOS ignored as the engine's requests ignore it. Local files only."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = executor.model.model.embed_tokens.weight.dtype
+    hf: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    hf = hf.eval().to(executor.device)
+    hf.generation_config.eos_token_id = None
+    return hf
 
 
 def build_hf_model(executor: TorchExecutor) -> Any:
@@ -233,34 +279,47 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench(args: argparse.Namespace, lengths: list[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """Run every contender; `lengths`: the workload's (prompt, output) lengths, else drawn
-    uniformly from `--prompt-tokens` and `--output-tokens`."""
+def _warm_up_workload(num_prompts: int, seed: int, max_model_len: int, token_ids: Sequence[int]) -> Workload:
+    """Short requests that pay the one-time costs; each half of the context holds a prompt or
+    an output (the demo model's 4096 tokens hold them whole)."""
+    half = max_model_len // 2
+    return make_workload(
+        num_prompts,
+        seed,
+        prompt_range=(min(16, half), min(256, half)),
+        output_range=(min(4, half), min(8, half)),
+        token_ids=token_ids,
+    )
+
+
+def bench(
+    args: argparse.Namespace, executor: TorchExecutor, lengths: list[tuple[int, int]] | None = None
+) -> dict[str, Any]:
+    """Run every contender on `executor` (`args.model` loaded by `load_executor`); `lengths`:
+    the workload's (prompt, output) lengths, else drawn uniformly from `--prompt-tokens` and
+    `--output-tokens`."""
     import torch
 
     from tierserve.config import EngineConfig, SchedulerConfig
-    from tierserve.executors.pytorch.executor import build_torch_executor
     from tierserve.scheduling.hybrid import HybridOptions
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)  # the same for the engine and the HF baselines
-    begin = time.perf_counter()
-    executor, _ = build_torch_executor("demo", args.device)
     hybrid = HybridOptions(p0_step_tokens=args.p0_step_tokens, p0_solo_prefill=args.p0_solo_prefill)
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
         policy_options={"hybrid": hybrid},
     )
+    ids = prompt_token_ids(args.model, executor)
+    max_model_len = executor.spec.max_model_len
     w = make_workload(
-        args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens), lengths
+        args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens), lengths, ids
     )
-    run_tierserve(executor, config, make_workload(4, args.seed + 1, output_range=(4, 8)))  # warm-up
+    run_tierserve(executor, config, _warm_up_workload(4, args.seed + 1, max_model_len, ids))
     import importlib.util
 
-    with_hf = not args.skip_hf and importlib.util.find_spec("transformers") is not None
-    hf = build_hf_model(executor) if with_hf else None
-    if hf is not None:
-        run_hf_serial(hf, make_workload(2, args.seed + 1, output_range=(4, 8)))  # warm-up
+    hf = None
+    if not args.skip_hf and importlib.util.find_spec("transformers") is not None:
+        hf = build_hf_model(executor) if args.model == "demo" else load_hf_model(args.model, executor)
+        run_hf_serial(hf, _warm_up_workload(2, args.seed + 1, max_model_len, ids))
     # The engine and the padded batch take turns, `repeats` times: a slow spell of the shared
     # machine hits both runs of a pair, so the speed-up is the median of the pairs' ratios.
     runs, hf_batched = [], []
@@ -270,6 +329,7 @@ def bench(args: argparse.Namespace, lengths: list[tuple[int, int]] | None = None
             hf_batched.append(run_hf_batched(hf, w))
     ts_tps = statistics.median(tps for tps, _ in runs)
     res: dict[str, Any] = {
+        "model": args.model,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
@@ -291,9 +351,14 @@ def bench(args: argparse.Namespace, lengths: list[tuple[int, int]] | None = None
             sum(a == b for a, b in zip(out, hf_out, strict=True)) / len(w.prompts) for _, out in runs
         )
     # Distinct prompts everywhere, so no P0 request is served from the prefix cache.
-    p0_prompts = make_workload(2 * args.num_p0, args.seed + 2, prompt_range=(128, 128)).prompts
+    p0_len = min(128, max_model_len - 1)  # a P0 request asks for one token
+    p0_prompts = make_workload(
+        2 * args.num_p0, args.seed + 2, prompt_range=(p0_len, p0_len), token_ids=ids
+    ).prompts
     alone, _ = measure_p0_ttft(executor, config, p0_prompts[: args.num_p0], None)
-    flood = make_workload(args.flood, args.seed + 3, tuple(args.prompt_tokens), tuple(args.output_tokens))
+    flood = make_workload(
+        args.flood, args.seed + 3, tuple(args.prompt_tokens), tuple(args.output_tokens), token_ids=ids
+    )
     flood_boundary, flood_in_flight = measure_p0_ttft(executor, config, p0_prompts[args.num_p0 :], flood)
     res.update(
         p0_ttft_alone_s=_median(alone),
@@ -305,7 +370,6 @@ def bench(args: argparse.Namespace, lengths: list[tuple[int, int]] | None = None
         max_num_batched_tokens=args.max_num_batched_tokens,
         p0_step_tokens=args.p0_step_tokens,
         p0_solo_prefill=args.p0_solo_prefill,
-        elapsed_s=time.perf_counter() - begin,
     )
     return res
 
@@ -326,9 +390,17 @@ _ROWS = (
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "engine",
-        help="real engine on the demo model vs Hugging Face generate()",
+        help="real engine on the demo model or a checkpoint vs Hugging Face generate()",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="demo",
+        metavar="DIR",
+        help="'demo' (random weights made at start-up, nothing downloaded) or a local Hugging Face model "
+        "directory with config.json, *.safetensors and tokenizer.json, which transformers loads too "
+        "(default: demo)",
     )
     p.add_argument(
         "--num-prompts", type=positive_int, default=32, help="requests in the workload (default: 32)"
@@ -412,6 +484,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierserve.executors.pytorch.hf_config import ModelLoadError
     from tierserve.workloads.traces import TraceFormatError
 
     for name in ("prompt_tokens", "output_tokens"):
@@ -432,7 +505,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"tierserve bench engine: --lengths-from: {e}", file=sys.stderr)
             return 2
     monitor = HostMonitor()
-    res = bench(args, lengths)
+    begin = time.perf_counter()
+    try:
+        executor = load_executor(args.model, args.device, args.threads)
+    except ModelLoadError as e:
+        return fail(PROG, f"--model: {e}")
+    # A request holds at most the model's context, or what the K/V cache holds if that is less.
+    max_model_len = executor.spec.max_model_len
+    cache_bound = max_model_len == executor.pool.num_device_blocks * executor.spec.block_size
+    (_, prompt_max), (_, output_max) = args.prompt_tokens, args.output_tokens
+    if prompt_max + output_max > max_model_len:
+        limit = (
+            f"the K/V cache's {max_model_len}" if cache_bound else f"the model's context of {max_model_len}"
+        )
+        return fail(
+            PROG,
+            f"--prompt-tokens MAX + --output-tokens MAX is {prompt_max} + {output_max} = "
+            f"{prompt_max + output_max} tokens, more than {limit}",
+        )
+    res = bench(args, executor, lengths)
+    res["elapsed_s"] = time.perf_counter() - begin
     host = monitor.finish()
     res["host"] = host.as_dict()
     if args.json:
@@ -443,7 +535,8 @@ def run(args: argparse.Namespace) -> int:
         f"{', lengths from ' + res['lengths_from'] if res['lengths_from'] else ''}), "
         f"{res['num_output_tokens']} output tokens"
     )
-    print(f"demo model on {res['device']} ({res['threads']} threads): {head}")
+    model = "demo model" if res["model"] == "demo" else f"model {res['model']}"
+    print(f"{model} on {res['device']} ({res['threads']} threads): {head}")
     for label, key, unit in _ROWS:
         if key in res:
             print(f"  {label:<48} {res[key]:>10.4g} {unit}")
