@@ -113,3 +113,15 @@ def test_rows_cut_to_fit_the_context_are_counted_in_the_report(tmp_path: Path) -
     assert (
         "**3 of the trace's 12 rows were cut to fit the model's context**" in (out / "report.md").read_text()
     )
+
+
+def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
+    """A few requests a minute is 0.0417 requests/s: two decimals printed it as 0.04, and
+    over a day-long gap every tier read 0.00."""
+    from tierserve.fleet.report import table
+
+    tiers = {t: {"slo_attainment": 1.0, "goodput_rps": 0.000694} for t in ("P0", "P1", "P2", "P3")}
+    summary = {"gpu_hours": 1.0, "tiers": tiers, "outcomes": {}, "num_retried": 0, "num_lost": 0}
+    run = {"router": "tier-aware", "scaling": "fixed", "summary": summary}
+    row = next(line for line in table([run]) if line.startswith("| tier-aware"))  # type: ignore[list-item]
+    assert row.count("| 0.000694 ") == 4

@@ -20,6 +20,12 @@ def _num(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _rate(x: float | None) -> str:
+    """Three significant digits: a sparse trace's goodput (a few requests a minute) is
+    0.0417/s, which two decimals print as 0.04, or over a day-long gap as 0.00."""
+    return "-" if x is None else f"{x:.3g}"
+
+
 def table(runs: Sequence[Run]) -> list[str]:
     tiers = [t.name for t in ALL_TIERS]
     head = ["router", "scaling", "GPU-h", *(f"{t} SLO" for t in tiers), *(f"{t} goodput/s" for t in tiers)]
@@ -30,7 +36,7 @@ def table(runs: Sequence[Run]) -> list[str]:
         refused = sum(v for k, v in s["outcomes"].items() if k.startswith("refused:"))
         cells = [r["router"], r["scaling"], _num(s["gpu_hours"])]
         cells += [_pct(s["tiers"][t]["slo_attainment"]) for t in tiers]
-        cells += [_num(s["tiers"][t]["goodput_rps"]) for t in tiers]
+        cells += [_rate(s["tiers"][t]["goodput_rps"]) for t in tiers]
         cells += [str(s["num_retried"]), str(s["num_lost"]), str(refused)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
