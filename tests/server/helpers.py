@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -12,6 +13,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
+
+import httpx
+import pytest
 
 from tierserve.engine import Engine
 from tierserve.executors.base import StepBatch, StepResult
@@ -174,3 +178,18 @@ def live_server(
         engine_lost_linger_s=engine_lost_linger_s,
     ) as srv:
         yield LiveServer(srv.url, srv.state, srv.server, srv.thread)
+
+
+def wait_until_ready(proc: subprocess.Popen[str], url: str, deadline: float) -> None:
+    """Poll `url`/ready until it answers 200; fail the test with the server's output if the
+    process exits first or `deadline` (time.monotonic) passes."""
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"serve did not become ready:\n{proc.communicate()[0]}")
+        time.sleep(0.2)

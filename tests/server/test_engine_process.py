@@ -24,6 +24,7 @@ from tests.server.helpers import (
     live_server,
     make_state,
     pool_free_and_total,
+    wait_until_ready,
 )
 from tierserve.server.engine_client import EngineClient
 
@@ -127,16 +128,7 @@ def sim_serve() -> Iterator[tuple[subprocess.Popen[str], str, int]]:
         if (not line and proc.poll() is not None) or time.monotonic() > deadline:
             proc.kill()
             pytest.fail("serve did not start its engine process")
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"serve did not become ready:\n{proc.communicate()[0]}")
-        time.sleep(0.2)
+    wait_until_ready(proc, url, deadline)
     try:
         yield proc, url, pid
     finally:

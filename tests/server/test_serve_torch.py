@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.helpers import free_socket
+from tests.server.helpers import free_socket, wait_until_ready
 
 ENTRY = (
     "import argparse, sys\n"
@@ -45,16 +45,7 @@ def serve() -> Iterator[tuple[subprocess.Popen[str], str]]:
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"serve did not become ready:\n{proc.communicate()[0]}")
-        time.sleep(0.2)
+    wait_until_ready(proc, url, deadline)
     try:
         yield proc, url
     finally:

@@ -5,18 +5,17 @@ transformers' greedy tokens."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 import torch
 from torch_checkpoints import EOS_ID, Checkpoint, write_checkpoint
 
+from tests.server.helpers import free_socket, wait_until_ready
 from tierserve.executors.pytorch.loader import load_model
 
 MAX_TOKENS = 8
@@ -29,8 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Checkpoint) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with free_socket() as sock:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--backend", "torch"]
     cmd += ["--model", str(checkpoint.path), "--port", str(port)]
@@ -44,16 +42,7 @@ def server(checkpoint: Checkpoint) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"serve did not become ready:\n{proc.communicate()[0]}")
-            time.sleep(0.2)
+        wait_until_ready(proc, url, deadline)
         yield url
     finally:
         if proc.poll() is None:
