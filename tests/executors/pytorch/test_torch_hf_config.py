@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import pytest
 import torch
-from torch_checkpoints import Checkpoint
+from torch_checkpoints import Checkpoint, edit_json
 from torch_paged_runner import prompt_logits
 
 from tierserve.executors.pytorch.executor import build_torch_executor
@@ -19,15 +18,7 @@ PROMPT = [5, 9, 200, 31, 7, 64, 2]
 
 
 def edit_config(ckpt: Checkpoint, **changes: object) -> None:
-    """Set each key of config.json; None removes it."""
-    path = ckpt.path / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
+    edit_json(ckpt.path / "config.json", **changes)
 
 
 def load_error(ckpt: Checkpoint) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_checkpoints import BOS_ID, EOS_ID, Checkpoint
+from torch_checkpoints import BOS_ID, EOS_ID, Checkpoint, edit_json
 from torch_paged_runner import prompt_logits
 
 from tierserve.executors.pytorch.executor import build_torch_executor
@@ -19,16 +19,6 @@ from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer
 from tierserve.model_config import DEMO_MODEL
 
 CPU = torch.device("cpu")
-
-
-def edit_json(path: Path, **changes: object) -> None:
-    data = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data))
 
 
 def load_error(path: Path) -> str:

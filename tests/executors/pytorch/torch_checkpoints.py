@@ -133,3 +133,14 @@ def write_checkpoint(
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = EOS_ID
     return Checkpoint(path, model)
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    """Set each key of a JSON file (config.json, tokenizer_config.json, ...); None removes it."""
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
