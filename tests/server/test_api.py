@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from tests.server.helpers import MODEL, REPLY, LiveServer, live_server, make_state
 from tierserve.server.admission import ThroughputMeter
@@ -40,15 +40,21 @@ def test_chat_completion_returns_the_text_and_usage(client: openai.OpenAI) -> No
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
 
 
-def test_chat_stream_sends_role_text_finish_usage_and_done(client: openai.OpenAI) -> None:
+def _chat_stream(
+    client: openai.OpenAI, max_tokens: int, stream_options: dict[str, bool]
+) -> list[ChatCompletionChunk]:
     stream = client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
-        max_tokens=9,
+        max_tokens=max_tokens,
         stream=True,
-        stream_options={"include_usage": True},
+        stream_options=stream_options,  # type: ignore[arg-type]
     )
-    chunks = list(stream)
+    return list(stream)
+
+
+def test_chat_stream_sends_role_text_finish_usage_and_done(client: openai.OpenAI) -> None:
+    chunks = _chat_stream(client, 9, {"include_usage": True})
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == REPLY[:9]
@@ -61,14 +67,7 @@ def test_chat_stream_sends_role_text_finish_usage_and_done(client: openai.OpenAI
 
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
     """vLLM's extension: each chunk's usage counts the tokens sent up to it."""
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=6,
-        stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
-    )
-    chunks = list(stream)
+    chunks = _chat_stream(client, 6, {"include_usage": True, "continuous_usage_stats": True})
     assert all(c.usage is not None for c in chunks)
     assert chunks[0].usage is not None and chunks[0].usage.completion_tokens == 0  # the role
     sent = 0
@@ -82,19 +81,12 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client: ope
 
 
 def test_continuous_usage_stats_needs_include_usage(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        max_tokens=4,
-        stream=True,
-        stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
-    )
-    assert all(c.usage is None for c in stream)
+    assert all(c.usage is None for c in _chat_stream(client, 4, {"continuous_usage_stats": True}))
 
 
 def test_completion_takes_max_completion_tokens(client: openai.OpenAI) -> None:
-    """As vLLM takes it on /v1/completions (OpenAI names it for chat only); it wins over
-    max_tokens, as on chat."""
+    """OpenAI names it for chat only and vLLM drops it on completions; dropped, the answer
+    ran to max_tokens. Honoured, it wins over max_tokens, as on chat."""
     r = client.completions.create(
         model=MODEL, prompt="Say hello", max_tokens=9, extra_body={"max_completion_tokens": 3}
     )
