@@ -256,6 +256,9 @@ def test_seconds_read_as_milliseconds_are_warned_of(tmp_path: Path, caplog: pyte
     assert "multiply them by 1000" in caplog.text
     caplog.clear()
     millis = write(tmp_path, "ms.jsonl", "".join(MOONCAKE_ROW % (i * 500) for i in range(200)))
+    # Stamped to the whole second, in ms, as Mooncake's: most rows share the one before's.
+    whole_seconds = write(tmp_path, "w.jsonl", "".join(MOONCAKE_ROW % (i // 10 * 1000) for i in range(200)))
     with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
         load_trace(millis)
+        load_trace(whole_seconds)
     assert caplog.text == ""
