@@ -95,6 +95,17 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["generate", "--prompt", "x", "--device", "tpu"], 2, "--device: expected cpu, cuda or cuda:N"),
         (["generate", "--prompt", "x", "--temperature", "nan"], 2, "--temperature: expected a finite number"),
         (["bench", "sim-speed", "--load", "1.5"], 2, "whole number of clients, got 1.5"),
+        # A subcommand's unknown flag points at that subcommand's help, not the top one's.
+        (
+            ["serve", "--prot", "18580"],
+            2,
+            "tierserve serve: error: unrecognized arguments: --prot 18580 (see tierserve serve --help)",
+        ),
+        (
+            ["bench", "fleet", "--bogus"],
+            2,
+            "unrecognized arguments: --bogus (see tierserve bench fleet --help)",
+        ),
         (["bench", "sim-check", "--shape", "zz"], 2, "shape 'zz'"),
         (["bench", "serve", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
         (["bench", "sim-check", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),

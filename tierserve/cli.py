@@ -65,8 +65,25 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, OSError, ConfigError, BackendError, ModelLoadError)
 
 
+def _subparser(parser: argparse.ArgumentParser, *names: str | None) -> argparse.ArgumentParser:
+    """The parser of the subcommand `names` (e.g. "bench", "fleet") picks, for its own errors."""
+    for name in names:
+        if name is None:
+            break
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse hands a subcommand's unknown flags to the top parser, whose error then pointed
+    # at `tierserve --help`; the subcommand's parser says it, pointing at its own help.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _subparser(parser, args.command, getattr(args, "bench", None)).error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     prog = " ".join(p for p in ("tierserve", args.command, getattr(args, "bench", None)) if p)
     try:
         result: int = args.func(args)
