@@ -379,7 +379,7 @@ _ROWS = (
     ("HF generate(), one request at a time", "hf_serial_tokens_per_s", "tok/s"),
     ("HF generate(), one left-padded batch, median", "hf_batched_tokens_per_s", "tok/s"),
     ("speed-up vs HF padded batch (target >= 2)", "speedup_vs_hf_batched", "x"),
-    ("greedy outputs identical to HF", "greedy_agreement_with_hf", "fraction"),
+    ("greedy outputs identical to HF (share)", "greedy_agreement_with_hf", ""),
     ("P0 TTFT alone (median)", "p0_ttft_alone_s", "s"),
     ("P0 TTFT under P2 flood (median)", "p0_ttft_under_flood_s", "s"),
     ("flood / alone (target <= 2)", "p0_ttft_flood_ratio", "x"),
@@ -539,7 +539,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model} on {res['device']} ({res['threads']} threads): {head}")
     for label, key, unit in _ROWS:
         if key in res:
-            print(f"  {label:<48} {res[key]:>10.4g} {unit}")
+            print(f"  {label:<48} {res[key]:>10.4g} {unit}".rstrip())
     if "speedup_vs_hf_batched_runs" in res:
         pairs = ", ".join(f"{r:.2f}" for r in res["speedup_vs_hf_batched_runs"])
         print(f"  (speed-up of each engine / padded-batch pair, in turn: {pairs})")
