@@ -57,6 +57,17 @@ def test_missing_data_says_how_to_get_it(beside: Path) -> None:
         data_dir.data_path("trace.csv")
 
 
+def test_a_data_variable_naming_no_folder_says_so(
+    beside: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "set TIERSERVE_DATA to a folder", when it is set: the typo is what to fix."""
+    monkeypatch.setenv(data_dir.DATA_ENV, str(tmp_path / "typo"))
+    with pytest.raises(
+        data_dir.DataNotFoundError, match=r"TIERSERVE_DATA is set to .*typo, which is not a folder"
+    ):
+        data_dir.data_path("trace.csv")
+
+
 def test_the_repositorys_tests_read_data_from_the_folder_found(shared_data: Path) -> None:
     assert shared_data == data_dir.find_data_dir()
     assert (shared_data / "gpu-profiles").is_dir()

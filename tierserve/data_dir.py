@@ -32,6 +32,9 @@ def data_path(*parts: str) -> Path:
     """A file or folder inside the data folder; DataNotFoundError saying how to get it if absent."""
     root = find_data_dir()
     if root is None:
+        named = os.environ.get(DATA_ENV)
+        if named:  # set, to a folder that is not there: the typo is the news
+            raise DataNotFoundError(f"{DATA_ENV} is set to {named}, which is not a folder; docs/data.md")
         raise DataNotFoundError(HOW_TO_GET)
     path = root.joinpath(*parts)
     if not path.exists():

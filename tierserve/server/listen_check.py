@@ -25,7 +25,8 @@ def cannot_listen(host: str, port: int) -> str | None:
             probe.bind(address)
         except OSError as e:
             hint = {
-                errno.EADDRINUSE: "another server is listening there; choose another --port",
+                errno.EADDRINUSE: "another server is listening there; choose another --port "
+                "(make run PORT=...)",
                 errno.EACCES: "ports below 1024 need privileges; choose a --port of 1024 or more",
                 errno.EADDRNOTAVAIL: "that is not an address of this machine; try 127.0.0.1 or 0.0.0.0",
             }.get(e.errno or 0, "")

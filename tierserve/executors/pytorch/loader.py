@@ -242,8 +242,15 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
         return LoadedModel(model, ByteTokenizer(), DEMO_MODEL.max_position_embeddings)
     directory = Path(source)
     if not directory.is_dir():
+        from tierserve.model_config import KNOWN_MODELS
+
+        simulated = (
+            f"; {source!r} names a simulated model: add --backend sim"
+            if str(source).lower() in KNOWN_MODELS
+            else ""
+        )
         raise ModelLoadError(
-            f"{directory}: not a directory (give 'demo' or a local Hugging Face model directory)"
+            f"{directory}: not a directory (give 'demo' or a local Hugging Face model directory{simulated})"
         )
     gen_path = directory / "generation_config.json"
     gen_config = read_json(gen_path) if gen_path.exists() else None
