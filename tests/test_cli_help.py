@@ -53,3 +53,11 @@ def test_help_describes_every_flag_and_stays_inside_the_repository(prog: str) ->
         and not (action.help or "").strip()
     ]
     assert undescribed == [], f"{prog}: {undescribed} have no help"
+
+
+@pytest.mark.parametrize("prog", [p for p in PROGS if p.startswith("tierserve bench ")])
+def test_every_benchmark_says_what_it_runs(prog: str) -> None:
+    """A paragraph under the usage, not only the list of flags (bench gateway, fleet and vllm
+    had none)."""
+    parser = dict(commands())[prog]
+    assert parser.description and len(parser.description.split()) >= 12, prog

@@ -461,7 +461,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--threads",
         type=non_negative_int,
         default=1,
-        help="torch CPU threads for every contender (0 = torch's default); 1 is steadiest on a shared box",
+        help="torch CPU threads for every contender (0 = torch's default); 1, the default, is "
+        "steadiest on a shared box",
     )
     p.add_argument(
         "--p0-solo-prefill",
@@ -474,7 +475,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=positive_int,
         default=5,
         help="runs of the engine and of HF's padded batch, taking turns; the speed-up is the median "
-        "of the pairs' ratios, tokens/s the median of each side's runs",
+        "of the pairs' ratios, tokens/s the median of each side's runs (default: %(default)s)",
     )
     p.add_argument(
         "--skip-hf", action="store_true", help="skip the Hugging Face transformers baselines (faster)"

@@ -91,9 +91,20 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("fleet", help="a fleet of simulated replicas behind the gateway's routing")
+    p = subparsers.add_parser(
+        "fleet",
+        help="a fleet of simulated replicas behind the gateway's routing",
+        description="Simulate a fleet of tierserve engine replicas (the GPU simulator) behind the "
+        "gateway's own routing and flow control, in virtual time, replaying a request trace; "
+        "compare routers and scaling policies side by side. Writes results.json, report.md and "
+        "plots to --out: per-tier SLO attainment and goodput over time, replicas, GPU-hours "
+        "(docs/fleet.md).",
+    )
     p.add_argument(
-        "--replicas", type=positive_int, default=4, help="replicas at the start (the fixed fleet's size)"
+        "--replicas",
+        type=positive_int,
+        default=4,
+        help="replicas at the start (the fixed fleet's size; default: %(default)s)",
     )
     _add_trace_args(p)
     _add_scaling_args(p)
@@ -103,7 +114,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     """What the fleet is sent: the trace, how it is scaled and how much of it."""
-    p.add_argument("--trace", type=Path, help=f"request trace (default: shared/data/{TRACE_FILE})")
+    p.add_argument(
+        "--trace", type=Path, help=f"request trace (default: {TRACE_FILE} in $TIERSERVE_DATA or shared/data)"
+    )
     p.add_argument(
         "--rate-scale",
         type=positive_float,
@@ -129,7 +142,11 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
     """How requests are routed, how the fleet grows and shrinks, and which replicas die."""
     from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
 
-    p.add_argument("--router", default="tier-aware", help=f"{', '.join(ROUTER_CHOICES)}, a list, or all")
+    p.add_argument(
+        "--router",
+        default="tier-aware",
+        help=f"{', '.join(ROUTER_CHOICES)}, a list, or all (default: %(default)s)",
+    )
     p.add_argument(
         "--autoscale",
         nargs="?",
@@ -156,7 +173,10 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
         help="autoscaling: seconds between decisions (default: 15)",
     )
     p.add_argument(
-        "--idle-s", type=non_negative_float, default=300.0, help="calm this long before removing a replica"
+        "--idle-s",
+        type=non_negative_float,
+        default=300.0,
+        help="calm this long before removing a replica (default: %(default)s)",
     )
     p.add_argument(
         "--kill",
@@ -170,7 +190,9 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """Each engine's policy, the tier draw, the simulation mode and the output."""
-    p.add_argument("--policy", default="hybrid", help="each engine's scheduling policy")
+    p.add_argument(
+        "--policy", default="hybrid", help="each engine's scheduling policy (default: %(default)s)"
+    )
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument(
         "--seed",
@@ -178,7 +200,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the tiers (and copies) drawn for the trace (default: 0)",
     )
-    p.add_argument("--bin-s", type=positive_float, default=60.0, help="width of the over-time bins")
+    p.add_argument(
+        "--bin-s",
+        type=positive_float,
+        default=60.0,
+        help="width of the over-time bins, s (default: %(default)s)",
+    )
     p.add_argument(
         "--sim-mode",
         choices=("fast", "step"),

@@ -50,7 +50,13 @@ class Shot:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "gateway", help="the gateway's added latency and its flow control under overload"
+        "gateway",
+        help="the gateway's added latency and its flow control under overload",
+        description="Start simulated tierserve replicas and the gateway on loopback, then measure "
+        "(1) the gateway's own share of each stream's time to first token at --streams concurrent "
+        "streams, and (2) per-tier SLO attainment with the gateway's tier-aware flow control "
+        "against plain least-loaded routing at --load times the replicas' capacity "
+        "(docs/gateway.md).",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the JSON here")

@@ -326,7 +326,13 @@ def median_of(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "vllm", help="the tiered workload on vLLM (fcfs, priority, plug-in) and tierserve"
+        "vllm",
+        help="the tiered workload on vLLM (fcfs, priority, plug-in) and tierserve",
+        description="On a tiny checkpoint it writes, run one tiered workload open-loop on real vLLM "
+        "(the CPU build, in .venv-vllm: `make install-vllm`) three ways -- vanilla fcfs, vanilla "
+        "--scheduling-policy priority and tierserve's scheduler plug-in -- and on tierserve's own "
+        "torch engine: P0 TTFT alone and under a lower-tier flood, per-tier SLO attainment, "
+        "throughput and preemptions, side by side (docs/vllm.md).",
     )
     p.add_argument("--json", action="store_true", help='print {"runs": {NAME: {...}}, ...} as JSON')
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
