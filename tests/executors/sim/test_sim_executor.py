@@ -129,3 +129,13 @@ def test_runs_of_tokens_are_the_tokens_one_by_one(tokens: PlaceholderTokens) -> 
             expected = [tokens.at(((request_id, p),))[request_id] for p in range(start, stop)]
             assert tokens.tokens(request_id, start, stop) == expected
     assert not tokens.special & set(tokens.tokens("r1", 0, 2000))
+
+
+def test_drawn_runs_are_kept_for_a_bounded_number_of_requests() -> None:
+    """Kept for every request a replica ever saw, the runs held gigabytes in a fleet."""
+    from tierserve.executors.sim.executor import AHEAD_MEMO_SIZE
+
+    tokens = PlaceholderTokens.of(LLAMA_3_1_8B)
+    for i in range(AHEAD_MEMO_SIZE + 10):
+        tokens.tokens(f"r{i}", 0, 16)
+    assert 0 < len(tokens._ahead) <= AHEAD_MEMO_SIZE
