@@ -31,8 +31,8 @@ PREFILL_MEMO_SIZE = 1 << 16  # estimate_prefill_s answers kept (then forgotten a
 SEED_MEMO_SIZE = 1 << 16  # placeholder-token seeds kept, one per request (then forgotten)
 READ_AHEAD = 256  # placeholder tokens drawn at once for a request's run (`PlaceholderTokens.tokens`)
 # Requests whose drawn run is kept (then forgotten all at once): a few times the running ones,
-# 8 MB at most. (Kept for every request, 19k requests a replica held 3 GB in a 16-replica fleet.)
-AHEAD_MEMO_SIZE = 4096
+# about 10 MB. (Kept for every request, 19k requests a replica held 3 GB in a 16-replica fleet.)
+AHEAD_MEMO_SIZE = 1024
 _blake2b = hashlib.blake2b
 _unpack_u64 = struct.Struct("<Q").unpack
 _MASK64 = (1 << 64) - 1
@@ -62,7 +62,7 @@ class PlaceholderTokens:
     special: frozenset[int]
     _seeds: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     # Each request's latest run of drawn tokens, from its first position (`tokens`).
-    _ahead: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict, compare=False, repr=False)
+    _ahead: dict[str, tuple[int, list[int]]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, model: ModelConfig) -> PlaceholderTokens:
@@ -107,26 +107,24 @@ class PlaceholderTokens:
         drawn = ahead.get(request_id)
         if drawn is not None and drawn[0] <= start and stop <= drawn[0] + len(drawn[1]):
             offset = drawn[0]
-            tokens: list[int] = drawn[1][start - offset : stop - offset].tolist()
-            return tokens
+            return drawn[1][start - offset : stop - offset]
         if len(ahead) >= AHEAD_MEMO_SIZE:
             ahead.clear()
         run = self._draw(self._seed(request_id), start, max(stop, start + READ_AHEAD))
         ahead[request_id] = (start, run)
-        tokens = run[: stop - start].tolist()
-        return tokens
+        return run[: stop - start]
 
-    def _draw(self, seed: int, start: int, stop: int) -> np.ndarray:
+    def _draw(self, seed: int, start: int, stop: int) -> list[int]:
         """`token` at each position in [start, stop) for the request with this seed, the
         same arithmetic on uint64 arrays (whose products wrap modulo 2^64, as the masks do)."""
         with np.errstate(over="ignore"):
             x = np.uint64(seed) + np.arange(start, stop, dtype=np.uint64) * np.uint64(_GOLDEN64)
             x = (x ^ (x >> np.uint64(31))) * np.uint64(_MIX64)
-            tokens = ((x ^ (x >> np.uint64(29))) % np.uint64(self.limit)).astype(np.int64)
+            tokens: list[int] = ((x ^ (x >> np.uint64(29))) % np.uint64(self.limit)).tolist()
         special, vocab_size = self.special, self.vocab_size
         if special:
-            for i in np.flatnonzero(np.isin(tokens, list(special))).tolist():
-                token = int(tokens[i])
+            for i in [i for i, token in enumerate(tokens) if token in special]:
+                token = tokens[i]
                 while token in special:
                     token = (token + 1) % vocab_size
                 tokens[i] = token
