@@ -88,8 +88,13 @@ class TierGuardedKVCacheManager:
         blocks = self.inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=reserve, **kwargs)
         if blocks is not None:
             # What the pool gave: new blocks and cached ones revived. A prefix hit on blocks
-            # other requests hold takes none (the tier that holds them counts them).
-            self._ledger.add(tier, num_free - pool.get_num_free_blocks())
+            # other requests hold takes none (the tier that holds them counts them). With a
+            # sliding window the call also frees the blocks that slid out: the net may be less.
+            taken = num_free - pool.get_num_free_blocks()
+            if taken >= 0:
+                self._ledger.add(tier, taken)
+            else:
+                self._ledger.release(tier, -taken)
         elif (
             self.on_ceiling is not None
             and request.status == RequestStatus.RUNNING
