@@ -298,8 +298,6 @@ def bench(
     """Run every contender on `executor` (`args.model` loaded by `load_executor`); `lengths`:
     the workload's (prompt, output) lengths, else drawn uniformly from `--prompt-tokens` and
     `--output-tokens`."""
-    import torch
-
     from tierserve.config import EngineConfig, SchedulerConfig
     from tierserve.scheduling.hybrid import HybridOptions
 
@@ -309,13 +307,28 @@ def bench(
         policy_options={"hybrid": hybrid},
     )
     ids = prompt_token_ids(args.model, executor)
+    res = _throughput(args, executor, config, ids, lengths)
+    res.update(_p0_ttft(args, executor, config, ids))
+    return res
+
+
+def _throughput(
+    args: argparse.Namespace,
+    executor: TorchExecutor,
+    config: EngineConfig,
+    ids: Sequence[int],
+    lengths: list[tuple[int, int]] | None,
+) -> dict[str, Any]:
+    """The engine's tokens/s on the workload, and transformers' beside it (unless skipped)."""
+    import importlib.util
+
+    import torch
+
     max_model_len = executor.spec.max_model_len
     w = make_workload(
         args.num_prompts, args.seed, tuple(args.prompt_tokens), tuple(args.output_tokens), lengths, ids
     )
     run_tierserve(executor, config, _warm_up_workload(4, args.seed + 1, max_model_len, ids))
-    import importlib.util
-
     hf = None
     if not args.skip_hf and importlib.util.find_spec("transformers") is not None:
         hf = build_hf_model(executor) if args.model == "demo" else load_hf_model(args.model, executor)
@@ -340,18 +353,25 @@ def bench(
     }
     if hf is None:
         print("transformers baselines skipped", file=sys.stderr)
-    else:
-        res["hf_serial_tokens_per_s"], hf_out = run_hf_serial(hf, w)
-        res["hf_batched_tokens_per_s"] = statistics.median(hf_batched)
-        ratios = [tps / hf_tps for (tps, _), hf_tps in zip(runs, hf_batched, strict=True)]
-        res["speedup_vs_hf_batched"] = statistics.median(ratios)
-        res["speedup_vs_hf_batched_runs"] = ratios
-        res["speedup_vs_hf_serial"] = ts_tps / res["hf_serial_tokens_per_s"]
-        res["greedy_agreement_with_hf"] = min(  # the worst of the engine's runs
-            sum(a == b for a, b in zip(out, hf_out, strict=True)) / len(w.prompts) for _, out in runs
-        )
+        return res
+    res["hf_serial_tokens_per_s"], hf_out = run_hf_serial(hf, w)
+    res["hf_batched_tokens_per_s"] = statistics.median(hf_batched)
+    ratios = [tps / hf_tps for (tps, _), hf_tps in zip(runs, hf_batched, strict=True)]
+    res["speedup_vs_hf_batched"] = statistics.median(ratios)
+    res["speedup_vs_hf_batched_runs"] = ratios
+    res["speedup_vs_hf_serial"] = ts_tps / res["hf_serial_tokens_per_s"]
+    res["greedy_agreement_with_hf"] = min(  # the worst of the engine's runs
+        sum(a == b for a, b in zip(out, hf_out, strict=True)) / len(w.prompts) for _, out in runs
+    )
+    return res
+
+
+def _p0_ttft(
+    args: argparse.Namespace, executor: TorchExecutor, config: EngineConfig, ids: Sequence[int]
+) -> dict[str, Any]:
+    """P0's time to first token alone, and behind a flood of P2 requests."""
     # Distinct prompts everywhere, so no P0 request is served from the prefix cache.
-    p0_len = min(128, max_model_len - 1)  # a P0 request asks for one token
+    p0_len = min(128, executor.spec.max_model_len - 1)  # a P0 request asks for one token
     p0_prompts = make_workload(
         2 * args.num_p0, args.seed + 2, prompt_range=(p0_len, p0_len), token_ids=ids
     ).prompts
@@ -360,18 +380,17 @@ def bench(
         args.flood, args.seed + 3, tuple(args.prompt_tokens), tuple(args.output_tokens), token_ids=ids
     )
     flood_boundary, flood_in_flight = measure_p0_ttft(executor, config, p0_prompts[args.num_p0 :], flood)
-    res.update(
-        p0_ttft_alone_s=_median(alone),
-        p0_ttft_under_flood_s=_median(flood_boundary),
-        p0_ttft_flood_ratio=_median(flood_boundary) / _median(alone),
-        p0_ttft_under_flood_max_s=max(flood_boundary),
-        p0_ttft_under_flood_in_flight_s=_median(flood_in_flight),
-        num_flood_requests=args.flood,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        p0_step_tokens=args.p0_step_tokens,
-        p0_solo_prefill=args.p0_solo_prefill,
-    )
-    return res
+    return {
+        "p0_ttft_alone_s": _median(alone),
+        "p0_ttft_under_flood_s": _median(flood_boundary),
+        "p0_ttft_flood_ratio": _median(flood_boundary) / _median(alone),
+        "p0_ttft_under_flood_max_s": max(flood_boundary),
+        "p0_ttft_under_flood_in_flight_s": _median(flood_in_flight),
+        "num_flood_requests": args.flood,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "p0_step_tokens": args.p0_step_tokens,
+        "p0_solo_prefill": args.p0_solo_prefill,
+    }
 
 
 _ROWS = (
@@ -402,6 +421,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "directory with config.json, *.safetensors and tokenizer.json, which transformers loads too "
         "(default: demo)",
     )
+    _add_workload_args(p)
+    _add_engine_args(p)
+    _add_run_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The requests: how many, their lengths, their seed."""
     p.add_argument(
         "--num-prompts", type=positive_int, default=32, help="requests in the workload (default: 32)"
     )
@@ -430,6 +457,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="draw the prompts' and outputs' lengths from a request trace (Azure .csv or Mooncake "
         ".jsonl), scaled so the longest are --prompt-tokens MAX and --output-tokens MAX",
     )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Where the engine runs and the scheduling it is measured with (P0 behind a flood)."""
     p.add_argument(
         "--device",
         type=device_name,
@@ -457,6 +488,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=128,
         help="prefill tokens of other tiers a step that serves P0 may take (default: 128)",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Threads, repeats, the baselines and the output."""
     p.add_argument(
         "--threads",
         type=non_negative_int,
@@ -481,7 +516,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--skip-hf", action="store_true", help="skip the Hugging Face transformers baselines (faster)"
     )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -492,10 +526,7 @@ def run(args: argparse.Namespace) -> int:
         low, high = getattr(args, name)
         if low > high:
             flag = "--" + name.replace("_", "-")
-            print(
-                f"tierserve bench engine: {flag} MIN MAX needs MIN <= MAX, got {low} {high}", file=sys.stderr
-            )
-            return 2
+            return fail(PROG, f"{flag} MIN MAX needs MIN <= MAX, got {low} {high}")
     lengths = None
     if args.lengths_from:
         try:
@@ -503,34 +534,43 @@ def run(args: argparse.Namespace) -> int:
                 args.lengths_from, args.num_prompts, args.seed, args.prompt_tokens[1], args.output_tokens[1]
             )
         except (OSError, TraceFormatError, ValueError) as e:
-            print(f"tierserve bench engine: --lengths-from: {e}", file=sys.stderr)
-            return 2
+            return fail(PROG, f"--lengths-from: {e}")
     monitor = HostMonitor()
     begin = time.perf_counter()
     try:
         executor = load_executor(args.model, args.device, args.threads)
     except ModelLoadError as e:
         return fail(PROG, f"--model: {e}")
-    # A request holds at most the model's context, or what the K/V cache holds if that is less.
-    max_model_len = executor.spec.max_model_len
-    cache_bound = max_model_len == executor.pool.num_device_blocks * executor.spec.block_size
-    (_, prompt_max), (_, output_max) = args.prompt_tokens, args.output_tokens
-    if prompt_max + output_max > max_model_len:
-        limit = (
-            f"the K/V cache's {max_model_len}" if cache_bound else f"the model's context of {max_model_len}"
-        )
-        return fail(
-            PROG,
-            f"--prompt-tokens MAX + --output-tokens MAX is {prompt_max} + {output_max} = "
-            f"{prompt_max + output_max} tokens, more than {limit}",
-        )
+    too_long = _too_long(args, executor)
+    if too_long:
+        return fail(PROG, too_long)
     res = bench(args, executor, lengths)
     res["elapsed_s"] = time.perf_counter() - begin
     host = monitor.finish()
     res["host"] = host.as_dict()
     if args.json:
         print(json.dumps(res, indent=2))
-        return 0
+    else:
+        _print_report(res, host.warning())
+    return 0
+
+
+def _too_long(args: argparse.Namespace, executor: TorchExecutor) -> str | None:
+    """Why the longest request the flags allow does not fit, or None: a request holds at most
+    the model's context, or what the K/V cache holds if that is less."""
+    max_model_len = executor.spec.max_model_len
+    cache_bound = max_model_len == executor.pool.num_device_blocks * executor.spec.block_size
+    (_, prompt_max), (_, output_max) = args.prompt_tokens, args.output_tokens
+    if prompt_max + output_max <= max_model_len:
+        return None
+    limit = f"the K/V cache's {max_model_len}" if cache_bound else f"the model's context of {max_model_len}"
+    return (
+        f"--prompt-tokens MAX + --output-tokens MAX is {prompt_max} + {output_max} = "
+        f"{prompt_max + output_max} tokens, more than {limit}"
+    )
+
+
+def _print_report(res: dict[str, Any], host_warning: str | None) -> None:
     head = (
         f"{res['num_prompts']} prompts ({res['num_prompt_tokens']} tokens"
         f"{', lengths from ' + res['lengths_from'] if res['lengths_from'] else ''}), "
@@ -544,7 +584,5 @@ def run(args: argparse.Namespace) -> int:
     if "speedup_vs_hf_batched_runs" in res:
         pairs = ", ".join(f"{r:.2f}" for r in res["speedup_vs_hf_batched_runs"])
         print(f"  (speed-up of each engine / padded-batch pair, in turn: {pairs})")
-    warning = host.warning()
-    if warning:
-        print(warning)
-    return 0
+    if host_warning:
+        print(host_warning)

@@ -197,6 +197,7 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
     config = s.engine_config()
     commit = source_commit()
     workloads = sorted({w for w, _, _ in matrix.groups})
+    traces = [w for w in workloads if get_preset(w).trace_file]
     return {
         "simulated": "tierserve's engine, scheduler and KV memory on the roofline GPU simulator, "
         "in virtual time",
@@ -217,12 +218,10 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
                 "trace_rows": s.max_trace_rows or "all",
                 # Rows longer than the model's context run shortened: not the trace's requests.
                 "trace_rows_cut_to_context": {
-                    w: num_cut_to_fit(s.trace_rows(w), s.executor(w).spec.max_model_len)
-                    for w in workloads
-                    if get_preset(w).trace_file
+                    w: num_cut_to_fit(s.trace_rows(w), s.executor(w).spec.max_model_len) for w in traces
                 },
             }
-            if any(get_preset(w).trace_file for w in workloads)
+            if traces
             else {}
         ),
         "think_time_s": s.think_time_s,

@@ -113,7 +113,7 @@ class BlockPool:
 
     def allocate(self, tier: Tier) -> int:
         """Hand out one block for `tier`; the caller has checked `num_free`."""
-        block_id = self._free.pop() if self._free else self._evict_one()
+        block_id = self._free.pop() if self._free else self._evict(1)[0]
         self.ref_count[block_id] = 1
         self.charged_tier[block_id] = tier
         self.used_by_tier[tier] += 1
@@ -183,7 +183,7 @@ class BlockPool:
 
     def next_evicted(self, num_blocks: int) -> set[int]:
         """The cached blocks that the next `num_blocks` allocations would evict (after the
-        free list runs out), in `_evict_one`'s order; nothing changes."""
+        free list runs out), in `_evict`'s order; nothing changes."""
         num_evicted = num_blocks - len(self._free)
         evicted: set[int] = set()
         for lru in reversed(self._evictable):
@@ -192,9 +192,6 @@ class BlockPool:
             evicted.update(islice(lru, num_evicted))
             num_evicted -= len(lru)
         return evicted
-
-    def _evict_one(self) -> int:
-        return self._evict(1)[0]
 
     def _evict(self, num_blocks: int) -> list[int]:
         """Empty `num_blocks` cached-free blocks, least recently used first, P3's before

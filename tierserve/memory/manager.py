@@ -97,20 +97,11 @@ class KVCacheManager:
     def fits_one_each(self, tiers: Sequence[Tier]) -> bool:
         """Whether one new block for each of `tiers`, taken in this order, would each pass
         `check` (so that a run of `grow` calls can be known to succeed before the first)."""
-        used = list(self.pool.used_by_tier)
-        num_free = self.pool.num_free
-        for tier in tiers:
-            if used[tier] + 1 > self.partition.ceiling[tier]:
-                return False
-            if num_free - 1 < self.partition.protected_free(tier, used):
-                return False
-            used[tier] += 1
-            num_free -= 1
-        return True
+        return self.fits_each([(tier, 1) for tier in tiers])
 
     def fits_each(self, needs: Sequence[tuple[Tier, int]]) -> bool:
         """Whether `grow`s taking n new blocks for tier t, for each (t, n) of `needs` in this
-        order, would each pass `check` (`fits_one_each` with counts; n <= 0 takes none)."""
+        order, would each pass `check` (n <= 0 takes none)."""
         used = list(self.pool.used_by_tier)
         num_free = self.pool.num_free
         for tier, n in needs:

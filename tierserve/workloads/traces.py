@@ -38,7 +38,6 @@ class TraceFormatError(ValueError):
 
 
 TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # Azure CSV; Mooncake JSON lines (either name)
-TRACE_SUFFIXES_GZ = tuple(s + ".gz" for s in TRACE_SUFFIXES)
 # A Mooncake trace whose rows come this close together (mean gap) likely has its
 # timestamps in seconds, not milliseconds: the replay would send them all at once.
 _SUSPICIOUS_GAP_MS = 1.0
@@ -147,63 +146,62 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
     p = Path(path)
     records: list[TraceRecord] = []
     origin_ms: float | None = None
-    lines_hint = "the file must be JSON lines: one object per line"
     with _open_text(p) as f:
         for line_no, line in enumerate(f, start=1):
             if len(records) == max_rows:
                 break
-            where = f"{p}:{line_no}"
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{where}: invalid JSON ({e.msg}; {lines_hint})") from None
-            if not isinstance(row, dict):
-                got = "an array" if isinstance(row, list) else type(row).__name__
-                raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
-            for key in ("timestamp", "input_length", "output_length"):
-                if key not in row:
-                    raise TraceFormatError(f"{where}: missing {key!r}")
-            stamp = row["timestamp"]
-            if (
-                isinstance(stamp, bool)
-                or not isinstance(stamp, (int, float))
-                or not math.isfinite(stamp)
-                or stamp < 0
-            ):
-                raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
-            num_prompt = _count(where, "input_length", row["input_length"], 1)
-            hash_ids = row.get("hash_ids")
-            if hash_ids is None:
-                hash_ids = []
-            elif not isinstance(hash_ids, list):
-                raise TraceFormatError(f"{where}: hash_ids must be a list")
-            for h in hash_ids:
-                _count(where, "each hash id", h, 0, MAX_HASH_ID)
-            num_blocks = -(-num_prompt // TRACE_BLOCK_TOKENS)
-            if hash_ids and len(hash_ids) != num_blocks:
-                raise TraceFormatError(
-                    f"{where}: input_length {num_prompt} needs {num_blocks} hash ids "
-                    f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
-                )
+            where = f"{p}:{line_no}"
+            stamp, num_prompt, num_output, hash_ids = _mooncake_row(where, line)
             if origin_ms is None:
                 origin_ms = stamp  # arrivals count from the first row (a trace may carry epoch ms)
             arrival_s = (stamp - origin_ms) / 1000.0
             _check_order(where, f"{stamp!r} ms", arrival_s, records[-1].arrival_s if records else 0.0)
-            records.append(
-                TraceRecord(
-                    arrival_s,
-                    num_prompt,
-                    _count(where, "output_length", row["output_length"], 0),
-                    tuple(hash_ids),
-                    line=line_no,
-                )
-            )
+            records.append(TraceRecord(arrival_s, num_prompt, num_output, hash_ids, line=line_no))
     if not records:
         raise TraceFormatError(f"{p}: no rows")
     _warn_if_seconds(p, records)
     return records
+
+
+def _mooncake_row(where: str, line: str) -> tuple[float, int, int, tuple[int, ...]]:
+    """One JSON line's (timestamp in ms, input length, output length, hash ids), checked."""
+    lines_hint = "the file must be JSON lines: one object per line"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{where}: invalid JSON ({e.msg}; {lines_hint})") from None
+    if not isinstance(row, dict):
+        got = "an array" if isinstance(row, list) else type(row).__name__
+        raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
+    for key in ("timestamp", "input_length", "output_length"):
+        if key not in row:
+            raise TraceFormatError(f"{where}: missing {key!r}")
+    stamp = row["timestamp"]
+    if (
+        isinstance(stamp, bool)
+        or not isinstance(stamp, (int, float))
+        or not math.isfinite(stamp)
+        or stamp < 0
+    ):
+        raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
+    num_prompt = _count(where, "input_length", row["input_length"], 1)
+    hash_ids = row.get("hash_ids")
+    if hash_ids is None:
+        hash_ids = []
+    elif not isinstance(hash_ids, list):
+        raise TraceFormatError(f"{where}: hash_ids must be a list")
+    for h in hash_ids:
+        _count(where, "each hash id", h, 0, MAX_HASH_ID)
+    num_blocks = -(-num_prompt // TRACE_BLOCK_TOKENS)
+    if hash_ids and len(hash_ids) != num_blocks:
+        raise TraceFormatError(
+            f"{where}: input_length {num_prompt} needs {num_blocks} hash ids "
+            f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
+        )
+    num_output = _count(where, "output_length", row["output_length"], 0)
+    return stamp, num_prompt, num_output, tuple(hash_ids)
 
 
 def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:

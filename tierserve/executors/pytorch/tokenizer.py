@@ -105,11 +105,10 @@ class HFTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
         limit = self._vocab_limit
-        if limit is not None and ids and max(ids) >= limit:
-            token = self._tok.id_to_token(max(ids))
+        if limit is not None and ids and (top := max(ids)) >= limit:
             raise ValueError(
-                f"the text holds the token {token!r} (id {max(ids)}), past the model's vocabulary of "
-                f"{limit}: the checkpoint's tokenizer has tokens its model has no embedding for"
+                f"the text holds the token {self._tok.id_to_token(top)!r} (id {top}), past the model's "
+                f"vocabulary of {limit}: the checkpoint's tokenizer has tokens its model has no embedding for"
             )
         return ids
 

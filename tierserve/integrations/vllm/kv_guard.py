@@ -35,17 +35,13 @@ def holdings(manager: KVCacheManager, request_id: str) -> tuple[list[KVCacheBloc
     shared: list[KVCacheBlock] = []
     own = 0
     for blocks in manager.coordinator.get_blocks(request_id):
-        i, n = 0, len(blocks)
-        while i < n:
-            block = blocks[i]
+        for i, block in enumerate(blocks):
             if block.is_null:  # a sliding window's dropped block: in no pool
-                pass
-            elif block.ref_cnt > 1:
-                shared.append(block)
-            else:
+                continue
+            if block.ref_cnt <= 1:
+                own += len(blocks) - i
                 break
-            i += 1
-        own += n - i
+            shared.append(block)
     return shared, own
 
 
