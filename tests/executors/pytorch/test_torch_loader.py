@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_checkpoints import BOS_ID, EOS_ID, Checkpoint, edit_json
+from torch_checkpoints import (
+    BOS_ID,
+    EOS_ID,
+    VOCAB_SIZE,
+    Checkpoint,
+    add_tokens_past_the_vocabulary,
+    edit_json,
+)
 from torch_paged_runner import prompt_logits
 
 from tierserve.executors.pytorch.executor import build_torch_executor
@@ -212,27 +219,8 @@ def test_a_template_that_fails_on_the_messages_is_a_value_error(
 def test_text_holding_a_token_past_the_models_vocabulary_is_refused(checkpoint: Checkpoint) -> None:
     """A tokenizer with added tokens the embeddings do not cover: encoding one used to crash
     the engine step (and every request in it)."""
-    path = checkpoint.path / "tokenizer.json"
-    data = json.loads(path.read_text())
-    vocab_size = json.loads((checkpoint.path / "config.json").read_text())["vocab_size"]
-    for n in range(
-        vocab_size - 300 + 1
-    ):  # the test tokenizer's 300 ids, then up to the model's last and one past
-        data["added_tokens"].append(
-            {
-                "id": 300 + n,
-                "content": f"<x{n}>",
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-        )
-    path.write_text(json.dumps(data))
+    past = add_tokens_past_the_vocabulary(checkpoint.path)
     tok = load_model(checkpoint.path, CPU).tokenizer
-    assert tok.encode(f"hello <x{vocab_size - 301}>")  # the model's last id still encodes
-    with pytest.raises(
-        ValueError, match=rf"'<x{vocab_size - 300}>' \(id {vocab_size}\), past the model's vocabulary"
-    ):
-        tok.encode(f"hello <x{vocab_size - 300}>")
+    assert tok.encode(f"hello <x{VOCAB_SIZE - 301}>")  # the model's last id still encodes
+    with pytest.raises(ValueError, match=rf"'{past}' \(id {VOCAB_SIZE}\), past the model's vocabulary"):
+        tok.encode(f"hello {past}")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
-from torch_checkpoints import EOS_ID, Checkpoint, write_checkpoint
+from torch_checkpoints import EOS_ID, VOCAB_SIZE, Checkpoint, add_tokens_past_the_vocabulary, write_checkpoint
 
 from tests.server.helpers import free_socket, wait_until_ready
 from tierserve.executors.pytorch.loader import load_model
@@ -23,7 +23,9 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
+    add_tokens_past_the_vocabulary(ckpt.path)  # ordinary text encodes as before
+    return ckpt
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +91,22 @@ def test_completions_take_text_and_token_ids(checkpoint: Checkpoint, server: str
         expected = _expected(checkpoint, ids)
         r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].text == tok.decode(ids + expected)[len(tok.decode(ids)) :]
+
+
+def test_a_token_past_the_models_vocabulary_is_a_400_naming_the_field(server: str) -> None:
+    """It reached the embeddings and crashed the engine step, aborting every request in it."""
+    past = f"<x{VOCAB_SIZE - 300}>"
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model="tiny-llama", prompt=f"hello {past}", max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": past}], max_tokens=4
+        )
+    assert completion.value.body["param"] == "prompt" and "past the model's vocabulary" in str(
+        completion.value
+    )
+    assert chat.value.body["param"] == "messages"
+    assert client.completions.create(
+        model="tiny-llama", prompt="hello", max_tokens=2
+    ).choices  # still serving

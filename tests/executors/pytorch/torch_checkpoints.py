@@ -144,3 +144,19 @@ def edit_json(path: Path, **changes: object) -> None:
         else:
             data[key] = value
     path.write_text(json.dumps(data))
+
+
+def add_tokens_past_the_vocabulary(path: Path) -> str:
+    """Give the checkpoint's tokenizer added tokens <x0>, <x1>, ... after its 300 ids, up to
+    the model's last id and one past it; returns that one past (a token the model has no
+    embedding for)."""
+    tokenizer = path / "tokenizer.json"
+    data = json.loads(tokenizer.read_text())
+    extra = VOCAB_SIZE - 300 + 1
+    data["added_tokens"] += [
+        {"id": 300 + n, "content": f"<x{n}>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for n in range(extra)
+    ]  # fmt: skip
+    tokenizer.write_text(json.dumps(data))
+    return f"<x{extra - 1}>"

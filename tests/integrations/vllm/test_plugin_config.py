@@ -212,3 +212,34 @@ def test_every_tier_must_have_room_for_one_request_of_the_models_context() -> No
 def test_a_config_path_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="a folder, not a config file"):
         load_plugin_config(None, environ={CONFIG_ENV: str(tmp_path)})
+
+
+def test_an_allocation_that_frees_blocks_on_net_releases_them_from_its_tier() -> None:
+    """With a sliding window, vLLM's `allocate_slots` frees the blocks that slid out: the
+    pool's free count can rise. The tier's count falls by as many, at most to zero (added
+    as a negative, it raised LedgerError where the count was lower: counts between recounts
+    are estimates, as `release` says)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from tierserve.integrations.vllm.book import RequestBook
+    from tierserve.integrations.vllm.kv_guard import TierGuardedKVCacheManager
+
+    pool = SimpleNamespace(num_free=50, change=2)  # two blocks slid out of the window, none needed
+    pool.get_num_free_blocks = lambda: pool.num_free
+
+    def allocate_slots(request: object, num_new_tokens: int, *args: object, **kwargs: object) -> object:
+        pool.num_free += pool.change
+        return object()
+
+    inner = SimpleNamespace(block_pool=pool, allocate_slots=allocate_slots)
+    ledger, book = _ledger(), RequestBook()
+    req = SimpleNamespace(request_id="r", max_tokens=8, prompt_token_ids=[1, 2, 3], arrival_time=0.0)
+    book.add(req, Tier.P2, "t")  # type: ignore[arg-type]
+    ledger.reset([0, 0, 1, 0])
+    guard = TierGuardedKVCacheManager(inner, ledger, book)  # type: ignore[arg-type]
+    assert guard.allocate_slots(req, 1) is not None  # type: ignore[arg-type]
+    assert ledger.used[Tier.P2] == 0
+    pool.change = -3  # three blocks given: counted as taken
+    guard.allocate_slots(req, 1)  # type: ignore[arg-type]
+    assert ledger.used[Tier.P2] == 3
