@@ -39,8 +39,8 @@ class FakeUpstream:
     """mode: "ok", "fail" (500 before any byte), "break" (two events, then the connection drops),
     "stop" (two events, then a clean end without `data: [DONE]`) or "refuse" (`refusal_status`,
     with `refusal_body`, `refusal_type` and a Retry-After of 7).
-    A non-streaming reply comes after `reply_after_s`, or never if its client goes first
-    (counted in `num_clients_gone`)."""
+    A reply (a stream's status and first event too) comes after `reply_after_s`, or never
+    if its client goes first (counted in `num_clients_gone`)."""
 
     mode: str = "ok"
     num_events: int = 4
@@ -51,6 +51,7 @@ class FakeUpstream:
     refusal_type: str = "application/json"
     num_clients_gone: int = 0
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
+    model: str = FAKE_MODEL  # the one model its /v1/models lists
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -63,10 +64,10 @@ class FakeUpstream:
         if self.mode == "refuse":
             headers = {"Retry-After": "7"}
             return Response(self.refusal_body, self.refusal_status, headers, media_type=self.refusal_type)
+        if not await self._client_stays(request):
+            self.num_clients_gone += 1
+            return Response(status_code=499)
         if not body.get("stream"):
-            if not await self._client_stays(request):
-                self.num_clients_gone += 1
-                return Response(status_code=499)
             usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
             return JSONResponse({"choices": [{"message": {"content": "ok"}}], "usage": usage})
         return StreamingResponse(self._stream(), media_type="text/event-stream")
@@ -95,7 +96,7 @@ class FakeUpstream:
             return PlainTextResponse(METRICS)
 
         async def models(_: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
         app = Starlette(
             routes=[

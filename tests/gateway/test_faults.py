@@ -138,11 +138,15 @@ def test_a_lone_surrogate_escape_is_invalid_json_at_every_tier(tier: str, path: 
     assert not fake.bodies  # refused by the gateway, as `tierserve serve` refuses it
 
 
-def test_a_non_streaming_request_whose_client_leaves_is_dropped_upstream_too() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_leaves_before_the_first_byte_is_dropped_upstream_too(stream: bool) -> None:
+    """A stream's client was watched only from the upstream's first bytes on: one that left
+    while the upstream was silent (a long prefill, a queue there) or while the request
+    waited in the gateway's queue kept its upstream call and its seat until then."""
     slow = FakeUpstream("ok", reply_after_s=20.0)
     with fake_upstream(slow) as url, gateway([url]) as (gw, state):
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=0.5)
+            httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=0.5)
         deadline = time.monotonic() + 5
         while (state.num_in_flight or not slow.num_clients_gone) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -190,6 +194,28 @@ def test_a_502_does_not_name_the_addresses_behind_the_gateway() -> None:
     port = url.rsplit(":", 1)[1]
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
     assert port not in r.text and "1 tried" in r.json()["error"]["message"]
+
+
+def test_a_model_whose_upstreams_are_all_ejected_is_a_503_no_upstream_not_a_404() -> None:
+    """With another upstream serving another model still up, a model whose only upstream was
+    down for a moment was answered 404 `model_not_found` ("does not exist"), which clients
+    do not retry, instead of the 503 `no_upstream` it gets when no upstream is up at all."""
+    from contextlib import ExitStack
+
+    other = FakeUpstream("ok", model="other")
+    with fake_upstream(other) as other_url, ExitStack() as upstream:
+        url = upstream.enter_context(fake_upstream(FakeUpstream("ok")))
+        with gateway([url, other_url]) as (gw, state):
+            upstream.close()  # admitted, then gone
+            for _ in range(300):  # ejected by the health checks (every 0.2 s), bounded
+                if not state.router.states[0].healthy:
+                    break
+                time.sleep(0.05)
+            assert not state.router.states[0].healthy
+            down = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            unknown = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": "nope"}, timeout=30)
+    assert down.status_code == 503 and down.json()["error"]["code"] == "no_upstream", down.text
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_non_streaming_request_cut_at_the_drain_timeout_gets_a_503() -> None:

@@ -92,6 +92,25 @@ def test_an_upstream_never_admitted_says_why_once(caplog: pytest.LogCaptureFixtu
     assert len(said) == 1 and "upstream u (http://127.0.0.1:1) not admitted" in said[0] and "401" in said[0]
 
 
+def test_an_ejection_is_said_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """httpx's status errors add a second line ("For more information check: <mozilla URL>"),
+    which reached the log as a line of its own under each WARNING."""
+    polls: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        polls.append(1)
+        if len(polls) > 1:  # admitted on the first poll, then /metrics is gone
+            return httpx.Response(404, text="Not Found")
+        return httpx.Response(200, text='vllm:num_requests_running{model_name="tiny"} 1.0\n')
+
+    caplog.set_level(logging.WARNING, logger="tierserve.gateway")
+    assert not _polled(answer, rounds=3).healthy
+    said = [r.getMessage() for r in caplog.records if "ejected" in r.getMessage()]
+    assert len(said) == 1 and "404" in said[0] and "\n" not in said[0], said
+
+
 def test_a_draining_tierserve_upstream_is_ejected_at_once() -> None:
     """Its /metrics still answers while it drains, so the gateway kept sending it requests,
     each refused with a 503 and retried elsewhere. Admitted on two good polls, it starts to

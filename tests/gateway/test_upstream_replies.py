@@ -100,6 +100,33 @@ def test_a_200_that_is_not_json_is_retried_elsewhere_and_never_reaches_the_clien
     assert alone.status_code == 502 and alone.json()["error"]["code"] == "upstream_unavailable"
 
 
+def test_a_stream_answered_with_a_200_that_is_not_sse_is_retried_and_never_reaches_the_client() -> None:
+    """A streamed request answered with an HTML page (a proxy's, say) had the page passed on as
+    if it were events, then an `upstream_failed` event: the request was not tried elsewhere."""
+    html = FakeUpstream(
+        "refuse", refusal_status=200, refusal_body=b"<html>oops</html>", refusal_type="text/html"
+    )
+    good = FakeUpstream("ok")
+    stream = {**CHAT, "stream": True}
+    with fake_upstream(html) as html_url, fake_upstream(good) as good_url:
+        with gateway([html_url, good_url]) as (gw, _):
+            answers = [
+                httpx.post(
+                    gw.url + "/v1/chat/completions",
+                    json={**stream, "messages": [{"role": "user", "content": f"prefix {i}"}]},
+                    timeout=30,
+                )
+                for i in range(6)
+            ]
+        with gateway([html_url]) as (gw, state):
+            alone = httpx.post(gw.url + "/v1/chat/completions", json=stream, timeout=30)
+            assert state.num_in_flight == 0
+    assert len(html.bodies) > 1 and [r.status_code for r in answers] == [200] * 6
+    assert all("oops" not in r.text and r.text.endswith("data: [DONE]\n\n") for r in answers)
+    assert all("upstream_failed" not in r.text for r in answers), [r.text for r in answers]
+    assert alone.status_code == 502 and alone.json()["error"]["code"] == "upstream_unavailable"
+
+
 def test_a_redis_unreachable_at_start_up_is_said_in_one_line_and_exported_as_down(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

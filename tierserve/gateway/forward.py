@@ -82,8 +82,12 @@ async def _read_body(
 
 
 def _check_model(gw: GatewayState, model: str) -> None:
-    known = {m for s in gw.router.states if s.healthy for m in s.models}
-    if known and model not in known and not any(s.healthy and not s.models for s in gw.router.states):
+    """A 404 for a model no upstream lists. One listed by upstreams that are all ejected
+    right now is left to the dispatcher's 503 `no_upstream`: a client retries that, and
+    would not retry a 404 for an outage."""
+    states = gw.router.states
+    known = {m for s in states for m in s.models}  # an ejected upstream keeps its last list
+    if known and model not in known and not any(s.healthy and not s.models for s in states):
         raise ApiError(
             404,
             f"The model {model!r} does not exist (served here: {', '.join(sorted(known))}).",
@@ -127,7 +131,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     )
     gw.num_in_flight += 1
     try:
-        response = await (_attempts(gw, call) if call.stream else _unless_client_leaves(gw, call, http))
+        response = await _unless_client_leaves(gw, call, http)
     except BaseException:
         gw.num_in_flight -= 1
         gw.spawn(gw.limiter.settle(call.reservation, 0))
@@ -138,9 +142,10 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
 
 
 async def _unless_client_leaves(gw: GatewayState, call: _Call, http: HttpRequest) -> Response:
-    """`_attempts` of a non-streaming request, given up when its client goes away first
-    (a stream's response watches its client itself): the upstream call is dropped, so the
-    upstream sees the client go too, and the reservation is kept whole, as for a stream
+    """`_attempts`, given up when the client goes away before the reply (a non-streaming
+    one whole, a stream's first bytes: from then on its response watches its client
+    itself): the upstream call is dropped, or the request leaves the gateway's queue, so
+    the upstream sees the client go too, and the reservation is kept whole, as for a stream
     cut before its usage. Given up too when the gateway's drain times out (`gw.calls`):
     then the client gets a 503 `aborted`, as a stream gets its `aborted` event."""
     attempts = asyncio.ensure_future(_attempts(gw, call))
@@ -246,6 +251,11 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
     if reply.status in RETRYABLE_STATUS:
         reply.release()
         raise _Retry(f"HTTP {reply.status}")
+    if call.stream and reply.status == 200 and not _is_event_stream(reply):
+        # An HTML page from a proxy, say: not events, so nothing of it may reach the client,
+        # as a non-streaming 200 that is not JSON does not; another upstream may answer.
+        reply.release()
+        raise _Retry(f"a 200 stream reply of type {reply.content_type!r}, not text/event-stream")
     if not call.stream or reply.status != 200:
         return await _whole(gw, call, decision, reply)
     chunks = reply.content.iter_any()
@@ -287,6 +297,12 @@ async def _whole(
         headers = {**call.headers, **_retry_after(reply)}
         return Response(content, status_code=reply.status, headers=headers, media_type="application/json")
     raise _upstream_refusal(name, reply, payload, content, call.headers)
+
+
+def _is_event_stream(reply: aiohttp.ClientResponse) -> bool:
+    """Whether a streamed reply is SSE by its Content-Type; one that names no type is taken
+    for SSE (a reply cut before `data: [DONE]` still ends with an error event)."""
+    return "content-type" not in reply.headers or reply.content_type == "text/event-stream"
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:

@@ -77,7 +77,8 @@ class UpstreamPoller:
             if s.config.kind == "tierserve":
                 await check_ready(gw.client, url, self._timeout_s, auth)
         except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
-            why = str(e) or type(e).__name__
+            # One line: httpx's status errors add a second ("For more information check: ...").
+            why = (str(e).strip() or type(e).__name__).splitlines()[0]
             if gw.router.record_failure(s.name, eject_now=isinstance(e, NotReady)):  # draining: now
                 gw.metrics.ejections.labels(s.name).inc()
                 log.warning("upstream %s ejected: %s", s.name, why)
