@@ -48,6 +48,19 @@ def test_runs_that_could_not_end_are_refused_up_front(
     assert said in err and len(err.splitlines()) == 1
 
 
+def test_an_unknown_policy_is_said_before_the_trace_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was found only when the first engine was built: a missing trace's error came
+    instead, and an existing trace was parsed and --out made first."""
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--policy", "bogus", "--out", str(out)]
+    assert main([*argv, "--trace", str(tmp_path / "missing.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--policy 'bogus': choose from" in err and "hybrid" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
 def test_a_fixed_fleet_ignores_the_autoscalers_bound(tmp_path: Path) -> None:
     """--max-replicas bounds the autoscalers; a fixed fleet of 2 knows only its own replicas'
     names (it built a gateway for 4 x 10^9 upstreams and ran out of memory)."""

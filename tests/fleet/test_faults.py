@@ -61,3 +61,23 @@ def test_a_request_the_step_in_flight_would_have_ended_is_lost_with_its_replica(
     sim.run(workload)
     assert sim.requests[victim.key].outcome == LOST
     assert all(fr.outcome not in (None, UNFINISHED) for fr in sim.requests)
+
+
+def test_the_result_says_what_each_kill_did() -> None:
+    """A kill of a replica not yet launched, dead already or after the run's end does nothing;
+    the report listed the kills asked for as if each had hit."""
+    from tierserve.fleet.summary import summarize
+
+    from .helpers import CONFIG
+
+    workload = specs(40, seed=5, gap_s=0.1, prompt=(100, 400), output=(5, 20))
+    kills = ((2.0, 1), (3.0, 1), (1.0, 5), (1e9, 0))
+    sim = FleetSim(FleetConfig(2, router="round-robin", kills=kills), build_engine)
+    result = sim.run(workload)
+    assert result.faults == [
+        (1.0, 5, "not launched"),
+        (2.0, 1, "killed"),
+        (3.0, 1, "already dead"),
+        (1e9, 0, "after the end"),
+    ]
+    assert summarize(result, CONFIG, 60.0)["faults"][1] == [2.0, 1, "killed"]

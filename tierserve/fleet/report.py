@@ -116,10 +116,21 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
     ]
     if speeds:
         lines += [f"Simulation ({meta['sim_mode']} mode): " + "; ".join(speeds) + ".", ""]
-    if meta.get("kills"):
-        lines += [f"Replica faults: {meta['kills']} (time s, replica index).", ""]
+    for r in runs:
+        # What each --kill did in this run: an autoscaling fleet may not have launched the
+        # replica by then, and a kill after the run's end does nothing.
+        if faults := r["summary"].get("faults"):
+            said = "; ".join(f"replica {i} at {t:g} s: {what}" for t, i, what in faults)
+            lines += [f"Replica faults ({r['router']} / {r['scaling']}): {said}.", ""]
     lines += [f"![{p}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _time_unit(runs: Sequence[Run]) -> tuple[str, float]:
+    """The plots' time unit: seconds, or hours for a run of more than three (a days-long
+    trace's six-digit seconds ran into each other under the narrow per-tier plots)."""
+    end = max((x[0] for r in runs for x in r["summary"]["replicas_over_time"]), default=0.0)
+    return ("h", 3600.0) if end > 3 * 3600.0 else ("s", 1.0)
 
 
 def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
@@ -127,20 +138,28 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    unit, per = _time_unit(runs)
     names = []
     for key, label in (("slo_attainment", "SLO attainment"), ("goodput_rps", "goodput (req/s)")):
-        fig, axes = plt.subplots(1, len(ALL_TIERS), figsize=(4.2 * len(ALL_TIERS), 3.4), squeeze=False)
+        # One time axis for the four tiers: a tier without requests gets the others' axis,
+        # not an empty one around zero.
+        fig, axes = plt.subplots(
+            1, len(ALL_TIERS), figsize=(4.2 * len(ALL_TIERS), 3.4), squeeze=False, sharex=True
+        )
         for ax, tier in zip(axes.flat, ALL_TIERS, strict=True):
             for r in runs:
                 ot = r["summary"]["over_time"]
                 ys = ot["tiers"].get(tier.name, {}).get(key, [])
-                pts = [(t, y) for t, y in zip(ot["t_s"], ys, strict=False) if y is not None]
+                pts = [(t / per, y) for t, y in zip(ot["t_s"], ys, strict=False) if y is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r['router']} / {r['scaling']}")
             ax.set_title(f"{tier.name} {label}")
             if key == "slo_attainment":
                 ax.set_ylim(-0.02, 1.02)
-            ax.set_xlabel("arrival time (s)")
+            else:
+                ax.set_ylim(bottom=0)  # a rate from zero: a dip of a tenth is not drawn as a fall
+            ax.set_xlabel(f"arrival time ({unit})")
         axes.flat[0].legend(fontsize=7)
         fig.tight_layout()
         name = f"{key}_over_time.png"
@@ -151,13 +170,17 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
     for r in runs:
         rot = r["summary"]["replicas_over_time"]
         ax1.step(
-            [x[0] for x in rot],
+            [x[0] / per for x in rot],
             [x[1] + x[2] for x in rot],
             where="post",
             label=f"{r['router']} / {r['scaling']}",
         )
     ax1.set_title("replicas (serving or draining, + starting)")
-    ax1.set_xlabel("time (s)")
+    ax1.set_xlabel(f"time ({unit})")
+    # Whole replicas from zero: a fleet of a constant 2 was drawn on an axis of 1.900 to 2.100.
+    ax1.yaxis.set_major_locator(MaxNLocator(integer=True))
+    most = max((x[1] + x[2] for r in runs for x in r["summary"]["replicas_over_time"]), default=1)
+    ax1.set_ylim(0, max(1, most) * 1.15)  # room above the top line
     ax1.legend(fontsize=7)
     # Horizontal bars: one label a row stays readable for all twelve router x scaling runs.
     labels = [f"{r['router']} / {r['scaling']}" for r in runs]

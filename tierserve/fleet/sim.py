@@ -69,6 +69,12 @@ class FleetResult:
     replicas_over_time: list[tuple[float, int, int]]
     routed_by_reason: dict[str, int]
     num_launched: int
+    # Each `kills` entry as (time, replica index, what it did): "killed" (while serving;
+    # "killed while starting" or "while draining" otherwise), or why it did nothing ("not
+    # launched", "already dead", "already stopped", "after the end"): an autoscaling fleet
+    # may not have launched the replica by then, and a report listing the kills asked for
+    # said nothing of that.
+    faults: list[tuple[float, int, str]] = field(default_factory=list)
 
 
 class FleetSim:
@@ -88,6 +94,7 @@ class FleetSim:
         self._specs: Iterator[RequestSpec] = iter(())
         self._last_arrival_s = 0.0
         self.replicas_over_time: list[tuple[float, int, int]] = []
+        self.faults: list[tuple[float, int, str]] = []  # FleetResult.faults
         self.on_arrival: Callable[[float], None] = lambda now: None  # progress callback
         # Skip the scrapes of an idle fleet up to its next event (`_scrape_all`); the results
         # are the same without it (tests/fleet/test_idle_gaps.py), only slower.
@@ -138,6 +145,10 @@ class FleetSim:
             if fr.outcome is None:
                 fr.end(UNFINISHED, now)
         self._record_replicas(final=True)
+        fired = {(when, index) for when, index, _ in self.faults}
+        late = [
+            (when, index, "after the end") for when, index in self.config.kills if (when, index) not in fired
+        ]
         gpus = self.config.num_gpus_per_replica
         return FleetResult(
             self.requests,
@@ -146,6 +157,7 @@ class FleetSim:
             self.replicas_over_time,
             dict(self.dispatch.num_routed_by_reason),
             len(self.replicas),
+            sorted(self.faults + late),
         )
 
     # ---- arrivals and routing ---------------------------------------------------------------
@@ -271,7 +283,11 @@ class FleetSim:
         name = replica_name(int(ev.target))
         replica = self.replicas.get(name)
         if replica is None or replica.state in (ReplicaState.DEAD, ReplicaState.STOPPED):
+            why = "not launched" if replica is None else f"already {replica.state.value}"
+            self.faults.append((self.clock.now(), int(ev.target), why))
             return
+        what = "killed" if replica.state is ReplicaState.READY else f"killed while {replica.state.value}"
+        self.faults.append((self.clock.now(), int(ev.target), what))
         # Every request sent here and not yet delivered as ended, including those the step in
         # flight would have ended: that step's outputs never reach the gateway.
         live = [(rid, fr) for rid, fr in self._live.items() if fr.tried[-1] == name]

@@ -1,0 +1,59 @@
+"""The fleet report's plots read as a planner needs: whole replicas from zero, one time axis
+for the four tiers, hours for a days-long run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pytest
+
+from tierserve.fleet.report import write_plots
+
+
+def _run(end_s: float, replicas: int) -> dict[str, Any]:
+    """A run's summary as the plots read it: P1 requests in the first and last bins only."""
+    t_s = [0.0, end_s - 60.0]
+    none: list[float | None] = [None, None]
+    tiers = {t: {"slo_attainment": none, "goodput_rps": none} for t in ("P0", "P2", "P3")}
+    tiers["P1"] = {"slo_attainment": [1.0, 0.5], "goodput_rps": [2.0, 1.0]}
+    summary = {
+        "over_time": {"bin_s": 60.0, "t_s": t_s, "tiers": tiers},
+        "replicas_over_time": [[0.0, replicas, 0], [end_s, replicas, 0]],
+        "gpu_hours": replicas * 8 * end_s / 3600,
+    }
+    return {"router": "tier-aware", "scaling": "fixed", "summary": summary}
+
+
+def _figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: dict[str, Any]) -> list[Any]:
+    """The figures `write_plots` draws, kept from `plt.close`."""
+    figs: list[Any] = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    write_plots(tmp_path, [run])
+    return figs
+
+
+def test_the_replica_count_is_drawn_in_whole_replicas_from_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    *_, replicas_fig = _figures(tmp_path, monkeypatch, _run(140.0, 2))
+    ax = replicas_fig.axes[0]
+    ticks = [t for t in ax.get_yticks() if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > 2
+    assert all(t == int(t) for t in ticks)  # not 1.900, 1.925, ... around a fleet of 2
+
+
+def test_a_days_long_run_is_drawn_in_hours_on_one_axis_for_every_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slo_fig, goodput_fig, replicas_fig = _figures(tmp_path, monkeypatch, _run(3 * 86_400.0, 2))
+    for fig in (slo_fig, goodput_fig):
+        p0, p1, *_ = fig.axes
+        assert p1.get_xlabel() == "arrival time (h)"
+        assert p0.get_xlim() == p1.get_xlim()  # P0 had no requests: its axis is P1's, not one near zero
+        assert p1.get_xlim()[1] < 100
+    assert replicas_fig.axes[0].get_xlabel() == "time (h)"
+    # A short run stays in seconds.
+    plt_figs = _figures(tmp_path, monkeypatch, _run(140.0, 2))
+    assert plt_figs[0].axes[1].get_xlabel() == "arrival time (s)"
