@@ -382,3 +382,17 @@ def test_a_prompt_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() 
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     assert f"tier P0 may hold at most {tokens} tokens" in error["message"]
+
+
+def test_an_output_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() -> None:
+    """`prompt + max_tokens` past the tier's ceiling: the same code as past the model's context."""
+    config = parse_serve_config({"tiers": {"P0": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.05}}})
+    with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
+        tokens = srv.state.ceiling_blocks[Tier.P0] * srv.state.block_size
+        assert tokens < CONTEXT  # the tier's ceiling, not the context, is what this passes
+        body = {"model": MODEL, "prompt": [5] * (tokens - 4), "max_completion_tokens": 8}
+        r = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P0"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", error
+    assert error["param"] == "max_completion_tokens"
+    assert f"the {tokens} tokens of KV cache tier P0 may hold" in error["message"]

@@ -89,6 +89,11 @@ def test_missing_file_and_bad_toml_are_config_errors(tmp_path: Path) -> None:
             {"tenants": {"a": {"api_keys": ["k"], "max_tier": "P2", "default_tier": "P0"}}},
             "tenants.a.default_tier: P0 is above the tenant's max_tier P2",
         ),
+        # ... and so was one above the max_tier a tenant gets when the file sets none (P3).
+        (
+            {"tenants": {"a": {"api_keys": ["k"], "default_tier": "realtime"}}},
+            r"tenants.a.default_tier: P0 is above the tenant's max_tier P3 \(its default: set it too\)",
+        ),
         # Two names for one tier were merged silently, the later winning.
         ({"tiers": {"realtime": {"floor": 0.1}, "P0": {"floor": 0.2}}}, "tier P0 is given twice"),
         ({"limits": {"queue_cap": {"realtime": 1, "P0": 5}}}, "tier P0 is given twice"),

@@ -48,6 +48,14 @@ def _chat(client: openai.OpenAI, **fields: Any) -> openai.types.chat.ChatComplet
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"logits_processors": ["x"]}, "logits_processors"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]},
             "messages.0.content.1",
@@ -70,6 +78,9 @@ def test_a_chat_field_that_would_change_the_answer_is_refused(
         ({"logit_bias": {"65": 100}}, "logit_bias"),
         ({"suffix": "END"}, "suffix"),
         ({"min_p": 0.5}, "min_p"),
+        ({"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+        ({"add_special_tokens": False}, "add_special_tokens"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_a_completion_field_that_would_change_the_answer_is_refused(
@@ -87,6 +98,13 @@ def test_a_completion_field_that_would_change_the_answer_is_refused(
         {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": []},
         {"tool_choice": "auto", "function_call": "none", "user": "u", "metadata": {"a": "b"}, "store": False},
         {"logit_bias": None, "top_logprobs": None, "tool_choice": None, "service_tier": "auto", "foo": 1},
+        {"skip_special_tokens": True, "add_generation_prompt": True, "continue_final_message": False},
+        {
+            "chat_template_kwargs": {},
+            "documents": [],
+            "logits_processors": [],
+            "truncate_prompt_tokens": None,
+        },
         {
             "messages": [
                 {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
@@ -104,6 +122,12 @@ def test_neutral_values_and_text_content_are_served(client: openai.OpenAI, field
 
 def test_a_completion_with_an_empty_suffix_is_served(client: openai.OpenAI) -> None:
     reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="")
+    assert reply.choices[0].text
+
+
+def test_a_completion_with_neutral_vllm_prompt_options_is_served(client: openai.OpenAI) -> None:
+    fields = {"add_special_tokens": True, "response_format": {"type": "text"}, "skip_special_tokens": True}
+    reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=fields)
     assert reply.choices[0].text
 
 

@@ -306,10 +306,13 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
         seen_keys[key] = name
     max_tier = _tier(f"{path}.max_tier", raw.get("max_tier", "P3"))
     default_tier = _tier(f"{path}.default_tier", raw.get("default_tier", "P1"))
-    if "default_tier" in raw and "max_tier" in raw and default_tier < max_tier:
-        # Both given: the default would always be lowered to max_tier without a word.
+    if "default_tier" in raw and default_tier < max_tier:
+        # The default would always be lowered to max_tier without a word, also to the P3 of a
+        # tenant whose max_tier the file leaves out (deny by default).
+        implicit = "" if "max_tier" in raw else " (its default: set it too)"
         raise ConfigError(
-            f"{path}.default_tier: {default_tier.name} is above the tenant's max_tier {max_tier.name}"
+            f"{path}.default_tier: {default_tier.name} is above the tenant's max_tier "
+            f"{max_tier.name}{implicit}"
         )
     return TenantConfig(
         name=name,

@@ -49,6 +49,23 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),  # tierserve's text never shows special tokens
+    "logits_processors": (None, []),
+}
+# vLLM's extensions of one endpoint only, refused the same way: what shapes a chat's prompt
+# (its template and what goes into it), and on completions the prompt's special tokens and
+# vLLM's structured output (`response_format` there; chat's is checked in `_check_options`).
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None, []),
+}
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "add_special_tokens": (None, True),
+    "response_format": (None, {}, {"type": "text"}),
 }
 # `tool_choice` / `function_call` values that ask for no call (or leave it to the model, which
 # makes none here); anything else demands a call this server cannot make.
@@ -83,7 +100,10 @@ def _sent(body: ChatCompletionRequest | CompletionRequest, field: str) -> object
 
 
 def _check_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    for field, neutral in UNSUPPORTED_FIELDS.items():
+    own = (
+        CHAT_UNSUPPORTED_FIELDS if isinstance(body, ChatCompletionRequest) else COMPLETION_UNSUPPORTED_FIELDS
+    )
+    for field, neutral in (UNSUPPORTED_FIELDS | own).items():
         value = _sent(body, field)
         if not _is_neutral(value, neutral):
             raise bad_request(f"{field}: not supported by this server (got {_quote(value)})", field)
@@ -246,10 +266,12 @@ def _max_tokens(
             code="context_length_exceeded",
         )
     elif num_prompt + max_tokens > tier_tokens:
-        raise bad_request(
+        raise ApiError(
+            400,
             f"{field}: {max_tokens} + the prompt's {num_prompt} tokens exceeds the "
             f"{tier_tokens} tokens of KV cache tier {tier.name} may hold",
-            field,
+            param=field,
+            code="context_length_exceeded",  # as for the prompt: the tier's share is its context
         )
     return max_tokens
 
