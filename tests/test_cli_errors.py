@@ -112,8 +112,22 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             "unrecognized arguments: --bogus (see tierserve bench fleet --help)",
         ),
         (["bench", "sim-check", "--shape", "zz"], 2, "shape 'zz'"),
-        (["bench", "serve", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
-        (["bench", "sim-check", "--out", "/proc/tierserve/x.json"], 2, "/proc/tierserve: No such file"),
+        # The folder that cannot be made is said as --out's (the OS error named only a path).
+        (
+            ["bench", "serve", "--out", "/proc/tierserve/x.json"],
+            2,
+            "--out /proc/tierserve/x.json: cannot make",
+        ),
+        (
+            ["bench", "sim-check", "--out", "/proc/tierserve/x.json"],
+            2,
+            "--out /proc/tierserve/x.json: cannot",
+        ),
+        (
+            ["bench", "fleet", "--out", "/proc/tierserve/x"],
+            2,
+            "--out /proc/tierserve/x: cannot make its folder",
+        ),
         (["bench", "sim-speed", "--out", "/"], 2, "--out / is a folder: name the JSON file"),
         (["bench", "sim-speed", "--seed", "-5"], 2, "--seed"),
         (["serve", "--max-headers", "0"], 2, "argument --max-headers: expected an integer >= 1"),

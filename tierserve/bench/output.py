@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,26 @@ def make_out_folder(out: str | None) -> None:
     if out:
         if Path(out).is_dir():
             raise ValueError(f"--out {out} is a folder: name the JSON file to write")
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with _naming_out(out):
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
 
 
 def make_out_dir(out: Path) -> None:
     """Make the results folder `out` now (see `make_out_folder`)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    with _naming_out(out):
+        out.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def _naming_out(out: str | Path) -> Iterator[None]:
+    """An OS error making the folder said as --out's (it named only a path, e.g. a parent
+    under /proc, and not which argument to change)."""
+    try:
+        yield
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot make its folder ({e.strerror or e})") from e
 
 
 def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Callable[[], None]) -> None:
