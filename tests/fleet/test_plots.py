@@ -1,4 +1,4 @@
-"""The fleet report's plots read as a planner needs: whole replicas from zero, one time axis
+"""The fleet report's plots and table read as a planner needs: whole replicas from zero, one time axis
 for the four tiers, hours for a days-long run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import pytest
 
-from tierserve.fleet.report import write_plots
+from tierserve.fleet.report import table, write_plots
 
 
 def _run(end_s: float, replicas: int) -> dict[str, Any]:
@@ -57,3 +57,17 @@ def test_a_days_long_run_is_drawn_in_hours_on_one_axis_for_every_tier(
     # A short run stays in seconds.
     plt_figs = _figures(tmp_path, monkeypatch, _run(140.0, 2))
     assert plt_figs[0].axes[1].get_xlabel() == "arrival time (s)"
+
+
+@pytest.mark.parametrize(("gpu_hours", "shown"), [(0.0031, "0.0031"), (2.345, "2.35"), (1234.5, "1234")])
+def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float, shown: str) -> None:
+    """Two decimals printed a short run's GPU-hours as 0.00."""
+    summary: dict[str, Any] = {
+        "gpu_hours": gpu_hours,
+        "tiers": {t: {"slo_attainment": None, "goodput_rps": 0.0} for t in ("P0", "P1", "P2", "P3")},
+        "outcomes": {},
+        "num_retried": 0,
+        "num_lost": 0,
+    }
+    row = table([{"router": "tier-aware", "scaling": "fixed", "summary": summary}])[-1]
+    assert row.split(" | ")[2] == shown
