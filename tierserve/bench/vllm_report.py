@@ -46,6 +46,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "p0_wait_for_step_p95_flood_s": _quantile(waits, 0.95),
         "flood_step_p50_s": _quantile(steps, 0.5),
         "flood_step_p95_s": _quantile(steps, 0.95),
+        # Output tokens a step of the flood carried on average: how many requests decode at
+        # once, which memory set aside (P0's floor) lowers. Unlike tokens/s it does not move
+        # with the host's speed.
+        "flood_steps": len(steps),
+        "flood_tokens_per_step": tokens / len(steps) if steps else None,
         "throughput_tokens_per_s": tokens / makespan if makespan > 0 else None,
         "slo_attainment": slo,
         "preemptions": result.get("preemptions"),
@@ -83,21 +88,25 @@ def _fmt(x: Any) -> str:
 def render(res: dict[str, Any]) -> str:
     lines = [
         "run                 p0 p95 alone  p0 p95 flood  (its wait for the step in flight)"
-        "  step p50  tokens/s  preempt  slo"
+        "  step p50  tokens/s  tok/step  preempt  slo"
     ]
     for name, r in res["runs"].items():
         slo = " ".join(f"{t}={v:.2f}" for t, v in r["slo_attainment"].items())
         lines.append(
             f"{name:<19} {_fmt(r['p0_ttft_p95_alone_s']):>12}  {_fmt(r['p0_ttft_p95_flood_s']):>12}  "
             f"{_fmt(r.get('p0_wait_for_step_p95_flood_s')):>34}  {_fmt(r.get('flood_step_p50_s')):>8}  "
-            f"{_fmt(r['throughput_tokens_per_s']):>8}  {_fmt(r['preemptions']):>7}  {slo}"
+            f"{_fmt(r['throughput_tokens_per_s']):>8}  {_fmt(r.get('flood_tokens_per_step')):>8}  "
+            f"{_fmt(r['preemptions']):>7}  {slo}"
         )
     repeats = res.get("repeats") or []
     for k, v in res["comparisons"].items():
         each = ", ".join(_fmt(r["comparisons"].get(k)) for r in repeats)
         each = f"  (each repeat: {each})" if repeats else ""
         lines.append(f"{k}: {_fmt(v)}{each}")
-    lines.append("(seconds; the step p50 is the flood phase's, as the driver times it)")
+    lines.append(
+        "(seconds; the step p50 is the flood phase's, as the driver times it; tok/step: output tokens "
+        "per flood step)"
+    )
     if repeats:
         lines.append(f"(every figure is the median of {len(repeats)} repeats, the contenders in turn)")
     return "\n".join(lines)

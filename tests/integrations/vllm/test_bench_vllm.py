@@ -138,6 +138,9 @@ def test_the_flood_records_each_requests_wait_for_the_step_in_flight_and_each_st
     p0_waits = sorted(r["wait_s"] for r in flood if r["tier"] == 0)
     assert p0_waits[0] <= summary["p0_wait_for_step_p95_flood_s"] <= p0_waits[-1]
     assert summary["flood_step_p50_s"] is not None
+    # One token a step (FakeContender): the flood's output tokens over its steps.
+    assert summary["flood_steps"] == len(result["flood_step_s"])
+    assert summary["flood_tokens_per_step"] == sum(r["tokens"] for r in flood) / summary["flood_steps"] == 1.0
 
 
 def test_repeats_report_each_figures_median_and_keep_each_repeat() -> None:
