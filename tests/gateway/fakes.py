@@ -39,8 +39,8 @@ class FakeUpstream:
     """mode: "ok", "fail" (500 before any byte), "break" (two events, then the connection drops),
     "stop" (two events, then a clean end without `data: [DONE]`) or "refuse" (`refusal_status`,
     with `refusal_body`, `refusal_type` and a Retry-After of 7).
-    A reply (a stream's status and first event too) comes after `reply_after_s`, or never
-    if its client goes first (counted in `num_clients_gone`)."""
+    A reply (a stream's status and first event too) comes after `reply_after_s` and once
+    `hold` (when given) is set, or never if its client goes first (counted in `num_clients_gone`)."""
 
     mode: str = "ok"
     num_events: int = 4
@@ -52,6 +52,7 @@ class FakeUpstream:
     num_clients_gone: int = 0
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
+    hold: threading.Event | None = None
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -73,9 +74,12 @@ class FakeUpstream:
         return StreamingResponse(self._stream(), media_type="text/event-stream")
 
     async def _client_stays(self, request: Request) -> bool:
-        """Whether the client is still there after `reply_after_s`."""
+        """Whether the client is still there after `reply_after_s` (and `hold`, bounded at 60 s)."""
         deadline = time.monotonic() + self.reply_after_s
-        while time.monotonic() < deadline:
+        held_until = deadline + (60.0 if self.hold is not None else 0.0)
+        while time.monotonic() < deadline or (
+            self.hold is not None and not self.hold.is_set() and time.monotonic() < held_until
+        ):
             if await request.is_disconnected():
                 return False
             await asyncio.sleep(0.02)

@@ -18,14 +18,16 @@ from tierserve.server.errors import ApiError
 from tierserve.tiers import ALL_TIERS, Tier
 
 
-def _dispatcher(cap: int = 1, queue_cap: int = 8) -> tuple[Dispatcher, Router, VirtualClock]:
+def _dispatcher(
+    cap: int = 1, queue_cap: int = 8, metrics: GatewayMetrics | None = None
+) -> tuple[Dispatcher, Router, VirtualClock]:
     clock = VirtualClock()
     up = UpstreamConfig("only", "openai", "http://127.0.0.1:1", max_in_flight=cap)
     router = Router([up], GatewaySettings(), clock)
     router.record_success("only")
     waits = {t: 10.0 for t in ALL_TIERS}
     flow = FlowControl(EngineConfig(), "hybrid", {t: queue_cap for t in ALL_TIERS}, waits, clock)
-    return Dispatcher(router, flow, GatewayMetrics(), clock), router, clock
+    return Dispatcher(router, flow, metrics or GatewayMetrics(), clock), router, clock
 
 
 def test_a_saturated_fleet_queues_and_releases_by_tier_as_requests_finish() -> None:
@@ -121,3 +123,69 @@ def test_a_waiting_request_whose_last_upstream_is_ejected_gets_a_503_at_once() -
         assert (refused.value.status, refused.value.code) == (503, "no_upstream")
 
     asyncio.run(run())
+
+
+def test_a_queue_timeout_says_how_many_wait_in_its_tiers_queue() -> None:
+    """`current_queue_depth` was always 0 in a `queue_timeout` refusal (`queue_full` says
+    the tier's queue): here two P1 requests still wait when the oldest runs out of time."""
+
+    async def run() -> None:
+        d, _, clock = _dispatcher(cap=1)
+        await d.acquire(Tier.P1, "t", "m", "p")
+        oldest = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p"))
+        await asyncio.sleep(0.01)
+        clock.elapse(5.0)
+        later = [asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        clock.elapse(6.0)  # the oldest has waited 11 s of its 10, the others 6
+        d.pump()
+        with pytest.raises(ApiError) as late:
+            await oldest
+        assert late.value.code == "queue_timeout"
+        assert late.value.body()["error"]["current_queue_depth"] == 2
+        for task in later:
+            task.cancel()
+
+    asyncio.run(run())
+
+
+def test_each_request_the_dispatcher_sends_nowhere_is_counted_once_by_why() -> None:
+    """Neither a client gone from the queue nor a `no_upstream` refusal was counted in any
+    metric: a request routed once, one timed out, one whose client left, one left without
+    an upstream while it waited and one that found none on arrival add up to five."""
+    metrics = GatewayMetrics()
+
+    def count(family: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(family + "_total", labels) or 0.0
+
+    async def run() -> None:
+        d, router, clock = _dispatcher(cap=1, metrics=metrics)
+        await d.acquire(Tier.P1, "t", "m", "p")
+        timed_out = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p"))
+        await asyncio.sleep(0.01)
+        clock.elapse(5.0)
+        left = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p"))
+        stranded = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p"))
+        await asyncio.sleep(0.01)
+        clock.elapse(6.0)
+        d.pump()
+        left.cancel()
+        await asyncio.sleep(0.01)
+        router.record_failure("only", eject_now=True)
+        d.pump()
+        for task, code in ((timed_out, "queue_timeout"), (stranded, "no_upstream")):
+            with pytest.raises(ApiError) as refused:
+                await task
+            assert refused.value.code == code
+        assert left.cancelled()
+        with pytest.raises(ApiError):
+            await d.acquire(Tier.P1, "t", "m", "p")  # none left on arrival
+
+    asyncio.run(run())
+    routed = sum(count("tierserve_gateway_routing_decisions", reason=r) for r in ("affinity", "least_loaded"))
+    assert routed == 1 and count("tierserve_gateway_routing_decisions", reason="queued") == 0
+    unsent = {
+        reason: count("tierserve_rejections", reason=reason, priority="P1")
+        for reason in ("queue_timeout", "client_left", "no_upstream")
+    }
+    assert unsent == {"queue_timeout": 1.0, "client_left": 1.0, "no_upstream": 2.0}

@@ -237,3 +237,31 @@ def test_a_non_streaming_request_cut_at_the_drain_timeout_gets_a_503() -> None:
     (r,) = answers
     assert r.status_code == 503 and r.json()["error"]["code"] == "aborted"
     assert state.num_in_flight == 0 and not state.calls
+
+
+def test_an_upstream_ejected_by_a_forwarded_request_is_said_once_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request that could not connect ejected its upstream and counted it, but the log said
+    only "failed before the first byte": no line said the upstream was ejected, or why. The
+    health checks here cannot eject it (1000 failures), so the request is what does."""
+    from contextlib import ExitStack
+
+    caplog.set_level(logging.WARNING, logger="tierserve.gateway")
+    with ExitStack() as upstream:
+        url = upstream.enter_context(fake_upstream(FakeUpstream("ok")))
+        with gateway([url], extra="eject_after_failures = 1000\nstale_after_s = 1000") as (gw, state):
+            upstream.close()  # admitted, then gone
+            codes = [httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code]
+            assert not state.router.state("f0").healthy
+            for _ in range(3):  # more requests and health checks while it stays ejected
+                time.sleep(0.2)
+                codes.append(httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code)
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert codes == [502, 503, 503, 503]
+    said = [r for r in caplog.records if "f0" in r.getMessage() and "failed before" not in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    (line,) = said
+    assert line.levelno == logging.WARNING and "upstream f0 ejected" in line.getMessage()
+    assert "a forwarded request failed" in line.getMessage() and "Cannot connect" in line.getMessage()
+    assert 'tierserve_gateway_upstream_ejections_total{upstream="f0"} 1.0' in metrics

@@ -133,3 +133,44 @@ def test_a_draining_tierserve_upstream_is_ejected_at_once() -> None:
     readies.clear()
     state = _polled(answer, kind="tierserve", rounds=3)
     assert len(readies) == 3 and not state.healthy
+
+
+@pytest.mark.parametrize(
+    ("content_type", "page"),
+    [
+        ("text/html; charset=utf-8", "<!DOCTYPE html>\n<html><body>Sign in</body></html>\n"),
+        ("text/plain", "<html><body>Sign in</body></html>\n"),  # a proxy that says text/plain
+        ("text/plain", "upstream connect error or disconnect/reset before headers\n"),
+    ],
+)
+def test_a_metrics_page_that_is_not_prometheus_text_ejects_the_upstream(
+    content_type: str, page: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 200 that is not metrics (a proxy's page) was taken for a fresh vLLM that has not
+    reported load yet, and the upstream was admitted as idle for as long as it answered so.
+    Admitted on its first poll, it then answers such a page: ejected, with its reason."""
+    polls: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        polls.append(1)
+        if len(polls) > 1:
+            return httpx.Response(200, content=page.encode(), headers={"content-type": content_type})
+        return httpx.Response(200, text='vllm:num_requests_running{model_name="tiny"} 1.0\n')
+
+    caplog.set_level(logging.WARNING, logger="tierserve.gateway")
+    assert not _polled(answer, rounds=4).healthy
+    said = [r.getMessage() for r in caplog.records if "ejected" in r.getMessage()]
+    assert len(said) == 1 and "not Prometheus text" in said[0], said
+
+
+def test_a_metrics_page_that_is_not_prometheus_text_is_never_admitted() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=MODELS)
+        return httpx.Response(
+            200, text="<html><body>Sign in</body></html>", headers={"content-type": "text/html"}
+        )
+
+    assert not _polled(answer).healthy

@@ -42,6 +42,7 @@ class Dropped(Generic[H]):
     tier: Tier
     reason: str  # "queue_timeout" or "no_upstream"
     retry_after_s: float
+    queue_depth: int  # requests still waiting in its tier's queue, as a `queue_full` refusal says
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,8 @@ class DispatchCore(Generic[H]):
         out: list[Released[H] | Dropped[H]] = []
         for ticket in self.flow.expire():
             held = self._held.pop(ticket.request_id)
-            out.append(Dropped(held.handle, ticket.tier, "queue_timeout", self.flow.retry_after(ticket.tier)))
+            tier, depth = ticket.tier, self.flow.depth(ticket.tier)
+            out.append(Dropped(held.handle, tier, "queue_timeout", self.flow.retry_after(tier), depth))
         while True:
             now = self._clock.now()
             head = self.flow.peek(now)
@@ -118,7 +120,8 @@ class DispatchCore(Generic[H]):
                 if self.router.candidates(held.model, held.exclude):
                     return out  # the head waits for room; the rest wait behind it
                 self.cancel(head)
-                out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S))
+                depth = self.flow.depth(head.tier)
+                out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S, depth))
                 continue
             released = self.flow.release(now)
             if released is not head:

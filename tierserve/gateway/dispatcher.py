@@ -5,6 +5,12 @@ routed at once unless a request of its tier or a more urgent one waits in the ga
 every upstream is full for its tier; then it takes a ticket and awaits a future. `pump`
 settles the futures of the tickets the core releases or drops; it runs when a request
 ends, after each scrape and on a short timer (for aging and expiry).
+
+Each request the dispatcher takes is counted once, by how it left it: a routing decision
+(`affinity`, `least_loaded` or `p0_soonest`, when it is sent on, at once or after waiting;
+it then ends in one upstream outcome) or a rejection (`queue_full`, `queue_timeout`,
+`no_upstream`, or `client_left` for a client gone while it waited), so that the counts add
+up to the requests (docs/gateway.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Dispatcher:
         """An upstream for the request (counted in flight: call `finished` once it ends).
         Raises `ApiError` 503 when none serves the model, or its tier's queue is full or too slow."""
         if not self._router.candidates(model, exclude):
+            self._metrics.reject("no_upstream", tier)
             raise no_upstream(model)
         decision = self._core.route_now(tier, prefix, model, exclude)
         if decision is not None:
@@ -79,15 +86,20 @@ class Dispatcher:
         if isinstance(ticket, Refusal):
             self._metrics.reject("queue_full", tier)
             raise overloaded(tier, "queue_full", ticket.retry_after_s, ticket.queue_depth, None, {})
-        self._metrics.decisions.labels("queued").inc()
         self.pump()
         try:
-            return await future
+            decision = await future
         except asyncio.CancelledError:  # the client went away while waiting
-            left_queue = not self._core.cancel(ticket)
-            if left_queue and future.done() and not future.cancelled() and future.exception() is None:
-                self.finished(future.result())  # routed just as it left
+            self._core.cancel(ticket)  # out of the queue, where it still is
+            if future.done() and not future.cancelled():
+                if future.exception() is not None:
+                    raise  # refused just as it left: counted as that refusal
+                self.finished(future.result())  # routed just as it left: it never went out
+            self._metrics.reject("client_left", tier)
             raise
+        # Counted as it goes out, not as it is released: one released just as its client
+        # left never reaches an upstream (and is counted `client_left` above).
+        return self._counted(decision)
 
     def finished(self, decision: RouteDecision) -> None:
         self._core.finished(decision.upstream, decision.tier)
@@ -100,14 +112,14 @@ class Dispatcher:
                 if not future.done():
                     future.set_exception(self._refusal(event, model))
                 continue
-            self._metrics.queue_wait.labels(event.decision.tier.name).observe(event.waited_s)
             if future.done():  # cancelled between its last await and now: it never went out
                 self._router.finished(event.decision.upstream, event.decision.tier)
                 continue
-            future.set_result(self._counted(event.decision))
+            self._metrics.queue_wait.labels(event.decision.tier.name).observe(event.waited_s)
+            future.set_result(event.decision)
 
     def _refusal(self, dropped: Dropped[_Handle], model: str) -> ApiError:
+        self._metrics.reject(dropped.reason, dropped.tier)
         if dropped.reason == "no_upstream":
             return no_upstream(model)
-        self._metrics.reject(dropped.reason, dropped.tier)
-        return overloaded(dropped.tier, dropped.reason, dropped.retry_after_s, 0, None, {})
+        return overloaded(dropped.tier, dropped.reason, dropped.retry_after_s, dropped.queue_depth, None, {})

@@ -245,9 +245,9 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
             upstream.url + call.path, json=down.body, headers={**down.headers, **upstream.auth_headers}
         )
     except (aiohttp.ClientError, TimeoutError) as e:
-        if gw.router.record_failure(decision.upstream, eject_now=True):
-            gw.metrics.ejections.labels(decision.upstream).inc()
-        raise _Retry(f"{type(e).__name__}: {e}") from None
+        why = f"{type(e).__name__}: {e}"
+        gw.record_failure(decision.upstream, f"a forwarded request failed ({why})", eject_now=True)
+        raise _Retry(why) from None
     if reply.status in RETRYABLE_STATUS:
         reply.release()
         raise _Retry(f"HTTP {reply.status}")

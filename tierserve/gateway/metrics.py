@@ -106,7 +106,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.decisions = Counter(
-            "tierserve_gateway_routing_decisions", "Routing decisions, by reason", ["reason"], registry=r
+            "tierserve_gateway_routing_decisions",
+            "Requests sent to an upstream (at once or after waiting), by why that upstream",
+            ["reason"],
+            registry=r,
         )
         self.retries = Counter(
             "tierserve_gateway_retries",
@@ -122,14 +125,15 @@ class GatewayMetrics:
         )
         self.rejections = Counter(
             "tierserve_rejections",
-            "Requests refused by the gateway, by reason",
+            "Requests sent to no upstream: refused by the gateway, or gone from its queue "
+            "(client_left), by reason",
             ["reason", "priority"],
             registry=r,
         )
         self.http_errors = http_errors_counter(r)
         self.ejections = Counter(
             "tierserve_gateway_upstream_ejections",
-            "Upstreams ejected by health checks",
+            "Upstreams ejected, by health checks or by forwarded requests (unreachable or silent)",
             ["upstream"],
             registry=r,
         )

@@ -15,7 +15,7 @@ import logging
 import httpx
 
 from tierserve.gateway.router import UpstreamState
-from tierserve.gateway.saturation import LoadSample, MetricsParseError, parse_load
+from tierserve.gateway.saturation import LoadSample, MetricsParseError, check_exposition, parse_load
 from tierserve.gateway.state import GatewayState
 
 log = logging.getLogger("tierserve.gateway")
@@ -54,6 +54,8 @@ class UpstreamPoller:
         self._interval_s = settings.scrape_interval_s
         self._timeout_s = max(settings.connect_timeout_s, settings.scrape_interval_s)
         self._why_not: dict[str, str] = {}  # upstream -> why it was last not admitted (said once)
+        # Upstreams admitted once: their failures are said in their ejection's line, not again.
+        self._admitted: set[str] = set()
 
     async def _check(self, s: UpstreamState) -> None:
         gw, url, auth = self._gw, s.config.url, s.config.auth_headers
@@ -67,7 +69,9 @@ class UpstreamPoller:
                 except MetricsParseError:
                     # A fresh vLLM whose metrics are kept per process (PROMETHEUS_MULTIPROC_DIR)
                     # exports its load gauges only after its first request: a replica that
-                    # answers and has never reported load is idle, not broken.
+                    # answers valid metrics and has never reported load is idle, not broken.
+                    # An answer that is not metrics (a proxy's HTML page) fails the check.
+                    check_exposition(r.text, r.headers.get("content-type"))
                     models = await fetch_models(gw.client, url, self._timeout_s, auth)
                     sample = LoadSample(0.0, 0.0, 0.0, gw.clock.now())
                 if models is None and (not s.healthy or not s.models):
@@ -79,10 +83,8 @@ class UpstreamPoller:
         except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
             # One line: httpx's status errors add a second ("For more information check: ...").
             why = (str(e).strip() or type(e).__name__).splitlines()[0]
-            if gw.router.record_failure(s.name, eject_now=isinstance(e, NotReady)):  # draining: now
-                gw.metrics.ejections.labels(s.name).inc()
-                log.warning("upstream %s ejected: %s", s.name, why)
-            elif not s.healthy and self._why_not.get(s.name) != why:
+            ejected = gw.record_failure(s.name, why, eject_now=isinstance(e, NotReady))  # draining: now
+            if not ejected and s.name not in self._admitted and self._why_not.get(s.name) != why:
                 # One that was never admitted failed in silence: say why, once per reason.
                 log.warning("upstream %s (%s) not admitted: %s", s.name, url, why)
             self._why_not[s.name] = why
@@ -90,6 +92,7 @@ class UpstreamPoller:
         self._why_not.pop(s.name, None)
         if s.has_metrics:
             gw.router.record_sample(s.name, sample)
+        self._admitted.add(s.name)
         if gw.router.record_success(s.name, models):
             log.info("upstream %s admitted (models: %s)", s.name, ", ".join(sorted(s.models)) or "any")
 

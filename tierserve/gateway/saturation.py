@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tierserve.tiers import ALL_TIERS, Tier
 
 # kind -> (waiting, running, kv usage) metric names
@@ -34,6 +36,10 @@ _PRIORITY_LABEL = re.compile(r'priority="([^"]*)"')
 
 class MetricsParseError(ValueError):
     """The scrape holds none of the series this kind of upstream exports."""
+
+
+class NotExposition(ValueError):
+    """The scrape is not Prometheus exposition text: an HTML page from a proxy, say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,21 @@ def _by_tier(text: str, name: str) -> tuple[float, ...] | None:
         totals[Tier[match.group(1)]] += value
         found = True
     return tuple(totals) if found else None
+
+
+def check_exposition(text: str, content_type: str | None) -> None:
+    """Raises `NotExposition` for a scrape served as HTML, or whose text does not parse as
+    Prometheus exposition. For scrapes where `parse_load` found no load series: a fresh
+    vLLM's valid text lacks them (it is idle), a proxy's page is a failed health check.
+    The scrapes that hold the series (most) are not parsed a second time."""
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type in ("text/html", "application/xhtml+xml"):
+        raise NotExposition(f"/metrics answered {media_type}, not Prometheus text")
+    try:
+        for _ in text_string_to_metric_families(text):
+            pass
+    except ValueError as e:
+        raise NotExposition(f"/metrics is not Prometheus text ({str(e)[:80] or 'unparsable'})") from None
 
 
 def parse_load(kind: str, text: str, at: float) -> LoadSample:

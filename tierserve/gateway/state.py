@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from tierserve.server.tenants import TenantResolver
 if TYPE_CHECKING:
     from tierserve.gateway.relay import Relay
 
+log = logging.getLogger("tierserve.gateway")
 MAX_CONNECTIONS = 1024
 
 
@@ -63,6 +65,16 @@ class GatewayState:
         await self.client.aclose()
         if self.streams is not None:
             await self.streams.close()
+
+    def record_failure(self, name: str, why: str, *, eject_now: bool = False) -> bool:
+        """A failed health check or forwarded call to upstream `name` (`why`: one line); returns
+        True when it ejects the upstream, then counted and said in one WARNING line, however it
+        came (poller or forwarded request), and once: not again while it stays ejected."""
+        ejected = self.router.record_failure(name, eject_now=eject_now)
+        if ejected:
+            self.metrics.ejections.labels(name).inc()
+            log.warning("upstream %s ejected: %s", name, why)
+        return ejected
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1,0 +1,90 @@
+"""The gateway's request counts add up: each request that reaches the dispatcher is counted
+once, sent (a routing decision, then an upstream outcome) or not (a rejection)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway_of
+from tierserve.gateway.config import parse_gateway_config
+
+CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _counts(metrics: str, family: str, label: str) -> dict[str, float]:
+    """`family`'s samples summed by `label` (over its other labels)."""
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(metrics):
+        for sample in f.samples:
+            if sample.name == family + "_total":
+                key = sample.labels[label]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _until(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_a_mix_of_served_queued_gone_and_refused_requests_adds_up() -> None:
+    """A request that waited in the gateway's queue was counted twice in the routing
+    decisions (`queued`, then the reason it was sent by), and one whose client left the
+    queue was counted nowhere: the decisions did not match the upstream outcomes, and the
+    requests could not be added up from the metrics."""
+    hold = threading.Event()
+    upstream = FakeUpstream("ok", hold=hold)  # each reply waits for `hold`
+    with fake_upstream(upstream) as url:
+        config = parse_gateway_config(
+            tomllib.loads(
+                "[limits.queue_cap]\nP0 = 2\nP1 = 2\nP2 = 2\nP3 = 2\n"
+                "[gateway]\nscrape_interval_s = 0.2\n"
+                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\nmax_in_flight = 1\n'
+            )
+        )
+        with gateway_of(config) as (gw, state):
+            endpoint = gw.url + "/v1/chat/completions"
+            served: list[int] = []
+
+            def send() -> None:
+                served.append(httpx.post(endpoint, json=CHAT, timeout=60).status_code)
+
+            first = threading.Thread(target=send)  # takes the one seat: served at once
+            first.start()
+            _until(lambda: state.router.state("f0").num_in_flight == 1)
+            second = threading.Thread(target=send)  # waits in the queue, then served
+            second.start()
+            _until(lambda: len(state.flow) == 1)
+            # Waits in the queue behind it; its client goes before it is sent.
+            host, port = gw.url.removeprefix("http://").split(":")
+            gone = socket.create_connection((host, int(port)), timeout=10)
+            body = httpx.Request("POST", endpoint, json=CHAT).read()
+            head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            gone.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+            _until(lambda: len(state.flow) == 2)
+            refused = httpx.post(endpoint, json=CHAT, timeout=60)  # the queue is full
+            gone.close()
+            _until(lambda: len(state.flow) == 1)
+            hold.set()
+            first.join(60)
+            second.join(60)
+            _until(lambda: state.num_in_flight == 0)
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert served == [200, 200] and refused.status_code == 503
+    assert refused.json()["error"]["code"] == "queue_full"
+    decisions = _counts(metrics, "tierserve_gateway_routing_decisions", "reason")
+    outcomes = _counts(metrics, "tierserve_gateway_upstream_requests", "outcome")
+    rejections = _counts(metrics, "tierserve_rejections", "reason")
+    assert outcomes == {"ok": 2.0}
+    assert sum(decisions.values()) == 2.0 and "queued" not in decisions, decisions
+    assert rejections == {"queue_full": 1.0, "client_left": 1.0}
+    assert sum(outcomes.values()) + sum(rejections.values()) == 4  # every request, once
