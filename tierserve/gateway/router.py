@@ -157,6 +157,18 @@ class Router:
             scraped = s.sample.num_waiting * _share_upto(s, tier)
         return scraped + s.num_unseated_since_sample(tier)
 
+    def starting_before(self, s: UpstreamState, tier: Tier) -> float:
+        """Requests the upstream will start before, or in the same steps as, a request of
+        `tier` sent now: those waiting ahead, and those sent since the last scrape that found
+        a free seat (of tiers <= `tier` where it orders by priority, else of every tier): they
+        prefill in the steps the new one would. Without them every P0 of a burst between two
+        scrapes went to the one replica with free seats and the least KV in use, and their
+        prefills ran one after another (a fleet of x16 Azure conversation copies, scaled out
+        from 16 to 24 replicas: P0 attainment 91.5 % -> 86.9 %)."""
+        upto = tier if s.config.orders_by_priority else Tier.P3
+        seated = s.num_sent_since_sample(upto) - s.num_unseated_since_sample(upto)
+        return self.waiting_ahead(s, tier) + seated
+
     def stale(self, s: UpstreamState) -> bool:
         if not s.has_metrics:
             return False
@@ -190,8 +202,8 @@ class Router:
         if not free:
             return None
         if tier == Tier.P0:
-            # Soonest start: the fewest requests it will run first, then the least KV in use.
-            best = min(free, key=lambda s: (self.waiting_ahead(s, tier), _kv(s), self.load(s), s.name))
+            # Soonest start: the fewest requests it will start first, then the least KV in use.
+            best = min(free, key=lambda s: (self.starting_before(s, tier), _kv(s), self.load(s), s.name))
             return RouteDecision(best.name, "p0_soonest", tier)
         least = min(free, key=lambda s: (self.load(s), s.name))
         preferred = max(free, key=lambda s: _affinity(prefix, s.name))
