@@ -146,6 +146,35 @@ def test_health_and_ready(server: LiveServer) -> None:
     assert httpx.get(server.url + "/ready").status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models"])
+def test_head_is_answered_as_get_without_a_body(server: LiveServer, path: str) -> None:
+    """Load balancers probe with HEAD; every GET route answered it 405."""
+    got, head = httpx.get(server.url + path), httpx.head(server.url + path)
+    assert head.status_code == got.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    if path != "/metrics":  # the same length: a body that does not change between the two
+        assert head.headers["content-length"] == got.headers["content-length"]
+    assert httpx.head(server.url + "/v1/completions").status_code == 405  # POST only, as for GET
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/completions/"),
+        ("POST", "/v1/chat/completions/"),
+        ("GET", "/health/"),
+        ("GET", "/ready/"),
+    ],
+)
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(
+    server: LiveServer, method: str, path: str
+) -> None:
+    """Starlette redirected (307) to a Location built from the client's Host header."""
+    r = httpx.request(method, server.url + path, json=CHAT, headers={"host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers
+    assert r.json()["error"]["code"] == "not_found"
+
+
 def test_queue_cap_refuses_with_503_retry_after_and_queue_depth(client: openai.OpenAI) -> None:
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(

@@ -26,6 +26,7 @@ CONFIG = {
             "tokens_per_s": 1,
             "token_burst": 5000,
         },
+        "narrow": {"api_keys": ["sk-narrow"], "max_tier": "P0", "tokens_per_s": 10000, "token_burst": 300},
         "internal": {"max_tier": "online"},
     },
 }
@@ -117,10 +118,52 @@ def test_over_the_rate_limit_is_429_with_openai_headers(server: LiveServer) -> N
     assert 'tierserve_rejections_total{priority="P1",reason="rate_limit_requests"} 1.0' in text
 
 
-def test_request_too_large_for_the_token_bucket_is_429(server: LiveServer) -> None:
+def test_request_too_large_for_the_token_bucket_is_400_naming_max_tokens(server: LiveServer) -> None:
     r = httpx.post(
         server.base_url + "/chat/completions",
         headers={"authorization": "Bearer sk-tiny"},
         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 6000},
     )
-    assert r.status_code == 429 and "6" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_tokens" and "at most 5000" in error["message"]
+    assert error["code"] == "tokens_exceed_burst" and "retry-after" not in r.headers
+
+
+def test_a_request_without_max_tokens_fits_a_burst_below_the_default_output(server: LiveServer) -> None:
+    """token_burst = 300 < the default 512 output tokens: a request without max_tokens was a
+    429 "too large" with no Retry-After, every time, and the OpenAI SDK retried it anyway."""
+    narrow = _client(server, "sk-narrow")
+    usage = narrow.chat.completions.create(model=MODEL, messages=MESSAGES).usage
+    assert usage is not None and usage.completion_tokens > 300  # settled to the real count
+    with pytest.raises(openai.BadRequestError) as e:
+        narrow.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=400)
+    assert e.value.param == "max_completion_tokens" and "token_burst" in e.value.message
+    long_prompt: list[ChatCompletionMessageParam] = [{"role": "user", "content": "x" * 400}]
+    with pytest.raises(openai.BadRequestError) as e:
+        narrow.chat.completions.create(model=MODEL, messages=long_prompt)
+    assert e.value.param == "messages" and "at most 300" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("name", "first", "second", "key"),
+    [
+        ("x-request-tier", "P3", "P0", "sk-bronze"),
+        ("x-tenant-id", "internal", "bronze", None),  # the header names a tenant only without a key
+        ("authorization", "Bearer sk-bronze", "Bearer sk-gold", None),
+    ],
+)
+def test_a_header_sent_twice_with_different_values_is_400_naming_it(
+    server: LiveServer, name: str, first: str, second: str, key: str | None
+) -> None:
+    """The first one won, silently: whoever added the second meant something else."""
+    auth = [] if key is None else [("authorization", f"Bearer {key}")]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    chat = server.base_url + "/chat/completions"
+    r = httpx.post(chat, json=body, headers=[*auth, (name, first), (name, second)])
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == name and "different values" in error["message"]
+    if name != "x-request-tier":  # the model list reads no tier
+        r = httpx.get(server.base_url + "/models", headers=[*auth, (name, first), (name, second)])
+        assert r.status_code == 400 and r.json()["error"]["param"] == name
+    same = httpx.post(chat, json=body, headers=[*auth, (name, first), (name, first)])
+    assert same.status_code == 200  # the same value twice is no ambiguity

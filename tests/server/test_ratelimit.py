@@ -93,6 +93,33 @@ def test_request_larger_than_the_bucket_is_refused_as_too_large() -> None:
     limiter = RateLimiter(RateLimit(tokens_per_s=10.0, token_burst=50.0))
     decision = asyncio.run(limiter.acquire(_tenant(), 51))
     assert not decision.allowed and decision.reason == "too_large" and "51" in decision.message
+    assert "Retry-After" not in decision.headers
+
+
+def test_a_default_output_is_cut_to_the_burst_and_settled_to_the_real_count() -> None:
+    """A tenant with token_burst = 300 and the server's default of 512 output tokens: every
+    request without max_tokens was refused as too large, on every retry. Only the
+    output the client did not ask for is cut; the prompt and one token must still fit."""
+    now = FakeTime()
+    limiter = RateLimiter(RateLimit(), now=now)
+    tenant = _tenant(tokens_per_s=100.0, token_burst=300.0)
+
+    async def scenario() -> None:
+        first = await limiter.acquire(tenant, 20 + 512, num_default=512)
+        assert first.allowed and first.reservation is not None
+        assert first.reservation.num_tokens == 300
+        await limiter.settle(first.reservation, 20 + 480)  # used 500: 200 more than reserved
+        later = await limiter.acquire(tenant, 20 + 512, num_default=512)
+        assert not later.allowed and later.reason == "tokens"  # it fits once the debt is paid
+        assert later.headers["Retry-After"] == "5"  # from -200 to 300 at 100 tokens/s
+        now.t += 5
+        assert (await limiter.acquire(tenant, 20 + 512, num_default=512)).allowed
+        prompt_too_long = await limiter.acquire(tenant, 300 + 512, num_default=512)
+        assert prompt_too_long.reason == "too_large" and "301 tokens requested" in prompt_too_long.message
+        explicit = await limiter.acquire(tenant, 20 + 512)  # max_tokens = 512, asked for
+        assert explicit.reason == "too_large" and "532 tokens requested" in explicit.message
+
+    asyncio.run(scenario())
 
 
 def test_no_limits_means_no_headers_and_no_reservation() -> None:
@@ -211,6 +238,26 @@ def test_redis_give_settles_tokens() -> None:
         return refused, fits
 
     assert asyncio.run(scenario()) == (False, True)
+
+
+def test_redis_cuts_a_default_output_to_the_burst_and_keeps_the_debt_as_local_buckets_do() -> None:
+    _redis_or_skip()
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+
+    async def scenario() -> tuple[int | None, str, str]:
+        backend = RedisBuckets(REDIS_URL, timeout_s=1.0, key_prefix=prefix)
+        limiter = RateLimiter(RateLimit(), remote=backend)
+        tenant = _tenant(tokens_per_s=0.001, token_burst=300.0)
+        first = await limiter.acquire(tenant, 20 + 512, num_default=512)
+        await limiter.settle(first.reservation, 20 + 480)  # 200 beyond the reservation
+        later = await limiter.acquire(tenant, 100)
+        await backend.close()
+        reserved = None if first.reservation is None else first.reservation.num_tokens
+        return reserved, later.reason, later.headers["x-ratelimit-remaining-tokens"]
+
+    assert asyncio.run(scenario()) == (300, "tokens", "0")  # in debt: -200 left
 
 
 def test_unreachable_redis_fails_open_onto_local_buckets() -> None:

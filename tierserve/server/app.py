@@ -2,7 +2,10 @@
 
 Every error leaves in OpenAI's envelope; validation errors are 400s naming the field
 (FastAPI's default would be 422). An unexpected exception is logged and answered with a
-500 in the same envelope; tests assert that no input reaches that handler.
+500 in the same envelope; tests assert that no input reaches that handler. A path with a
+trailing slash is an unknown path (404), not a redirect: Starlette would answer 307 with
+a Location built from the client's Host header. HEAD is answered as GET without the body
+(load balancers probe /health and /ready with it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierserve import __version__
 from tierserve.server.body_limit import BodyLimitMiddleware
@@ -64,16 +68,38 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         version=__version__,
         lifespan=_lifespan(state, freeze_heap),
         description="OpenAI-compatible API with priority tiers, tenants and rate limits.",
+        redirect_slashes=False,
         **state.config.api_docs_urls(),  # no key guards them: off where keys are required
     )
     app.state.tierserve = state
     app.add_middleware(GenerationRoutes, state=state)  # innermost: inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
+    app.add_middleware(HeadAsGet)
     if state.trace is not None:
         app.add_middleware(ReceivedAtMiddleware)  # outermost: added last
     _add_error_handlers(app, state)
     _add_routes(app, state)
     return app
+
+
+class HeadAsGet:
+    """HEAD answered as GET, with GET's headers (Content-Length included) and no body: FastAPI
+    routes take only the methods they declare, so every GET route would answer HEAD with 405."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self._app(scope, receive, send)
+            return
+
+        async def without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self._app({**scope, "method": "GET"}, receive, without_body)
 
 
 def _lifespan(
@@ -149,13 +175,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:
         # Behind the same keys as generation (with keys configured: 401 without a known one).
-        state.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        state.tenants.resolve_headers(http.headers)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, http: HttpRequest) -> dict[str, Any]:
         """One model (the OpenAI client's `models.retrieve`), behind the same keys."""
-        state.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        state.tenants.resolve_headers(http.headers)
         check_model(state, model_id)
         return model_card()
 

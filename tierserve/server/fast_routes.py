@@ -67,8 +67,7 @@ class GenerationRoutes:
 
     async def _respond(self, http: HttpRequest, model: Model) -> Response | None:
         try:
-            h = http.headers
-            tenant = self._state.tenants.resolve(h.get("authorization"), h.get("x-tenant-id"))
+            tenant = self._state.tenants.resolve_headers(http.headers)
         except ApiError as e:
             close_if_unread(e, http)
             return e.response()

@@ -1,8 +1,9 @@
 """One generation request, from the HTTP body to the last byte.
 
 Order of checks: draining (503) -> tenant (401) -> model and body (404/400) -> tier ->
-rate limits (429) -> admission (503) -> engine. Nothing is reserved until the body is
-known to be valid, and a refusal after the rate limit refunds the reserved tokens.
+rate limits (429; 400 for a request too large to ever fit) -> admission (503) -> engine.
+Nothing is reserved until the body is known to be valid, and a refusal after the rate
+limit refunds the reserved tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tierserve.server.refusals import draining_error, overloaded, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.state import ServerState
 from tierserve.server.streams import Delta, RequestHandle
-from tierserve.server.tenants import decide_tier, parse_declared_tier
+from tierserve.server.tenants import decide_tier, one_header, parse_declared_tier
 from tierserve.server.tracing import RECEIVED_AT, TraceRecord
 from tierserve.tiers import Tier
 
@@ -51,15 +52,21 @@ async def generate(
         raise draining_error()
     asked = http.headers
     if tenant is None:
-        tenant = state.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+        tenant = state.tenants.resolve_headers(asked)
     check_model(state, body.model)
-    decision = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority))
+    decision = decide_tier(tenant, parse_declared_tier(one_header(asked, "x-request-tier"), body.priority))
     tier = decision.effective
     prepared = (
         prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)
     )
-    num_reserved = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
-    rate, headers = await _pass_limits(state, tenant, tier, num_reserved)
+    requested, field = body.requested_max_tokens()
+    max_tokens = prepared.sampling.max_tokens
+    num_reserved = len(prepared.prompt_token_ids) + max_tokens
+    # Too large for a token bucket: the client's max_tokens is what to lower; without one,
+    # the server's default is cut to fit, so only the prompt can be too large.
+    param = field if requested is not None else ("messages" if chat else "prompt")
+    num_default = 0 if requested is not None else max_tokens
+    rate, headers = await _pass_limits(state, tenant, tier, num_reserved, num_default, param)
     request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
     req = Request(
         request_id,
@@ -94,17 +101,24 @@ async def generate(
 
 
 async def _pass_limits(
-    state: ServerState, tenant: TenantConfig, tier: Tier, num_reserved: int
+    state: ServerState,
+    tenant: TenantConfig,
+    tier: Tier,
+    num_reserved: int,
+    num_default: int,
+    param: str,
 ) -> tuple[RateDecision, dict[str, str]]:
     """The tenant's token buckets, then admission control for the tier; raises the 429 or
-    503 (giving back the reserved tokens) when either refuses. Returns the rate decision
-    and the headers every answer carries."""
+    503 (giving back the reserved tokens) when either refuses, or the 400 naming `param` for
+    a request no bucket can ever hold. `num_default`: the output tokens of `num_reserved`
+    that the server chose (`RateLimiter.acquire`). Returns the rate decision and the headers
+    every answer carries."""
     metrics = state.metrics
-    rate = await state.limiter.acquire(tenant, num_reserved)
+    rate = await state.limiter.acquire(tenant, num_reserved, num_default=num_default)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
     if not rate.allowed:
         metrics.reject(f"rate_limit_{rate.reason}", tier)
-        raise rate_refusal(rate, tenant.name, headers)
+        raise rate_refusal(rate, tenant.name, headers, param=param)
     engine = state.engine
     verdict = state.admission.check(
         tier, engine.queued_by_tier(), state.clock.now(), engine.waiting_by_tier()

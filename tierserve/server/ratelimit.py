@@ -1,11 +1,15 @@
 """Global and per-tenant rate limits in requests/s and tokens/s, with OpenAI's headers.
 
 A request reserves ``prompt tokens + max_tokens`` up front; `settle` corrects the token
-buckets with the real count when it ends. When a Redis backend is configured and
-unreachable, the limiter falls back by rule: fail-open keeps serving on in-process
-buckets, fail-closed refuses; it retries Redis after `REDIS_RETRY_S`. Both are visible
-through `redis_up` and `num_fallbacks` (exported as metrics), and each outage and each
-recovery is logged once (WARNING), however many requests meet it.
+buckets with the real count when it ends. A request that no token bucket could ever hold
+at once is "too_large" (a 400 at the front door: waiting would not help), except that an
+output length the client did not ask for (the server's default) is first cut to fit.
+
+When a Redis backend is configured and unreachable, the limiter falls back by rule:
+fail-open keeps serving on in-process buckets, fail-closed refuses; it retries Redis after
+`REDIS_RETRY_S`. Both are visible through `redis_up` and `num_fallbacks` (exported as
+metrics), and each outage and each recovery is logged once (WARNING), however many
+requests meet it.
 
 Several processes sharing one Redis (gateways) add per-tier buckets (`tier_limits`), a
 fail rule per tier (`fail_open_tiers`), and `local_share` = 1/N: on fallback each of the
@@ -146,18 +150,29 @@ class RateLimiter:
                 ]
         return self._local.take_now(buckets, costs), self._local, buckets
 
-    async def acquire(self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None) -> RateDecision:
-        """`tier`: the tier the request runs at (its buckets and fail rule); None = no tier rules."""
+    async def acquire(
+        self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None, *, num_default: int = 0
+    ) -> RateDecision:
+        """`tier`: the tier the request runs at (its buckets and fail rule); None = no tier rules.
+        `num_default`: how many of `num_tokens` are the server's default output length rather
+        than a max_tokens the client sent. Where the request is larger than the smallest token
+        bucket, that part is cut to fit it (down to one output token): the reservation is only
+        a guess of the real count, which `settle` charges. A request still too large, even with
+        a full bucket, is refused as "too_large", with no Retry-After: it would never fit."""
         requests, tokens = self._for_tenant(tenant, tier)
         if not requests and not tokens:
             return RateDecision(allowed=True, headers={})
         tightest = min(tokens, key=lambda b: b.capacity, default=None)  # the one to name
         if tightest is not None and num_tokens > tightest.capacity:
-            message = (
-                f"{num_tokens} tokens requested; {_scope(tightest.key)} allows at most "
-                f"{tightest.capacity:g} at once"
-            )
-            return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
+            least = num_tokens - num_default + (1 if num_default > 0 else 0)
+            if least > tightest.capacity:
+                what = "the prompt and one output token" if num_default > 0 else "the prompt + max_tokens"
+                message = (
+                    f"{least} tokens requested ({what}); {_scope(tightest.key)} allows at most "
+                    f"{tightest.capacity:g} at once (its token_burst), so this request can never run"
+                )
+                return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
+            num_tokens = math.floor(tightest.capacity)  # >= least, a whole number of tokens
         buckets = requests + tokens
         costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
         outcome = await self._run_take(buckets, costs, tier)

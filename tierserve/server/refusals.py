@@ -22,8 +22,15 @@ def draining_error() -> ApiError:
     )
 
 
-def rate_refusal(rate: RateDecision, tenant: str, headers: dict[str, str]) -> ApiError:
-    """A refused `RateDecision` as a 429 (over a limit) or a 503 (limiter down, fail-closed)."""
+def rate_refusal(
+    rate: RateDecision, tenant: str, headers: dict[str, str], *, param: str | None = None
+) -> ApiError:
+    """A refused `RateDecision` as a 429 (over a limit), a 503 (limiter down, fail-closed), or
+    a 400 naming `param` (the body field to lower) for a request larger than a token bucket
+    can ever hold: a 429 would tell the client to retry (OpenAI's SDK does, by itself), and
+    the same request would be refused every time."""
+    if rate.reason == "too_large":
+        return ApiError(400, rate.message, param=param, code="tokens_exceed_burst", headers=headers)
     if rate.reason == "unavailable":
         return ApiError(
             503,

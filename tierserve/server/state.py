@@ -71,15 +71,21 @@ class ServerState:
 
     def describe(self) -> str:
         c = self.config
-        if c.source is None:
-            access = "OPEN: no config file, no API keys, no rate limits"
-        elif not c.requires_key:
-            server = c.server
+        default = c.server.default_tenant
+        if not c.tenants:  # open: x-tenant-id labels an ad-hoc tenant, whatever tenant_header says
             anonymous = (
-                "anonymous requests name their tenant by x-tenant-id"
-                if server.tenant_header
-                else f"anonymous requests run as tenant {server.default_tenant!r}"
+                f"requests run as tenant {default!r}, or as the ad-hoc tenant their x-tenant-id names "
+                "(for fair sharing; no limits of its own)"
             )
+        elif c.server.tenant_header:
+            anonymous = (
+                f"x-tenant-id selects a declared tenant; other anonymous requests run as tenant {default!r}"
+            )
+        else:
+            anonymous = f"anonymous requests run as tenant {default!r} (x-tenant-id is ignored)"
+        if c.source is None:
+            access = f"OPEN: no config file, no API keys, no rate limits; {anonymous}"
+        elif not c.requires_key:
             if c.has_keys:
                 access = f"OPEN (allow_anonymous): API keys in {c.source} name tenants; {anonymous}"
             else:

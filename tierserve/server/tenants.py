@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from starlette.datastructures import Headers
+
 from tierserve.server.config import ServeConfig, TenantConfig
 from tierserve.server.errors import bad_request, unauthorized
 from tierserve.tiers import Tier
@@ -56,6 +58,10 @@ class TenantResolver:
     def anonymous(self) -> TenantConfig:
         return self._anonymous
 
+    def resolve_headers(self, headers: Headers) -> TenantConfig:
+        """`resolve` on a request's headers; a 400 where one of them comes twice, differing."""
+        return self.resolve(one_header(headers, "authorization"), one_header(headers, "x-tenant-id"))
+
     def resolve(self, authorization: str | None, tenant_header: str | None) -> TenantConfig:
         if tenant_header is not None:
             tenant_header = header_text(tenant_header)
@@ -78,6 +84,16 @@ class TenantResolver:
             # Open server: x-tenant-id labels an ad-hoc tenant (for fair sharing only).
             return TenantConfig(name=tenant_header, max_tier=Tier.P0)
         return self._anonymous
+
+
+def one_header(headers: Headers, name: str) -> str | None:
+    """The value of a header a request names one thing by (its key, tenant or tier): None when
+    absent, and a 400 naming it when it comes more than once with different values. Reading
+    the first would let whichever proxy or client added one more decide silently."""
+    values = headers.getlist(name)
+    if any(v != values[0] for v in values[1:]):
+        raise bad_request(f"{name}: sent {len(values)} times with different values; send it once", name)
+    return values[0] if values else None
 
 
 def _bearer(authorization: str | None) -> str:
