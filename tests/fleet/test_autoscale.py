@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from tierserve.bench.idle import IdleTtft
+from tierserve.clock import VirtualClock
 from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation, ScalingPolicy
 from tierserve.fleet.replica import ReplicaState
 from tierserve.fleet.requests import FleetRequest
 from tierserve.fleet.sim import FleetConfig, FleetSim
+from tierserve.tiers import Tier
 
-from .helpers import build_engine, specs
+from .helpers import CONFIG, build_engine, specs
 
 DELAY_S = 20.0
 
@@ -91,3 +94,20 @@ def test_a_drained_replica_stops_and_takes_no_new_requests() -> None:
         assert max(_sends(result.requests, r.name), default=0.0) <= r.ended_s
         assert not r.engine.has_unfinished()
     assert all(fr.outcome == "completed" for fr in result.requests)
+
+
+def test_p0_prompts_too_long_to_meet_the_target_even_alone_do_not_scale_the_fleet_out() -> None:
+    """Counted, P0 requests whose prompt alone takes longer than P0's target held P0's
+    attainment under the tier policy's floor at any fleet size: a light load of such
+    prompts scaled the fleet out to its maximum (Azure's conversation trace has ~8 % of
+    them). Without `alone_s` they count, and the same fleet scales out."""
+    workload = specs(60, seed=3, gap_s=3.0, prompt=(6000, 7000), output=(10, 30))
+    scaling = AutoscaleConfig(ScalingPolicy.TIER, max_replicas=4, startup_delay_s=5.0, interval_s=5.0)
+    alone = IdleTtft(CONFIG, build_engine(VirtualClock()).executor)
+    assert alone(6000, 0) > CONFIG.tier(Tier.P0).ttft_target_s  # too long to attain alone
+    judged = FleetSim(FleetConfig(1, router="tier-aware", autoscale=scaling), build_engine, alone)
+    judged.run(workload)
+    counted = FleetSim(FleetConfig(1, router="tier-aware", autoscale=scaling), build_engine)
+    counted.run(workload)
+    assert len(judged.replicas) == 1
+    assert len(counted.replicas) > 1

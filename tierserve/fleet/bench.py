@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.bench.cell import BenchSetup
+from tierserve.bench.idle import IdleTtft
 from tierserve.clock import VirtualClock
 from tierserve.engine import Engine
 from tierserve.executors.sim.executor import build_sim_executor
@@ -104,7 +105,12 @@ class FleetBench:
     def run(self, router: str, scaling: str) -> dict[str, Any]:
         from tqdm import tqdm
 
-        sim = FleetSim(self.config(router, scaling), self.build_engine)
+        # The tier policy counts only the P0 requests that more replicas could bring within
+        # the target (observe.py); the other policies do not read P0's attainment.
+        alone = (
+            IdleTtft(self.engine_config, self._executor()) if scaling == ScalingPolicy.TIER.value else None
+        )
+        sim = FleetSim(self.config(router, scaling), self.build_engine, alone)
         started = time.process_time()
         with tqdm(total=self.num_requests, desc=f"{router}/{scaling}", file=sys.stderr, unit="req") as bar:
             sim.on_arrival = lambda now: bar.update(1)

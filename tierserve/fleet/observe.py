@@ -1,33 +1,60 @@
-"""What the fleet's autoscaler and report watch: P0's recent SLO attainment at the gateway.
+"""What the fleet's autoscaler watches: P0's recent SLO attainment at the gateway.
 
 A P0 request counts once, when its first token reaches the client or when it ends without
-one; it attains the SLO when its TTFT is within the tier's target.
+one; it attains the SLO when its TTFT is within the tier's target. Given `alone_s` (a
+request's TTFT alone on an idle replica, by its prompt and cached history: the bench's
+`IdleTtft`), a P0 request that would miss the target even alone does not count: no
+number of replicas brings it within the target, and counted, a trace with such prompts
+(Azure's conversation trace has ~8 % of them) holds P0's attainment under the tier
+policy's floor at any fleet size, which then scales out to its maximum whatever the load.
+A gateway knows the prompt's length and the model's prefill speed, so a real autoscaler
+can draw the same line.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
 from tierserve.fleet.requests import FleetRequest
 from tierserve.tiers import Tier
 
+AloneTtft = Callable[[int, int], float]  # (prompt tokens, cached history tokens) -> TTFT alone, s
+
 
 class FleetObserver:
-    def __init__(self, clock: Clock, config: EngineConfig | None = None, window_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        config: EngineConfig | None = None,
+        window_s: float = 60.0,
+        alone_s: AloneTtft | None = None,
+    ) -> None:
         self._clock = clock
         self._target = (config or EngineConfig()).tier(Tier.P0).ttft_target_s
         self._window_s = window_s
+        self._alone_s = alone_s
         self._p0: deque[tuple[float, bool]] = deque()  # (when, attained)
 
     def first_token(self, fr: FleetRequest) -> None:
-        if fr.tier is Tier.P0 and fr.ttft_s is not None:
+        if fr.tier is Tier.P0 and fr.ttft_s is not None and self._helped_by_capacity(fr):
             self._p0.append((self._clock.now(), fr.ttft_s <= self._target))
 
     def ended_without_token(self, fr: FleetRequest) -> None:
-        if fr.tier is Tier.P0:
+        if fr.tier is Tier.P0 and self._helped_by_capacity(fr):
             self._p0.append((self._clock.now(), False))
+
+    def _helped_by_capacity(self, fr: FleetRequest) -> bool:
+        """Whether the request alone would meet P0's target (True without `alone_s`)."""
+        if self._alone_s is None or fr.spec is None:
+            return True
+        spec = fr.spec
+        try:
+            return self._alone_s(spec.num_prompt_tokens, spec.num_history_tokens) <= self._target
+        except ValueError:  # it does not fit on an idle replica at all
+            return False
 
     def p0_attainment(self) -> float | None:
         horizon = self._clock.now() - self._window_s

@@ -21,7 +21,7 @@ from tierserve.engine import Engine
 from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation
 from tierserve.fleet.dispatch import DispatchOutcome
 from tierserve.fleet.events import Event, EventKind, EventQueue
-from tierserve.fleet.observe import FleetObserver
+from tierserve.fleet.observe import AloneTtft, FleetObserver
 from tierserve.fleet.replica import Replica, ReplicaState
 from tierserve.fleet.requests import (
     LOST,
@@ -78,7 +78,14 @@ class FleetResult:
 
 
 class FleetSim:
-    def __init__(self, config: FleetConfig, build_engine: Callable[[VirtualClock], Engine]) -> None:
+    def __init__(
+        self,
+        config: FleetConfig,
+        build_engine: Callable[[VirtualClock], Engine],
+        alone_s: AloneTtft | None = None,
+    ) -> None:
+        """`alone_s`: a request's TTFT alone on an idle replica, for the autoscaler's P0
+        attainment (observe.py); without it every P0 request counts."""
         self.config = config
         self.clock = VirtualClock()
         self._build = build_engine
@@ -87,7 +94,7 @@ class FleetSim:
         self._tokens: dict[str, int] = {}  # replica -> generation of its live boundary event
         self.dispatch = build_dispatch(config.router, config.num_names, config.settings, self.clock)
         self.autoscaler = Autoscaler(config.autoscale)
-        self.observer = FleetObserver(self.clock)
+        self.observer = FleetObserver(self.clock, alone_s=alone_s)
         self.requests: list[FleetRequest] = []
         self._live: dict[str, FleetRequest] = {}  # engine request id -> its fleet request
         self._num_open = 0
