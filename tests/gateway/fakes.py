@@ -55,11 +55,13 @@ class FakeUpstream:
     hold: threading.Event | None = None
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    tiers: list[list[str]] = field(default_factory=list)  # each request's x-request-tier, every one sent
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        self.tiers.append(request.headers.getlist("x-request-tier"))
         if self.mode == "fail":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "refuse":
@@ -102,10 +104,14 @@ class FakeUpstream:
         async def models(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
+        async def ready(_: Request) -> Response:  # asked of an upstream of kind "tierserve"
+            return JSONResponse({"status": "ready"})
+
         app = Starlette(
             routes=[
                 Route("/metrics", metrics),
                 Route("/v1/models", models),
+                Route("/ready", ready),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.chat, methods=["POST"]),
             ]

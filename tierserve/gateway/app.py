@@ -1,7 +1,9 @@
 """The gateway's FastAPI application: the OpenAI-compatible routes of `tierserve serve`,
 forwarded to upstream replicas, plus health, readiness and metrics.
 
-Errors leave in OpenAI's envelope, through the server's own handlers and body limit.
+Errors leave in OpenAI's envelope, through the server's own handlers and body limit. As
+in the server (server/app.py): a path with a trailing slash is an unknown path (404), not a
+redirect built from the client's Host header, and HEAD is answered as GET without the body.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tierserve.gateway.config import fail_open_by_tier
 from tierserve.gateway.forward import forward
 from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
+from tierserve.server.app import HeadAsGet
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error
 from tierserve.server.fast_routes import aborted_upload
@@ -125,11 +128,13 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
         title="tierserve gateway",
         version=__version__,
         lifespan=_lifespan(gw),
+        redirect_slashes=False,
         **gw.config.serve.api_docs_urls(),  # no key guards them: off where keys are required
     )
     app.state.gateway = gw
     app.add_middleware(GenerationRoutes, gw=gw)  # innermost: inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)
+    app.add_middleware(HeadAsGet)
     _add_error_handlers(app)
     _add_routes(app, gw)
     return app
@@ -176,13 +181,13 @@ def _add_routes(app: FastAPI, gw: GatewayState) -> None:
 
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:
-        gw.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        gw.tenants.resolve_headers(http.headers)
         return {"object": "list", "data": list(cards().values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, http: HttpRequest) -> dict[str, Any]:
         """One model (the OpenAI client's `models.retrieve`), behind the same keys, as the server."""
-        gw.tenants.resolve(http.headers.get("authorization"), http.headers.get("x-tenant-id"))
+        gw.tenants.resolve_headers(http.headers)
         card = cards().get(model_id)
         if card is None:
             raise ApiError(

@@ -1,12 +1,13 @@
 """One generation request through the gateway, from the HTTP body to the last byte.
 
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
-is read) -> Content-Encoding (415, unread) -> body (400) ->
-model (404) -> tier -> rate limits (429, or 503 when Redis is down and the tier fails
-closed) -> flow control (503) -> upstream. An upstream that fails before the first byte
-of its reply (connect error, 5xx, a stream cut before any data) is left for another
-one, up to `max_attempts`; once bytes have reached the client a broken stream ends with
-an error event. Reserved tokens are settled with the upstream's reported usage.
+is read) -> Content-Encoding (415, unread) -> body (400) -> model (404) -> tier (400 for a
+tier header sent twice, differing) -> rate limits (429, or 503 when Redis is down and the
+tier fails closed; 400 for a request too large to ever fit) -> flow control (503) ->
+upstream. An upstream that fails before the first byte of its reply (connect error, 5xx,
+a stream cut before any data) is left for another one, up to `max_attempts`; once bytes
+have reached the client a broken stream ends with an error event. Reserved tokens are
+settled with the upstream's reported usage.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
-from tierserve.server.tenants import decide_tier, parse_declared_tier
+from tierserve.server.tenants import decide_tier, one_header, parse_declared_tier
 from tierserve.tiers import Tier
 
 log = logging.getLogger("tierserve.gateway")
@@ -103,7 +104,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         raise draining_error()
     asked = http.headers
     try:
-        tenant = gw.tenants.resolve(asked.get("authorization"), asked.get("x-tenant-id"))
+        tenant = gw.tenants.resolve_headers(asked)
     except ApiError as e:
         close_if_unread(e, http)
         raise
@@ -111,14 +112,20 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         raise refused
     raw, body = await _read_body(http, chat)
     _check_model(gw, body.model)
-    tier = decide_tier(tenant, parse_declared_tier(asked.get("x-request-tier"), body.priority)).effective
-    max_tokens = body.requested_max_tokens()[0] or gw.config.serve.server.default_max_tokens
+    declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
+    tier = decide_tier(tenant, declared).effective
+    requested, field = body.requested_max_tokens()
+    max_tokens = requested if requested is not None else gw.config.serve.server.default_max_tokens
     num_reserved = estimate_prompt_tokens(raw) + max_tokens
-    rate = await gw.limiter.acquire(tenant, num_reserved, tier)
+    # As the server reserves (server/generate.py): too large for a token bucket, the client's
+    # max_tokens is what to lower; without one, the default output is cut to fit the burst.
+    param = field if requested is not None else ("messages" if chat else "prompt")
+    num_default = 0 if requested is not None else max_tokens
+    rate = await gw.limiter.acquire(tenant, num_reserved, tier, num_default=num_default)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
     if not rate.allowed:
         gw.metrics.reject(f"rate_limit_{rate.reason}", tier)
-        raise rate_refusal(rate, tenant.name, headers)
+        raise rate_refusal(rate, tenant.name, headers, param=param)
     call = _Call(
         "/v1/chat/completions" if chat else "/v1/completions",
         raw,
