@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, Running, fake_upstream, gateway_of
+from tests.server.helpers import HEADERS_SENT_TWICE, SLASHED_PATHS
 from tierserve.gateway.config import parse_gateway_config
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -88,15 +89,7 @@ def test_head_is_answered_as_get_without_a_body(front: tuple[Running, FakeUpstre
     assert httpx.head(gw.url + "/v1/completions", headers=key).status_code == 405  # POST only, as GET
 
 
-@pytest.mark.parametrize(
-    ("method", "path"),
-    [
-        ("POST", "/v1/completions/"),
-        ("POST", "/v1/chat/completions/"),
-        ("GET", "/health/"),
-        ("GET", "/ready/"),
-    ],
-)
+@pytest.mark.parametrize(("method", "path"), SLASHED_PATHS)
 def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(
     front: tuple[Running, FakeUpstream], method: str, path: str
 ) -> None:
@@ -109,14 +102,7 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(
     assert r.json()["error"]["code"] == "not_found"
 
 
-@pytest.mark.parametrize(
-    ("name", "first", "second", "key"),
-    [
-        ("x-request-tier", "P3", "P0", "sk-bronze"),
-        ("x-tenant-id", "internal", "bronze", None),  # the header names a tenant only without a key
-        ("authorization", "Bearer sk-bronze", "Bearer sk-gold", None),
-    ],
-)
+@pytest.mark.parametrize(("name", "first", "second", "key"), HEADERS_SENT_TWICE)
 def test_a_header_sent_twice_with_different_values_is_400_naming_it(
     front: tuple[Running, FakeUpstream], name: str, first: str, second: str, key: str | None
 ) -> None:

@@ -193,3 +193,22 @@ def wait_until_ready(proc: subprocess.Popen[str], url: str, deadline: float) -> 
             proc.kill()
             pytest.fail(f"serve did not become ready:\n{proc.communicate()[0]}")
         time.sleep(0.2)
+
+
+# The front door's cases, for `tierserve serve` and the gateway alike (both read the same
+# headers and route the same paths): paths with a trailing slash, answered 404 (not a
+# redirect built from the Host header) ...
+SLASHED_PATHS = [
+    ("POST", "/v1/completions/"),
+    ("POST", "/v1/chat/completions/"),
+    ("GET", "/health/"),
+    ("GET", "/ready/"),
+]
+# ... and a header sent twice with different values, a 400 naming it: (name, first, second,
+# the API key of a request that sends a tier twice; None where the header itself is the key
+# or names a tenant, which it does only without a key).
+HEADERS_SENT_TWICE = [
+    ("x-request-tier", "P3", "P0", "sk-bronze"),
+    ("x-tenant-id", "internal", "bronze", None),
+    ("authorization", "Bearer sk-bronze", "Bearer sk-gold", None),
+]

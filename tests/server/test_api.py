@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from tests.server.helpers import MODEL, REPLY, LiveServer, live_server, make_state
+from tests.server.helpers import MODEL, REPLY, SLASHED_PATHS, LiveServer, live_server, make_state
 from tierserve.server.admission import ThroughputMeter
 from tierserve.server.config import parse_serve_config
 from tierserve.tiers import Tier
@@ -157,15 +157,7 @@ def test_head_is_answered_as_get_without_a_body(server: LiveServer, path: str) -
     assert httpx.head(server.url + "/v1/completions").status_code == 405  # POST only, as for GET
 
 
-@pytest.mark.parametrize(
-    ("method", "path"),
-    [
-        ("POST", "/v1/completions/"),
-        ("POST", "/v1/chat/completions/"),
-        ("GET", "/health/"),
-        ("GET", "/ready/"),
-    ],
-)
+@pytest.mark.parametrize(("method", "path"), SLASHED_PATHS)
 def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(
     server: LiveServer, method: str, path: str
 ) -> None:

@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.server.helpers import MODEL, LiveServer, live_server, make_state
+from tests.server.helpers import HEADERS_SENT_TWICE, MODEL, LiveServer, live_server, make_state
 from tierserve.server.config import parse_serve_config
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -144,14 +144,7 @@ def test_a_request_without_max_tokens_fits_a_burst_below_the_default_output(serv
     assert e.value.param == "messages" and "at most 300" in e.value.message
 
 
-@pytest.mark.parametrize(
-    ("name", "first", "second", "key"),
-    [
-        ("x-request-tier", "P3", "P0", "sk-bronze"),
-        ("x-tenant-id", "internal", "bronze", None),  # the header names a tenant only without a key
-        ("authorization", "Bearer sk-bronze", "Bearer sk-gold", None),
-    ],
-)
+@pytest.mark.parametrize(("name", "first", "second", "key"), HEADERS_SENT_TWICE)
 def test_a_header_sent_twice_with_different_values_is_400_naming_it(
     server: LiveServer, name: str, first: str, second: str, key: str | None
 ) -> None:
