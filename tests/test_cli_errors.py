@@ -86,7 +86,18 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "fleet", "--scale-interval-s", "0"], 2, "--scale-interval-s: expected a finite"),
         (["bench", "fleet", "--scale-by", "users"], 2, "--scale-by: invalid choice: 'users'"),
         (["bench", "overhead", "--running", "100000"], 2, "--running: expected at most 16384"),
-        (["serve", "--model", "llama-3.1-8b"], 2, "names a simulated model: add --backend sim"),
+        (
+            ["serve", "--model", "llama-3.1-8b"],
+            2,
+            "names a simulated model, which has no weights: `tierserve serve --backend sim`",
+        ),
+        # `generate` and `bench engine` have no --backend: the hint names the command that has one.
+        (
+            ["generate", "--model", "llama-3.1-8b", "--prompt", "x"],
+            2,
+            "`tierserve serve --backend sim` runs it",
+        ),
+        (["bench", "engine", "--model", "llama-3.1-8b"], 2, "`tierserve serve --backend sim` runs it"),
         # Checked before a checkpoint is written or an engine started (it failed late, a
         # traceback squeezed into a line, when vLLM was missing from the python it ran).
         (["bench", "vllm", "--vllm-python", MISSING, "--out", MISSING], 2, "--vllm-python"),

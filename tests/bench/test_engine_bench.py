@@ -152,7 +152,7 @@ def test_the_text_report_names_the_checkpoint(
     args = _parser().parse_args(["engine", "--model", str(checkpoint_dir), *TINY, "--skip-hf"])
     assert args.func(args) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith(f"model {checkpoint_dir} on cpu (1 threads): 3 prompts"), first
+    assert first.startswith(f"model {checkpoint_dir} on cpu (1 thread): 3 prompts"), first
 
 
 def test_a_bad_model_directory_is_one_line_and_exit_status_2(

@@ -199,3 +199,14 @@ def test_a_shape_beyond_free_memory_fails_before_allocating(monkeypatch: pytest.
     monkeypatch.setattr(sim_check, "_available_bytes", lambda _device: 3 << 30)
     with pytest.raises(ValueError, match=r"demo in float32 needs .* GiB free: give fewer decodes"):
         sim_check.sim_check(shapes=[sim_check.parse_shape("d4096x4000")])
+
+
+def test_weights_beyond_free_memory_ask_for_a_smaller_model_not_smaller_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # llama-3.1-8b in float32 on a CPU with 22 GiB free said "give fewer decodes", which cannot help.
+    monkeypatch.setattr(sim_check, "_available_bytes", lambda _device: 20 << 30)
+    with pytest.raises(
+        ValueError, match=r"weights alone do not fit: give a smaller --model or --dtype bfloat16"
+    ):
+        sim_check.sim_check(model="llama-3.1-8b", shapes=[sim_check.parse_shape("p16")])

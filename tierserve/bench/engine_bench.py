@@ -577,7 +577,8 @@ def _print_report(res: dict[str, Any], host_warning: str | None) -> None:
         f"{res['num_output_tokens']} output tokens"
     )
     model = "demo model" if res["model"] == "demo" else f"model {res['model']}"
-    print(f"{model} on {res['device']} ({res['threads']} threads): {head}")
+    threads = f"{res['threads']} thread{'' if res['threads'] == 1 else 's'}"
+    print(f"{model} on {res['device']} ({threads}): {head}")
     for label, key, unit in _ROWS:
         if key in res:
             print(f"  {label:<48} {res[key]:>10.4g} {unit}".rstrip())

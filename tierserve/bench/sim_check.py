@@ -210,15 +210,22 @@ def build_executor(
     layout = KVLayout(
         config.num_hidden_layers, config.num_key_value_heads, config.head_size, block_size, dtype
     )
-    weight_bytes = config.num_params * torch.empty((), dtype=dtype).element_size()
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = config.num_params * element_bytes
     kv_bytes = num_blocks * layout.bytes_per_block
     available = _available_bytes(device)
     if available is not None and weight_bytes + kv_bytes + DEFAULT_ACTIVATION_RESERVE_BYTES > available:
+        # Smaller shapes help only when the weights leave room for some K/V.
+        if weight_bytes + DEFAULT_ACTIVATION_RESERVE_BYTES > available:
+            half = " or --dtype bfloat16" if element_bytes > 2 else ""
+            hint = f"the weights alone do not fit: give a smaller --model{half}"
+        else:
+            hint = "give fewer decodes or shorter contexts with --shape"
         raise ValueError(
             f"{config.name} in {str(dtype).removeprefix('torch.')} needs {weight_bytes / GiB:.1f} GiB of "
             f"weights, {kv_bytes / GiB:.1f} GiB of K/V for the largest shape ({num_blocks} blocks) and "
             f"{DEFAULT_ACTIVATION_RESERVE_BYTES / GiB:.0f} GiB for activations; {device} has "
-            f"{available / GiB:.1f} GiB free: give fewer decodes or shorter contexts with --shape"
+            f"{available / GiB:.1f} GiB free: {hint}"
         )
     model = make_random_model(config, device, dtype)
     pool = KVPool(layout, num_blocks, 0, device)

@@ -124,6 +124,28 @@ def test_tensor_shape_not_matching_config_is_named(checkpoint: Checkpoint) -> No
     )
 
 
+def test_tied_config_with_a_different_lm_head_in_the_weights_is_refused(checkpoint: Checkpoint) -> None:
+    # transformers 5 leaves such a head untied and uses it; we used the embeddings silently,
+    # so greedy outputs differed from transformers' (bench engine: 0 of 32 identical).
+    edit_json(checkpoint.path / "config.json", tie_word_embeddings=True)
+    message = load_error(checkpoint.path)
+    assert "model.safetensors" in message and "'lm_head.weight' differs" in message
+    assert "tie_word_embeddings" in message
+
+
+def test_tied_config_with_an_lm_head_equal_to_the_embeddings_loads(checkpoint: Checkpoint) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = checkpoint.path / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    edit_json(checkpoint.path / "config.json", tie_word_embeddings=True)
+    model = load_model(checkpoint.path, CPU).model
+    assert model.lm_head is None
+    assert torch.equal(model.model.embed_tokens.weight, tensors["lm_head.weight"])
+
+
 def test_not_a_directory_is_rejected(tmp_path: Path) -> None:
     assert "not a directory" in load_error(tmp_path / "nowhere")
 

@@ -92,6 +92,16 @@ def test_a_shape_no_engine_runs_is_predicted_with_a_note(capsys: pytest.CaptureF
     assert json.loads(capsys.readouterr().out)["beyond_limits"] == []  # the defaults are a real step
 
 
+def test_a_tp_beyond_one_node_says_its_times_are_optimistic(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp 16 printed times below --tp 8's with no word that the cost model joins all 16 GPUs
+    by NVLink, as if they were one node."""
+    assert run(["profile", "--model", "llama-3.1-8b", "--gpu", "h200", "--tp", "16"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "--tp 16 spans 2 nodes of 8 GPUs" in notes[0] and "optimistic" in notes[0]
+    assert run(["profile", "--model", "llama-3.1-8b", "--gpu", "h200", "--tp", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["caveats"] == []
+
+
 def test_json_says_when_the_model_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--json"]) == 1
     captured = capsys.readouterr()

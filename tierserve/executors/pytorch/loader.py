@@ -171,6 +171,29 @@ def load_weights(model: CausalLM, directory: Path) -> None:
                         param.copy_(tensor)
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f"{path}: unreadable safetensors: {e}") from None
+        if model.lm_head is None and "lm_head.weight" in files:
+            _check_tied_head(files["lm_head.weight"], expected["model.embed_tokens.weight"])
+
+
+def _check_tied_head(path: Path, embed: torch.Tensor) -> None:
+    """config.json ties the output head to the embeddings, yet the weights hold an lm_head.weight
+    too. The same values are harmless; different ones are a checkpoint that says two things:
+    transformers (5) then leaves the head untied and uses it, vLLM skips it and uses the
+    embeddings. Either guess computes other logits than one of them, so the user says which."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            head = f.get_tensor("lm_head.weight")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{path}: unreadable safetensors: {e}") from None
+    # Compared as loaded (the embeddings may have been cast): equal values stay equal.
+    if tuple(head.shape) != tuple(embed.shape) or not torch.equal(head.to(embed), embed):
+        raise ModelLoadError(
+            f"{path}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but config.json "
+            "ties them (tie_word_embeddings): set it to false to use lm_head.weight, or remove "
+            "lm_head.weight from the weights to use the embeddings"
+        )
 
 
 def _token_text(value: Any) -> str | None:
@@ -244,8 +267,10 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
     if not directory.is_dir():
         from tierserve.model_config import KNOWN_MODELS
 
+        # Said for `serve`, `generate` and `bench engine` alike: only `serve` has a --backend.
         simulated = (
-            f"; {source!r} names a simulated model: add --backend sim"
+            f"; {source!r} names a simulated model, which has no weights: `tierserve serve --backend sim` "
+            "runs it"
             if str(source).lower() in KNOWN_MODELS
             else ""
         )

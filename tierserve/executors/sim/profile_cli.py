@@ -7,7 +7,8 @@ A model whose weights leave no room for the K/V cache does not fit: one line on 
 that says so and names the smallest --tp that fits, and exit status 1 (bad arguments: 2;
 with --json, the verdict is on stdout too, as `fits` and `reason`). A shape no engine would
 run (a prefill or context beyond the model's context, a decode batch whose K/V does not
-fit) is still predicted, with a note (`beyond_limits` in the JSON).
+fit) is still predicted, with a note (`beyond_limits` in the JSON); so is a --tp beyond one
+8-GPU node, whose all-reduces the cost model puts on NVLink (`caveats` in the JSON).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ EXIT_DOES_NOT_FIT = 1
 EXIT_BAD_ARGUMENTS = 2
 _GIB = 1 << 30
 _TP_TRIED = (1, 2, 4, 8, 16, 32, 64)
+_GPUS_PER_NODE = 8  # an HGX/DGX board: NVLink joins no more of these SXM GPUs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -162,6 +164,18 @@ def beyond_limits(figures: Profile) -> list[str]:
     return notes
 
 
+def caveats(figures: Profile) -> list[str]:
+    """What the cost model leaves out for this setup, each in a line: unlike `beyond_limits`, an
+    engine may well run it, but the figures flatter it."""
+    if figures.tp <= _GPUS_PER_NODE:
+        return []
+    nodes = -(-figures.tp // _GPUS_PER_NODE)
+    return [
+        f"--tp {figures.tp} spans {nodes} nodes of {_GPUS_PER_NODE} GPUs, but the all-reduces are "
+        "modelled over one node's NVLink (no network between nodes): the times are optimistic"
+    ]
+
+
 def _fits(figures: Profile, tp: int) -> bool:
     try:
         cm = CostModel(get_gpu(figures.gpu), get_model(figures.model), tp)
@@ -186,9 +200,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_DOES_NOT_FIT
     notes = beyond_limits(figures)
     if args.json:
-        print(json.dumps({"fits": True, "beyond_limits": notes} | dataclasses.asdict(figures), indent=2))
+        verdict = {"fits": True, "beyond_limits": notes, "caveats": caveats(figures)}
+        print(json.dumps(verdict | dataclasses.asdict(figures), indent=2))
         return 0
     print(figures.text())
     for note in notes:
         print(f"  note: {note}; no engine runs such a step")
+    for caveat in caveats(figures):
+        print(f"  note: {caveat}")
     return 0
