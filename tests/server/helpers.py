@@ -20,6 +20,7 @@ import pytest
 from tierserve.engine import Engine
 from tierserve.executors.base import StepBatch, StepResult
 from tierserve.executors.null import NullExecutor
+from tierserve.executors.pytorch.tokenizer import no_template_for
 from tierserve.server.backends import Backend
 from tierserve.server.config import ServeConfig
 from tierserve.server.drain import DrainingServer
@@ -45,7 +46,10 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        no_template_for(template_kwargs)
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
 
 

@@ -60,7 +60,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None, []),
 }
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
@@ -183,9 +182,19 @@ def _prompt_ids(
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        template_kwargs = _sent(body, "chat_template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise bad_request(
+                f"chat_template_kwargs: expected an object, got {_quote(template_kwargs)}",
+                "chat_template_kwargs",
+            )
         try:
-            return list(tok.apply_chat_template(messages))
+            if not template_kwargs:  # as a tokenizer without template variables is called
+                return list(tok.apply_chat_template(messages))
+            return list(tok.apply_chat_template(messages, template_kwargs))
         except ValueError as e:
+            if str(e).startswith("chat_template_kwargs:"):
+                raise bad_request(str(e), "chat_template_kwargs") from None
             raise bad_request(f"messages: {e}", "messages") from None
     prompt: Any = body.prompt
     if isinstance(prompt, str):

@@ -9,9 +9,11 @@ bytes of English per token, as Llama-3's tokenizer does) and render ids as words
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from tierserve.executors.pytorch.tokenizer import no_template_for
 
 Message = Mapping[str, str]
 
@@ -24,7 +26,13 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """`template_kwargs`: extra variables for the chat template (vLLM's and transformers'
+        `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); a ValueError where the model
+        has no template to give them to."""
+        ...
 
 
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "elit", "sed", "do", "tempor", "ut")
@@ -52,6 +60,9 @@ class PlaceholderTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(" " + _WORDS[t % len(_WORDS)] for t in token_ids)
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        no_template_for(template_kwargs)
         lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
         return self.encode("\n".join([*lines, "assistant:"]))

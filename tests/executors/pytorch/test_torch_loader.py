@@ -54,6 +54,28 @@ def test_tokenizer_eos_bos_and_chat_template(checkpoint: Checkpoint) -> None:
     assert tok.decode(chat) == "<|user|>hi<|assistant|>"  # </s> is special: skipped on decode
 
 
+def test_chat_template_kwargs_reach_the_template_and_may_not_set_what_the_server_does(
+    checkpoint: Checkpoint,
+) -> None:
+    """vLLM's `chat_template_kwargs` (Qwen3's `enable_thinking`, say) were refused; they are
+    variables of the template's, beside the ones every template gets."""
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    hi = [{"role": "user", "content": "hi"}]
+    assert (
+        tok.decode(tok.apply_chat_template(hi, {"enable_thinking": False})) == "<|user|>hi<|assistant|>Done!"
+    )
+    assert tok.apply_chat_template(hi, {"enable_thinking": True}) == tok.apply_chat_template(hi)
+    with pytest.raises(
+        ValueError, match="chat_template_kwargs: add_generation_prompt, messages: set by the server"
+    ):
+        tok.apply_chat_template(hi, {"messages": [], "add_generation_prompt": False})
+    edit_json(checkpoint.path / "tokenizer_config.json", chat_template=None)
+    plain = load_model(checkpoint.path, CPU).tokenizer
+    with pytest.raises(ValueError, match="no chat template to give enable_thinking to"):
+        plain.apply_chat_template(hi, {"enable_thinking": False})
+    assert plain.apply_chat_template(hi, {}) == plain.apply_chat_template(hi)
+
+
 def test_generation_config_eos_ids_win_over_config_json(checkpoint: Checkpoint) -> None:
     (checkpoint.path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
     executor, tok = build_torch_executor(checkpoint.path, num_device_blocks=4)

@@ -110,3 +110,33 @@ def test_a_token_past_the_models_vocabulary_is_a_400_naming_the_field(server: st
     assert client.completions.create(
         model="tiny-llama", prompt="hello", max_tokens=2
     ).choices  # still serving
+
+
+def test_chat_template_kwargs_reach_the_served_template(checkpoint: Checkpoint, server: str) -> None:
+    """Qwen3's `chat_template_kwargs: {"enable_thinking": false}`, which clients send to vLLM,
+    was a 400: the template's variables now come from the request."""
+    tok = load_model(checkpoint.path, torch.device("cpu")).tokenizer
+    messages = [{"role": "user", "content": "hello world"}]
+    variables = {"enable_thinking": False}
+    prompt = tok.apply_chat_template(messages, variables)
+    assert prompt != tok.apply_chat_template(messages)  # the template reads it
+    expected = _expected(checkpoint, prompt)
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"chat_template_kwargs": variables},
+    )
+    assert r.choices[0].message.content == tok.decode(expected)
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt)
+    for bad in ({"messages": []}, ["enable_thinking"]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="tiny-llama",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=2,
+                extra_body={"chat_template_kwargs": bad},
+            )
+        assert e.value.body["param"] == "chat_template_kwargs", e.value.body  # type: ignore[index]

@@ -16,6 +16,7 @@ BOS_ID, EOS_ID = 0, 1
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}Done!{% endif %}"  # a template variable
 )
 _CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog. " * 4,

@@ -22,9 +22,26 @@ class Tokenizer(Protocol):
         """Text of `token_ids`, special tokens skipped."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
-        """Token ids of a chat, ending where the assistant's reply should start."""
+    def apply_chat_template(
+        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a chat, ending where the assistant's reply should start.
+        `template_kwargs`: extra variables for the chat template (vLLM's and transformers'
+        `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); a ValueError where the model
+        has no template to give them to, or one names a variable the template is given anyway."""
         ...
+
+
+# The variables every chat template gets; `template_kwargs` may not set them.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def no_template_for(template_kwargs: Mapping[str, Any] | None) -> None:
+    """Raise ValueError for template variables given to a model without a chat template: they
+    would be dropped, and the prompt would not be the one asked for."""
+    if template_kwargs:
+        names = ", ".join(sorted(template_kwargs))
+        raise ValueError(f"chat_template_kwargs: this model has no chat template to give {names} to")
 
 
 def plain_chat_text(messages: Sequence[Message]) -> str:
@@ -55,7 +72,10 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        no_template_for(template_kwargs)
         return self.encode(plain_chat_text(messages))
 
 
@@ -115,11 +135,18 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         if self._template is None:
+            no_template_for(template_kwargs)
             return self.encode(plain_chat_text(messages))
+        extra = dict(template_kwargs or {})
+        if taken := sorted(TEMPLATE_VARIABLES & extra.keys()):
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)}: set by the server, not by a request")
         try:
             text = self._template.render(
+                **extra,
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
