@@ -87,6 +87,7 @@ def test_policy_tables_hold_each_policys_own_settings() -> None:
         ({"policy": {"sglang-priority": {"spacing": 3}}}, "policy.sglang-priority.spacing: unknown key"),
         ({"policy": {"article": {"p3_aging_s": 0}}}, "policy.article.p3_aging_s"),
         ({"policy": 3}, "policy: expected a table"),
+        ({"scheduler": 3}, "scheduler: expected a table"),
     ],
 )
 def test_bad_policy_settings_name_the_field(raw: dict[str, object], field: str) -> None:

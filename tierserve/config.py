@@ -195,13 +195,16 @@ def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(allowed)})")
-    for key in raw.get("scheduler", {}) if isinstance(raw.get("scheduler"), Mapping) else ():
+    raw_scheduler = raw.get("scheduler", {})
+    if not isinstance(raw_scheduler, Mapping):
+        raise ConfigError("scheduler: expected a table")
+    for key in raw_scheduler:
         if key in MOVED_TO_HYBRID:
             raise ConfigError(
                 f"scheduler.{key}: moved to the hybrid policy's own table; write it as "
                 f"[policy.hybrid] {MOVED_TO_HYBRID[key]} = ... (see deploy/tiers.example.toml)"
             )
-    scheduler = _merge("scheduler", SchedulerConfig(), raw.get("scheduler", {}))
+    scheduler = _merge("scheduler", SchedulerConfig(), raw_scheduler)
     tiers = dict(DEFAULT_TIERS)
     raw_tiers = raw.get("tiers", {})
     if not isinstance(raw_tiers, Mapping):

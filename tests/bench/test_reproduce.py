@@ -157,6 +157,35 @@ def test_bad_arguments_exit_2_with_a_message(argv: list[str], capsys: pytest.Cap
     assert "tierserve bench reproduce:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv", [["--think-time", "nan"], ["--think-time", "inf"], ["--burst-cv", "nan"], ["--burst-cv", "inf"]]
+)
+def test_think_time_and_burst_cv_must_be_finite(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nan passed the check and inf ran every cell, then failed to write results.json."""
+    small = ["--patterns", "bursty", "closed", "--loads", "1", "--clients", "2", "--requests", "4"]
+    args = parse(*argv, *small, "--policies", "fcfs", "--workers", "1", "--out", str(tmp_path / "out"))
+    assert run(args) == 2
+    assert "must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--patterns", "poisson", "--clients", "4"], "--clients"),
+        (["--patterns", "closed", "--loads", "0.3"], "--loads"),
+        (["--workloads", "default", "--trace-rows", "100"], "--trace-rows"),
+        (["--trace-scale", "2"], "--trace-scale"),  # ran the whole default matrix
+        (["--quick", "--trace-rows", "100"], "--trace-rows"),
+    ],
+)
+def test_a_cell_option_no_cell_uses_is_refused(argv: list[str], flag: str) -> None:
+    with pytest.raises(ValueError, match=f"{flag} applies to .* cells, and none runs"):
+        matrix_from_args(parse(*argv))
+
+
 @pytest.mark.parametrize("argv", [["--loads", "0"], ["--loads", "nan"], ["--requests", "0"]])
 def test_bad_numbers_are_refused_as_they_are_parsed(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
@@ -222,3 +251,25 @@ def test_a_bad_trace_fails_before_any_cell_runs(tmp_path: Path, capsys: pytest.C
     assert run(args) == 2
     assert "bad.jsonl:1: missing 'output_length'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_results_say_which_config_the_engine_ran_with(tmp_path: Path) -> None:
+    """Only the TTFT targets were written: a run with other floors, weights or policy
+    settings read the same as one with the defaults."""
+    config = tmp_path / "tiers.toml"
+    config.write_text(
+        "[tiers.P0]\nfloor = 0.0\naging_s = 2.0\n[tiers.P1]\nreserve = 0.5\n"
+        "[policy.hybrid]\np0_solo_share = 0.5\n"
+    )
+    m = matrix_from_args(
+        parse("--config", str(config), "--policies", "fcfs", "hybrid", "--patterns", "closed")
+    )
+    setup = json.loads(json.dumps(setup_json(m, quick=False), allow_nan=False))
+    assert setup["config"] == str(config)
+    assert setup["tiers"]["P0"]["floor"] == 0.0 and setup["tiers"]["P0"]["aging_s"] == 2.0
+    assert setup["tiers"]["P1"]["reserve"] == 0.5 and setup["tiers"]["P3"]["ttft_target_s"] is None  # inf
+    assert setup["scheduler"]["max_num_batched_tokens"] == 2048  # the engine limits, not the config's
+    assert setup["policy_options"] == {"hybrid": {**setup["policy_options"]["hybrid"], "p0_solo_share": 0.5}}
+    assert setup["policy_options"]["hybrid"]["step_bound_x_p0"] is None  # its default, inf
+    default = setup_json(matrix_from_args(parse("--policies", "fcfs")), quick=False)
+    assert default["config"] == "built-in defaults" and default["policy_options"] == {}

@@ -120,3 +120,15 @@ def test_a_tier_mix_without_p1_leaves_the_p1_targets_not_run() -> None:
     no_p1["tiers"]["P1"] = {"requests": 0, "completed": 0, "shed": 0, "slo_attainment": None}
     verdicts = {v.target: v.met for v in judge([no_p1, run("vllm-priority", 1.0, None, 1.0, load=0.8)])}  # type: ignore[arg-type]
     assert [met for target, met in verdicts.items() if target.startswith(("P1", "beyond"))] == [None, None]
+
+
+def test_a_target_missed_in_one_cell_is_not_met_even_where_another_cell_cannot_be_judged() -> None:
+    # Goodput measured and behind the best baseline in one cell, unmeasured in the other.
+    runs = [
+        run("hybrid", 1.0, 1.0, 1.9, load=1.0),
+        run("vllm-priority", 1.0, 1.0, 3.0, load=1.0),
+        run("hybrid", 1.0, 1.0, None, load=4.0),
+        run("vllm-priority", 1.0, 1.0, 3.0, load=4.0),
+    ]
+    verdict = next(v for v in judge(runs) if v.target.startswith("goodput"))
+    assert verdict.label() == "NOT MET" and "-36.67 %" in verdict.detail

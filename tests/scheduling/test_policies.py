@@ -295,3 +295,32 @@ def test_hybrid_rescues_requests_that_can_still_meet_their_target_before_late_on
     policy.add(late, 0.0)
     policy.add(savable, 7.0)
     assert drain(policy, 2, now=10.0) == [savable, late]
+
+
+def test_token_drr_with_tiny_weights_skips_the_rounds_in_which_no_head_fits() -> None:
+    """A quantum of 0.001 tokens against heads of about 1,000: round by round a pop took a
+    million rounds (`bench reproduce --config` with such weights never ended). Counted, not
+    timed: the rounds are visits to the tiers' heads."""
+    from tierserve.config import parse_config
+
+    tiny = {"drr_weight": 1e-3}
+    config = parse_config(
+        {"scheduler": {"drr_quantum_tokens": 1}, "tiers": dict.fromkeys(("P1", "P2"), tiny)}
+    )
+    policy = create_policy("drr-tokens", config)
+    visits = 0
+    head = policy._queues.head  # type: ignore[attr-defined]
+
+    def counted(tier: Tier) -> Request | None:
+        nonlocal visits
+        visits += 1
+        if visits > 10_000:
+            raise RuntimeError("still going round")
+        found: Request | None = head(tier)
+        return found
+
+    policy._queues.head = counted  # type: ignore[attr-defined]
+    for i in range(20):
+        policy.add(make_request(num_prompt=1000, tier=Tier.P1 if i % 2 else Tier.P2, arrival=i), 0.0)
+    served = drain(policy, 20)
+    assert len(served) == 20 and visits < 500

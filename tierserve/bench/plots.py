@@ -64,8 +64,22 @@ def plot_against_load(
             ax.set_ylim(bottom=0)  # differences in proportion to the whole
     for ax in list(axes.flat)[len(sections) :]:
         ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(policies), frameon=False)
-    fig.tight_layout(rect=(0, 0.8 / (3.6 * rows + 0.8), 1, 1))
+    legend_in = _legend_below(fig, *axes.flat[0].get_legend_handles_labels())
+    fig.set_size_inches(fig.get_size_inches()[0], 3.6 * rows + legend_in)
+    fig.tight_layout(rect=(0, legend_in / (3.6 * rows + legend_in), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _legend_below(fig: Any, handles: list[Any], labels: list[str]) -> float:
+    """Put the legend below the panels in as many columns as the figure's width holds (one
+    row of every policy ran off both sides of a one- or two-panel figure, hiding the first
+    and last policies); return the height in inches to keep for it."""
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(len(labels), 0, -1):
+        legend = fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
+        box = legend.get_window_extent(renderer)
+        if box.width <= fig.bbox.width or ncol == 1:
+            return 0.45 + float(box.height) / float(fig.dpi)
+        legend.remove()
+    return 0.8  # no policy: nothing to show

@@ -10,10 +10,11 @@ their own timestamps. results.json, report.md and the plots go to --out.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from tierserve.bench.cell import SIM_MODES, BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
 from tierserve.cli_args import non_negative_int, positive_float, positive_int
+from tierserve.config import EngineConfig
 from tierserve.scheduling.registry import BENCH_POLICIES
 
 DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
@@ -87,7 +89,7 @@ def _add_cell_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", type=positive_float, nargs="+", help="open loop: fractions of capacity")
     p.add_argument("--clients", type=positive_int, nargs="+", help="closed loop: clients")
     p.add_argument(
-        "--trace-scale", type=positive_float, nargs="+", default=[1.0], help="trace: speed-up factors"
+        "--trace-scale", type=positive_float, nargs="+", help="trace: speed-up factors (default: 1)"
     )
     p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
     p.add_argument("--think-time", type=float, default=2.0, help="closed loop: mean think time, s")
@@ -143,7 +145,7 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
             if (pattern == "trace") != trace:
                 raise ValueError(f"pattern {pattern} does not apply to workload {workload}")
             loads = {
-                "trace": args.trace_scale,
+                "trace": args.trace_scale or [1.0],
                 "closed": args.clients or CLIENTS,
             }.get(pattern, args.loads or LOAD_FRACTIONS)
             if any(x <= 0 for x in loads):
@@ -162,8 +164,10 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
     if unknown:
         raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
     TierMix.parse(args.tier_mix)
-    if args.think_time < 0 or args.burst_cv <= 0:
-        raise ValueError("--think-time must be >= 0 and --burst-cv > 0")
+    # Written so that nan fails too; inf ran every cell and then could not be written to
+    # results.json (JSON has no inf).
+    if not (0 <= args.think_time < math.inf and 0 < args.burst_cv < math.inf):
+        raise ValueError("--think-time must be a finite number >= 0 and --burst-cv a finite number > 0")
     setup = BenchSetup(
         limits=engine_limits(args.engine_limits, args.max_num_batched_tokens, args.max_num_seqs),
         tier_mix=args.tier_mix,
@@ -178,7 +182,24 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
     if args.quick:
         setup = replace(setup, capacity_requests=QUICK_CAPACITY_REQUESTS)
     setup.engine_config()  # a bad config file fails now, not in a worker
-    return Matrix(setup, policies, tuple(args.seed), _groups(args))
+    groups = _groups(args)
+    _check_used(args, {pattern for _, pattern, _ in groups})
+    return Matrix(setup, policies, tuple(args.seed), groups)
+
+
+def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
+    """Refuse a cell option that no cell of the matrix uses: `--patterns poisson --clients 4`
+    ran the Poisson cells and left the clients out without a word, and `--trace-scale 2`
+    without a trace ran the whole default matrix."""
+    applies = {
+        "--loads": (args.loads, ("poisson", "bursty")),
+        "--clients": (args.clients, ("closed",)),
+        "--trace-scale": (args.trace_scale, ("trace",)),
+        "--trace-rows": (args.trace_rows, ("trace",)),
+    }
+    for flag, (value, used_by) in applies.items():
+        if value is not None and not patterns & set(used_by):
+            raise ValueError(f"{flag} applies to {' and '.join(used_by)} cells, and none runs")
 
 
 def check_traces(matrix: Matrix) -> None:
@@ -231,9 +252,34 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
             t.name: (None if c.ttft_target_s == float("inf") else c.ttft_target_s)
             for t, c in config.tiers.items()
         },
+        # What else the engine ran with: a --config file's floors, weights or policy settings
+        # changed the results and were written nowhere.
+        "config": s.config_path or "built-in defaults",
+        **engine_config_json(config, matrix.policies),
         "quick": quick,
         "sim_mode": s.sim_mode,
         "git_commit": commit,
+    }
+
+
+def engine_config_json(config: EngineConfig, policies: Sequence[str]) -> dict[str, Any]:
+    """The engine settings every cell ran with: the scheduler's (with the engine limits),
+    every tier's, and the own settings of each policy run that has any (its defaults where
+    the config gives none). inf, which JSON lacks, is written as null: none, or never."""
+    from tierserve.scheduling.registry import POLICIES
+
+    def plain(obj: Any) -> dict[str, Any]:
+        return {k: None if v == math.inf else v for k, v in asdict(obj).items()}
+
+    options = {
+        p: plain(config.options(p, options_type))
+        for p in policies
+        if (options_type := POLICIES[p].options_type) is not None
+    }
+    return {
+        "scheduler": plain(config.scheduler),
+        "tiers": {t.name: plain(c) for t, c in config.tiers.items()},
+        "policy_options": options,
     }
 
 

@@ -63,14 +63,19 @@ def _num_measured(run: Run) -> int:
 def _judge(
     target: str, cells: Sequence[Run], ok: Callable[[Run], bool | None], show: Callable[[Run], str]
 ) -> Verdict:
-    """MET if `ok` holds in every cell, NOT RUN if it cannot tell in one (or a cell measured
-    nothing: a target is never met on no requests)."""
+    """NOT MET if `ok` fails in a cell; else MET if it holds in every cell, NOT RUN if it
+    cannot tell in one (or a cell measured nothing: a target is never met on no requests).
+    A cell that cannot be judged leaves a miss elsewhere a miss: "NOT RUN" beside a cell
+    that plainly failed would read as if nothing had been found."""
     verdicts = [ok(r) if _num_measured(r) else None for r in cells]
     detail = (
         "; ".join(f"{cell_name(r)}: {show(r) if _num_measured(r) else 'no measured requests'}" for r in cells)
         or "no cell applies"
     )
-    met = None if not cells or any(v is None for v in verdicts) else all(verdicts)
+    if False in verdicts:
+        met: bool | None = False
+    else:
+        met = None if not cells or any(v is None for v in verdicts) else True
     return Verdict(target, met, detail)
 
 
