@@ -111,3 +111,30 @@ def test_p0_prompts_too_long_to_meet_the_target_even_alone_do_not_scale_the_flee
     counted.run(workload)
     assert len(judged.replicas) == 1
     assert len(counted.replicas) > 1
+
+
+def test_the_longest_p0_prompt_within_the_target_alone_is_found_in_few_idle_runs() -> None:
+    """One idle run per P0 prompt length cost seconds on a trace's thousands of lengths; a
+    TTFT alone grows with the prompt, so the observer finds the longest within P0's target
+    once (per cached history) and compares."""
+    from tierserve.fleet.observe import FleetObserver
+    from tierserve.workloads.spec import RequestSpec
+
+    idle = IdleTtft(CONFIG, build_engine(VirtualClock()).executor)
+    calls: list[int] = []
+
+    def alone(num_prompt_tokens: int, num_history_tokens: int) -> float:
+        calls.append(num_prompt_tokens)
+        return idle(num_prompt_tokens, num_history_tokens)
+
+    observer = FleetObserver(VirtualClock(), CONFIG, alone_s=alone)
+    target = CONFIG.tier(Tier.P0).ttft_target_s
+    lengths = range(100, 8000, 7)
+    for i, n in enumerate(lengths):
+        fr = FleetRequest(i, RequestSpec(i, Tier.P0, "t", tuple(range(n)), 1, arrival_s=0.0), 0.0)
+        fr.first_token_s = 10.0  # a miss: counted only where the prompt alone meets the target
+        observer.first_token(fr)
+    counted = sum(1 for n in lengths if idle(n, 0) <= target)
+    assert 0 < counted < len(lengths)  # some fit alone, some do not
+    assert observer.p0_attainment() == 0.0 and len(observer._p0) == counted
+    assert len(calls) < 40

@@ -21,7 +21,10 @@ from tierserve.config import EngineConfig
 from tierserve.fleet.requests import FleetRequest
 from tierserve.tiers import Tier
 
-AloneTtft = Callable[[int, int], float]  # (prompt tokens, cached history tokens) -> TTFT alone, s
+AloneTtft = Callable[[int, int], float]
+MAX_PROMPT_TOKENS = (
+    1 << 24
+)  # the search's bound, far past any model's context  # (prompt tokens, cached history tokens) -> TTFT alone, s
 
 
 class FleetObserver:
@@ -36,6 +39,7 @@ class FleetObserver:
         self._target = (config or EngineConfig()).tier(Tier.P0).ttft_target_s
         self._window_s = window_s
         self._alone_s = alone_s
+        self._longest: dict[int, int] = {}  # cached history tokens -> longest prompt within target
         self._p0: deque[tuple[float, bool]] = deque()  # (when, attained)
 
     def first_token(self, fr: FleetRequest) -> None:
@@ -50,11 +54,35 @@ class FleetObserver:
         """Whether the request alone would meet P0's target (True without `alone_s`)."""
         if self._alone_s is None or fr.spec is None:
             return True
-        spec = fr.spec
-        try:
-            return self._alone_s(spec.num_prompt_tokens, spec.num_history_tokens) <= self._target
-        except ValueError:  # it does not fit on an idle replica at all
-            return False
+        history = fr.spec.num_history_tokens
+        longest = self._longest.get(history)
+        if longest is None:
+            longest = self._longest[history] = self._longest_within_target(self._alone_s, history)
+        return fr.spec.num_prompt_tokens <= longest
+
+    def _longest_within_target(self, alone_s: AloneTtft, history: int) -> int:
+        """The longest prompt, after `history` cached tokens, whose TTFT alone is within
+        P0's target (`history` if none is). A TTFT alone grows with the prompt, so this is a
+        search of a few dozen idle runs per history, not one run per prompt length: a
+        trace's P0 prompts come in thousands of lengths."""
+
+        def within(num_prompt_tokens: int) -> bool:
+            try:
+                return alone_s(num_prompt_tokens, history) <= self._target
+            except ValueError:  # it does not fit on an idle replica at all
+                return False
+
+        if not within(history + 1):
+            return history
+        lo, hi = history + 1, 2 * (history + 1)  # within, and to be tried
+        while within(hi):  # ends: past the context, a prompt does not fit
+            if hi > MAX_PROMPT_TOKENS:
+                return hi
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if within(mid) else (lo, mid)
+        return lo
 
     def p0_attainment(self) -> float | None:
         horizon = self._clock.now() - self._window_s
