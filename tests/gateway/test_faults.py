@@ -135,6 +135,8 @@ def test_a_lone_surrogate_escape_is_invalid_json_at_every_tier(tier: str, path: 
         headers = {"content-type": "application/json", "x-request-tier": tier}
         r = httpx.post(gw.url + path, content=body, headers=headers, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    # The parser says "unexpected end of hex escape", which reads as a typo; the surrogate is named.
+    assert "a lone one is not text" in r.json()["error"]["message"]
     assert not fake.bodies  # refused by the gateway, as `tierserve serve` refuses it
 
 

@@ -74,11 +74,15 @@ def invalid_body(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     FastAPI's error list); invalid JSON has a message of its own."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return ApiError(
-            400,
-            f"Invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}",
-            code="invalid_json",
-        )
+        why = str(first.get("ctx", {}).get("error", "cannot parse"))
+        if "hex escape" in why:
+            # The parser's words for a lone UTF-16 surrogate (a string cut inside an emoji,
+            # "\ud83d" without its pair) as much as for a short escape: say both.
+            why += (
+                " (a \\u escape takes four hex digits, and a UTF-16 surrogate (\\ud800-\\udfff) "
+                "must come in a high-low pair: a lone one is not text)"
+            )
+        return ApiError(400, f"Invalid JSON body: {why}", code="invalid_json")
     param = _param(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid request")
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
