@@ -55,3 +55,26 @@ def test_unreachable_redis_follows_the_fail_rule_and_says_so(fail_mode: str, sta
         metrics = httpx.get(srv.url + "/metrics").text
         assert "tierserve_ratelimit_redis_up 0.0" in metrics
         assert "tierserve_ratelimit_fallback_total 1.0" in metrics
+
+
+def test_a_bucket_key_of_another_type_starts_over_and_redis_stays_up() -> None:
+    """A key under the prefix that is not a bucket's hash made every script fail with
+    WRONGTYPE, which read as Redis down: every tenant fell to the fail rule (here: 503)."""
+    redis = pytest.importorskip("redis")
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2)
+        client.ping()
+    except (redis.RedisError, OSError):
+        pytest.skip(NO_REDIS)
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+    with live_server(make_state(_config(REDIS_URL, prefix, "closed"))) as srv:
+        assert _post(srv.url).status_code == 200
+        keys = [k.decode() for k in client.scan_iter(f"{prefix}:bucket:*")]
+        assert keys
+        for key in keys:
+            client.delete(key)
+            client.set(key, "not a bucket")
+        codes = [_post(srv.url).status_code for _ in range(4)]
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert codes == [200, 200, 200, 429]  # a full bucket of 3 again, then the limit
+    assert "tierserve_ratelimit_redis_up 1.0" in metrics

@@ -2,7 +2,9 @@
 
 Each operation is one Lua script, so it is atomic, and it reads the Redis server's
 clock (`TIME`), so replicas with skewed clocks agree. A bucket is a hash
-``{level, ts}`` that expires once it would have refilled anyway.
+``{level, ts}`` that expires once it would have refilled anyway. A bucket's key that holds
+something else (written by another program under the prefix) starts over as a full bucket:
+its WRONGTYPE error had read as Redis being down, for every tenant, at each request.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ for i = 1, n do
   local rate = tonumber(ARGV[3 * i - 2])
   local cap = tonumber(ARGV[3 * i - 1])
   local cost = tonumber(ARGV[3 * i])
+  if redis.call('TYPE', KEYS[i]).ok ~= 'hash' then redis.call('DEL', KEYS[i]) end
   local v = redis.call('HMGET', KEYS[i], 'level', 'ts')
   local level = tonumber(v[1])
   local ts = tonumber(v[2])
@@ -59,6 +62,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then redis.call('DEL', KEYS[1]) end
 local v = redis.call('HMGET', KEYS[1], 'level', 'ts')
 local level = tonumber(v[1])
 local ts = tonumber(v[2])
