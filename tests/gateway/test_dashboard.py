@@ -51,3 +51,14 @@ def test_the_fleet_row_charts_every_gateway_metric_and_only_exported_ones() -> N
         for name in re.findall(r"\b(tierserve_gateway_[a-z_]+)\{", expr):
             base = re.sub(r"_(bucket|total)$", "", name)
             assert name in exported or base in exported, (name, expr)
+
+
+def test_the_job_picker_lists_gateways_too() -> None:
+    """The `job` variable listed the jobs exporting the server's queue depth only: a gateway's
+    job was never offered, and its Fleet row showed data only under "All"."""
+    variables = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    (job,) = [v for v in variables if v["name"] == "job"]
+    query = job["query"]["query"]
+    names = re.findall(r"[a-z_]+_queue_depth", query)
+    assert "llm_scheduler_queue_depth" in names  # a server's
+    assert [n for n in names if n in _exported()], query  # and one that every gateway exports
