@@ -374,3 +374,17 @@ def test_a_seat_for_p0_is_taken_from_the_request_with_least_work_done(plugin: Dr
     assert len(computed) == MAX_NUM_SEQS and preempted
     latest = min(computed, key=computed.__getitem__)
     assert preempted[0][0] == latest and latest.startswith(f"seat-p3-{MAX_NUM_SEQS - 1}-")  # vLLM's id suffix
+
+
+def test_a_burst_of_p0_starts_together_through_a_full_batch(plugin: Driver) -> None:
+    """P3 requests hold every seat; three P0 requests arrive at once. Room was made for the
+    head of the queue only, and vLLM's pass never preempts for a waiting request, so the
+    others started one step after another."""
+    _fill_with_p3(plugin, "burst")
+    plugin.run(50, until=lambda: all(f"burst-p3-{i}" in plugin.first_token_step for i in range(MAX_NUM_SEQS)))
+    burst = [f"burst-p0-{i}" for i in range(3)]
+    for i, rid in enumerate(burst):
+        plugin.submit(rid, prompt(7000 + i, 40), 4, Tier.P0)
+    plugin.run(20, until=lambda: all(rid in plugin.first_token_step for rid in burst))
+    assert {plugin.first_token_step[rid] for rid in burst} == {plugin.first_token_step[burst[0]]}
+    assert max(plugin.ttft_steps(rid) for rid in burst) <= 2

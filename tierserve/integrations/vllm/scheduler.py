@@ -6,7 +6,8 @@ What it changes, and nothing else (vLLM's `schedule()` still builds every step):
   * the waiting queue is ordered by a tierserve policy (hybrid, with aging, by default);
   * at the step boundary, before vLLM schedules, a waiting request that does not fit
     preempts running requests the policy lets it take from (P0: any lower tier; others:
-    borrowers of their reserve), lowest tier and least work lost first;
+    borrowers of their reserve), lowest tier and least work lost first; a P0 head makes
+    room for the P0 requests waiting with it too, as many as the step takes;
   * a step that prefills P0 carries P0 work only (hybrid's `p0_solo_prefill`, in at most
     half of any 8 steps): the other running requests sit that step out, as when vLLM's
     token budget runs out before them, and the queue shows vLLM only its P0 requests;
@@ -57,6 +58,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager as TierserveKVCacheManager
+    from tierserve.request import Request as TierserveRequest
 
 # Under vLLM's own logger, so that its handler and format (and VLLM_LOGGING_LEVEL) apply: a
 # logger outside "vllm" has no handler under `vllm serve`, and its INFO lines were lost.
@@ -327,22 +329,53 @@ class TierScheduler(Scheduler):
 
     def _make_room(self, now: float) -> Tier | None:
         """Preempt, between steps, the running requests the waiting head may take from.
-        Returns the head's tier if it fits now (vLLM admits it this step), else None."""
+        Returns the head's tier if it fits now (vLLM admits it this step), else None.
+
+        A P0 head makes room for the P0 requests waiting with it too, as many as the step's
+        tokens and seats take: vLLM's own pass never preempts for a waiting request, so
+        room made for the head alone left a burst of P0s to start one step after another."""
         if not self.waiting:
             return None
         head = self.book.get(self.waiting.peek_request().request_id)
-        need = self._blocks_to_admit(head.vllm)
-        if self._fits(head.shadow.tier, need, 0, 0):
-            return head.shadow.tier
+        tier = head.shadow.tier
+        burst = self._p0_burst(head.vllm) if tier is Tier.P0 else [head.vllm]
+        for group in (burst, [head.vllm]) if len(burst) > 1 else ([head.vllm],):
+            need = sum(self._blocks_to_admit(r) for r in group)
+            if self._fits(tier, need, 0, 0, len(group)):
+                return tier
+            if self._preempt_for(head.shadow, need, len(group), now):
+                return tier
+        return None
+
+    def _p0_burst(self, head: Request) -> list[Request]:
+        """The head, then the other waiting P0 requests by arrival, as many as one step's
+        tokens and seats take (vLLM admits them in the same pass)."""
+        book, tokens = self.book, int(head.num_tokens)
+        burst = [head]
+        others = sorted(
+            (r for r in self.waiting if r is not head and book.tier(r.request_id) is Tier.P0),
+            key=lambda r: r.arrival_time,
+        )
+        for r in others:
+            tokens += int(r.num_tokens)
+            if tokens > self.max_num_scheduled_tokens or len(burst) >= self.max_num_running_reqs:
+                break
+            burst.append(r)
+        return burst
+
+    def _preempt_for(self, head: TierserveRequest, need: int, seats: int, now: float) -> bool:
+        """Preempt the fewest running requests the policy lets `head` take from so that
+        `need` blocks and `seats` seats are free for its tier; False (nobody preempted)
+        where even every allowed victim would not make room."""
         memory = cast("TierserveKVCacheManager", self.ledger)  # the policies ask only what the ledger answers
-        if not self.tier_policy.preempts_for_admission(head.shadow, memory, need):
-            return None
+        if not self.tier_policy.preempts_for_admission(head, memory, need):
+            return False
         borrowed = self.ledger.borrowed()
         inner = self.kv_cache_manager.inner
         candidates = [
             r
             for r in self.running
-            if self.tier_policy.admission_victim_ok(head.shadow, self.book.get(r.request_id).shadow, memory)
+            if self.tier_policy.admission_victim_ok(head, self.book.get(r.request_id).shadow, memory)
         ]
         policy = self.tier_policy
         for r in candidates:  # "least work lost" reads the shadows: bring them up to date
@@ -353,14 +386,14 @@ class TierScheduler(Scheduler):
         for victim in candidates:
             chosen.append(victim)
             freed = freeing.add(victim.request_id)
-            if self._fits(head.shadow.tier, need, freed, len(chosen)):
+            if self._fits(head.tier, need, freed, len(chosen), seats):
                 break
         else:
-            return None  # even every allowed victim would not make room: preempt nobody
+            return False
         for victim in chosen:
             self.running.remove(victim)
             self._preempt_request(victim, now)
-        return head.shadow.tier
+        return True
 
     def _blocks_to_admit(self, request: Request) -> int:
         return self._blocks_for(int(request.num_tokens))
@@ -371,10 +404,12 @@ class TierScheduler(Scheduler):
         watermark = int(self.kv_cache_manager.watermark_blocks)
         return -(-num_tokens // int(self.block_size)) + watermark
 
-    def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int) -> bool:
-        seats = len(self.running) - seats_freed < self.max_num_running_reqs
+    def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int, seats: int = 1) -> bool:
+        """Whether `need` blocks and `seats` seats are free for `tier`, once `freed` blocks and
+        `seats_freed` seats are."""
+        has_seats = len(self.running) - seats_freed + seats <= self.max_num_running_reqs
         num_free = self.kv_cache_manager.inner.block_pool.get_num_free_blocks() + freed
-        return seats and self.ledger.fits(tier, need, num_free)
+        return has_seats and self.ledger.fits(tier, need, num_free)
 
 
 class AsyncTierScheduler(TierScheduler, AsyncScheduler):
