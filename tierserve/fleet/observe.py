@@ -21,10 +21,8 @@ from tierserve.config import EngineConfig
 from tierserve.fleet.requests import FleetRequest
 from tierserve.tiers import Tier
 
-AloneTtft = Callable[[int, int], float]
-MAX_PROMPT_TOKENS = (
-    1 << 24
-)  # the search's bound, far past any model's context  # (prompt tokens, cached history tokens) -> TTFT alone, s
+AloneTtft = Callable[[int, int], float]  # (prompt tokens, cached history tokens) -> TTFT alone, s
+MAX_PROMPT_TOKENS = 1 << 24  # the search's bound, far past any model's context
 
 
 class FleetObserver:
