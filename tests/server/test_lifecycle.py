@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -98,3 +99,25 @@ def test_drain_timeout_aborts_what_is_left_and_exits() -> None:
         assert any('"code": "aborted"' in line for line in rest) and rest[-1] == "data: [DONE]"
         srv.thread.join(timeout=10)
         assert not srv.thread.is_alive()
+
+
+def test_a_non_streaming_request_cut_at_the_drain_timeout_is_a_503_said_once() -> None:
+    """Its message read "The request was aborted: aborted"."""
+    with live_server(make_state(), drain_timeout_s=0.3) as srv:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000}
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(srv.base_url + "/chat/completions", json=body, timeout=30)
+            )
+        )
+        sender.start()
+        deadline = time.monotonic() + 10
+        while not srv.state.engine.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        srv.begin_drain()
+        sender.join(timeout=30)
+    (r,) = answers
+    error = r.json()["error"]
+    assert r.status_code == 503 and error["code"] == "aborted", r.text
+    assert error["message"] == "The request was aborted."

@@ -259,7 +259,7 @@ def _failure(end: Delta) -> ApiError:
         )
     return ApiError(
         503,
-        f"The request was aborted: {end.error or 'aborted'}",
+        f"The request was aborted: {end.error}." if end.error else "The request was aborted.",
         type="server_error",
         code="aborted",
         headers={"Retry-After": "1"},
