@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 
 from tierserve.cli import main
+from tierserve.tiers import Tier
 
 
 def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tierserve.bench import host
+
+    # A host with a load average of 4 per CPU before the run: the result must name it.
+    busy = 4.0 * (os.cpu_count() or 1)
+    snaps = iter([host.Snapshot(None, 0.0, busy), host.Snapshot(None, 0.0, 0.0)])
+    monkeypatch.setattr(host, "snapshot", lambda: next(snaps))
     argv = ["bench", "gateway", "--json", "--streams", "4", "--replicas", "1", "--max-seqs", "2"]
     argv += ["--duration", "1.5", "--max-tokens", "4", "--overhead-seconds", "1", "--overhead-tokens", "4"]
     assert main(argv) == 0
@@ -33,6 +46,45 @@ def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
         for t in tiers.values():
             assert t["slo_attainment"] is None or 0.0 <= t["slo_attainment"] <= 1.0
             assert t["goodput_rps"] >= 0.0
+    assert result["host"]["busy"] is True and result["host"]["load_avg_1m_at_start"] == busy
+    assert result["host_warning"].startswith(f"host busy: load average {busy:.1f}")
+
+
+def _no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make starting the fleet fail the test (main() reports it as a failure, exit 1)."""
+    from tierserve.bench import gateway_bench
+
+    def measure(args: object) -> dict[str, object]:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(gateway_bench, "measure", measure)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--replicas", "0"],
+        ["--streams", "0"],
+        ["--max-seqs", "0"],
+        ["--load", "nan"],
+        ["--duration", "-1"],
+        ["--overhead-seconds", "inf"],
+        ["--max-tokens", "0"],
+    ],
+)
+def test_arguments_are_bounded_before_any_process_starts(
+    bad: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # They started the fleet, then failed with "no stream completed" or ran an empty arm.
+    _no_run(monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "gateway", *bad])
+    assert exited.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+def test_an_out_path_that_cannot_be_written_fails_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_run(monkeypatch)
+    assert main(["bench", "gateway", "--out", "/proc/no/such/result.json"]) == 2
 
 
 def test_the_capacity_probe_counts_every_completion(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,3 +141,65 @@ def test_the_gateways_added_latency_is_read_from_its_histogram_as_prometheus_wou
     assert run.quantile(0.5) == pytest.approx(0.001)  # rank 50: the top of the first bucket
     assert run.quantile(0.7) == pytest.approx(0.001 + 0.001 * 20 / 40)
     assert run.quantile(0.995) == pytest.approx(0.01)  # past the last finite bound
+
+
+def test_sigterm_inside_a_local_fleet_stops_its_processes(tmp_path: Path) -> None:
+    """`timeout` and CI runners stop a job with SIGTERM: the replicas and gateways the bench
+    started must go with it (they were left running, holding their ports)."""
+    script = (
+        "import sys, time\n"
+        "from tierserve.gateway.local_fleet import local_fleet\n"
+        "with local_fleet(1, '', {}) as urls:\n"
+        "    print(urls['u0'], flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert bench.stdout is not None
+    url = bench.stdout.readline().strip()
+    port = url.rpartition(":")[2]
+    try:
+        assert httpx.get(url + "/ready", timeout=5).status_code == 200
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/ready", timeout=5)
+    finally:
+        bench.kill()
+        bench.wait()
+        for pid in _serving_on(port):  # left behind (before the fix): stop them, by pid
+            os.kill(pid, signal.SIGKILL)
+
+
+def _serving_on(port: str) -> list[int]:
+    """The pids of `serve --port PORT` processes, from /proc."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in args and b"--port" in args and port.encode() in args:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def test_each_tier_counts_what_failed_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica or gateway that refuses: its refusals were counted nowhere, only as a lower
+    SLO attainment; sent = ok + failed, by reason."""
+    import asyncio
+
+    from tierserve.bench import gateway_bench
+
+    async def fake_shot(client: object, url: str, tier: Tier, max_tokens: int, i: int) -> object:
+        if i % 3 == 0:
+            return gateway_bench.Shot(tier, False, None, "503")
+        return gateway_bench.Shot(tier, True, 0.001)
+
+    monkeypatch.setattr(gateway_bench, "_shot", fake_shot)
+    result = asyncio.run(gateway_bench._open_loop("http://127.0.0.1:1", 400.0, 0.1, 1, seed=1))
+    sent = sum(t["sent"] for t in result.values())
+    assert sent > 3
+    for t in result.values():
+        assert t["sent"] == t["ok"] + sum(t["failed"].values())
+        assert set(t["failed"]) <= {"503"}
+    assert sum(t["failed"].get("503", 0) for t in result.values()) == len(range(0, sent, 3))

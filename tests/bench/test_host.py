@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,45 @@ def test_the_monitor_reads_this_machine() -> None:
     if os.path.exists("/proc/stat"):
         assert load.others_cpu_pct is None or 0.0 <= load.others_cpu_pct <= 100.0
         assert load.steal_pct is None or 0.0 <= load.steal_pct <= 100.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_cpu_of_a_child_still_running_is_this_runs_own_not_other_processes() -> None:
+    """A benchmark's servers and load generators still run when it measures the host: their
+    CPU is the run's own (it was counted as other processes', and called the host busy)."""
+    import subprocess
+    import sys
+
+    burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    before = host.snapshot()
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn + "print('burnt', flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "burnt\n"
+        after = host.snapshot()  # the child has used 0.5 s of CPU and still runs
+    finally:
+        child.communicate()
+    assert after.own_cpu_s - before.own_cpu_s >= 0.45
+
+
+def test_descendants_are_found_through_every_generation(tmp_path: Path) -> None:
+    def proc(pid: int, ppid: int, name: str, ticks: tuple[int, int, int, int]) -> None:
+        (tmp_path / str(pid)).mkdir()
+        times = " ".join(map(str, ticks))
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) S {ppid} 0 0 0 0 0 0 0 0 0 {times} 20\n")
+
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    proc(10, 1, "bench", (500, 500, 0, 0))
+    proc(11, 10, "serve) S 99 (odd", (10, 5, 3, 2))  # a name that holds ") S 99 ("
+    proc(12, 11, "engine", (100, 0, 0, 0))
+    proc(13, 1, "other", (900, 0, 0, 0))
+    (tmp_path / "self").mkdir()
+    assert host.live_descendants_cpu_s(tmp_path, root=10) == pytest.approx(120 / tick)
+    assert host.live_descendants_cpu_s(tmp_path / "missing", root=10) == 0.0
 
 
 def fake_host(monkeypatch: pytest.MonkeyPatch, load_avg: float) -> None:

@@ -70,6 +70,32 @@ def test_warmup_requests_are_left_out_of_the_ttft_and_overhead_percentiles() -> 
     assert everything.tiers["P0"]["ttft_p95_ms"] > 4000 and everything.api_overhead_samples == 2
 
 
+def test_each_tier_says_how_many_requests_its_percentiles_are_over(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A P95 of 2 requests looked like one of 200: the table gave no count to tell them apart.
+    outcomes = [
+        Outcome("P1", "ok", ttft_s=0.5, num_output_tokens=1, request_id="burst", index=0),
+        Outcome("P1", "ok", ttft_s=0.1, num_output_tokens=1, request_id="a", index=1),
+        Outcome("P1", "429:rate_limit_exceeded", index=2),
+        Outcome("P1", "ok", ttft_s=0.2, num_output_tokens=1, request_id="b", index=3),
+    ]
+    engine = {rid: (0.05, 10.0) for rid in ("burst", "a", "b")}
+    http: dict[str, tuple[float, float | None]] = {rid: (9.94, 10.001) for rid in ("burst", "a", "b")}
+    config = {"model": "m", "tp": 1, "gpu": "g", "policy": "p", "concurrency": 1, "requests": 10}
+    r = summarize(outcomes, engine, http, wall_s=1.0, config=config, warmup=1)
+    p1 = r.tiers["P1"]
+    assert (p1["sent"], p1["ok"], p1["rejected"], p1["ttft_samples"]) == (4, 3, 1, 2)
+    assert r.tiers["P0"]["ttft_samples"] == 0
+    serve_bench.print_table(r)
+    out = capsys.readouterr().out
+    header, row = out.splitlines()[1], out.splitlines()[3]  # P0, then P1
+    assert header.split()[:5] == ["tier", "sent", "ok", "refused", "timed"]
+    assert row.split()[:5] == ["P1", "4", "3", "1", "2"]
+    assert "a P99 over 2 requests is about their slowest" in out
+    assert "6 of the 10 requests not sent: --duration-s ran out" in out
+
+
 @pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs"
 )
@@ -87,6 +113,9 @@ def test_arguments_are_bounded() -> None:
     assert serve_bench.run(_parse(["serve", "--requests", "10", "--warmup", "10"])) == 2
     with pytest.raises(SystemExit):
         _parse(["serve", "--max-tokens", "9-3"])
+    for bad in (["--duration-s", "inf"], ["--duration-s", "nan"], ["--prompt-tokens", "5-"]):
+        with pytest.raises(SystemExit):  # inf ended in an OverflowError; "5-" ran as 5-5
+            _parse(["serve", *bad])
 
 
 def test_a_small_run_against_the_sim_server_reports_every_figure(
@@ -136,6 +165,7 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
         assert 0.0 <= printed["server_cpu_steal_pct"] <= 100.0
         assert printed["host"]["num_cpus"] >= 1 and 0.0 <= printed["host"]["others_cpu_pct"] <= 100.0
     assert sum(t["sent"] for t in printed["tiers"].values()) == 16
+    assert sum(t["ttft_samples"] for t in printed["tiers"].values()) == 16 - 4
     assert printed["output_tokens_per_s"] > 0
     # The same requests again beside a flood of large bodies, every one of them refused.
     assert printed["flood"] is None
@@ -165,6 +195,42 @@ def test_the_load_generator_times_the_first_chunk_that_carries_text() -> None:
     assert _has_text('data: {"id": "c", "choices": [{"index": 0, "text": " lorem"}]}')
     assert not _has_text('data: {"id": "c", "choices": [{"index": 0, "text": ""}]}')
     assert not _has_text('data: {"id": "c", "choices": [], "usage": {"completion_tokens": 3}}')
+
+
+def test_requests_still_running_when_the_time_runs_out_are_counted() -> None:
+    """Streams cut off at `duration_s` were dropped: the report said 0 requests sent while
+    the server-side figures held them."""
+    import asyncio
+
+    from aiohttp import web
+
+    from tierserve.server.loadgen import drive
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"id": "cmpl-1", "choices": [{"index": 0, "text": "hi"}]}\n\n')
+        await asyncio.sleep(3600)  # never ends: the client's time runs out first
+        return response
+
+    async def scenario() -> list[Outcome]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", endless)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)  # the endless handler is not waited for
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            specs = make_specs(5, 0, [1, 1, 1, 1], (4, 4), (8, 8))
+            return await drive(f"http://127.0.0.1:{port}", "m", specs, 2, 0.5)
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(scenario())
+    assert sorted(o.index for o in outcomes) == [0, 1]  # the two in flight; the rest never sent
+    for o in outcomes:
+        assert o.status == "cut_off_at_duration_s" and o.request_id == "cmpl-1" and o.ttft_s is not None
 
 
 STAT = """cpu  10 0 10 80 0 0 0 0 0 0

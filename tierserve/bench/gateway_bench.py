@@ -26,9 +26,12 @@ import asyncio
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from tierserve.bench.host import HostMonitor
+from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.tiers import Tier
 
@@ -46,6 +49,7 @@ class Shot:
     tier: Tier
     ok: bool
     ttft_s: float | None
+    status: str = "ok"  # else why not: the HTTP status, "incomplete" stream, or "http_error:<exception>"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -61,25 +65,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument(
-        "--streams", type=int, default=200, help="concurrent streams for the overhead (default 200)"
+        "--streams", type=positive_int, default=200, help="concurrent streams for the overhead (default 200)"
     )
     p.add_argument(
         "--overhead-seconds",
-        type=float,
+        type=positive_float,
         default=15.0,
         help="seconds each overhead arm is measured, the direct one in two halves around the "
         "gateway's, each part after a 3 s warm-up (default 15)",
     )
     p.add_argument(
-        "--overhead-tokens", type=int, default=64, help="output tokens per overhead request (default 64)"
+        "--overhead-tokens",
+        type=positive_int,
+        default=64,
+        help="output tokens per overhead request (default 64)",
     )
-    p.add_argument("--replicas", type=int, default=2, help="local replicas (default 2)")
-    p.add_argument("--max-seqs", type=int, default=4, help="running requests per replica in the overload run")
+    p.add_argument("--replicas", type=positive_int, default=2, help="local replicas (default 2)")
     p.add_argument(
-        "--load", type=float, default=1.2, help="offered load, x the probed capacity (default 1.2)"
+        "--max-seqs", type=positive_int, default=4, help="running requests per replica in the overload run"
     )
     p.add_argument(
-        "--duration", type=float, default=30.0, help="seconds of open-loop load per arm (default 30)"
+        "--load", type=positive_float, default=1.2, help="offered load, x the probed capacity (default 1.2)"
+    )
+    p.add_argument(
+        "--duration", type=positive_float, default=30.0, help="seconds of open-loop load per arm (default 30)"
     )
     p.add_argument(
         "--upstream-policy",
@@ -88,7 +97,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="the overload replicas' own scheduling: fcfs (vLLM's default, no tiers; the "
         "default) shows what the gateway's tiers buy; hybrid, tierserve's engines",
     )
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=32, help="output tokens per request (default 32)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
     p.set_defaults(func=run)
 
@@ -121,15 +132,16 @@ async def _shot(session: Any, url: str, tier: Tier, max_tokens: int, i: int) -> 
         ) as r:
             if r.status != 200:
                 await r.read()
-                return Shot(tier, False, None)
+                return Shot(tier, False, None, str(r.status))
             tail = b""
             async for chunk in r.content.iter_any():
                 if ttft is None and b'"content": "' in chunk.replace(b'"content": ""', b""):
                     ttft = time.perf_counter() - start
                 tail = (tail + chunk)[-64:]
-            return Shot(tier, b"[DONE]" in tail and b'"error"' not in tail, ttft)
-    except (aiohttp.ClientError, TimeoutError):
-        return Shot(tier, False, ttft)
+            ok = b"[DONE]" in tail and b'"error"' not in tail
+            return Shot(tier, ok, ttft, "ok" if ok else "incomplete")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return Shot(tier, False, ttft, f"http_error:{type(e).__name__}")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -184,7 +196,11 @@ async def _overhead(
         # Prompts of their own in each part: none finds another part's in the prefix cache.
         ttfts = await _streams(url, streams, span, max_tokens, seed + k, first_id=k * 100_000_000)
         if not ttfts:
-            raise RuntimeError(f"no stream completed in the overhead run ({name})")
+            raise RuntimeError(
+                f"no stream sent after the {OVERHEAD_WARMUP_S:g} s warm-up completed in the overhead run "
+                f"({name}, {span:g} s): each client may still have been on an earlier stream; "
+                "raise --overhead-seconds or lower --overhead-tokens"
+            )
         out[name] += ttfts
         if name == "gateway":
             after = await _metrics(gateway)
@@ -307,6 +323,9 @@ async def _open_loop(url: str, rate: float, seconds: float, max_tokens: int, see
             "slo_attainment": round(len(met) / len(mine), 4) if mine else None,
             "goodput_rps": round(len(met) / seconds, 3),
             "sent": len(mine),
+            # sent = ok + failed: a request refused or cut short counts against the SLO too
+            "ok": sum(s.ok for s in mine),
+            "failed": dict(sorted(Counter(s.status for s in mine if not s.ok).items())),
         }
     return result
 
@@ -342,11 +361,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierserve.bench.output import emit
+    from tierserve.bench.output import emit, make_out_folder
 
+    make_out_folder(args.out)  # a path that cannot be written fails now, not after the run
     started = time.perf_counter()
+    monitor = HostMonitor()
     result = measure(args)
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    # The replicas, gateways and load share the host's cores with whatever else runs there.
+    host = monitor.finish()
+    result["host"] = host.as_dict()
+    result["host_warning"] = host.warning()
 
     def table() -> None:
         print(
@@ -368,10 +393,13 @@ def run(args: argparse.Namespace) -> int:
         )
         for arm in ("flow_control", "least_loaded"):
             cells = ", ".join(
-                f"{t}: SLO {v['slo_attainment']}, goodput {v['goodput_rps']}/s"
+                f"{t}: SLO {v['slo_attainment']} of {v['sent']}, goodput {v['goodput_rps']}/s"
+                + (f", failed {v['failed']}" if v["failed"] else "")
                 for t, v in result[arm].items()
             )
             print(f"  {arm:13s} {cells}")
+        if result["host_warning"]:
+            print(result["host_warning"])
 
     emit(result, args.out, args.json, table)
     return 0

@@ -3,7 +3,8 @@ measured on a shared or overloaded machine differ from a quiet one's.
 
 Three signs, from Linux's /proc/stat and the load average: the load average per CPU when
 the run began (work that was there before the benchmark), the share of all CPUs' time that
-other processes used during the run (busy time minus this process's and its children's),
+other processes used during the run (busy time minus this process's and its descendants':
+the servers, engines and load generators a benchmark starts are its own work),
 and CPU steal (time the hypervisor gave to other virtual machines). Elsewhere each is None.
 """
 
@@ -54,12 +55,47 @@ def read_cpu_times() -> dict[int, list[int]] | None:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The counters `host_load` compares: /proc/stat (ticks), this process's and its waited-for
-    children's CPU seconds, and the 1-minute load average."""
+    """The counters `host_load` compares: /proc/stat (ticks), the CPU seconds of this process
+    and its descendants (waited-for and still running), and the 1-minute load average."""
 
     cpu: dict[int, list[int]] | None
     own_cpu_s: float
     load_avg_1m: float | None
+
+
+def live_descendants_cpu_s(proc: Path = Path("/proc"), root: int | None = None) -> float:
+    """CPU seconds of the processes below `root` (default: this one) that are still running,
+    with the children each has waited for, from `/proc/PID/stat`; 0.0 where there is no /proc.
+    `getrusage(RUSAGE_CHILDREN)` counts a child only once it has ended and been waited for, and
+    a benchmark's servers and load generators are still running when it measures: without
+    these, their CPU would count as other processes' and call the host busy."""
+    parent_of: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    try:
+        entries = list(proc.iterdir())
+    except OSError:
+        return 0.0
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            # After the command name (in parentheses, which may hold anything): state ppid ...,
+            # utime stime cutime cstime are the 14th to 17th fields of the line.
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            pid = int(entry.name)
+            parent_of[pid] = int(fields[1])
+            ticks[pid] = sum(int(f) for f in fields[11:15])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile, or not readable
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, list(children.get(os.getpid() if root is None else root, []))
+    while todo:
+        pid = todo.pop()
+        total += ticks[pid]
+        todo += children.get(pid, [])
+    return total / float(os.sysconf("SC_CLK_TCK"))
 
 
 def snapshot() -> Snapshot:
@@ -69,9 +105,8 @@ def snapshot() -> Snapshot:
         load: float | None = os.getloadavg()[0]
     except OSError:
         load = None
-    return Snapshot(
-        read_cpu_times(), own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, load
-    )
+    own_cpu_s = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return Snapshot(read_cpu_times(), own_cpu_s + live_descendants_cpu_s(), load)
 
 
 @dataclass(frozen=True, slots=True)

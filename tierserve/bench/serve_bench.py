@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from tierserve.bench.flood import FloodReport
 from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
 from tierserve.bench.output import emit, make_out_folder
-from tierserve.cli_args import positive_int
+from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.loadgen import TIERS, Outcome, Spec, drive_in_child, make_specs
 
@@ -123,6 +123,7 @@ def _tier_summary(
         "sent": len(mine),
         "ok": sum(o.status == "ok" for o in mine),
         "rejected": sum(o.status != "ok" for o in mine),
+        "ttft_samples": len(ttfts),  # what the percentiles are over: ok, and not in the start-up burst
         "ttft_p50_ms": _pct(ttfts, 0.50),
         "ttft_p95_ms": _pct(ttfts, 0.95),
         "engine_ttft_p50_ms": _pct(inside, 0.50),
@@ -303,19 +304,27 @@ def print_table(r: BenchResult) -> None:
         f"{c['concurrency']} concurrent streams, {r.num_sent} requests in {r.wall_s:.1f} s"
     )
     print(
-        f"{'tier':<5}{'sent':>6}{'ok':>6}{'refused':>8}{'TTFT P50 ms':>13}{'TTFT P95 ms':>13}"
+        f"{'tier':<5}{'sent':>6}{'ok':>6}{'refused':>8}{'timed':>7}{'TTFT P50 ms':>13}{'TTFT P95 ms':>13}"
         f"{'engine P50':>12}{'engine P95':>12}"
     )
     for tier, t in r.tiers.items():
         print(
-            f"{tier:<5}{t['sent']:>6}{t['ok']:>6}{t['rejected']:>8}{_ms(t['ttft_p50_ms']):>13}"
+            f"{tier:<5}{t['sent']:>6}{t['ok']:>6}{t['rejected']:>8}{t['ttft_samples']:>7}"
+            f"{_ms(t['ttft_p50_ms']):>13}"
             f"{_ms(t['ttft_p95_ms']):>13}{_ms(t['engine_ttft_p50_ms']):>12}{_ms(t['engine_ttft_p95_ms']):>12}"
         )
     print(f"throughput: {r.throughput_rps:.2f} req/s, {r.output_tokens_per_s:.0f} output tokens/s")
+    if r.num_sent < c.get("requests", 0):
+        print(f"{c['requests'] - r.num_sent} of the {c['requests']} requests not sent: --duration-s ran out")
     print(
-        f"TTFT and overhead percentiles leave out the first {r.warmup_requests} requests sent "
-        "(the start-up burst)"
+        "TTFT and overhead percentiles are over the 'timed' requests: those answered, less the "
+        f"first {r.warmup_requests} sent (the start-up burst)"
     )
+    if 0 < r.api_overhead_samples < 100:
+        print(
+            f"(a P99 over {r.api_overhead_samples} requests is about their slowest: send more "
+            "--requests for a P99 that means more)"
+        )
     print(f"rejections: {r.rejections or 'none'}")
     print(
         f"API overhead on the server (HTTP TTFT - in-process TTFT, {r.api_overhead_samples} requests): "
@@ -373,7 +382,9 @@ def print_flood_comparison(quiet: BenchResult, flooded: BenchResult) -> None:
 
 
 def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
+    lo, dash, hi = text.partition("-")
+    if dash and not hi:  # "5-" is not 5-5: a bound left out by mistake
+        raise argparse.ArgumentTypeError(f"expected LO-HI or N, got {text!r}")
     a, b = int(lo), int(hi or lo)
     if not 1 <= a <= b:
         raise argparse.ArgumentTypeError(f"expected LO-HI with 1 <= LO <= HI, got {text!r}")
@@ -390,7 +401,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--requests", type=int, default=600, help="requests to send (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=200, help="concurrent streams (default: %(default)s)")
     p.add_argument(
-        "--duration-s", type=float, default=120.0, help="stop sending after this long (default: 120)"
+        "--duration-s", type=positive_float, default=120.0, help="stop sending after this long (default: 120)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the requests' tiers and lengths (default: 0)")
     p.add_argument(
@@ -435,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if not 0 <= args.flood_clients <= 16:
-        print("bench serve: need 0 <= --flood-clients <= 16", file=sys.stderr)
+        print("tierserve bench serve: need 0 <= --flood-clients <= 16", file=sys.stderr)
         return 2
     if args.warmup is not None and not 0 <= args.warmup < args.requests:
         print("tierserve bench serve: need 0 <= --warmup < --requests", file=sys.stderr)

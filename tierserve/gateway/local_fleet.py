@@ -1,7 +1,8 @@
 """Local processes for `tierserve bench gateway`: sim upstreams and a gateway on free ports.
 
 Each runs `python -m tierserve.cli` from this same source tree, binds 127.0.0.1 and is
-stopped by its own pid when the context ends.
+stopped by its own pid when the context ends, also when this process is sent SIGTERM (as
+`timeout` and CI runners stop a job) inside it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import FrameType
 
 import httpx
 
@@ -66,6 +68,28 @@ def _process(args: list[str], port: int, log: Path) -> Iterator[str]:
                 proc.wait()
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Inside the block, SIGTERM raises SystemExit, so that the contexts above stop the
+    processes they started; by default it ends this process at once and leaves them running,
+    holding their ports. Only the main thread can set a handler: elsewhere, nothing changes."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @contextmanager
 def local_fleet(
     num_replicas: int, engine_toml: str, gateway_tomls: dict[str, str], policy: str = "hybrid"
@@ -73,7 +97,11 @@ def local_fleet(
     """Start the replicas (with `engine_toml` and scheduling `policy`), then one gateway per
     entry of `gateway_tomls` (its [gateway] text; the replicas are appended as [[upstreams]],
     first come first served for fcfs). Yields name -> URL ("u0", "u1", ... and the gateways')."""
-    with tempfile.TemporaryDirectory(prefix="tierserve-fleet-") as tmp, ExitStack() as stack:
+    with (
+        _sigterm_unwinds(),
+        tempfile.TemporaryDirectory(prefix="tierserve-fleet-") as tmp,
+        ExitStack() as stack,
+    ):
         root = Path(tmp)
         engine = root / "engine.toml"
         engine.write_text(engine_toml)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 TIERS = ("P0", "P1", "P2", "P3")
+CUT_OFF = "cut_off_at_duration_s"  # the status of a request still running when the time ran out
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
 
@@ -33,7 +34,7 @@ class Spec:
 @dataclass
 class Outcome:
     tier: str
-    status: str  # "ok" or the refusal, e.g. "503:queue_full"
+    status: str  # "ok", or the refusal, e.g. "503:queue_full", or CUT_OFF
     ttft_s: float | None = None  # client-side: request sent -> first token received
     e2e_s: float | None = None
     num_output_tokens: int = 0
@@ -56,7 +57,9 @@ def make_specs(
     return specs
 
 
-async def _one(client: Any, model: str, spec: Spec, index: int) -> Outcome:
+async def _one(client: Any, model: str, spec: Spec, out: Outcome) -> None:
+    """Send `spec` and fill in `out` as the answer arrives (the caller keeps it: a request cut
+    short still counts)."""
     body = {
         "model": model,
         "prompt": spec.prompt,
@@ -65,12 +68,11 @@ async def _one(client: Any, model: str, spec: Spec, index: int) -> Outcome:
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    out = Outcome(spec.tier, "ok", index=index)
     async with client.post("/v1/completions", json=body, headers={"x-request-tier": spec.tier}) as r:
         if r.status != 200:
             error = json.loads(await r.read()).get("error", {})
             out.status = f"{r.status}:{error.get('code')}"
-            return out
+            return
         async for raw in r.content:
             line = raw.decode().rstrip("\r\n")
             if not line.startswith("data: {"):
@@ -85,7 +87,6 @@ async def _one(client: Any, model: str, spec: Spec, index: int) -> Outcome:
             elif '"error": {' in line:
                 out.status = "aborted"
     out.e2e_s = time.perf_counter() - start
-    return out
 
 
 def _has_text(line: str) -> bool:
@@ -122,11 +123,18 @@ async def drive(
         async def worker() -> None:
             while queue:
                 spec = queue.pop()
-                index = len(specs) - len(queue) - 1
+                out = Outcome(spec.tier, "ok", index=len(specs) - len(queue) - 1)
                 try:
-                    outcomes.append(await _one(client, model, spec, index))
+                    await _one(client, model, spec, out)
                 except (aiohttp.ClientError, TimeoutError) as e:
-                    outcomes.append(Outcome(spec.tier, f"http_error:{type(e).__name__}", index=index))
+                    out.status = f"http_error:{type(e).__name__}"
+                except asyncio.CancelledError:
+                    # In flight at `duration_s`: sent, and its first token may be in the server's
+                    # figures, so it counts (it was dropped, and the report said fewer were sent).
+                    out.status = CUT_OFF
+                    outcomes.append(out)
+                    raise
+                outcomes.append(out)
                 bar.update()
 
         tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
