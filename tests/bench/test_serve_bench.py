@@ -267,3 +267,26 @@ def test_the_load_generator_draws_its_progress_where_asked() -> None:
         shown = asyncio.run(drive(srv.url, MODEL, specs, 2, 30.0, progress=bar))
     assert [o.status for o in quiet] == [o.status for o in shown] == ["ok"] * 5
     assert "bench serve" in bar.getvalue() and "5/5" in bar.getvalue()  # the bar's last state
+
+
+def test_a_config_whose_tenants_need_keys_is_loaded_with_the_key_from_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a config with keys every request was a 401: the clients could send none. The
+    key comes from the environment, and is written nowhere."""
+    config = tmp_path / "keys.toml"
+    config.write_text('[tenants.acme]\napi_keys = ["sk-bench-secret"]\nmax_tier = "P0"\n')
+    monkeypatch.setenv("TIERSERVE_TEST_BENCH_KEY", "sk-bench-secret")
+    argv = ["serve", "--requests", "8", "--concurrency", "2", "--prompt-tokens", "16-32"]
+    argv += ["--max-tokens", "2-4", "--duration-s", "60", "--model", "llama-3.1-8b", "--tp", "1"]
+    argv += ["--flood-clients", "0", "--config", str(config), "--json"]
+    keyed = _parse([*argv, "--api-key-env", "TIERSERVE_TEST_BENCH_KEY", "--out", str(tmp_path / "a.json")])
+    assert serve_bench.run(keyed) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed)["num_ok"] == 8 and "sk-bench-secret" not in printed
+    assert "sk-bench-secret" not in (tmp_path / "a.json").read_text()
+    without = _parse([*argv, "--out", str(tmp_path / "b.json")])
+    assert serve_bench.run(without) == 0
+    assert json.loads(capsys.readouterr().out)["rejections"] == {"401:invalid_api_key": 8}
+    with pytest.raises(ValueError, match="--api-key-env TIERSERVE_TEST_UNSET_KEY: that environment"):
+        serve_bench.run(_parse([*argv, "--api-key-env", "TIERSERVE_TEST_UNSET_KEY"]))

@@ -217,11 +217,23 @@ def _cpu_for_the_load_generator() -> Iterator[set[int] | None]:
         os.sched_setaffinity(0, cpus)
 
 
+def api_key(env: str | None) -> str | None:
+    """The key in environment variable `env` (None: send none); ValueError, said as
+    --api-key-env's, where it is unset or empty."""
+    if env is None:
+        return None
+    key = os.environ.get(env, "")
+    if not key:
+        raise ValueError(f"--api-key-env {env}: that environment variable is unset or empty")
+    return key
+
+
 def run_bench(args: argparse.Namespace) -> BenchResult:
     """One run without the flood of large bodies and, with `--flood-clients`, one with it,
     each against a fresh server (its engine in a process of its own) and the same requests."""
     from tierserve.server.config import load_serve_config
 
+    api_key(args.api_key_env)  # an unset variable fails now, not after the servers start
     mix = [float(x) for x in args.tier_mix.split("/")]
     specs = make_specs(args.requests, args.seed, mix, tuple(args.prompt_tokens), tuple(args.max_tokens))
     config = load_serve_config(args.config)
@@ -258,7 +270,13 @@ def _run_once(
             start = time.perf_counter()
             try:
                 outcomes = drive_in_child(
-                    srv.url, state.model.name, specs, args.concurrency, args.duration_s, client_cpus
+                    srv.url,
+                    state.model.name,
+                    specs,
+                    args.concurrency,
+                    args.duration_s,
+                    client_cpus,
+                    api_key(args.api_key_env),
                 )
             finally:
                 wall = time.perf_counter() - start
@@ -430,6 +448,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="scheduling policy (default: %(default)s)",
     )
     p.add_argument("--config", help="server/engine config TOML (default: open server, default tiers)")
+    p.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding the API key the clients send (for a --config whose "
+        "tenants need keys; the key is not written to the results; the flood sends none)",
+    )
     p.add_argument(
         "--out", default="bench-out/serve-bench.json", help="JSON result file (default: %(default)s)"
     )

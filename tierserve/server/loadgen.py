@@ -103,9 +103,11 @@ async def drive(
     concurrency: int,
     duration_s: float,
     progress: TextIO | None = None,
+    api_key: str | None = None,
 ) -> list[Outcome]:
     """Closed loop: `concurrency` clients send the specs in order until done or `duration_s`
-    passes; a progress bar of ended requests is drawn on `progress` where given."""
+    passes; a progress bar of ended requests is drawn on `progress` where given. `api_key`:
+    sent as `Authorization: Bearer` with every request."""
     # aiohttp, not httpx: at 200 streams httpx took 13-24 ms of CPU per stream on a 2-core
     # host, CPU the server under test then did not have.
     import aiohttp
@@ -118,6 +120,7 @@ async def drive(
         base_url=url,
         connector=aiohttp.TCPConnector(limit=concurrency + 8),
         timeout=aiohttp.ClientTimeout(total=duration_s + 30),
+        headers={"authorization": f"Bearer {api_key}"} if api_key else None,
     ) as client:
 
         async def worker() -> None:
@@ -153,6 +156,7 @@ def drive_in_child(
     concurrency: int,
     duration_s: float,
     cpus: set[int] | None = None,
+    api_key: str | None = None,
 ) -> list[Outcome]:
     """Run `drive` in a fresh interpreter (`python -m tierserve.server.loadgen`), JSON in and out;
     on `cpus` only, where given (Linux). Where this process's stderr is a terminal, the child
@@ -171,6 +175,7 @@ def drive_in_child(
         "specs": [asdict(x) for x in specs],
         "concurrency": concurrency,
         "duration_s": duration_s,
+        "api_key": api_key,  # on the child's stdin, never on a command line
     }
     show = sys.stderr.isatty()
     proc = subprocess.run(
@@ -195,7 +200,15 @@ def _client_main() -> None:
     specs = [Spec(**x) for x in job["specs"]]
     progress = sys.stderr if job.get("progress") else None
     outcomes = asyncio.run(
-        drive(job["url"], job["model"], specs, job["concurrency"], job["duration_s"], progress)
+        drive(
+            job["url"],
+            job["model"],
+            specs,
+            job["concurrency"],
+            job["duration_s"],
+            progress,
+            job.get("api_key"),
+        )
     )
     json.dump([asdict(o) for o in outcomes], sys.stdout)
 
