@@ -246,28 +246,10 @@ def sim_check(
 
     config = get_model(model)
     profile = get_gpu(gpu)
-    shapes = [parse_shape(s) for s in DEFAULT_SHAPES] if shapes is None else list(shapes)
-    if not shapes:
-        raise ValueError("no shapes to run")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for shape in shapes:
-        if shape.max_len > config.max_position_embeddings:
-            raise ValueError(
-                f"shape {shape.name!r} reaches {shape.max_len} tokens; {config.name} holds at most "
-                f"{config.max_position_embeddings}"
-            )
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known dtypes: {', '.join(DTYPES)}")
+    shapes = _checked_shapes(config, shapes, repeats, dtype)
     import torch
 
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {device} asked for, but this torch ({torch.__version__}) sees no CUDA device"
-        )
+    dev = _device(device)
     dtype = dtype or ("float32" if dev.type == "cpu" else "bfloat16")
     torch_dtype: torch.dtype = getattr(torch, dtype)
     # The prediction for the precision that runs: K/V and weights at its element size.
@@ -276,11 +258,7 @@ def sim_check(
     executor = build_executor(run_config, dev, torch_dtype, max(s.num_blocks(BLOCK_SIZE) for s in shapes))
     cost = CostModel(profile, run_config, tp=1)
     rows = check_shapes(executor, cost, shapes, repeats, seed)
-    if dev.type == "cuda":
-        device_name = torch.cuda.get_device_name(dev)
-    else:
-        num_threads = torch.get_num_threads()
-        device_name = f"cpu, {num_threads} thread{'s' if num_threads > 1 else ''}"
+    device_name = _device_name(dev)
     notes = []
     if profile.name.split("-")[0] not in device_name.lower():
         notes.append(
@@ -304,6 +282,50 @@ def sim_check(
         "notes": notes,
         "elapsed_s": time.perf_counter() - begin,
     }
+
+
+def _checked_shapes(
+    config: ModelConfig, shapes: Sequence[Shape] | None, repeats: int, dtype: str | None
+) -> list[Shape]:
+    """The shapes to run (the defaults where none are given); ValueError for a shape past the
+    model's context, no shapes, no repeats or an unknown dtype."""
+    shapes = [parse_shape(s) for s in DEFAULT_SHAPES] if shapes is None else list(shapes)
+    if not shapes:
+        raise ValueError("no shapes to run")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for shape in shapes:
+        if shape.max_len > config.max_position_embeddings:
+            raise ValueError(
+                f"shape {shape.name!r} reaches {shape.max_len} tokens; {config.name} holds at most "
+                f"{config.max_position_embeddings}"
+            )
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known dtypes: {', '.join(DTYPES)}")
+    return shapes
+
+
+def _device(device: str) -> torch.device:
+    """The torch device; ValueError for one other than cpu or cuda, or cuda without a GPU."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device} asked for, but this torch ({torch.__version__}) sees no CUDA device"
+        )
+    return dev
+
+
+def _device_name(dev: torch.device) -> str:
+    import torch
+
+    if dev.type == "cuda":
+        return str(torch.cuda.get_device_name(dev))
+    num_threads = torch.get_num_threads()
+    return f"cpu, {num_threads} thread{'s' if num_threads > 1 else ''}"
 
 
 def print_table(res: dict[str, Any]) -> None:

@@ -114,13 +114,10 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     _check_model(gw, body.model)
     declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
     tier = decide_tier(tenant, declared).effective
-    requested, field = body.requested_max_tokens()
+    requested, _ = body.requested_max_tokens()
     max_tokens = requested if requested is not None else gw.config.serve.server.default_max_tokens
     num_reserved = estimate_prompt_tokens(raw) + max_tokens
-    # As the server reserves (server/generate.py): too large for a token bucket, the client's
-    # max_tokens is what to lower; without one, the default output is cut to fit the burst.
-    param = field if requested is not None else ("messages" if chat else "prompt")
-    num_default = 0 if requested is not None else max_tokens
+    num_default, param = body.reserved_output(max_tokens)  # as the server reserves
     rate = await gw.limiter.acquire(tenant, num_reserved, tier, num_default=num_default)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
     if not rate.allowed:

@@ -59,13 +59,9 @@ async def generate(
     prepared = (
         prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)
     )
-    requested, field = body.requested_max_tokens()
     max_tokens = prepared.sampling.max_tokens
     num_reserved = len(prepared.prompt_token_ids) + max_tokens
-    # Too large for a token bucket: the client's max_tokens is what to lower; without one,
-    # the server's default is cut to fit, so only the prompt can be too large.
-    param = field if requested is not None else ("messages" if chat else "prompt")
-    num_default = 0 if requested is not None else max_tokens
+    num_default, param = body.reserved_output(max_tokens)
     rate, headers = await _pass_limits(state, tenant, tier, num_reserved, num_default, param)
     request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
     req = Request(

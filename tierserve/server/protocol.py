@@ -12,7 +12,7 @@ unchecked.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -108,9 +108,21 @@ class _RequestBody(_SamplingBody):
     # Undeclared fields are kept (not validated) so that prepare.py can refuse those it
     # cannot honour; the nested objects still ignore theirs.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    prompt_field: ClassVar[str]  # the field that holds the prompt
+
+    def reserved_output(self, max_tokens: int) -> tuple[int, str]:
+        """For a token-bucket reservation of `max_tokens` output tokens: how many of them are
+        the server's default rather than the client's (the share a bucket may cut to fit
+        it, `RateLimiter.acquire`), and the field to lower where the request never fits:
+        the client's max_tokens, or without one the prompt."""
+        requested, field = self.requested_max_tokens()
+        if requested is not None:
+            return 0, field
+        return max_tokens, self.prompt_field
 
 
 class ChatCompletionRequest(_RequestBody):
+    prompt_field = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     tools: list[dict[str, Any]] | None = None
@@ -120,6 +132,7 @@ class ChatCompletionRequest(_RequestBody):
 
 
 class CompletionRequest(_RequestBody):
+    prompt_field = "prompt"
     # list[int] first: a long list of token ids matches it at once (10x faster than last).
     prompt: list[int] | str | list[str] | list[list[int]]
     echo: bool | None = False

@@ -339,7 +339,8 @@ class TierScheduler(Scheduler):
         head = self.book.get(self.waiting.peek_request().request_id)
         tier = head.shadow.tier
         burst = self._p0_burst(head.vllm) if tier is Tier.P0 else [head.vllm]
-        for group in (burst, [head.vllm]) if len(burst) > 1 else ([head.vllm],):
+        groups = [burst] if len(burst) == 1 else [burst, burst[:1]]  # the burst, else the head alone
+        for group in groups:
             need = sum(self._blocks_to_admit(r) for r in group)
             if self._fits(tier, need, 0, 0, len(group)):
                 return tier
