@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.workloads.traces import TraceFormatError, load_azure_csv, load_mooncake_jsonl, load_trace
+from tierserve.workloads.traces import TraceFormatError, load_csv, load_mooncake_jsonl, load_trace
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -23,7 +23,7 @@ def test_azure_rows_become_arrivals_from_the_first_row(tmp_path: Path) -> None:
         "a.csv",
         AZURE_HEADER + "2023-11-16 18:17:03.9799600,4808,10\n2023-11-16 18:17:05.4799600,110,0\n",
     )
-    records = load_azure_csv(path)
+    records = load_csv(path)
     assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in records] == [
         (0.0, 4808, 10),
         (pytest.approx(1.5), 110, 0),
@@ -46,22 +46,104 @@ def test_azure_rows_become_arrivals_from_the_first_row(tmp_path: Path) -> None:
 def test_azure_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
     path = write(tmp_path, "a.csv", AZURE_HEADER + "2023-11-16 18:17:03.0,5,5\n" + row)
     with pytest.raises(TraceFormatError, match=message) as err:
-        load_azure_csv(path)
+        load_csv(path)
     assert str(err.value).startswith(f"{path}:3:")
 
 
 def test_azure_csv_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
     path = tmp_path / "bom.csv"
     path.write_text(AZURE_HEADER + "2023-11-16 18:17:03.0,5,5\n", encoding="utf-8-sig")
-    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in load_azure_csv(path)] == [(5, 5)]
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in load_csv(path)] == [(5, 5)]
 
 
-def test_azure_wrong_header_is_line_1(tmp_path: Path) -> None:
+def test_a_csv_of_no_known_layout_is_line_1_naming_the_layouts(tmp_path: Path) -> None:
     with pytest.raises(
         TraceFormatError,
-        match=r"a\.csv:1: expected the Azure LLM inference trace's header .* got 'time,in,out'",
+        match=r"a\.csv:1: expected a header with the columns of the Azure LLM inference trace's "
+        r"TIMESTAMP,ContextTokens,GeneratedTokens; BurstGPT's Timestamp,Request tokens,Response tokens; "
+        r"got 'time,in,out'",
     ):
-        load_azure_csv(write(tmp_path, "a.csv", "time,in,out\n"))
+        load_csv(write(tmp_path, "a.csv", "time,in,out\n"))
+
+
+BURSTGPT_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+
+
+def test_burstgpt_rows_become_arrivals_in_seconds_from_the_first_row(tmp_path: Path) -> None:
+    """BurstGPT's release: seconds, two columns read past between the counts, failed
+    requests with 0 response tokens (kept, as Azure's 0 outputs are)."""
+    path = write(
+        tmp_path,
+        "burst.csv",
+        BURSTGPT_HEADER
+        + "5,ChatGPT,472,18,490,Conversation log\n"
+        + "45,ChatGPT,1087,230,1317,Conversation log\n"
+        + "118.5,GPT-4,417,0,417,API log\n",
+    )
+    records = load_trace(path)
+    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens, r.line) for r in records] == [
+        (0.0, 472, 18, 2),
+        (40.0, 1087, 230, 3),
+        (113.5, 417, 0, 4),
+    ]
+
+
+def test_csv_columns_are_found_by_name_in_any_order(tmp_path: Path) -> None:
+    """An export that reorders the columns (or changes their case) reads the same rows."""
+    reordered = write(
+        tmp_path,
+        "b.csv",
+        "Log Type,timestamp,Request Tokens,Response tokens,Total tokens,Model\n"
+        + "Conversation log,5,472,18,490,ChatGPT\nAPI log,45,1087,230,1317,GPT-4\n",
+    )
+    assert [(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens) for r in load_trace(reordered)] == [
+        (0.0, 472, 18),
+        (40.0, 1087, 230),
+    ]
+    azure = write(
+        tmp_path,
+        "a.csv",
+        "GeneratedTokens,TIMESTAMP,ContextTokens,service\n10,2023-11-16 18:17:03.0,4808,x\n",
+    )
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in load_trace(azure)] == [(4808, 10)]
+
+
+def test_burstgpt_rows_without_request_tokens_are_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing can serve an empty prompt; the rows around it load, and arrivals count from
+    the first row kept."""
+    path = write(
+        tmp_path,
+        "burst.csv",
+        BURSTGPT_HEADER
+        + "3,ChatGPT,0,0,0,API log\n"
+        + "5,ChatGPT,472,18,490,Conversation log\n"
+        + "7,ChatGPT,0,12,12,API log\n"
+        + "9,GPT-4,10,2,12,API log\n",
+    )
+    with caplog.at_level(logging.WARNING):
+        records = load_csv(path)
+    assert [(r.arrival_s, r.num_prompt_tokens) for r in records] == [(0.0, 472), (4.0, 10)]
+    assert "skipped 2 rows with 0 Request tokens" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("soon,ChatGPT,10,2,12,API log\n", "Timestamp must be a number of seconds, got 'soon'"),
+        ("nan,ChatGPT,10,2,12,API log\n", "Timestamp must be a number of seconds"),
+        ("7,ChatGPT,-1,2,12,API log\n", "Request tokens must be >= 0"),
+        ("7,ChatGPT,10,2.5,12,API log\n", "Response tokens must be an integer"),
+        ("7,ChatGPT,10,2\n", "expected 6 columns, got 4"),
+        ("4,ChatGPT,10,2,12,API log\n", "back in time"),
+    ],
+)
+def test_burstgpt_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
+    path = write(tmp_path, "b.csv", BURSTGPT_HEADER + "5,ChatGPT,472,18,490,Conversation log\n" + row)
+    with pytest.raises(TraceFormatError, match=message) as err:
+        load_trace(path)
+    assert str(err.value).startswith(f"{path}:3:")
 
 
 def test_mooncake_rows_keep_hash_ids_and_ms_timestamps(tmp_path: Path) -> None:

@@ -89,9 +89,9 @@ def trace_lengths(
     path: str, num_prompts: int, seed: int, prompt_max: int, output_max: int
 ) -> list[tuple[int, int]]:
     """(prompt, output) lengths of `num_prompts` requests drawn (seeded) from a request trace
-    (Azure CSV or Mooncake JSONL), scaled so that the longest drawn prompt has `prompt_max`
-    tokens and the longest output `output_max`: the trace's spread of lengths at the demo
-    model's scale."""
+    (an Azure or BurstGPT CSV, or Mooncake JSON lines), scaled so that the longest drawn
+    prompt has `prompt_max` tokens and the longest output `output_max`: the trace's spread
+    of lengths at the demo model's scale."""
     from tierserve.workloads.traces import load_trace
 
     records = load_trace(path)

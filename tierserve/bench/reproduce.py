@@ -77,7 +77,7 @@ def _add_cell_args(p: argparse.ArgumentParser) -> None:
         "--trace",
         nargs="+",
         metavar="FILE",
-        help="trace files (an Azure-style CSV or a Mooncake-style JSONL) replayed at their own "
+        help="trace files (an Azure or BurstGPT CSV, or Mooncake JSON lines) replayed at their own "
         "timestamps on the default hardware, added to --workloads",
     )
     p.add_argument(

@@ -1,7 +1,10 @@
 """Loaders for public request traces (sizes and arrival times only, no text).
 
-- Azure LLM inference trace (CSV): `TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock
-  timestamps such as ``2023-11-16 18:17:03.9799600``.
+- CSV, told apart by the header (columns by name, in any order, others read past):
+  - Azure LLM inference trace: `TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock
+    timestamps such as ``2023-11-16 18:17:03.9799600``;
+  - BurstGPT: `Timestamp` (seconds), `Request tokens`, `Response tokens` (its `Model`,
+    `Total tokens` and `Log Type` are read past).
 - Mooncake trace (JSON lines): `timestamp` (ms; arrivals count from the first row's, so
   epoch milliseconds load too), `input_length`, `output_length`,
   `hash_ids` (one id per 512-token prefix block; the last block may be partial). A trace
@@ -20,7 +23,7 @@ import gzip
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,7 +40,7 @@ class TraceFormatError(ValueError):
     """A trace file is malformed; the message starts with ``file:line:``."""
 
 
-TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # Azure CSV; Mooncake JSON lines (either name)
+TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # CSV (Azure, BurstGPT); Mooncake JSON lines
 # A Mooncake trace whose rows come this close together (mean gap) likely has its
 # timestamps in seconds, not milliseconds: the replay would send them all at once.
 _SUSPICIOUS_GAP_MS = 1.0
@@ -95,48 +98,119 @@ def _open_text(p: Path, newline: str | None = None) -> Iterator[IO[str]]:
             yield f
 
 
-def load_azure_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
+@dataclass(frozen=True)
+class CsvLayout:
+    """A CSV trace's columns, found by name in its header (any order; other columns are
+    read past): arrival time, prompt and output tokens."""
+
+    name: str
+    timestamp: str
+    prompt: str
+    output: str
+    dates: bool  # wall-clock dates (Azure); else seconds from any origin (BurstGPT)
+    skips_empty_prompts: bool = False
+
+
+CSV_LAYOUTS = (
+    CsvLayout("the Azure LLM inference trace", *AZURE_COLUMNS, dates=True),
+    # BurstGPT logs failed requests with 0 response tokens (kept: the replay asks for 1) and
+    # some with 0 request tokens, which no engine can serve (skipped, with a warning).
+    CsvLayout(
+        "BurstGPT", "Timestamp", "Request tokens", "Response tokens", dates=False, skips_empty_prompts=True
+    ),
+)
+
+
+def _csv_layout(p: Path, header: list[str] | None) -> tuple[CsvLayout, tuple[int, int, int]]:
+    """The layout whose three columns the header names (case and spaces aside), and where."""
+    names = [h.strip().lower() for h in header or ()]
+    for layout in CSV_LAYOUTS:
+        wanted = (layout.timestamp, layout.prompt, layout.output)
+        if all(w.lower() in names for w in wanted):
+            ts, prompt, output = (names.index(w.lower()) for w in wanted)
+            return layout, (ts, prompt, output)
+    got = "nothing" if header is None else repr(",".join(header))
+    expected = "; ".join(
+        f"{layout.name}'s {layout.timestamp},{layout.prompt},{layout.output}" for layout in CSV_LAYOUTS
+    )
+    raise TraceFormatError(
+        f"{p}:1: expected a header with the columns of {expected}; got {got} "
+        "(other CSV layouts need converting to one of these)"
+    )
+
+
+def _date_clock(layout: CsvLayout) -> Callable[[str, str], float]:
+    """Seconds from the first row's wall-clock date, for each row's (where, stamp)."""
+    first: list[datetime] = []
+
+    def since_first(where: str, text: str) -> float:
+        try:
+            stamp = datetime.fromisoformat(text)
+        except ValueError:
+            raise TraceFormatError(f"{where}: {layout.timestamp} {text!r} is not a date and time") from None
+        if not first:
+            first.append(stamp)
+        try:
+            return (stamp - first[0]).total_seconds()
+        except TypeError:  # one of the two has a UTC offset, the other not
+            raise TraceFormatError(
+                f"{where}: {layout.timestamp} {text!r} and the first row's {first[0].isoformat()!r} "
+                "must both have a UTC offset or both have none"
+            ) from None
+
+    return since_first
+
+
+def _seconds_clock(layout: CsvLayout) -> Callable[[str, str], float]:
+    """Seconds from the first row's, for stamps that are seconds from any origin."""
+    first: list[float] = []
+
+    def since_first(where: str, text: str) -> float:
+        try:
+            stamp = float(text)
+        except ValueError:
+            stamp = math.nan
+        if not math.isfinite(stamp):
+            raise TraceFormatError(f"{where}: {layout.timestamp} must be a number of seconds, got {text!r}")
+        if not first:
+            first.append(stamp)
+        return stamp - first[0]
+
+    return since_first
+
+
+def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
+    """A CSV trace in one of `CSV_LAYOUTS`, told apart by its header; arrivals count from
+    the first row."""
     p = Path(path)
     records: list[TraceRecord] = []
+    num_empty = 0
     with _open_text(p, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
-        if header is None or tuple(h.strip() for h in header) != AZURE_COLUMNS:
-            got = "nothing" if header is None else repr(",".join(header))
-            raise TraceFormatError(
-                f"{p}:1: expected the Azure LLM inference trace's header {','.join(AZURE_COLUMNS)}, "
-                f"got {got} (other CSV layouts need converting to these three columns)"
-            )
-        origin: datetime | None = None
+        layout, (ts_col, prompt_col, output_col) = _csv_layout(p, header)
+        num_columns = len(header or ())
+        arrival = _date_clock(layout) if layout.dates else _seconds_clock(layout)
+        min_prompt = 0 if layout.skips_empty_prompts else 1
         for row in reader:
             if len(records) == max_rows:
                 break
             where = f"{p}:{reader.line_num}"
             if not row or (len(row) == 1 and not row[0].strip()):  # blank, or only spaces
                 continue
-            if len(row) != len(AZURE_COLUMNS):
-                raise TraceFormatError(f"{where}: expected {len(AZURE_COLUMNS)} columns, got {len(row)}")
-            try:
-                stamp = datetime.fromisoformat(row[0].strip())
-            except ValueError:
-                raise TraceFormatError(f"{where}: TIMESTAMP {row[0]!r} is not a date and time") from None
-            origin = origin or stamp
-            try:
-                arrival_s = (stamp - origin).total_seconds()
-            except TypeError:  # one of the two has a UTC offset, the other not
-                raise TraceFormatError(
-                    f"{where}: TIMESTAMP {row[0].strip()!r} and the first row's {origin.isoformat()!r} "
-                    "must both have a UTC offset or both have none"
-                ) from None
-            _check_order(where, repr(row[0].strip()), arrival_s, records[-1].arrival_s if records else 0.0)
-            records.append(
-                TraceRecord(
-                    arrival_s,
-                    _int_field(where, "ContextTokens", row[1], 1),
-                    _int_field(where, "GeneratedTokens", row[2], 0),
-                    line=reader.line_num,
-                )
-            )
+            if len(row) != num_columns:
+                raise TraceFormatError(f"{where}: expected {num_columns} columns, got {len(row)}")
+            num_prompt = _int_field(where, layout.prompt, row[prompt_col], min_prompt)
+            num_output = _int_field(where, layout.output, row[output_col], 0)
+            if num_prompt == 0:  # read past, as if absent: arrivals count from the first row kept
+                num_empty += 1
+                continue
+            stamp = row[ts_col].strip()
+            arrival_s = arrival(where, stamp)
+            _check_order(where, repr(stamp), arrival_s, records[-1].arrival_s if records else 0.0)
+            records.append(TraceRecord(arrival_s, num_prompt, num_output, line=reader.line_num))
+    if num_empty:
+        log.warning("%s: skipped %d rows with 0 %s (nothing to serve)", p, num_empty, layout.prompt)
     if not records:
         raise TraceFormatError(f"{p}: no rows")
     return records
@@ -229,8 +303,9 @@ def trace_suffix(path: Path) -> str | None:
 
 
 def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
-    """Pick the loader by extension: .csv (Azure) or .jsonl (Mooncake), either gzipped or
-    not; read at most `max_rows` rows. A new list each call (of the rows parsed once)."""
+    """Pick the loader by extension: .csv (Azure or BurstGPT, by its header) or .jsonl
+    (Mooncake), either gzipped or not; read at most `max_rows` rows. A new list each call
+    (of the rows parsed once)."""
     p = Path(path)
     if p.is_dir():
         raise TraceFormatError(f"{p}: a folder, not a trace file")
@@ -246,7 +321,7 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
     cached = _cache.get(key)
     if cached is None:
         try:
-            loader = load_azure_csv if suffix == ".csv" else load_mooncake_jsonl
+            loader = load_csv if suffix == ".csv" else load_mooncake_jsonl
             cached = loader(p, max_rows)
         except UnicodeDecodeError as e:
             raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
