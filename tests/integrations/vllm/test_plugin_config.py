@@ -243,3 +243,25 @@ def test_an_allocation_that_frees_blocks_on_net_releases_them_from_its_tier() ->
     pool.change = -3  # three blocks given: counted as taken
     guard.allocate_slots(req, 1)  # type: ignore[arg-type]
     assert ledger.used[Tier.P2] == 3
+
+
+def test_a_pool_short_of_one_request_is_not_blamed_on_a_tier() -> None:
+    """When vLLM's whole pool is smaller than one request of --max-model-len, no floor or
+    ceiling can help: the error says so (it told P0 to raise its ceiling past 1.0, which the
+    config then refuses), whatever the policy."""
+    for part in (TierPartition(63, (9, 0, 0, 0), (0, 19, 0, 0), (25, 63, 63, 63)), TierPartition.flat(63)):
+        with pytest.raises(ConfigError) as e:
+            check_room_for_one_request(part, 64, 2016)
+        message = str(e.value)
+        assert "tiers." not in message and "ceiling" not in message, message
+        assert "63 KV blocks" in message and "--max-model-len" in message
+
+
+def test_a_config_error_names_where_the_config_came_from(tmp_path: Path) -> None:
+    """The check runs in vLLM's engine core, whose log says nothing of the file or flag read."""
+    path = tmp_path / "tiers.toml"
+    path.write_text('[vllm]\ncolour = "red"\n')
+    with pytest.raises(ConfigError, match=rf"\$TIERSERVE_CONFIG \({path}\): vllm\.colour: unknown key"):
+        load_plugin_config(None, environ={CONFIG_ENV: str(path)})
+    with pytest.raises(ConfigError, match=r"--additional-config 'tierserve': tiers\.P0\.floor"):
+        load_plugin_config({"tierserve": {"tiers": {"P0": {"floor": "0.1"}}}}, environ={})

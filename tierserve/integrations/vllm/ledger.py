@@ -77,6 +77,12 @@ def check_room_for_one_request(partition: TierPartition, num_blocks_needed: int,
     request of `max_model_len` tokens: a longer request of a tier that may hold fewer would
     never be admitted (or, grown past it, never come back), and in vLLM it would hold up
     every request queued behind it."""
+    if num_blocks_needed > partition.num_blocks:  # no tier setting can help: the pool itself is short
+        raise ConfigError(
+            f"vLLM's {partition.num_blocks} KV blocks are fewer than the {num_blocks_needed} one request "
+            f"of --max-model-len {max_model_len} tokens needs (such a request would wait forever): "
+            "lower --max-model-len (or --watermark) or give vLLM more KV cache memory"
+        )
     for tier in ALL_TIERS:
         most = partition.max_blocks(tier)
         if most >= num_blocks_needed:

@@ -112,9 +112,19 @@ def load_plugin_config(
             f"both ${CONFIG_ENV} ({path}) and --additional-config {ADDITIONAL_CONFIG_KEY!r} are set; use one"
         )
     if path:
-        return parse_plugin_config(load_raw(path))
+        raw = load_raw(path)  # its errors name the file already
+        return _parse_from(f"${CONFIG_ENV} ({path})", raw)
     if inline is not None:
         if not isinstance(inline, Mapping):
             raise ConfigError(f"additional_config.{ADDITIONAL_CONFIG_KEY}: expected a JSON object")
-        return parse_plugin_config(inline)
+        return _parse_from(f"--additional-config {ADDITIONAL_CONFIG_KEY!r}", inline)
     return PluginConfig()
+
+
+def _parse_from(source: str, raw: Mapping[str, Any]) -> PluginConfig:
+    """`parse_plugin_config`, its errors prefixed by where the config came from: the check
+    runs in vLLM's engine core, whose log says nothing of which file or flag was read."""
+    try:
+        return parse_plugin_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None

@@ -1,0 +1,59 @@
+"""`python -m tierserve.integrations.vllm.check_config`: the plug-in's config checked in a
+second, without vLLM, one line either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierserve.integrations.vllm.check_config import main
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_a_good_file_says_what_the_plugin_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tiers.toml"
+    path.write_text('[vllm]\npolicy = "wfq"\n[vllm.priority]\n5 = "P0"\n[tiers.P0]\nfloor = 0.2\n')
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert "policy wfq" in out and "5 -> P0" in out and "P0 floor 0.2" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('[vllm]\ncolour = "red"\n', "vllm.colour: unknown key"),
+        ("[tiers.P0]\nfloor = 0.6\nceiling = 1.0\n[tiers.P1]\nfloor = 0.6\n", "over 100%"),
+        ('[tiers.P0]\nfloor = "0.1"\n', "tiers.P0.floor: expected a number"),
+        ("[vllm\n", "invalid TOML"),
+        ("[server]\nport = 1\n", "server: not read by the vLLM plug-in"),
+    ],
+)
+def test_a_bad_file_is_one_line_naming_the_file_and_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, says: str
+) -> None:
+    path = tmp_path / "tiers.toml"
+    path.write_text(text)
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: {path}: "), captured.err
+    assert says in captured.err
+
+
+def test_it_reads_tierserve_config_and_runs_as_a_module(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.toml"
+    path.write_text('[vllm]\npolicy = "nope"\n')
+    env = {**os.environ, "TIERSERVE_CONFIG": str(path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tierserve.integrations.vllm.check_config"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "vllm.policy: unknown policy 'nope'" in done.stderr
+    assert "Traceback" not in done.stderr
+    env.pop("TIERSERVE_CONFIG")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "TIERSERVE_CONFIG is not set" in done.stderr
