@@ -64,11 +64,16 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
     """What argparse cannot see: the fleet bounds and the kills against the fleet."""
     from tierserve.gateway.config import GatewaySettings
     from tierserve.scheduling.registry import policy_names
+    from tierserve.workloads import TierMix
 
     # Before the trace is read: an unknown policy was found only when the first engine was
     # built, after the trace was parsed (or its error said instead) and --out was made.
     if args.policy not in policy_names():
         raise FleetArgsError(f"--policy {args.policy!r}: choose from {', '.join(policy_names())}")
+    try:  # it was read when the first run began, after the trace and a progress bar
+        TierMix.parse(args.tier_mix)
+    except ValueError as e:
+        raise FleetArgsError(f"--tier-mix: {e}") from None
     scales = scalings != ["fixed"]
     for flag, n in (("--replicas", args.replicas), ("--max-replicas", args.max_replicas if scales else 0)):
         if n > MAX_REPLICAS:

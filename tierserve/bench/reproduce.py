@@ -166,8 +166,10 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
     TierMix.parse(args.tier_mix)
     # Written so that nan fails too; inf ran every cell and then could not be written to
     # results.json (JSON has no inf).
-    if not (0 <= args.think_time < math.inf and 0 < args.burst_cv < math.inf):
-        raise ValueError("--think-time must be a finite number >= 0 and --burst-cv a finite number > 0")
+    if not 0 <= args.think_time < math.inf:
+        raise ValueError(f"--think-time must be a finite number >= 0, got {args.think_time:g}")
+    if not 0 < args.burst_cv < math.inf:
+        raise ValueError(f"--burst-cv must be a finite number > 0, got {args.burst_cv:g}")
     setup = BenchSetup(
         limits=engine_limits(args.engine_limits, args.max_num_batched_tokens, args.max_num_seqs),
         tier_mix=args.tier_mix,

@@ -403,7 +403,10 @@ def _range(text: str) -> tuple[int, int]:
     lo, dash, hi = text.partition("-")
     if dash and not hi:  # "5-" is not 5-5: a bound left out by mistake
         raise argparse.ArgumentTypeError(f"expected LO-HI or N, got {text!r}")
-    a, b = int(lo), int(hi or lo)
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:  # argparse said "invalid _range value", naming this function
+        raise argparse.ArgumentTypeError(f"expected LO-HI or N, got {text!r}") from None
     if not 1 <= a <= b:
         raise argparse.ArgumentTypeError(f"expected LO-HI with 1 <= LO <= HI, got {text!r}")
     return a, b

