@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - torch is a dependency
     HAS_CUDA = False
 
 MISSING = "/nonexistent/tierserve-test/file"
+TINY_TRACE = "/tiny-trace.jsonl"  # replaced by a three-row trace the test writes (no data folder needed)
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="this torch build sees a CUDA device")
 
 
@@ -135,7 +136,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             "--out /proc/tierserve/x.json: cannot",
         ),
         (
-            ["bench", "fleet", "--out", "/proc/tierserve/x"],
+            ["bench", "fleet", "--trace", TINY_TRACE, "--out", "/proc/tierserve/x"],
             2,
             "--out /proc/tierserve/x: cannot make its folder",
         ),
@@ -159,7 +160,11 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 def test_a_bad_command_line_is_one_line_and_a_non_zero_exit(
     argv: list[str], status: int, words: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    argv = [a.replace(MISSING, str(tmp_path / "missing")) for a in argv]
+    trace = tmp_path / "tiny-trace.jsonl"
+    trace.write_text(
+        "".join(f'{{"timestamp": {ms}, "input_length": 64, "output_length": 4}}\n' for ms in (0, 5, 9))
+    )
+    argv = [a.replace(MISSING, str(tmp_path / "missing")).replace(TINY_TRACE, str(trace)) for a in argv]
     code, err = run_cli(argv, capsys)
     assert code == status
     assert len(err.strip().splitlines()) == 1, err

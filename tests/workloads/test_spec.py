@@ -17,7 +17,7 @@ def test_parse_normalises_any_scale() -> None:
     assert mix.shares[Tier.P3] == 0
 
 
-@pytest.mark.parametrize("text", ["5/60/30", "a/b/c/d", "0/0/0/0", "-1/2/3/4"])
+@pytest.mark.parametrize("text", ["5/60/30", "a/b/c/d", "0/0/0/0", "-1/2/3/4", "nan/1/1/1", "inf/1/1/1"])
 def test_parse_rejects_bad_mixes(text: str) -> None:
     with pytest.raises(ValueError, match="tier mix"):
         TierMix.parse(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -54,8 +55,8 @@ class TierMix:
         missing = [t.name for t in ALL_TIERS if t not in self.shares]
         if missing:
             raise ValueError(f"tier mix: missing shares for {', '.join(missing)}")
-        if any(s < 0 for s in self.shares.values()):
-            raise ValueError("tier mix: shares must be >= 0")
+        if not all(0 <= s < math.inf for s in self.shares.values()):  # written so that nan fails too
+            raise ValueError("tier mix: shares must be finite numbers >= 0")
         total = sum(self.shares.values())
         if total <= 0:
             raise ValueError("tier mix: shares add up to zero")
