@@ -46,7 +46,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         pytest.param(["generate", "--device", "cuda", "--prompt", "x"], 2, "no CUDA device", marks=cpu_only),
         (["profile", "--model", "gpt-9", "--gpu", "h200"], 2, "known models"),
         (["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb"], 1, "does not fit"),
-        (["profile", "--model", "demo", "--gpu", "h200", "--mem-util", "2"], 2, "mem_util"),
+        (["profile", "--model", "demo", "--gpu", "h200", "--mem-util", "2"], 2, "--mem-util"),
         (["bench", "frob"], 2, "invalid choice: 'frob'"),
         (["bench", "serve", "--policy", "lottery"], 2, "invalid choice: 'lottery'"),
         (["bench", "serve", "--requests", "2", "--config", MISSING], 2, "no such config file"),

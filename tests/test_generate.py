@@ -89,7 +89,7 @@ def test_cli_penalties_stop_the_demo_repeating_itself(capsys: pytest.CaptureFixt
     penalised = json.loads(capsys.readouterr().out)["token_ids"]
     assert len(set(penalised)) > len(set(plain))  # the random demo model loves one token
     assert cli([*argv, "--presence-penalty", "3"]) == 2
-    assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err
+    assert "--presence-penalty must be in [-2, 2], got 3" in capsys.readouterr().err
 
 
 def test_visible_escapes_control_characters_but_keeps_lines_and_text() -> None:

@@ -11,6 +11,7 @@ import sys
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.cli_args import device_name, non_negative_float, positive_int
@@ -25,6 +26,17 @@ DEMO_NOTICE = (
     "the demo model has random weights and a byte-level tokenizer: its text is gibberish by design; "
     "control characters are shown as escapes such as \\x08"
 )
+# The flag that sets each `SamplingParams` field.
+_SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "ignore_eos": "--ignore-eos",
+}
 
 
 def visible(text: str) -> str:
@@ -136,30 +148,77 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
+def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as `SamplingParams` fields, checked before any model is built: a bad
+    value is a ValueError that names its flag, as is a --max-tokens that leaves no room for a
+    prompt in the model's context."""
+    from tierserve.request import SamplingParams
+
+    sampling = {field: getattr(args, field) for field in _SAMPLING_FLAGS}
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        raise ValueError(_said_as_flag(str(e), sampling)) from None
+    limit = _context_limit(args.model)
+    if limit is not None and args.max_tokens >= limit:
+        raise ValueError(
+            f"--max-tokens must be below the model's context of {limit} tokens (the prompt takes at "
+            f"least one), got {args.max_tokens}"
+        )
+    return sampling
+
+
+def _said_as_flag(message: str, sampling: dict[str, Any]) -> str:
+    """`SamplingParams`' message ("top_p must be ..., got 0.0") said as the flag's, with the
+    value as typed ("--top-p must be ..., got 0")."""
+    field, _, rest = message.partition(" ")
+    if field not in _SAMPLING_FLAGS:
+        return message
+    rule, got, _ = rest.rpartition(", got ")
+    value = sampling[field]
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{_SAMPLING_FLAGS[field]} {rule}, got {shown}" if got else f"{_SAMPLING_FLAGS[field]} {rest}"
+
+
+def _context_limit(model: str) -> int | None:
+    """The model's context in tokens, read without loading the model; None where the directory
+    has no config.json (loading it then says what is wrong)."""
+    if model == "demo":
+        from tierserve.model_config import DEMO_MODEL
+
+        return DEMO_MODEL.max_position_embeddings
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    from tierserve.executors.pytorch.hf_config import parse_hf_config
+
+    return parse_hf_config(config).max_model_len
+
+
 def run(args: argparse.Namespace) -> int:
-    from tierserve.executors.pytorch.executor import build_torch_executor
     from tierserve.executors.pytorch.hf_config import ModelLoadError
 
+    # Said once the request is accepted, so that a refused one is the only line on stderr.
+    notices = [f"tierserve generate: {DEMO_NOTICE}"] if args.model == "demo" and not args.json else []
+
+    def stream(text: str) -> None:
+        while notices:
+            print(notices.pop(), file=sys.stderr, flush=True)
+        print(visible(text), end="", flush=True)
+
     try:
+        sampling = sampling_from_args(args)
+        from tierserve.executors.pytorch.executor import build_torch_executor
+
         executor, tokenizer = build_torch_executor(args.model, args.device)
-        if args.model == "demo" and not args.json:
-            print(f"tierserve generate: {DEMO_NOTICE}", file=sys.stderr, flush=True)
-        stream = None if args.json else (lambda text: print(visible(text), end="", flush=True))
         result = generate(
             executor,
             tokenizer,
             args.prompt,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
             stop=args.stop,
-            ignore_eos=args.ignore_eos,
             chat=args.chat,
-            on_text=stream,
+            on_text=None if args.json else stream,
+            **sampling,
         )
     except (ModelLoadError, ValueError) as e:
         print(f"tierserve generate: {e}", file=sys.stderr)

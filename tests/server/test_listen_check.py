@@ -34,6 +34,7 @@ def test_serve_on_a_port_in_use_exits_2_with_one_line(capsys: pytest.CaptureFixt
         assert main(["serve", "--backend", "sim", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"tierserve serve: cannot listen on 127.0.0.1:{port}")
+    assert "(make run PORT=...)" in err  # `make run` starts `serve` (and only `serve`)
 
 
 def test_a_start_up_error_is_the_only_line_even_on_an_open_server() -> None:

@@ -107,12 +107,12 @@ def run_matrix(matrix: Matrix, workers: int = 2, progress: bool = True) -> dict[
     jobs.sort(key=lambda j: -j.weight())
     runs: list[dict[str, Any]] = []
     pooled: list[dict[str, Any]] = []
-    bar = tqdm(total=len(jobs), desc="bench", unit="cell", file=sys.stderr, disable=not progress)
-    for _job_done, per_seed, merged in _pool_map(_run_job, jobs, workers):
-        runs += per_seed
-        pooled.append(merged)
-        bar.update()
-    bar.close()
+    # Closed however the loop ends: on Ctrl-C the bar is drawn before "interrupted", not after.
+    with tqdm(total=len(jobs), desc="bench", unit="cell", file=sys.stderr, disable=not progress) as bar:
+        for _job_done, per_seed, merged in _pool_map(_run_job, jobs, workers):
+            runs += per_seed
+            pooled.append(merged)
+            bar.update()
     order = {
         (g, p): k for k, (g, p) in enumerate((j.group, j.policy) for j in sorted(jobs, key=_order(matrix)))
     }

@@ -52,6 +52,7 @@ from tierserve.bench.output import emit, make_out_folder
 from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.loadgen import TIERS, Outcome, Spec, drive_in_child, make_specs
+from tierserve.workloads.spec import TierMix
 
 if TYPE_CHECKING:
     from tierserve.server.config import ServeConfig
@@ -228,15 +229,25 @@ def api_key(env: str | None) -> str | None:
     return key
 
 
-def run_bench(args: argparse.Namespace) -> BenchResult:
-    """One run without the flood of large bodies and, with `--flood-clients`, one with it,
-    each against a fresh server (its engine in a process of its own) and the same requests."""
+def checked_config(args: argparse.Namespace) -> ServeConfig:
+    """The servers' config, once every setting they would refuse is checked, before --out's
+    folder is made or a server starts: an unset --api-key-env, a bad --config, and a --model,
+    --gpu or --tp the sim backend cannot build (building it is cheap: it loads no weights)."""
+    from tierserve.server.backends import build_backend
     from tierserve.server.config import load_serve_config
 
-    api_key(args.api_key_env)  # an unset variable fails now, not after the servers start
+    api_key(args.api_key_env)
+    config = load_serve_config(args.config)
+    build_backend("sim", args.model, gpu=args.gpu, tp=args.tp)
+    return config
+
+
+def run_bench(args: argparse.Namespace, config: ServeConfig) -> BenchResult:
+    """One run without the flood of large bodies and, with `--flood-clients`, one with it,
+    each against a fresh server (its engine in a process of its own) and the same requests;
+    `config` is `checked_config(args)`."""
     mix = [float(x) for x in args.tier_mix.split("/")]
     specs = make_specs(args.requests, args.seed, mix, tuple(args.prompt_tokens), tuple(args.max_tokens))
-    config = load_serve_config(args.config)
     result = _run_once(args, specs, config, flood_clients=0)
     if args.flood_clients:
         result.with_flood = _run_once(args, specs, config, flood_clients=args.flood_clients)
@@ -478,14 +489,13 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup is not None and not 0 <= args.warmup < args.requests:
         print("tierserve bench serve: need 0 <= --warmup < --requests", file=sys.stderr)
         return 2
-    mix = args.tier_mix.split("/")
-    if len(mix) != 4 or not all(x.replace(".", "", 1).isdigit() for x in mix) or sum(map(float, mix)) <= 0:
-        print(
-            f"tierserve bench serve: --tier-mix must be four shares like 5/60/30/5, got {args.tier_mix!r}",
-            file=sys.stderr,
-        )
+    try:  # the check `bench reproduce` and `bench fleet` make
+        TierMix.parse(args.tier_mix)
+    except ValueError as e:
+        print(f"tierserve bench serve: --tier-mix: {e}", file=sys.stderr)
         return 2
+    config = checked_config(args)
     make_out_folder(args.out)
-    result = run_bench(args)
+    result = run_bench(args, config)
     emit(asdict(result), args.out, args.json, lambda: _print_all(result))
     return 0

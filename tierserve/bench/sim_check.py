@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.output import emit, make_out_folder
-from tierserve.cli_args import non_negative_int
+from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
-from tierserve.executors.sim.gpus import GiB, get_gpu
+from tierserve.executors.sim.gpus import GiB, GpuProfile, get_gpu
 from tierserve.model_config import ModelConfig
 from tierserve.request import Request, RequestStatus
 
@@ -232,6 +232,37 @@ def build_executor(
     return TorchExecutor(model, pool, max_model_len=config.max_position_embeddings)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What `measure` runs: the settings of `sim_check`, checked."""
+
+    config: ModelConfig
+    gpu: GpuProfile
+    shapes: list[Shape]
+    device: torch.device
+    dtype: str
+    repeats: int  # timed runs of each shape
+
+
+def checked_setup(
+    model: str = "demo",
+    device: str = "cpu",
+    dtype: str | None = None,
+    gpu: str = "h200",
+    shapes: Sequence[Shape] | None = None,
+    repeats: int = 5,
+) -> Setup:
+    """The settings checked, before anything is built or written; ValueError for a bad one."""
+    from tierserve.executors.sim.executor import get_model
+
+    config = get_model(model)
+    profile = get_gpu(gpu)
+    checked = _checked_shapes(config, shapes, repeats, dtype)
+    dev = _device(device)
+    dtype = dtype or ("float32" if dev.type == "cpu" else "bfloat16")
+    return Setup(config, profile, checked, dev, dtype, repeats)
+
+
 def sim_check(
     model: str = "demo",
     device: str = "cpu",
@@ -242,15 +273,16 @@ def sim_check(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Measure each shape on `device` and predict it for `gpu`; ValueError for a bad setting."""
-    from tierserve.executors.sim.executor import get_model
+    return measure(checked_setup(model, device, dtype, gpu, shapes, repeats), seed)
 
-    config = get_model(model)
-    profile = get_gpu(gpu)
-    shapes = _checked_shapes(config, shapes, repeats, dtype)
+
+def measure(setup: Setup, seed: int = 0) -> dict[str, Any]:
+    """Time each of `setup`'s shapes and predict it for its GPU: the result `tierserve bench
+    sim-check` writes."""
     import torch
 
-    dev = _device(device)
-    dtype = dtype or ("float32" if dev.type == "cpu" else "bfloat16")
+    config, profile, shapes, dev, dtype = setup.config, setup.gpu, setup.shapes, setup.device, setup.dtype
+    repeats = setup.repeats
     torch_dtype: torch.dtype = getattr(torch, dtype)
     # The prediction for the precision that runs: K/V and weights at its element size.
     run_config = replace(config, dtype_bytes=torch.empty((), dtype=torch_dtype).element_size())
@@ -370,7 +402,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=5,
         help="timed runs per shape after one warm-up; the median counts (default: 5)",
     )
@@ -398,9 +430,10 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    make_out_folder(args.out)
     try:
-        res = sim_check(args.model, args.device, args.dtype, args.gpu, args.shapes, args.repeats, args.seed)
+        setup = checked_setup(args.model, args.device, args.dtype, args.gpu, args.shapes, args.repeats)
+        make_out_folder(args.out)
+        res = measure(setup, args.seed)
     except ValueError as e:
         print(f"tierserve bench sim-check: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from tierserve.executors.base import Executor
 from tierserve.server.tokenizer import PlaceholderTokenizer, Tokenizer
 
 DEFAULT_SIM_MODEL = "llama-3.1-70b"
-DEFAULT_SIM_GPU = "A100-80GB"
+DEFAULT_SIM_GPU = "a100-80gb"  # as --gpu takes it
 DEFAULT_SIM_TP = 8
 
 
@@ -72,6 +72,18 @@ def _torch_backend(model: str, device: str) -> Backend:
     return Backend(executor, tokenizer, name, executor.model.config.vocab_size, pace=False)
 
 
+def _does_not_fit(model: str, gpu: str, tp: int) -> str | None:
+    """`tierserve profile`'s verdict where the weights leave no room for the K/V cache: it
+    names the smallest --tp that fits. None for any other fault (an unknown GPU, a --tp that
+    does not divide the model)."""
+    from tierserve.executors.sim.profile_cli import does_not_fit, profile
+
+    try:
+        return does_not_fit(profile(model, gpu, tp))
+    except ValueError:
+        return None
+
+
 def _sim_backend(model: str, gpu: str, tp: int) -> Backend:
     try:
         from tierserve.executors.sim import build_sim_executor, get_model
@@ -84,7 +96,7 @@ def _sim_backend(model: str, gpu: str, tp: int) -> Backend:
     try:
         executor = build_sim_executor(config.name, gpu, tp)
     except ValueError as e:
-        raise BackendError(f"--gpu {gpu} --tp {tp}: {e}") from None
+        raise BackendError(_does_not_fit(config.name, gpu, tp) or f"--gpu {gpu} --tp {tp}: {e}") from None
     return Backend(
         executor, PlaceholderTokenizer(config.vocab_size), config.name, config.vocab_size, pace=True
     )

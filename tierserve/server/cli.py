@@ -133,7 +133,7 @@ def _start(args: argparse.Namespace) -> tuple[ServeConfig, ServerState, tuple[st
         raise _CannotStart(str(e)) from None
     host = args.host or config.server.host
     port_number = config.server.port if args.port is None else args.port
-    problem = cannot_listen(host, port_number)
+    problem = cannot_listen(host, port_number, port_hint="make run PORT=...")
     if problem is not None:
         raise _CannotStart(problem)
     backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device or "cpu")

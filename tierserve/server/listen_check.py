@@ -7,9 +7,11 @@ import errno
 import socket
 
 
-def cannot_listen(host: str, port: int) -> str | None:
+def cannot_listen(host: str, port: int, port_hint: str = "") -> str | None:
     """Why a server cannot listen on `host:port` now, or None when it can (port 0 always can).
-    The probe binds the way uvicorn does (SO_REUSEADDR), so a port in TIME_WAIT is free."""
+    The probe binds the way uvicorn does (SO_REUSEADDR), so a port in TIME_WAIT is free.
+    `port_hint` follows the advice to choose another --port where the port is taken (`serve`
+    names `make run PORT=...`, which starts it; the gateway has no such target)."""
     if port == 0:
         return None
     where = f"{host}:{port}"
@@ -25,8 +27,8 @@ def cannot_listen(host: str, port: int) -> str | None:
             probe.bind(address)
         except OSError as e:
             hint = {
-                errno.EADDRINUSE: "another server is listening there; choose another --port "
-                "(make run PORT=...)",
+                errno.EADDRINUSE: "another server is listening there; choose another --port"
+                + (f" ({port_hint})" if port_hint else ""),
                 errno.EACCES: "ports below 1024 need privileges; choose a --port of 1024 or more",
                 errno.EADDRNOTAVAIL: "that is not an address of this machine; try 127.0.0.1 or 0.0.0.0",
             }.get(e.errno or 0, "")

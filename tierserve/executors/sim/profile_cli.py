@@ -104,11 +104,13 @@ def profile(
     mem_util: float = 0.9,
 ) -> Profile:
     """The figures `tierserve profile` prints; ValueError for unknown names or bad shapes."""
-    for name, value in (("prefill-tokens", prefill_tokens), ("batch", batch)):
+    for name, value in (("tp", tp), ("prefill-tokens", prefill_tokens), ("batch", batch)):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if context < 0:
         raise ValueError(f"--context must be >= 0, got {context}")
+    if not 0 < mem_util <= 1:
+        raise ValueError(f"--mem-util must be in (0, 1], got {mem_util:g}")
     cm = CostModel(get_gpu(gpu_name), get_model(model_name), tp)
     prefill = cm.step_cost([SeqChunk(prefill_tokens, 0)])
     decode = cm.step_cost([SeqChunk(1, context)] * batch)
