@@ -572,3 +572,35 @@ def test_a_p0_head_held_by_its_own_ceiling_does_not_hold_up_the_other_tiers() ->
     assert p1.status is RequestStatus.RUNNING, "P1 waited behind a P0 that only P0 can make room for"
     run(eng)
     assert all(r.finish_reason is FinishReason.LENGTH for r in (*p0s, p1))
+
+
+def test_a_long_p0_chunk_beside_a_shorter_p0_prompt_is_held_to_the_step_bound() -> None:
+    # A short P0 prompt that arrives while a long one prefills deep into its context goes
+    # first by tokens; its step must not take a long chunk's time too (70B on 8 x A100:
+    # 1,900 tokens after 40,000 take far longer than the bound).
+    from tierserve.executors.sim.executor import build_sim_executor
+
+    bound_s = 0.15
+    hybrid = {"step_bound_s": bound_s, "p0_likely_s": 1e9, "step_bound_from_slack": False}
+    base = parse_config({"policy": {"hybrid": hybrid}})
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+        tiers=base.tiers,
+        policy_options=base.policy_options,
+    )
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    long_p0 = make_request(num_prompt=60_000, max_tokens=1, tier=Tier.P0)
+    eng.add_request(long_p0)
+    while long_p0.num_computed_tokens < 40_000:
+        eng.step()
+    short_p0 = make_request(num_prompt=100, max_tokens=1, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(short_p0)
+    context = long_p0.num_computed_tokens
+    eng.step()
+    assert short_p0.first_token_time is not None, "the short prompt went first"
+    chunk = long_p0.num_computed_tokens - context
+    assert chunk > 0, "the long prompt still moved"
+    assert executor.estimate_prefill_s(chunk, context) <= bound_s, "the long chunk outgrew the bound"
+    assert executor.estimate_prefill_s(2048 - 100, context) > 2 * bound_s  # what it took before
+    run(eng)

@@ -33,7 +33,10 @@ target). Three choices decide what happens beyond capacity (issue 13):
 P0 prompts prefill ahead of every other tier's chunks, and among themselves the shortest
 remaining first (`prefill_chunk_cap`): on the public traces a P0 prompt of a few hundred
 tokens otherwise waited seconds behind another P0's prefill of tens of thousands, and
-the P95 of P0's per-request slowdown was 9x on Mooncake at half its rate (2x after).
+the P95 of P0's per-request slowdown was 9x on Mooncake at half its rate (2x after). A
+longer P0 prompt's chunk in a step with a shorter one is held to the step bound in time
+too (priced at its context): deep into a prompt of 50,000 tokens a chunk of the step's
+remaining tokens took 0.4 s, and the shorter prompt's first token waited for it.
 
 P3 steps aside while a P1 or P2 request that can still meet its target has waited over
 a third of it (DEFER_FRACTION, judged once a pass in `begin_step`): P3 is neither aged nor
@@ -82,7 +85,7 @@ from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper
 from tierserve.scheduling.oldest import OldestWaiting
 from tierserve.scheduling.sfq import TierFairQueues
-from tierserve.scheduling.step import StepBudget, StepEstimate
+from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_within
 from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -374,12 +377,30 @@ class HybridPolicy(FairQueuePolicy):
         step = self._step
         if step is None or not self._p0_by_length:
             return cap
-        reserve = sum(_tokens_left(r) for r in self._ahead_of(req) if r not in step.prefills)
-        if reserve == 0:
+        ahead = list(self._ahead_of(req))
+        reserve = sum(_tokens_left(r) for r in ahead if r not in step.prefills)
+        if req.tier is Tier.P0 and ahead:
+            # A shorter P0 prompt is in this step or joins it: this one's chunk is held to the
+            # step bound in time too, so that the shorter one's first token does not wait for
+            # a long chunk deep into a long prompt (priced at its context).
+            room = min(step.tokens_left - reserve, self._chunk_within_bound(req, step))
+            room = max(self._p0_floor_tokens, room)
+        elif reserve == 0:
             return cap
-        floor = self._p0_floor_tokens if req.tier == Tier.P0 else 0
-        room = max(floor, step.tokens_left - reserve)
+        else:
+            room = max(0, step.tokens_left - reserve)
         return room if cap is None else min(cap, room)
+
+    def _chunk_within_bound(self, req: Request, step: StepBudget) -> int:
+        """The most of `req`'s prompt one chunk can hold within the step bound, priced at
+        its context."""
+        most, estimate = _tokens_left(req), step.estimate_s
+        if estimate is None:
+            return most
+        bound_s, context = self._shaper.bound_s(estimate), req.num_computed_tokens
+        if estimate(most, context) <= bound_s:
+            return most
+        return tokens_within(lambda n: estimate(n, context), bound_s, most)
 
     def _ahead_of(self, req: Request) -> Iterator[Request]:
         """This step's P0 prompts that prefill before `req`: every one listed for a lower
