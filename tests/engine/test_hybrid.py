@@ -12,6 +12,7 @@ from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, SchedulerConfig, parse_config
 from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
+from tierserve.executors.sim.executor import SimExecutor
 from tierserve.request import EventKind, FinishReason, Request, RequestStatus
 from tierserve.scheduling.hybrid import P0_FLOOR_SHARE
 from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
@@ -502,13 +503,11 @@ def test_a_waiting_p0_prompt_goes_ahead_of_lower_tiers_running_prefills() -> Non
     assert p0.first_token_time is not None, "P0's prompt waited for a P1 prefill chunk"
 
 
-def test_a_chunk_deep_into_a_long_prompt_is_priced_at_its_context() -> None:
-    # On the simulator's cost model (70B on 8 x A100) a chunk's attention reads every
-    # cached token before it: under the P0 step bound, the chunks of a long P1 prompt shrink
-    # as it goes, so each step stays within the bound instead of growing with the context.
+def sim_70b_engine(bound_s: float) -> tuple[Engine, SimExecutor]:
+    """Hybrid on the simulator's cost model (70B on 8 x A100, vLLM's limits), its step bound
+    fixed at `bound_s` and holding at all times."""
     from tierserve.executors.sim.executor import build_sim_executor
 
-    bound_s = 0.15
     hybrid = {"step_bound_s": bound_s, "p0_likely_s": 1e9, "step_bound_from_slack": False}
     base = parse_config({"policy": {"hybrid": hybrid}})
     config = EngineConfig(
@@ -517,7 +516,15 @@ def test_a_chunk_deep_into_a_long_prompt_is_priced_at_its_context() -> None:
         policy_options=base.policy_options,
     )
     executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
-    eng = Engine(config, "hybrid", executor, VirtualClock())
+    return Engine(config, "hybrid", executor, VirtualClock()), executor
+
+
+def test_a_chunk_deep_into_a_long_prompt_is_priced_at_its_context() -> None:
+    # On the simulator's cost model (70B on 8 x A100) a chunk's attention reads every
+    # cached token before it: under the P0 step bound, the chunks of a long P1 prompt shrink
+    # as it goes, so each step stays within the bound instead of growing with the context.
+    bound_s = 0.15
+    eng, executor = sim_70b_engine(bound_s)
     eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))  # a P0 is now likely
     run(eng)
     p1 = make_request(num_prompt=60_000, max_tokens=1, tier=Tier.P1)
@@ -578,18 +585,8 @@ def test_a_long_p0_chunk_beside_a_shorter_p0_prompt_is_held_to_the_step_bound() 
     # A short P0 prompt that arrives while a long one prefills deep into its context goes
     # first by tokens; its step must not take a long chunk's time too (70B on 8 x A100:
     # 1,900 tokens after 40,000 take far longer than the bound).
-    from tierserve.executors.sim.executor import build_sim_executor
-
     bound_s = 0.15
-    hybrid = {"step_bound_s": bound_s, "p0_likely_s": 1e9, "step_bound_from_slack": False}
-    base = parse_config({"policy": {"hybrid": hybrid}})
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
-        tiers=base.tiers,
-        policy_options=base.policy_options,
-    )
-    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8)
-    eng = Engine(config, "hybrid", executor, VirtualClock())
+    eng, executor = sim_70b_engine(bound_s)
     long_p0 = make_request(num_prompt=60_000, max_tokens=1, tier=Tier.P0)
     eng.add_request(long_p0)
     while long_p0.num_computed_tokens < 40_000:

@@ -263,19 +263,6 @@ def checked_setup(
     return Setup(config, profile, checked, dev, dtype, repeats)
 
 
-def sim_check(
-    model: str = "demo",
-    device: str = "cpu",
-    dtype: str | None = None,
-    gpu: str = "h200",
-    shapes: Sequence[Shape] | None = None,
-    repeats: int = 5,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Measure each shape on `device` and predict it for `gpu`; ValueError for a bad setting."""
-    return measure(checked_setup(model, device, dtype, gpu, shapes, repeats), seed)
-
-
 def measure(setup: Setup, seed: int = 0) -> dict[str, Any]:
     """Time each of `setup`'s shapes and predict it for its GPU: the result `tierserve bench
     sim-check` writes."""
