@@ -101,6 +101,7 @@ class ServerMetrics:
         self.http_errors = http_errors_counter(r)
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
+        self._engine_families: Sequence[Metric] = ()  # the engine process's, as it answered last
         self._state = StateCollector(model_name, self.sla_attainment)
         r.register(self._state)
 
@@ -143,10 +144,15 @@ class ServerMetrics:
 
     def render(self, engine_families: Sequence[Metric] = ()) -> bytes:
         """The exposition text; `engine_families`: the engine process's, merged in (its
-        counters and histograms add to this registry's, which hold zero for them)."""
-        if not engine_families:
+        counters and histograms add to this registry's, which hold zero for them).
+
+        An empty `engine_families` (the engine did not answer in time) once some have come:
+        the last ones stand in, stale but never lower, so its counters never read as reset."""
+        if engine_families:
+            self._engine_families = engine_families
+        if not self._engine_families:
             return generate_latest(self.registry)
-        return generate_latest(_Merged(merge_families(list(self.registry.collect()), engine_families)))
+        return generate_latest(_Merged(merge_families(list(self.registry.collect()), self._engine_families)))
 
 
 def merge_families(ours: Sequence[Metric], theirs: Sequence[Metric]) -> list[Metric]:
