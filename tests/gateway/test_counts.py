@@ -88,3 +88,52 @@ def test_a_mix_of_served_queued_gone_and_refused_requests_adds_up() -> None:
     assert sum(decisions.values()) == 2.0 and "queued" not in decisions, decisions
     assert rejections == {"queue_full": 1.0, "client_left": 1.0}
     assert sum(outcomes.values()) + sum(rejections.values()) == 4  # every request, once
+
+
+def _added_sum(metrics: str) -> tuple[float, float]:
+    """`tierserve_gateway_added_seconds`' (sum, count)."""
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name.startswith("tierserve_gateway_added_seconds")
+    }
+    return values["tierserve_gateway_added_seconds_sum"], values["tierserve_gateway_added_seconds_count"]
+
+
+def test_a_wait_in_the_gateway_queue_is_not_counted_as_the_gateway_s_added_time() -> None:
+    """The added time is the gateway's own work on the way to the first token; a stream that
+    waited 1.5 s in its queue for a seat (flow control, shown in `queue_wait_seconds`) was
+    counted as 1.5 s of overhead, and under a queue every panel of it read 1 s, its top bucket."""
+    hold = threading.Event()
+    upstream = FakeUpstream("ok", hold=hold)
+    with fake_upstream(upstream) as url:
+        config = parse_gateway_config(
+            tomllib.loads(
+                "[gateway]\nscrape_interval_s = 0.2\n"
+                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\nmax_in_flight = 1\n'
+            )
+        )
+        with gateway_of(config) as (gw, state):
+            endpoint = gw.url + "/v1/chat/completions"
+            statuses: list[int] = []
+
+            def send() -> None:
+                with httpx.stream("POST", endpoint, json={**CHAT, "stream": True}, timeout=60) as reply:
+                    reply.read()
+                    statuses.append(reply.status_code)
+
+            first = threading.Thread(target=send)  # takes the one seat
+            first.start()
+            _until(lambda: state.router.state("f0").num_in_flight == 1)
+            second = threading.Thread(target=send)  # waits in the queue for it
+            second.start()
+            _until(lambda: len(state.flow) == 1)
+            time.sleep(1.5)
+            hold.set()
+            first.join(60)
+            second.join(60)
+            _until(lambda: state.num_in_flight == 0)
+            total_s, count = _added_sum(httpx.get(gw.url + "/metrics").text)
+    assert statuses == [200, 200] and count == 2
+    assert total_s < 0.5, f"{total_s:.3f} s added over two streams: the queue's wait was counted"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tierserve.clock import Clock
 from tierserve.gateway.dispatch_core import NO_UPSTREAM_RETRY_S, DispatchCore, Dropped
@@ -116,7 +117,7 @@ class Dispatcher:
                 self._router.finished(event.decision.upstream, event.decision.tier)
                 continue
             self._metrics.queue_wait.labels(event.decision.tier.name).observe(event.waited_s)
-            future.set_result(event.decision)
+            future.set_result(replace(event.decision, waited_s=event.waited_s))
 
     def _refusal(self, dropped: Dropped[_Handle], model: str) -> ApiError:
         self._metrics.reject(dropped.reason, dropped.tier)

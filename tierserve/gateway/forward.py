@@ -57,6 +57,9 @@ class _Call:
     reservation: Reservation | None
     headers: dict[str, str]
     arrived: float  # perf_counter() when the request reached the gateway
+    # Of the time since: waits in the gateway's queue and attempts on upstreams that failed,
+    # which are not the gateway's own work (left out of `tierserve_gateway_added_seconds`).
+    not_ours_s: float = 0.0
 
 
 async def _read_body(
@@ -194,6 +197,8 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
         except ApiError as e:
             e.headers = {**call.headers, **e.headers}  # the tier and rate-limit headers, as the server sends
             raise
+        call.not_ours_s += decision.waited_s
+        tried_at = time.perf_counter()
         try:
             return await _try(gw, call, decision)
         except asyncio.CancelledError:  # the client left (or the gateway is shutting down)
@@ -201,6 +206,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             gw.metrics.upstream_requests.labels(decision.upstream, "client_left").inc()
             raise
         except _Retry as e:
+            call.not_ours_s += time.perf_counter() - tried_at
             gw.dispatcher.finished(decision)
             gw.metrics.retries.labels(decision.upstream).inc()
             gw.metrics.upstream_requests.labels(decision.upstream, "retried").inc()
@@ -268,9 +274,10 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
     except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as e:
         reply.close()
         raise _Retry(f"stream ended before any data: {type(e).__name__}") from None
-    # The gateway's own share of the first token: before the upstream call, and from the
-    # upstream's first bytes to the client's (the relay adds that part once it is sent).
-    before_s, first_in = sent - call.arrived, time.perf_counter()
+    # The gateway's own share of the first token: before the upstream call (less its queue
+    # waits and failed attempts), and from the upstream's first bytes to the client's (the
+    # relay adds that part once it is sent).
+    before_s, first_in = sent - call.arrived - call.not_ours_s, time.perf_counter()
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
     tap = SseUsageTap(forward_usage)
     relay = Relay(gw, decision, call.reservation, reply, chunks, tap, first_bytes=(before_s, first_in))

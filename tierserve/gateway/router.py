@@ -83,6 +83,7 @@ class RouteDecision:
     upstream: str
     reason: str  # "affinity", "least_loaded" or "p0_soonest"
     tier: Tier  # of the request: its in-flight count is kept by tier
+    waited_s: float = 0.0  # in the gateway's queue before this decision (flow control)
 
 
 class Router:
