@@ -234,7 +234,7 @@ def build_executor(
 
 @dataclass(frozen=True)
 class Setup:
-    """What `measure` runs: the settings of `sim_check`, checked."""
+    """What `measure` runs: the settings of `tierserve bench sim-check`, checked by `checked_setup`."""
 
     config: ModelConfig
     gpu: GpuProfile
@@ -268,33 +268,33 @@ def measure(setup: Setup, seed: int = 0) -> dict[str, Any]:
     sim-check` writes."""
     import torch
 
-    config, profile, shapes, dev, dtype = setup.config, setup.gpu, setup.shapes, setup.device, setup.dtype
-    repeats = setup.repeats
-    torch_dtype: torch.dtype = getattr(torch, dtype)
+    torch_dtype: torch.dtype = getattr(torch, setup.dtype)
     # The prediction for the precision that runs: K/V and weights at its element size.
-    run_config = replace(config, dtype_bytes=torch.empty((), dtype=torch_dtype).element_size())
+    run_config = replace(setup.config, dtype_bytes=torch.empty((), dtype=torch_dtype).element_size())
     begin = time.perf_counter()
-    executor = build_executor(run_config, dev, torch_dtype, max(s.num_blocks(BLOCK_SIZE) for s in shapes))
-    cost = CostModel(profile, run_config, tp=1)
-    rows = check_shapes(executor, cost, shapes, repeats, seed)
-    device_name = _device_name(dev)
+    executor = build_executor(
+        run_config, setup.device, torch_dtype, max(s.num_blocks(BLOCK_SIZE) for s in setup.shapes)
+    )
+    cost = CostModel(setup.gpu, run_config, tp=1)
+    rows = check_shapes(executor, cost, setup.shapes, setup.repeats, seed)
+    device_name = _device_name(setup.device)
     notes = []
-    if profile.name.split("-")[0] not in device_name.lower():
+    if setup.gpu.name.split("-")[0] not in device_name.lower():
         notes.append(
-            f"the prediction is for an {profile.name}; on this device ({device_name}) the ratio only "
+            f"the prediction is for an {setup.gpu.name}; on this device ({device_name}) the ratio only "
             f"says how far it is from that GPU"
         )
     return {
-        "model": config.name,
-        "device": str(dev),
+        "model": setup.config.name,
+        "device": str(setup.device),
         "device_name": device_name,
-        "dtype": dtype,
-        "gpu": profile.name,
+        "dtype": setup.dtype,
+        "gpu": setup.gpu.name,
         "tp": 1,
-        "repeats": repeats,
+        "repeats": setup.repeats,
         "block_size": BLOCK_SIZE,
         "num_kv_blocks": executor.pool.num_device_blocks,
-        "step_overhead_s": profile.efficiency.step_overhead_s,  # in every prediction
+        "step_overhead_s": setup.gpu.efficiency.step_overhead_s,  # in every prediction
         "torch_version": torch.__version__,
         "rows": [asdict(r) for r in rows],
         "median_ratio": statistics.median(r.ratio for r in rows),

@@ -85,7 +85,7 @@ from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper
 from tierserve.scheduling.oldest import OldestWaiting
 from tierserve.scheduling.sfq import TierFairQueues
-from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_within
+from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_at_context_within
 from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -371,8 +371,10 @@ class HybridPolicy(FairQueuePolicy):
         token of a short prompt must not wait for a long one's prefill, which can take
         seconds. A chunk leaves room in the step for the P0 prompts that go ahead of it
         and are not in the step yet (waiting ones are admitted after the running
-        requests' chunks); a P0 prompt keeps P0_FLOOR_SHARE of the step, so a long one
-        still moves."""
+        requests' chunks). A P0 prompt with a shorter one ahead of it is also held to the
+        step bound in time, priced at its context (`_chunk_within_bound`): deep into a long
+        prompt a few thousand tokens take far longer than the bound. A P0 prompt keeps
+        P0_FLOOR_SHARE of the step, so a long one still moves."""
         cap = super().prefill_chunk_cap(req)
         step = self._step
         if step is None or not self._p0_by_length:
@@ -397,10 +399,9 @@ class HybridPolicy(FairQueuePolicy):
         most, estimate = _tokens_left(req), step.estimate_s
         if estimate is None:
             return most
-        bound_s, context = self._shaper.bound_s(estimate), req.num_computed_tokens
-        if estimate(most, context) <= bound_s:
-            return most
-        return tokens_within(lambda n: estimate(n, context), bound_s, most)
+        return tokens_at_context_within(
+            estimate, most, req.num_computed_tokens, self._shaper.bound_s(estimate)
+        )
 
     def _ahead_of(self, req: Request) -> Iterator[Request]:
         """This step's P0 prompts that prefill before `req`: every one listed for a lower

@@ -65,10 +65,8 @@ class StepBudget:
             context = req.num_computed_tokens
             if n > 1 and context and self.estimate_s is not None:
                 bound_s = self.estimate_s(self.capped_tokens_left, 0)
-                estimate = self.estimate_s
-                if estimate(n, context) > bound_s:  # else the whole chunk fits
-                    fit = tokens_within(lambda m: estimate(m, context), bound_s, n)
-                    n = max(fit, min(n, self.capped_at_least))
+                fit = tokens_at_context_within(self.estimate_s, n, context, bound_s)
+                n = max(fit, min(n, self.capped_at_least))
         return n if cap is None else min(n, cap)
 
     def has_prefill_room(self, tier: Tier) -> bool:
@@ -138,6 +136,15 @@ class StepBudget:
         return (decodes and any(r.tier == tier for r in self.decodes)) or (
             prefills and any(r.tier == tier for r in self.prefills)
         )
+
+
+def tokens_at_context_within(estimate_s: StepEstimate, most: int, context: int, bound_s: float) -> int:
+    """The largest chunk of up to `most` tokens after `context` computed ones whose predicted
+    time is within `bound_s` (1 if none is): a chunk deep into a prompt reads every token
+    before it, so it gets fewer tokens than a fresh one."""
+    if estimate_s(most, context) <= bound_s:  # the whole chunk fits
+        return most
+    return tokens_within(lambda n: estimate_s(n, context), bound_s, most)
 
 
 def tokens_within(estimate_s: Callable[[int], float], bound_s: float, most: int) -> int:

@@ -210,7 +210,8 @@ def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]
             _check_order(where, repr(stamp), arrival_s, records[-1].arrival_s if records else 0.0)
             records.append(TraceRecord(arrival_s, num_prompt, num_output, line=reader.line_num))
     if num_empty:
-        log.warning("%s: skipped %d rows with 0 %s (nothing to serve)", p, num_empty, layout.prompt)
+        rows = "row" if num_empty == 1 else "rows"
+        log.warning("%s: skipped %d %s with 0 %s (nothing to serve)", p, num_empty, rows, layout.prompt)
     if not records:
         raise TraceFormatError(f"{p}: no rows")
     return records
