@@ -12,7 +12,7 @@ flight at once, so the next decision sees it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from tierserve.clock import Clock
@@ -32,8 +32,7 @@ class QueueOrderError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Released(Generic[H]):
     handle: H
-    decision: RouteDecision  # already counted in flight
-    waited_s: float
+    decision: RouteDecision  # already counted in flight; `waited_s`: its time in the queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,4 +127,4 @@ class DispatchCore(Generic[H]):
                 raise QueueOrderError(f"peeked {head.request_id}, released {released}")
             del self._held[head.request_id]
             self.router.started(decision.upstream, head.tier)
-            out.append(Released(held.handle, decision, self.flow.waited(head)))
+            out.append(Released(held.handle, replace(decision, waited_s=self.flow.waited(head))))

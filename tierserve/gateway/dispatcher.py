@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 from tierserve.clock import Clock
 from tierserve.gateway.dispatch_core import NO_UPSTREAM_RETRY_S, DispatchCore, Dropped
@@ -116,8 +115,8 @@ class Dispatcher:
             if future.done():  # cancelled between its last await and now: it never went out
                 self._router.finished(event.decision.upstream, event.decision.tier)
                 continue
-            self._metrics.queue_wait.labels(event.decision.tier.name).observe(event.waited_s)
-            future.set_result(replace(event.decision, waited_s=event.waited_s))
+            self._metrics.queue_wait.labels(event.decision.tier.name).observe(event.decision.waited_s)
+            future.set_result(event.decision)
 
     def _refusal(self, dropped: Dropped[_Handle], model: str) -> ApiError:
         self._metrics.reject(dropped.reason, dropped.tier)
