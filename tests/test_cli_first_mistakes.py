@@ -195,6 +195,21 @@ def test_sim_check_checks_its_settings_before_it_makes_the_out_folder(
     assert not (tmp_path / "out").exists()
 
 
+def test_sim_check_checks_free_memory_before_it_makes_the_out_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model too large for the device was found only once the executor was built, after
+    `--out`'s folder was made (left behind, empty)."""
+    from tierserve.bench import sim_check
+
+    monkeypatch.setattr(sim_check, "_available_bytes", lambda _device: 20 << 30)
+    argv = ["bench", "sim-check", "--model", "llama-3.1-8b", "--out", str(tmp_path / "out" / "x.json")]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the weights alone do not fit" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_interrupted_reproduce_says_so_after_its_progress_bar(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

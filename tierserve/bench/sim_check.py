@@ -192,20 +192,18 @@ def _available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def build_executor(
+def check_fits(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     num_blocks: int,
     block_size: int = BLOCK_SIZE,
-) -> TorchExecutor:
-    """A `TorchExecutor` for `config` with random weights and `num_blocks` K/V blocks, no host pool;
-    ValueError when the weights and the pool would not fit in the device's free memory."""
+) -> None:
+    """ValueError when `config`'s weights in `dtype` and `num_blocks` K/V blocks would not fit
+    in `device`'s free memory (checked before anything is built or written)."""
     import torch
 
-    from tierserve.executors.pytorch.executor import TorchExecutor
-    from tierserve.executors.pytorch.kv_pool import KVLayout, KVPool
-    from tierserve.executors.pytorch.loader import make_random_model
+    from tierserve.executors.pytorch.kv_pool import KVLayout
 
     layout = KVLayout(
         config.num_hidden_layers, config.num_key_value_heads, config.head_size, block_size, dtype
@@ -214,19 +212,39 @@ def build_executor(
     weight_bytes = config.num_params * element_bytes
     kv_bytes = num_blocks * layout.bytes_per_block
     available = _available_bytes(device)
-    if available is not None and weight_bytes + kv_bytes + DEFAULT_ACTIVATION_RESERVE_BYTES > available:
-        # Smaller shapes help only when the weights leave room for some K/V.
-        if weight_bytes + DEFAULT_ACTIVATION_RESERVE_BYTES > available:
-            half = " or --dtype bfloat16" if element_bytes > 2 else ""
-            hint = f"the weights alone do not fit: give a smaller --model{half}"
-        else:
-            hint = "give fewer decodes or shorter contexts with --shape"
-        raise ValueError(
-            f"{config.name} in {str(dtype).removeprefix('torch.')} needs {weight_bytes / GiB:.1f} GiB of "
-            f"weights, {kv_bytes / GiB:.1f} GiB of K/V for the largest shape ({num_blocks} blocks) and "
-            f"{DEFAULT_ACTIVATION_RESERVE_BYTES / GiB:.0f} GiB for activations; {device} has "
-            f"{available / GiB:.1f} GiB free: {hint}"
-        )
+    if available is None or weight_bytes + kv_bytes + DEFAULT_ACTIVATION_RESERVE_BYTES <= available:
+        return
+    # Smaller shapes help only when the weights leave room for some K/V.
+    if weight_bytes + DEFAULT_ACTIVATION_RESERVE_BYTES > available:
+        half = " or --dtype bfloat16" if element_bytes > 2 else ""
+        hint = f"the weights alone do not fit: give a smaller --model{half}"
+    else:
+        hint = "give fewer decodes or shorter contexts with --shape"
+    raise ValueError(
+        f"{config.name} in {str(dtype).removeprefix('torch.')} needs {weight_bytes / GiB:.1f} GiB of "
+        f"weights, {kv_bytes / GiB:.1f} GiB of K/V for the largest shape ({num_blocks} blocks) and "
+        f"{DEFAULT_ACTIVATION_RESERVE_BYTES / GiB:.0f} GiB for activations; {device} has "
+        f"{available / GiB:.1f} GiB free: {hint}"
+    )
+
+
+def build_executor(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_blocks: int,
+    block_size: int = BLOCK_SIZE,
+) -> TorchExecutor:
+    """A `TorchExecutor` for `config` with random weights and `num_blocks` K/V blocks, no host
+    pool; ValueError when they would not fit in the device's free memory (`check_fits`)."""
+    from tierserve.executors.pytorch.executor import TorchExecutor
+    from tierserve.executors.pytorch.kv_pool import KVLayout, KVPool
+    from tierserve.executors.pytorch.loader import make_random_model
+
+    check_fits(config, device, dtype, num_blocks, block_size)
+    layout = KVLayout(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_size, block_size, dtype
+    )
     model = make_random_model(config, device, dtype)
     pool = KVPool(layout, num_blocks, 0, device)
     return TorchExecutor(model, pool, max_model_len=config.max_position_embeddings)
@@ -260,6 +278,9 @@ def checked_setup(
     checked = _checked_shapes(config, shapes, repeats, dtype)
     dev = _device(device)
     dtype = dtype or ("float32" if dev.type == "cpu" else "bfloat16")
+    import torch
+
+    check_fits(config, dev, getattr(torch, dtype), max(s.num_blocks(BLOCK_SIZE) for s in checked))
     return Setup(config, profile, checked, dev, dtype, repeats)
 
 
