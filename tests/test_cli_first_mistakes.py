@@ -3,7 +3,6 @@ fault, before a trace is read, a model is built, an engine is started or a folde
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -107,21 +106,6 @@ def test_generate_says_a_refused_request_in_one_line(capsys: pytest.CaptureFixtu
     assert code == 2
     assert len(err.strip().splitlines()) == 1, err
     assert "exceeds the model's context of 4096 tokens" in err and "random weights" not in err
-
-
-def test_the_gateway_on_a_port_in_use_does_not_point_at_make_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`make run PORT=...` starts `serve`, never the gateway."""
-    config = tmp_path / "gateway.toml"
-    config.write_text('[[upstreams]]\nkind = "tierserve"\nurl = "http://127.0.0.1:8000"\n')
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        code, err = run_cli(["gateway", "--config", str(config), "--port", str(port)], capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "choose another --port" in err and "make run" not in err
 
 
 def test_serve_sim_too_small_names_the_gpu_as_the_flag_takes_it_and_the_tp_that_fits(

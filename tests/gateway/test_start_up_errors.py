@@ -45,3 +45,4 @@ def test_a_port_in_use_is_one_line_before_the_upstreams_are_polled(
         code, err = run_cli(["gateway", "--config", str(config), "--port", str(port)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "make run" not in err  # `make run PORT=...` starts `serve`, never the gateway
