@@ -133,7 +133,11 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
     )
     app.state.gateway = gw
     app.add_middleware(GenerationRoutes, gw=gw)  # innermost: inside the body limit
-    app.add_middleware(BodyLimitMiddleware, max_bytes=gw.config.serve.server.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=gw.config.serve.server.max_body_bytes,
+        max_buffered_bytes=gw.config.serve.server.max_buffered_body_bytes,
+    )
     app.add_middleware(HeadAsGet)
     _add_error_handlers(app)
     _add_routes(app, gw)

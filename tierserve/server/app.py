@@ -73,7 +73,11 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
     )
     app.state.tierserve = state
     app.add_middleware(GenerationRoutes, state=state)  # innermost: inside the body limit
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.server.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=state.config.server.max_body_bytes,
+        max_buffered_bytes=state.config.server.max_buffered_body_bytes,
+    )
     app.add_middleware(HeadAsGet)
     if state.trace is not None:
         app.add_middleware(ReceivedAtMiddleware)  # outermost: added last

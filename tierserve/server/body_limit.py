@@ -1,8 +1,17 @@
-"""ASGI middleware that refuses request bodies over a size limit with 413.
+"""ASGI middleware that bounds request bodies: each one's size (413 past it), and the bytes
+all of them may be sending at once (503 `busy` past that).
 
 A declared Content-Length over the limit is refused before the body is read; a body that
 grows past the limit while streaming (chunked encoding) makes the read fail with
 `BodyTooLarge`, which the app's error handler turns into the same 413.
+
+The size limit alone lets every open connection upload a body of the largest size at once
+(`max_connections` x `max_body_bytes`: 512 MiB with the defaults, gigabytes where the limit
+is raised for long contexts). So a body also takes its size (its Content-Length, or the
+size limit when chunked) from a budget shared by all requests when the application starts
+reading it, after the API key is checked, and gives it back once its last byte is in; a
+body that finds the budget spent is refused with 503 `busy` and Retry-After, unread (the
+connection is closed), and the client may send it again shortly.
 """
 
 from __future__ import annotations
@@ -18,15 +27,44 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"Request body is larger than the limit of {limit} bytes.")
 
 
+class BodyBudgetSpent(HTTPException):
+    def __init__(self, budget: int) -> None:
+        super().__init__(
+            503,
+            f"Too many request bodies are being uploaded at once (over {budget} bytes); retry shortly.",
+            headers={"Retry-After": "1", "connection": "close"},
+        )
+
+
+class BodyBudget:
+    """Bytes of request bodies being received at once, up to `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def take(self, num_bytes: int) -> bool:
+        if self.held + num_bytes > self.max_bytes:
+            return False
+        self.held += num_bytes
+        return True
+
+    def give(self, num_bytes: int) -> None:
+        self.held -= num_bytes
+
+
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int | None = None) -> None:
         self._app = app
         self._max = max_bytes
+        self.budget = BodyBudget(max_buffered_bytes) if max_buffered_bytes is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        declared: int | None = None
+        chunked = False
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
@@ -41,16 +79,34 @@ class BodyLimitMiddleware:
                     )
                     await error.response()(scope, receive, send)
                     return
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
         received = 0
-        limit = self._max
+        limit, budget = self._max, self.budget
+        # What this body takes from the budget once the app reads it: its declared size, or
+        # the size limit for a chunked one (its size is not known before its end).
+        cost = declared if declared is not None else (limit if chunked else 0)
+        held = 0
 
         async def limited() -> Message:
-            nonlocal received
+            nonlocal received, held, cost
+            if cost and budget is not None:
+                if not budget.take(cost):
+                    raise BodyBudgetSpent(budget.max_bytes)
+                held, cost = cost, 0
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise BodyTooLarge(limit)
+            last = message["type"] != "http.request" or not message.get("more_body", False)
+            if held and last and budget is not None:
+                budget.give(held)
+                held = 0
             return message
 
-        await self._app(scope, limited, send)
+        try:
+            await self._app(scope, limited, send)
+        finally:
+            if held and budget is not None:
+                budget.give(held)

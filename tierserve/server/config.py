@@ -60,6 +60,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
+    # The bytes of all bodies being uploaded at once; a body past it: 503 `busy` (body_limit.py).
+    max_buffered_body_bytes: int = 64 << 20
     # Bodies over 64 KiB are parsed one at a time, for at most this share of the time, with
     # at most `large_body_queue` waiting (more get 503 `busy`): body_gate.py.
     large_body_share: float = 0.1
@@ -229,6 +231,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "host",
         "port",
         "max_body_bytes",
+        "max_buffered_body_bytes",
         "large_body_share",
         "large_body_queue",
         "default_max_tokens",
@@ -258,10 +261,17 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         """A positive whole-number setting, its default where the file gives none."""
         return int(_number(f"server.{key}", raw.get(key, getattr(base, key)), minimum=1, integer=True))
 
+    max_body, max_buffered = whole("max_body_bytes"), whole("max_buffered_body_bytes")
+    if max_buffered < max_body:
+        raise ConfigError(
+            f"server.max_buffered_body_bytes: {max_buffered} is under server.max_body_bytes ({max_body}): "
+            "a body of the largest size could never be taken"
+        )
     return ServerSettings(
         host=_string("server.host", raw.get("host", base.host)),
         port=port,
-        max_body_bytes=whole("max_body_bytes"),
+        max_body_bytes=max_body,
+        max_buffered_body_bytes=max_buffered,
         large_body_share=share,
         large_body_queue=whole("large_body_queue"),
         default_max_tokens=whole("default_max_tokens"),

@@ -64,9 +64,12 @@ def unauthorized(message: str) -> ApiError:
 
 
 def http_error(exc: HTTPException) -> ApiError:
-    """Starlette's HTTP errors (404, 405, 413 from the body limit) in the envelope."""
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-    return ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+    """Starlette's HTTP errors (404, 405; 413 and 503 from the body limit) in the envelope."""
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 503: "busy"}.get(
+        exc.status_code
+    )
+    kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return ApiError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers)
 
 
 def invalid_body(errors: Sequence[Mapping[str, Any]]) -> ApiError:

@@ -1,0 +1,113 @@
+"""The bytes all request bodies may be uploading at once are bounded (`max_buffered_body_bytes`):
+each open connection could otherwise hold a body of the largest size."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tierserve.config import ConfigError
+from tierserve.server.body_limit import BodyBudgetSpent, BodyLimitMiddleware
+from tierserve.server.config import parse_serve_config
+
+Message = dict[str, object]
+
+
+def _scope(headers: list[tuple[bytes, bytes]]) -> dict[str, object]:
+    return {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+
+
+def _chunks(*parts: bytes) -> Callable[[], Awaitable[Message]]:
+    """The ASGI receive channel of a body sent in `parts`, then a disconnect."""
+    queue: list[Message] = [
+        {"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
+        for i, part in enumerate(parts)
+    ]
+
+    async def receive() -> Message:
+        await asyncio.sleep(0)
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _noop_send(_message: Message) -> None:
+    return None
+
+
+def test_a_body_past_the_budget_is_refused_unread_and_the_budget_comes_back() -> None:
+    """Two uploads of 600 bytes fit a 1,000-byte budget one at a time, not together; the
+    second is refused before a byte of it is read, and once the first is in, it fits."""
+
+    async def scenario() -> None:
+        first_reading = asyncio.Event()
+        finish_first = asyncio.Event()
+        read_by_second: list[int] = []
+
+        async def app(
+            scope: dict[str, object], receive: Callable[[], Awaitable[Message]], send: object
+        ) -> None:
+            if scope["path"] == "/first":
+                message = await receive()  # the first part: the body is being uploaded
+                first_reading.set()
+                await finish_first.wait()
+                while message.get("more_body"):
+                    message = await receive()
+                return
+            message = await receive()
+            read_by_second.append(len(message.get("body", b"")))  # type: ignore[arg-type]
+
+        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=1000)  # type: ignore[arg-type]
+        headers = [(b"content-length", b"600")]
+        first = asyncio.create_task(
+            middleware({**_scope(headers), "path": "/first"}, _chunks(b"x" * 300, b"x" * 300), _noop_send)
+        )
+        await first_reading.wait()
+        assert middleware.budget is not None and middleware.budget.held == 600
+        with pytest.raises(BodyBudgetSpent):
+            await middleware(_scope(headers), _chunks(b"y" * 600), _noop_send)
+        assert read_by_second == [], "the refused body was read"
+        finish_first.set()
+        await first
+        assert middleware.budget.held == 0
+        await middleware(_scope(headers), _chunks(b"y" * 600), _noop_send)
+        assert read_by_second == [600] and middleware.budget.held == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_chunked_body_takes_the_size_limit_and_a_failed_request_gives_it_back() -> None:
+    async def scenario() -> None:
+        async def broken(scope: object, receive: Callable[[], Awaitable[Message]], send: object) -> None:
+            await receive()
+            raise RuntimeError("the handler fell over mid-body")
+
+        middleware = BodyLimitMiddleware(broken, max_bytes=800, max_buffered_bytes=1000)  # type: ignore[arg-type]
+        chunked = _scope([(b"transfer-encoding", b"chunked")])
+        with pytest.raises(RuntimeError):
+            await middleware(chunked, _chunks(b"x" * 10, b"x" * 10), _noop_send)
+        assert middleware.budget is not None and middleware.budget.held == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_without_a_body_takes_nothing() -> None:
+    async def scenario() -> None:
+        async def app(scope: object, receive: Callable[[], Awaitable[Message]], send: object) -> None:
+            await receive()
+
+        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=800)  # type: ignore[arg-type]
+        middleware.budget.held = 800  # type: ignore[union-attr]  # spent by others
+        await middleware({**_scope([]), "method": "GET"}, _chunks(b""), _noop_send)
+
+    asyncio.run(scenario())
+
+
+def test_the_budget_cannot_be_under_the_size_limit() -> None:
+    with pytest.raises(
+        ConfigError, match=r"server\.max_buffered_body_bytes: 1000 is under server\.max_body_bytes"
+    ):
+        parse_serve_config({"server": {"max_body_bytes": 2000, "max_buffered_body_bytes": 1000}})
+    assert parse_serve_config({}).server.max_buffered_body_bytes == 64 << 20
