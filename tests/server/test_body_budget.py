@@ -111,3 +111,6 @@ def test_the_budget_cannot_be_under_the_size_limit() -> None:
     ):
         parse_serve_config({"server": {"max_body_bytes": 2000, "max_buffered_body_bytes": 1000}})
     assert parse_serve_config({}).server.max_buffered_body_bytes == 64 << 20
+    # A size limit raised past the default budget, the budget unset: one body still fits.
+    raised = parse_serve_config({"server": {"max_body_bytes": 100 << 20}})
+    assert raised.server.max_buffered_body_bytes == 100 << 20

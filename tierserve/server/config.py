@@ -261,7 +261,13 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         """A positive whole-number setting, its default where the file gives none."""
         return int(_number(f"server.{key}", raw.get(key, getattr(base, key)), minimum=1, integer=True))
 
-    max_body, max_buffered = whole("max_body_bytes"), whole("max_buffered_body_bytes")
+    max_body = whole("max_body_bytes")
+    # Unset, the budget grows with a size limit raised past it: one body of the largest size fits.
+    max_buffered = (
+        whole("max_buffered_body_bytes")
+        if "max_buffered_body_bytes" in raw
+        else max(base.max_buffered_body_bytes, max_body)
+    )
     if max_buffered < max_body:
         raise ConfigError(
             f"server.max_buffered_body_bytes: {max_buffered} is under server.max_body_bytes ({max_body}): "
