@@ -26,17 +26,17 @@ DEMO_NOTICE = (
     "the demo model has random weights and a byte-level tokenizer: its text is gibberish by design; "
     "control characters are shown as escapes such as \\x08"
 )
-# The flag that sets each `SamplingParams` field.
-_SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "seed": "--seed",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
-    "ignore_eos": "--ignore-eos",
-}
+# The `SamplingParams` fields set by flags of the same name (`top_p` by `--top-p`).
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+)
 
 
 def visible(text: str) -> str:
@@ -154,7 +154,7 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     prompt in the model's context."""
     from tierserve.request import SamplingParams
 
-    sampling = {field: getattr(args, field) for field in _SAMPLING_FLAGS}
+    sampling = {field: getattr(args, field) for field in _SAMPLING_FIELDS}
     try:
         SamplingParams(**sampling)
     except ValueError as e:
@@ -172,12 +172,13 @@ def _said_as_flag(message: str, sampling: dict[str, Any]) -> str:
     """`SamplingParams`' message ("top_p must be ..., got 0.0") said as the flag's, with the
     value as typed ("--top-p must be ..., got 0")."""
     field, _, rest = message.partition(" ")
-    if field not in _SAMPLING_FLAGS:
+    if field not in _SAMPLING_FIELDS:
         return message
+    flag = "--" + field.replace("_", "-")
     rule, got, _ = rest.rpartition(", got ")
     value = sampling[field]
     shown = f"{value:g}" if isinstance(value, float) else str(value)
-    return f"{_SAMPLING_FLAGS[field]} {rule}, got {shown}" if got else f"{_SAMPLING_FLAGS[field]} {rest}"
+    return f"{flag} {rule}, got {shown}" if got else f"{flag} {rest}"
 
 
 def _context_limit(model: str) -> int | None:

@@ -63,6 +63,7 @@ class FakeUpstream:
         self.headers.append(dict(request.headers))
         self.tiers.append(request.headers.getlist("x-request-tier"))
         if self.mode == "fail":
+            await asyncio.sleep(self.reply_after_s)  # a slow failure, with `reply_after_s`
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "refuse":
             headers = {"Retry-After": "7"}

@@ -114,3 +114,22 @@ def test_the_budget_cannot_be_under_the_size_limit() -> None:
     # A size limit raised past the default budget, the budget unset: one body still fits.
     raised = parse_serve_config({"server": {"max_body_bytes": 100 << 20}})
     assert raised.server.max_buffered_body_bytes == 100 << 20
+
+
+def test_a_negative_content_length_takes_nothing_from_the_budget() -> None:
+    """One the HTTP layer let through would otherwise have added room to the budget while
+    its body was read."""
+
+    async def scenario() -> None:
+        seen: list[int] = []
+
+        async def app(scope: object, receive: Callable[[], Awaitable[Message]], send: object) -> None:
+            await receive()  # the first part: more to come
+            seen.append(middleware.budget.held)  # type: ignore[union-attr]
+            await receive()
+
+        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=800)  # type: ignore[arg-type]
+        await middleware(_scope([(b"content-length", b"-500")]), _chunks(b"x", b"x"), _noop_send)
+        assert seen == [0] and middleware.budget is not None and middleware.budget.held == 0
+
+    asyncio.run(scenario())

@@ -85,7 +85,7 @@ class BodyLimitMiddleware:
         limit, budget = self._max, self.budget
         # What this body takes from the budget once the app reads it: its declared size, or
         # the size limit for a chunked one (its size is not known before its end).
-        cost = declared if declared is not None else (limit if chunked else 0)
+        cost = max(0, declared) if declared is not None else (limit if chunked else 0)
         held = 0
 
         async def limited() -> Message:

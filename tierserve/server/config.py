@@ -8,7 +8,7 @@ this module, which validates them strictly: an unknown key or a bad value raises
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -261,18 +261,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         """A positive whole-number setting, its default where the file gives none."""
         return int(_number(f"server.{key}", raw.get(key, getattr(base, key)), minimum=1, integer=True))
 
-    max_body = whole("max_body_bytes")
-    # Unset, the budget grows with a size limit raised past it: one body of the largest size fits.
-    max_buffered = (
-        whole("max_buffered_body_bytes")
-        if "max_buffered_body_bytes" in raw
-        else max(base.max_buffered_body_bytes, max_body)
-    )
-    if max_buffered < max_body:
-        raise ConfigError(
-            f"server.max_buffered_body_bytes: {max_buffered} is under server.max_body_bytes ({max_body}): "
-            "a body of the largest size could never be taken"
-        )
+    max_body, max_buffered = _body_sizes(raw, base, whole)
     return ServerSettings(
         host=_string("server.host", raw.get("host", base.host)),
         port=port,
@@ -293,6 +282,21 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         ),
         http=parse_http_limits(_table("server.http", raw.get("http", {}))),
     )
+
+
+def _body_sizes(raw: Mapping[str, Any], base: ServerSettings, whole: Callable[[str], int]) -> tuple[int, int]:
+    """`server.max_body_bytes` and `max_buffered_body_bytes`; unset, the budget grows with a
+    size limit raised past it, so that one body of the largest size always fits."""
+    max_body = whole("max_body_bytes")
+    if "max_buffered_body_bytes" not in raw:
+        return max_body, max(base.max_buffered_body_bytes, max_body)
+    max_buffered = whole("max_buffered_body_bytes")
+    if max_buffered < max_body:
+        raise ConfigError(
+            f"server.max_buffered_body_bytes: {max_buffered} is under server.max_body_bytes ({max_body}): "
+            "a body of the largest size could never be taken"
+        )
+    return max_body, max_buffered
 
 
 def _limits(raw: Mapping[str, Any]) -> LimitsConfig:
