@@ -601,3 +601,33 @@ def test_a_long_p0_chunk_beside_a_shorter_p0_prompt_is_held_to_the_step_bound() 
     assert executor.estimate_prefill_s(chunk, context) <= bound_s, "the long chunk outgrew the bound"
     assert executor.estimate_prefill_s(2048 - 100, context) > 2 * bound_s  # what it took before
     run(eng)
+
+
+def test_a_p0_prompt_that_meets_its_target_only_alone_gets_its_step_to_itself() -> None:
+    # Mooncake's synthetic trace: an 89-token P0 prompt arrived during a 0.44 s chunk of a
+    # 50,764-token P0 prompt, then shared its step with that prompt's next chunk and a P1
+    # chunk (0.3 s) and missed 0.5 s, where a step of its own (0.02 s) would have made it.
+    # The half-the-window budget for P0-only steps was spent on the long prompt.
+    bound_s = 0.15
+    eng, executor = sim_70b_engine(bound_s)
+    p1s = [make_request(num_prompt=64, max_tokens=300, tier=Tier.P1) for _ in range(4)]
+    for req in p1s:
+        eng.add_request(req)
+    eng.step()  # the P1 requests decode from here on
+    long_p0 = make_request(num_prompt=60_000, max_tokens=1, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(long_p0)
+    while long_p0.num_computed_tokens < 40_000:
+        eng.step()
+    waited_s = 0.4  # for the step in flight when it arrived
+    short_p0 = make_request(num_prompt=100, max_tokens=1, tier=Tier.P0, arrival=eng.clock.now() - waited_s)
+    eng.add_request(short_p0)
+    long_before, p1_before = long_p0.num_computed_tokens, [r.num_tokens for r in p1s]
+    assert executor.estimate_prefill_s(100, 0) < 0.5 - waited_s, "it can still meet its target alone"
+    eng.step()
+    assert short_p0.first_token_time is not None
+    assert short_p0.first_token_time - short_p0.arrival_time <= 0.5
+    assert long_p0.num_computed_tokens == long_before, "the longer P0 prompt sat the step out"
+    assert [r.num_tokens for r in p1s] == p1_before, "so did the other tiers' decodes"
+    eng.step()
+    assert long_p0.num_computed_tokens > long_before, "and moves on after it"
+    run(eng)

@@ -21,7 +21,12 @@
   sharing the step with the other tiers' work, would pass `p0_solo_share` of its TTFT
   target (its wait so far plus the step as built, once for each step its prompt still
   needs) carries P0 work only, in at most half of any SHAPING_WINDOW steps, so the others
-  are delayed, never stopped. A P0 prompt with time to spare shares its step: a P0-only
+  are delayed, never stopped. A P0 prompt that would miss its target sharing the step but
+  meet it alone (its wait so far plus the rest of its prompt alone) gets the step whatever
+  that budget, and a longer P0 prompt's chunk sits it out too: a long prompt's P0-only
+  steps had spent the budget when an 89-token prompt, after 0.35 s behind its chunk,
+  shared the next step with it and missed 0.5 s (Mooncake's synthetic trace). Such steps
+  take at most the target's time per P0 request. A P0 prompt with time to spare shares its step: a P0-only
   step costs every other running request a step of decoding, and in closed loops of
   32 and 128 clients P0-only steps for every P0 prefill cost 0.2-0.5 % of the goodput
   for P0 TTFTs already far inside the target.
@@ -39,6 +44,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
+from tierserve.request import Request
 from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_within
 from tierserve.tiers import Tier
 
@@ -138,7 +144,13 @@ class StepShaper:
     def end(self, step: StepBudget, queued: bool, now: float) -> None:
         """`queued`: whether more urgent work still queues after this pass (the policy's
         judgement: P3 yields to it)."""
-        if self.solo(self.p0_at_risk(step, now)):
+        rescued = self._rescued(step, now) if self.options.p0_solo_prefill else set()
+        if rescued:
+            # Whatever the window's budget: the step is theirs, with P0's decodes.
+            step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
+            step.drop_prefills([r for r in step.prefills if r not in rescued])
+            self._solo.append(True)
+        elif self.solo(self.p0_at_risk(step, now)):
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
             self._p3_yields(step, queued)
@@ -155,10 +167,7 @@ class StepShaper:
         share = self.options.p0_solo_share
         if not prompts or share == 0 or step.estimate_s is None or not math.isfinite(self.p0_target_s):
             return bool(prompts)
-        num_tokens = len(step.decodes) + sum(step.prefills.values())
-        context = step.decode_context_tokens()
-        context += sum(n * r.num_computed_tokens for r, n in step.prefills.items())
-        shared_s = step.estimate_s(num_tokens, context // num_tokens)
+        shared_s = _as_built_s(step, step.estimate_s)
         limit = share * self.p0_target_s
         for req, chunk in prompts:
             num_later = req.num_tokens - req.num_computed_tokens - chunk
@@ -166,6 +175,26 @@ class StepShaper:
             if now - req.arrival_time + steps * shared_s > limit:
                 return True
         return False
+
+    def _rescued(self, step: StepBudget, now: float) -> set[Request]:
+        """The P0 prompts in `step` that would miss their TTFT target sharing it (priced as
+        `p0_at_risk` prices it) and would meet it in steps of their own: their wait so far
+        plus the rest of the prompt alone, chunk by chunk."""
+        estimate, target = step.estimate_s, self.p0_target_s
+        prompts = [(r, n) for r, n in step.prefills.items() if r.tier is Tier.P0]
+        if not prompts or estimate is None or not math.isfinite(target):
+            return set()
+        shared_s, most = _as_built_s(step, estimate), self.max_step_tokens
+        rescued: set[Request] = set()
+        for req, chunk in prompts:
+            waited, left = now - req.arrival_time, req.num_tokens - req.num_computed_tokens
+            if waited + (1 + -(-(left - chunk) // most)) * shared_s <= target:
+                continue  # it makes its target sharing the step
+            start = req.num_computed_tokens
+            alone_s = sum(estimate(min(most, left - k), start + k) for k in range(0, left, most))
+            if waited + alone_s <= target:
+                rescued.add(req)
+        return rescued
 
     def steady_step(self) -> None:
         """What `end` records for a step with no prefill chunk: nothing solo, nothing yields."""
@@ -186,3 +215,12 @@ class StepShaper:
             history.append(yields)
             if yields:
                 step.drop_where((Tier.P3,), decodes=decodes, prefills=not decodes)
+
+
+def _as_built_s(step: StepBudget, estimate_s: StepEstimate) -> float:
+    """The step as built, priced as one chunk of all its tokens after their mean context
+    (weighted by tokens: a decode reads its whole context, as a chunk does)."""
+    num_tokens = len(step.decodes) + sum(step.prefills.values())
+    context = step.decode_context_tokens()
+    context += sum(n * r.num_computed_tokens for r, n in step.prefills.items())
+    return estimate_s(num_tokens, context // num_tokens)

@@ -129,6 +129,11 @@ class StepBudget:
                 for req in [r for r in work if r.tier in tiers]:
                     del work[req]
 
+    def drop_prefills(self, requests: Collection[Request]) -> None:
+        """Leave these requests' prefill chunks out of this step (shaping, as `drop_where`)."""
+        for req in requests:
+            self.prefills.pop(req, None)
+
     def tiers_prefilling(self) -> set[Tier]:
         return {r.tier for r in self.prefills}
 
