@@ -22,14 +22,11 @@
   target (its wait so far plus the step as built, once for each step its prompt still
   needs) carries P0 work only, in at most half of any SHAPING_WINDOW steps, so the others
   are delayed, never stopped. A P0 prompt that would miss its target sharing the step but
-  meet it alone (its wait so far plus the rest of its prompt alone) gets the step whatever
-  that budget, and a longer P0 prompt's chunk sits it out too: a long prompt's P0-only
-  steps had spent the budget when an 89-token prompt, after 0.35 s behind its chunk,
-  shared the next step with it and missed 0.5 s (Mooncake's synthetic trace). Such steps
-  take at most the target's time per P0 request. A P0 prompt with time to spare shares its step: a P0-only
-  step costs every other running request a step of decoding, and in closed loops of
-  32 and 128 clients P0-only steps for every P0 prefill cost 0.2-0.5 % of the goodput
-  for P0 TTFTs already far inside the target.
+  meet it alone (its wait so far plus the rest of its prompt alone) gets the step past
+  that budget, in up to 7 of any SHAPING_WINDOW steps, and P0 prompts longer than it sit
+  it out too: a long prompt's P0-only steps had spent the budget when an 89-token prompt,
+  after 0.35 s behind its chunk, shared the next step with it and missed 0.5 s (Mooncake's
+  synthetic trace).
 - Background yields (`p3_yields`): a step that prefills P0-P2 while more urgent work
   waits after the pass (a P0 request, or a P1/P2 one that has waited
   `p3_yield_wait_share` of its TTFT target; at 0, the default, any) leaves P3's prompt
@@ -144,11 +141,13 @@ class StepShaper:
     def end(self, step: StepBudget, queued: bool, now: float) -> None:
         """`queued`: whether more urgent work still queues after this pass (the policy's
         judgement: P3 yields to it)."""
-        rescued = self._rescued(step, now) if self.options.p0_solo_prefill else set()
+        rescued = self._rescued(step, now)
         if rescued:
-            # Whatever the window's budget: the step is theirs, with P0's decodes.
+            # Past the half-window budget: the step is P0's, and P0 prompts longer than
+            # every rescued one sit it out too (the shorter ones go first by tokens anyway).
+            longest = max(_tokens_left(r) for r in rescued)
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
-            step.drop_prefills([r for r in step.prefills if r not in rescued])
+            step.drop_prefills([r for r in step.prefills if _tokens_left(r) > longest])
             self._solo.append(True)
         elif self.solo(self.p0_at_risk(step, now)):
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
@@ -179,15 +178,20 @@ class StepShaper:
     def _rescued(self, step: StepBudget, now: float) -> set[Request]:
         """The P0 prompts in `step` that would miss their TTFT target sharing it (priced as
         `p0_at_risk` prices it) and would meet it in steps of their own: their wait so far
-        plus the rest of the prompt alone, chunk by chunk."""
+        plus the rest of the prompt alone, chunk by chunk. None while P0-only steps already
+        take all but one of the last SHAPING_WINDOW steps: the other tiers keep that one."""
         estimate, target = step.estimate_s, self.p0_target_s
+        if not self.options.p0_solo_prefill or estimate is None or not math.isfinite(target):
+            return set()
         prompts = [(r, n) for r, n in step.prefills.items() if r.tier is Tier.P0]
-        if not prompts or estimate is None or not math.isfinite(target):
+        if not prompts or sum(self._solo) >= SHAPING_WINDOW - 1:
             return set()
         shared_s, most = _as_built_s(step, estimate), self.max_step_tokens
         rescued: set[Request] = set()
         for req, chunk in prompts:
-            waited, left = now - req.arrival_time, req.num_tokens - req.num_computed_tokens
+            waited, left = now - req.arrival_time, _tokens_left(req)
+            if req.first_token_time is not None or waited >= target:
+                continue  # readmitted after its first token, or past saving
             if waited + (1 + -(-(left - chunk) // most)) * shared_s <= target:
                 continue  # it makes its target sharing the step
             start = req.num_computed_tokens
@@ -224,3 +228,7 @@ def _as_built_s(step: StepBudget, estimate_s: StepEstimate) -> float:
     context = step.decode_context_tokens()
     context += sum(n * r.num_computed_tokens for r, n in step.prefills.items())
     return estimate_s(num_tokens, context // num_tokens)
+
+
+def _tokens_left(req: Request) -> int:
+    return req.num_tokens - req.num_computed_tokens
