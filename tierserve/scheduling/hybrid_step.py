@@ -26,7 +26,10 @@
   that budget, in up to 7 of any SHAPING_WINDOW steps, and P0 prompts longer than it sit
   it out too: a long prompt's P0-only steps had spent the budget when an 89-token prompt,
   after 0.35 s behind its chunk, shared the next step with it and missed 0.5 s (Mooncake's
-  synthetic trace).
+  synthetic trace). A P0 prompt with time to spare shares its step: a P0-only step costs
+  every other running request a step of decoding, and in closed loops of 32 and 128
+  clients P0-only steps for every P0 prefill cost 0.2-0.5 % of the goodput for P0 TTFTs
+  already far inside the target.
 - Background yields (`p3_yields`): a step that prefills P0-P2 while more urgent work
   waits after the pass (a P0 request, or a P1/P2 one that has waited
   `p3_yield_wait_share` of its TTFT target; at 0, the default, any) leaves P3's prompt
