@@ -603,14 +603,29 @@ def test_a_long_p0_chunk_beside_a_shorter_p0_prompt_is_held_to_the_step_bound() 
     run(eng)
 
 
+def _engine_with_p1_decoders(num: int, max_tokens: int) -> tuple[Engine, SimExecutor, list[Request]]:
+    """`sim_70b_engine` (step bound 0.15 s) with `num` short P1 requests decoding."""
+    eng, executor = sim_70b_engine(0.15)
+    p1s = [make_request(num_prompt=64, max_tokens=max_tokens, tier=Tier.P1) for _ in range(num)]
+    for req in p1s:
+        eng.add_request(req)
+    eng.step()  # they decode from here on
+    return eng, executor, p1s
+
+
+def _step_leaving_out(eng: Engine, p1s: list[Request]) -> bool:
+    """One step; whether it left the P1 decodes out (a P0-only step)."""
+    before = [r.num_tokens for r in p1s]
+    eng.step()
+    return [r.num_tokens for r in p1s] == before
+
+
 def _p0_only_steps_until_budget_spent(eng: Engine, p1s: list[Request], long_p0: Request) -> None:
     """Step the long P0 prompt until 40,000 of its tokens are in and P0-only steps (the P1
     decodes left out) fill half of the last SHAPING_WINDOW steps."""
     left_out: list[bool] = []
     for _ in range(1000):
-        before = [r.num_tokens for r in p1s]
-        eng.step()
-        left_out.append([r.num_tokens for r in p1s] == before)
+        left_out.append(_step_leaving_out(eng, p1s))
         recent = left_out[-SHAPING_WINDOW:]
         if long_p0.num_computed_tokens >= 40_000 and sum(recent) >= SHAPING_WINDOW // 2:
             return
@@ -622,11 +637,7 @@ def test_a_p0_prompt_that_meets_its_target_only_alone_gets_its_step_to_itself() 
     # 50,764-token P0 prompt, then shared its step with that prompt's next chunk and a P1
     # chunk (0.3 s) and missed 0.5 s, where a step of its own (0.02 s) would have made it.
     # The half-the-window budget for P0-only steps was spent on the long prompt.
-    eng, executor = sim_70b_engine(0.15)
-    p1s = [make_request(num_prompt=64, max_tokens=600, tier=Tier.P1) for _ in range(4)]
-    for req in p1s:
-        eng.add_request(req)
-    eng.step()  # the P1 requests decode from here on
+    eng, executor, p1s = _engine_with_p1_decoders(4, max_tokens=600)
     long_p0 = make_request(num_prompt=60_000, max_tokens=1, tier=Tier.P0, arrival=eng.clock.now() - 0.5)
     eng.add_request(long_p0)
     _p0_only_steps_until_budget_spent(eng, p1s, long_p0)
@@ -650,11 +661,7 @@ def test_a_rescued_p0_step_keeps_the_shorter_p0_prompts() -> None:
     # target sharing the step, one of 1,500 only alone. The step given to the longer one
     # keeps the shorter one's chunk (it goes first by tokens); an earlier version dropped
     # it, and the shorter one missed too.
-    eng, _ = sim_70b_engine(0.15)
-    p1s = [make_request(num_prompt=64, max_tokens=200, tier=Tier.P1) for _ in range(8)]
-    for req in p1s:
-        eng.add_request(req)
-    eng.step()
+    eng, _, _ = _engine_with_p1_decoders(8, max_tokens=200)
     now = eng.clock.now()
     short = make_request(num_prompt=60, max_tokens=1, tier=Tier.P0, arrival=now - 0.3)
     longer = make_request(num_prompt=1500, max_tokens=1, tier=Tier.P0, arrival=now - 0.3)
@@ -670,19 +677,13 @@ def test_a_rescued_p0_step_keeps_the_shorter_p0_prompts() -> None:
 def test_rescued_p0_steps_leave_the_other_tiers_one_step_in_eight() -> None:
     # P0 prompts that each meet their target only alone, arriving faster than the GPU can
     # serve them alone: the other tiers are delayed, never stopped.
-    eng, _ = sim_70b_engine(0.15)
-    p1s = [make_request(num_prompt=64, max_tokens=400, tier=Tier.P1) for _ in range(16)]
-    for req in p1s:
-        eng.add_request(req)
-    eng.step()
+    eng, _, p1s = _engine_with_p1_decoders(16, max_tokens=400)
     left_out: list[bool] = []
     for _ in range(64):
         eng.add_request(
             make_request(num_prompt=2600, max_tokens=1, tier=Tier.P0, arrival=eng.clock.now() - 0.1)
         )
-        before = [r.num_tokens for r in p1s]
-        eng.step()
-        left_out.append([r.num_tokens for r in p1s] == before)
+        left_out.append(_step_leaving_out(eng, p1s))
     assert sum(left_out) >= SHAPING_WINDOW, "P0 took many steps to itself"
     for i in range(len(left_out) - SHAPING_WINDOW + 1):
         assert sum(left_out[i : i + SHAPING_WINDOW]) <= SHAPING_WINDOW - 1, f"steps {i}-{i + 7}"
