@@ -674,6 +674,31 @@ def test_a_rescued_p0_step_keeps_the_shorter_p0_prompts() -> None:
     run(eng)
 
 
+def test_a_p0_request_past_its_first_token_is_not_rescued() -> None:
+    # A P0 request preempted by recompute after its first token prefills again: its TTFT
+    # is settled, so it gets no P0-only step past the budget (the other tiers' decodes stay).
+    from tierserve.scheduling.hybrid import HybridOptions
+    from tierserve.scheduling.hybrid_step import StepShaper
+    from tierserve.scheduling.step import StepBudget
+
+    def end_step(first_token_time: float | None) -> StepBudget:
+        shaper = StepShaper(HybridOptions(), 2048, p0_target_s=0.5)
+        for _ in range(SHAPING_WINDOW // 2):
+            shaper.solo(True)  # the half-window budget is spent
+        p0 = make_request(num_prompt=100, max_tokens=4, tier=Tier.P0, arrival=0.0)
+        p0.first_token_time = first_token_time
+        decodes = {make_request(tier=Tier.P1): 1 for _ in range(200)}
+        # 0.05 s a step plus 1 ms a token: sharing, 0.3 s waited + 0.35 s; alone, + 0.15 s.
+        step = StepBudget(
+            2048, 256, decodes=decodes, prefills={p0: 100}, estimate_s=lambda n, _: 0.05 + n / 1000
+        )
+        shaper.end(step, queued=False, now=0.3)
+        return step
+
+    assert not end_step(None).decodes, "a P0 prompt still before its first token is rescued"
+    assert len(end_step(0.1).decodes) == 200, "one past its first token is not"
+
+
 def test_rescued_p0_steps_leave_the_other_tiers_one_step_in_eight() -> None:
     # P0 prompts that each meet their target only alone, arriving faster than the GPU can
     # serve them alone: the other tiers are delayed, never stopped.

@@ -82,7 +82,7 @@ from tierserve.config import ConfigError, EngineConfig, PolicyOptions
 from tierserve.request import Request
 from tierserve.request import prefilling as prefilling_of
 from tierserve.scheduling.errors import EmptyQueueError
-from tierserve.scheduling.hybrid_step import StepShaper
+from tierserve.scheduling.hybrid_step import StepShaper, tokens_left
 from tierserve.scheduling.oldest import OldestWaiting
 from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_at_context_within
@@ -153,7 +153,7 @@ class HybridPolicy(FairQueuePolicy):
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
         self._waiting = OldestWaiting()  # every waiting request: aging
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
-        self._p0_waiting = OldestWaiting(key=_tokens_left)  # waiting P0 prompts, shortest first
+        self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
         self._step: StepBudget | None = None  # the step being built, between the hooks
         self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
@@ -229,7 +229,7 @@ class HybridPolicy(FairQueuePolicy):
             self._sfq.take(req)
         self._untrack(req)
         if req.tier == Tier.P0:  # popped once admitted: its cached prefix is known
-            self._shaper.p0_admitted(req.num_tokens - req.num_computed_tokens)
+            self._shaper.p0_admitted(tokens_left(req))
         return req
 
     def _push(self, req: Request, now: float) -> None:
@@ -360,11 +360,11 @@ class HybridPolicy(FairQueuePolicy):
 
             def enough(req: Request) -> bool:
                 nonlocal total
-                total += _tokens_left(req)
+                total += tokens_left(req)
                 return total >= budget
 
             prompts.extend(self._p0_waiting.first(Tier.P0, enough))
-        return sorted(prompts, key=lambda r: (_tokens_left(r), r.arrival_time))
+        return sorted(prompts, key=lambda r: (tokens_left(r), r.arrival_time))
 
     def prefill_chunk_cap(self, req: Request) -> int | None:
         """P0 prompts prefill first, and among them the shortest remaining first: a first
@@ -380,7 +380,7 @@ class HybridPolicy(FairQueuePolicy):
         if step is None or not self._p0_by_length:
             return cap
         ahead = list(self._ahead_of(req))
-        reserve = sum(_tokens_left(r) for r in ahead if r not in step.prefills)
+        reserve = sum(tokens_left(r) for r in ahead if r not in step.prefills)
         if req.tier is Tier.P0 and ahead:
             # A shorter P0 prompt is in this step or joins it: this one's chunk is held to the
             # step bound in time too, so that the shorter one's first token does not wait for
@@ -396,7 +396,7 @@ class HybridPolicy(FairQueuePolicy):
     def _chunk_within_bound(self, req: Request, step: StepBudget) -> int:
         """The most of `req`'s prompt one chunk can hold within the step bound, priced at
         its context."""
-        most, estimate = _tokens_left(req), step.estimate_s
+        most, estimate = tokens_left(req), step.estimate_s
         if estimate is None:
             return most
         return tokens_at_context_within(
@@ -413,7 +413,3 @@ class HybridPolicy(FairQueuePolicy):
 
     def steady_step(self) -> None:
         self._shaper.steady_step()
-
-
-def _tokens_left(req: Request) -> int:
-    return req.num_tokens - req.num_computed_tokens

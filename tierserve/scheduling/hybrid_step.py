@@ -148,9 +148,9 @@ class StepShaper:
         if rescued:
             # Past the half-window budget: the step is P0's, and P0 prompts longer than
             # every rescued one sit it out too (the shorter ones go first by tokens anyway).
-            longest = max(_tokens_left(r) for r in rescued)
+            longest = max(tokens_left(r) for r in rescued)
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
-            step.drop_prefills([r for r in step.prefills if _tokens_left(r) > longest])
+            step.drop_prefills([r for r in step.prefills if tokens_left(r) > longest])
             self._solo.append(True)
         elif self.solo(self.p0_at_risk(step, now)):
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
@@ -172,7 +172,7 @@ class StepShaper:
         shared_s = _as_built_s(step, step.estimate_s)
         limit = share * self.p0_target_s
         for req, chunk in prompts:
-            num_later = req.num_tokens - req.num_computed_tokens - chunk
+            num_later = tokens_left(req) - chunk
             steps = 1 + -(-num_later // self.max_step_tokens)
             if now - req.arrival_time + steps * shared_s > limit:
                 return True
@@ -192,7 +192,7 @@ class StepShaper:
         shared_s, most = _as_built_s(step, estimate), self.max_step_tokens
         rescued: set[Request] = set()
         for req, chunk in prompts:
-            waited, left = now - req.arrival_time, _tokens_left(req)
+            waited, left = now - req.arrival_time, tokens_left(req)
             if req.first_token_time is not None or waited >= target:
                 continue  # readmitted after its first token, or past saving
             if waited + (1 + -(-(left - chunk) // most)) * shared_s <= target:
@@ -233,5 +233,6 @@ def _as_built_s(step: StepBudget, estimate_s: StepEstimate) -> float:
     return estimate_s(num_tokens, context // num_tokens)
 
 
-def _tokens_left(req: Request) -> int:
+def tokens_left(req: Request) -> int:
+    """The tokens of `req` whose K/V is still to compute (a prompt's, in a prefill)."""
     return req.num_tokens - req.num_computed_tokens
