@@ -127,3 +127,15 @@ def test_each_tiers_outcomes_add_up_and_the_report_names_them(tmp_path: Path) ->
     assert "| tier-aware | fixed | 1 | 1.0 |" in report
     for said in ("completed 1", "shed 1", "rejected 1", "lost 1", "refused:queue_full 1", "unfinished 1"):
         assert said in report
+
+
+def test_a_scaling_fleet_takes_a_kill_of_any_replica_and_says_what_it_did(tmp_path: Path) -> None:
+    """An autoscaling fleet numbers every launch anew (a replacement, a scale-out after a
+    scale-in), so a replica past --max-replicas may exist: such a kill was refused. One never
+    launched is reported as such."""
+    trace = _azure_trace(tmp_path / "trace.csv", 40, seed=1)
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--replicas", "1", "--trace", str(trace), "--out", str(out)]
+    assert main([*argv, "--autoscale", "utilization", "--max-replicas", "2", "--kill", "1@7"]) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["summary"]["faults"] == [[1.0, 7, "not launched"]]

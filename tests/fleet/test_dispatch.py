@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tierserve.clock import VirtualClock
 from tierserve.fleet.dispatch import FleetDispatch
-from tierserve.fleet.routing import build_dispatch, replica_name
+from tierserve.fleet.routing import build_dispatch, replica_name, replica_upstream
 from tierserve.gateway.config import GatewaySettings
 from tierserve.gateway.saturation import LoadSample
 from tierserve.tiers import Tier
@@ -12,8 +12,9 @@ from tierserve.tiers import Tier
 
 def _fleet(by_tier: list[tuple[float, ...]]) -> tuple[FleetDispatch, VirtualClock]:
     clock = VirtualClock()
-    dispatch = build_dispatch("tier-aware", len(by_tier), GatewaySettings(max_waiting=4), clock)
+    dispatch = build_dispatch("tier-aware", GatewaySettings(max_waiting=4), clock)
     for i, waiting in enumerate(by_tier):
+        dispatch.router.add_upstream(replica_upstream(replica_name(i)))
         dispatch.router.record_success(replica_name(i))
         dispatch.router.record_sample(
             replica_name(i), LoadSample(sum(waiting), 16, 0.6, clock.now(), waiting)

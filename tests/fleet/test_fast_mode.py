@@ -78,3 +78,14 @@ def test_fast_replicas_on_a_trace(shared_data: Path) -> None:
     max_model_len = build_engine(VirtualClock()).spec.max_model_len
     workload = list(trace_stream(rows, 0, max_model_len, TierMix(), 4.0))
     _assert_same(FleetConfig(4), workload)
+
+
+def test_a_run_cut_off_by_its_drain_deadline_ends_at_the_deadline_in_both_modes() -> None:
+    # Answers too long for the drain time, which ends between two scrapes: a fast replica's
+    # leap passes the steps that end before the deadline, so the run's end (the requests left
+    # unfinished, the GPU time) was the last event each mode happened to handle.
+    workload = specs(4, seed=3, gap_s=0.1, prompt=(100, 300), output=(20_000, 30_000))
+    config = FleetConfig(1, drain_timeout_s=7.25)
+    step = _assert_same(config, workload)
+    assert step["end_s"] == workload[-1].arrival_s + 7.25
+    assert all(outcome == "unfinished" for _, outcome, *_ in step["requests"])

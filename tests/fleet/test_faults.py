@@ -71,12 +71,13 @@ def test_the_result_says_what_each_kill_did() -> None:
     from .helpers import CONFIG
 
     workload = specs(40, seed=5, gap_s=0.1, prompt=(100, 400), output=(5, 20))
-    kills = ((2.0, 1), (3.0, 1), (1.0, 5), (1e9, 0))
+    kills = ((2.0, 1), (3.0, 1), (1.0, 5), (1e9, 0), (2.0, 1))
     sim = FleetSim(FleetConfig(2, router="round-robin", kills=kills), build_engine)
     result = sim.run(workload)
-    assert result.faults == [
+    assert result.faults == [  # in the order they fired (sorted, "already dead" came first)
         (1.0, 5, "not launched"),
         (2.0, 1, "killed"),
+        (2.0, 1, "already dead"),
         (3.0, 1, "already dead"),
         (1e9, 0, "after the end"),
     ]

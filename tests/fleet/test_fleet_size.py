@@ -61,3 +61,23 @@ def test_replicas_over_time_integrate_to_the_gpu_hours(policy: ScalingPolicy) ->
     assert all(s + b <= max(2, scaling.max_replicas) for _, s, b in result.replicas_over_time)
     if policy is not ScalingPolicy.FIXED:
         assert len(sim.replicas) > 2, "the burst never scaled the fleet out"
+
+
+def test_a_fleet_that_scales_out_and_in_again_and_again_keeps_scaling_out() -> None:
+    # Twelve bursts, each past one replica and each followed by a lull long enough to drain
+    # the second: every launch takes a name of its own. The gateway knew a fixed list of
+    # 4 x max_replicas names, and from the ninth launch on the fleet silently stayed small.
+    bursts = [
+        replace(s, index=50 * b + i, arrival_s=60.0 * b + (s.arrival_s or 0.0))
+        for b in range(12)
+        for i, s in enumerate(specs(50, seed=b, gap_s=0.02, prompt=(500, 1500), output=(100, 300)))
+    ]
+    scaling = AutoscaleConfig(
+        ScalingPolicy.UTILIZATION, max_replicas=2, startup_delay_s=1.0, interval_s=1.0, idle_s=5.0
+    )
+    sim = FleetSim(FleetConfig(1, autoscale=scaling), build_engine)
+    result = sim.run(bursts)
+    # A launch shows as a replica more starting than at the point before.
+    launched = [t1 for (_, _, b0), (t1, _, b1) in pairwise(result.replicas_over_time) if b1 > b0]
+    assert {int(t // 60.0) for t in launched} == set(range(12)), f"scaled out at {launched}"
+    assert all(s + b <= 2 for _, s, b in result.replicas_over_time)

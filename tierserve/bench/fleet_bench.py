@@ -91,12 +91,14 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
             f"--replicas {args.replicas} must lie within --min-replicas {args.min_replicas} and "
             f"--max-replicas {args.max_replicas} when autoscaling"
         )
-    most = args.max_replicas if scales else args.replicas
-    for at_s, replica in args.kill:
-        if replica >= most:
+    # A fixed fleet's replicas are known; a scaling one numbers every launch anew (replacing
+    # a dead replica, scaling out again after scaling in), so any index may come to exist, and
+    # the report says of a kill whose replica was never launched that it did nothing.
+    for at_s, replica in args.kill if not scales else ():
+        if replica >= args.replicas:
             raise FleetArgsError(
                 f"--kill {at_s:g}@{replica}: the fleet never has a replica {replica} "
-                f"(its replicas are numbered 0 to {most - 1})"
+                f"(its replicas are numbered 0 to {args.replicas - 1})"
             )
 
 

@@ -26,12 +26,14 @@ def replica_name(i: int) -> str:
     return f"replica-{i}"
 
 
-def upstreams(num: int) -> list[UpstreamConfig]:
-    """Every replica the fleet may ever run; each is a candidate only while healthy."""
-    return [UpstreamConfig(replica_name(i), "tierserve", f"http://sim/{replica_name(i)}") for i in range(num)]
+def replica_upstream(name: str) -> UpstreamConfig:
+    """A launched replica as the gateway knows it (added when it launches; a candidate only
+    while healthy)."""
+    return UpstreamConfig(name, "tierserve", f"http://sim/{name}")
 
 
-def build_dispatch(name: str, num_upstreams: int, settings: GatewaySettings, clock: Clock) -> FleetDispatch:
+def build_dispatch(name: str, settings: GatewaySettings, clock: Clock) -> FleetDispatch:
+    """The named router, knowing no upstream yet, behind the gateway's flow control."""
     kinds: dict[str, type[Router]] = {
         "round-robin": RoundRobinRouter,
         "least-loaded": LeastLoadedRouter,
@@ -43,4 +45,4 @@ def build_dispatch(name: str, num_upstreams: int, settings: GatewaySettings, clo
     flow = FlowControl(
         EngineConfig(), settings.policy, {t: QUEUE_CAP for t in ALL_TIERS}, settings.max_wait_s, clock
     )
-    return FleetDispatch(kinds[name](upstreams(num_upstreams), settings, clock), flow, clock)
+    return FleetDispatch(kinds[name]([], settings, clock), flow, clock)

@@ -31,7 +31,7 @@ from tierserve.fleet.requests import (
     FleetRequest,
     outcome_of,
 )
-from tierserve.fleet.routing import build_dispatch, replica_name
+from tierserve.fleet.routing import build_dispatch, replica_name, replica_upstream
 from tierserve.gateway.config import GatewaySettings
 from tierserve.gateway.saturation import LoadSample
 from tierserve.request import Request, SamplingParams
@@ -48,15 +48,6 @@ class FleetConfig:
     num_gpus_per_replica: int = 8
     kills: tuple[tuple[float, int], ...] = ()  # (time, replica index): that replica dies then
     drain_timeout_s: float = 600.0  # after the last arrival; what is left then is unfinished
-
-    @property
-    def max_replicas(self) -> int:
-        return max(self.num_replicas, self.autoscale.max_replicas)
-
-    @property
-    def num_names(self) -> int:
-        """Upstreams the gateway knows: every replica ever launched gets a name of its own."""
-        return 4 * self.max_replicas + len(self.kills)
 
 
 @dataclass
@@ -92,7 +83,7 @@ class FleetSim:
         self.events = EventQueue()
         self.replicas: dict[str, Replica] = {}
         self._tokens: dict[str, int] = {}  # replica -> generation of its live boundary event
-        self.dispatch = build_dispatch(config.router, config.num_names, config.settings, self.clock)
+        self.dispatch = build_dispatch(config.router, config.settings, self.clock)
         self.autoscaler = Autoscaler(config.autoscale)
         self.observer = FleetObserver(self.clock, alone_s=alone_s)
         self.requests: list[FleetRequest] = []
@@ -135,6 +126,9 @@ class FleetSim:
         while len(self.events) and not self._done():
             ev = self.events.pop()
             if ev.time > self._deadline():
+                # The run ends at the deadline, not at the last event handled before it: a
+                # fast replica leaps over the step boundaries that a stepping one handles.
+                self.clock.advance_to(self._deadline())
                 break
             self.clock.advance_to(ev.time)
             handlers[ev.kind](ev)
@@ -164,7 +158,7 @@ class FleetSim:
             self.replicas_over_time,
             dict(self.dispatch.num_routed_by_reason),
             len(self.replicas),
-            sorted(self.faults + late),
+            self.faults + sorted(late),  # in the order they fired (a repeated kill after the first)
         )
 
     # ---- arrivals and routing ---------------------------------------------------------------
@@ -226,9 +220,10 @@ class FleetSim:
     # ---- replicas -------------------------------------------------------------------------
 
     def _launch(self, delay_s: float) -> Replica:
-        name = replica_name(len(self.replicas))
+        name = replica_name(len(self.replicas))  # every launch a name of its own, as a new pod's address
         replica = Replica(name, self._build, self.clock.now())
         self.replicas[name] = replica
+        self.dispatch.router.add_upstream(replica_upstream(name))
         if delay_s > 0:
             self.events.push(self.clock.now() + delay_s, EventKind.READY, name)
         else:
@@ -366,7 +361,7 @@ class FleetSim:
             self.observer.p0_attainment(),
         )
         change = self.autoscaler.decide(obs)
-        if change > 0 and len(self.replicas) < self.config.num_names:
+        if change > 0:
             self._launch(self.config.autoscale.startup_delay_s)
         elif change < 0 and serving:
             self._drain(min(serving, key=lambda r: (r.exported.num_running + r.exported.num_waiting, r.name)))

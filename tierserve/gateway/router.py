@@ -92,6 +92,13 @@ class Router:
         self._settings = settings
         self._clock = clock
 
+    def add_upstream(self, upstream: UpstreamConfig) -> None:
+        """Learn of an upstream after start-up (a replica the fleet has just launched). Like
+        every upstream it is a candidate only once a check has passed."""
+        if upstream.name in self._states:
+            raise ValueError(f"upstream {upstream.name!r} is already known")
+        self._states[upstream.name] = UpstreamState(upstream)
+
     def state(self, name: str) -> UpstreamState:
         try:
             return self._states[name]
