@@ -139,6 +139,27 @@ def test_a_body_shorter_than_its_content_length_gets_400_at_the_body_timeout(ser
     server.wait_engine_idle()
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_size_limit_gets_413_and_the_connection_closes_unread(
+    server: LiveServer, chunked: bool
+) -> None:
+    """Kept alive after its 413, the connection went on being read (the rest of the body
+    thrown away) until the body timeout, whose 408 then counted the same request twice."""
+    before = {r: errors(server, r) for r in ("body_timeout", "aborted_upload")}
+    limit = 1 << 20  # the default max_body_bytes
+    if chunked:
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+        first = b"%x\r\n" % (limit + 1) + b"a" * (limit + 1) + b"\r\n"
+    else:
+        head, first = completion_head(10**15), b"a" * 65536
+    with connect(server) as sock:
+        sock.sendall(head + first)
+        response = read_all(sock)
+    assert status_and_code(response) == (413, "request_too_large")
+    assert b"connection: close" in response.partition(b"\r\n\r\n")[0].lower()
+    assert {r: errors(server, r) for r in before} == before
+
+
 def test_a_chunked_body_without_its_end_gets_400_at_the_body_timeout(server: LiveServer) -> None:
     head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
     with connect(server) as sock:

@@ -3,7 +3,8 @@ all of them may be sending at once (503 `busy` past that).
 
 A declared Content-Length over the limit is refused before the body is read; a body that
 grows past the limit while streaming (chunked encoding) makes the read fail with
-`BodyTooLarge`, which the app's error handler turns into the same 413.
+`BodyTooLarge`, which the app's error handler turns into the same 413. Either closes the
+connection: the rest of the body is never read.
 
 The size limit alone lets every open connection upload a body of the largest size at once
 (`max_connections` x `max_body_bytes`: 512 MiB with the defaults, gigabytes where the limit
@@ -24,7 +25,11 @@ from tierserve.server.errors import ApiError
 
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"Request body is larger than the limit of {limit} bytes.")
+        # The rest of the body is not read: closing is the way to not read it (kept alive,
+        # the server read and threw away whatever the client went on sending).
+        super().__init__(
+            413, f"Request body is larger than the limit of {limit} bytes.", headers={"connection": "close"}
+        )
 
 
 class BodyBudgetSpent(HTTPException):
@@ -76,6 +81,7 @@ class BodyLimitMiddleware:
                         413,
                         f"Request body is larger than the limit of {self._max} bytes.",
                         code="request_too_large",
+                        headers={"connection": "close"},  # unread (see BodyTooLarge)
                     )
                     await error.response()(scope, receive, send)
                     return
