@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.server.helpers import MODEL, end_counts, live_server, make_state, pool_free_and_total, pool_in_use
+from tests.server.test_http_limits import completion_head, read_all, status_and_code
 from tierserve.engine import Engine
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -66,6 +69,40 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
         assert json.loads(rest[-1][6:])["choices"][0]["finish_reason"] == "length"
         srv.thread.join(timeout=10)
         assert not srv.thread.is_alive()  # it shut itself down once drained
+
+
+def test_a_request_still_uploading_when_the_drain_begins_gets_503_draining_unread() -> None:
+    """With nothing in the engine the drain ended at once, and uvicorn then cancelled the
+    handler still waiting for its body: a plain-text 500 and a traceback in the log."""
+    with live_server(make_state(), drain_timeout_s=20) as srv:
+        parts = urlsplit(srv.url)
+        with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=10) as sock:
+            sock.sendall(completion_head(1000) + b'{"model": "')  # and no more of it
+            time.sleep(0.2)
+            srv.begin_drain()
+            response = read_all(sock)
+        assert status_and_code(response) == (503, "draining")
+        assert b"connection: close" in response.lower()
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive() and srv.server.exit_code == 0
+
+
+def test_a_drain_that_begins_while_a_request_waits_for_its_limits_refuses_it() -> None:
+    """The drain waits for the requests in the engine; one that passed the first draining
+    check and was still being prepared or rate-limited reached the engine after the drain
+    had begun (and found it idle)."""
+    state = make_state()
+    acquire = state.limiter.acquire
+
+    async def acquire_while_the_drain_begins(*args: object, **kwargs: object) -> object:
+        state.begin_draining()
+        return await acquire(*args, **kwargs)  # type: ignore[arg-type]
+
+    state.limiter.acquire = acquire_while_the_drain_begins  # type: ignore[method-assign]
+    with live_server(state) as srv:
+        r = httpx.post(srv.base_url + "/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert srv.inspect(end_counts) == (0, 0, 0)  # the engine never saw it
 
 
 def test_a_second_signal_cuts_the_drain_short_with_clean_errors() -> None:

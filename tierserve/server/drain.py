@@ -56,7 +56,7 @@ class DrainingServer(uvicorn.Server):
     def _engine_lost(self) -> None:
         """Called on the event loop when the engine process has died."""
         self.exit_code = 1
-        self._state.draining = True
+        self._state.begin_draining()
         if self._loop is not None and self._lost_task is None:
             self._lost_task = self._loop.create_task(self._exit_after_lost())
 
@@ -80,7 +80,7 @@ class DrainingServer(uvicorn.Server):
         """Start draining (call on the server's event loop, or via `call_soon_threadsafe`)."""
         if self._drain_task is not None:
             return
-        self._state.draining = True
+        self._state.begin_draining()
         self._hurry = asyncio.Event()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain(self._hurry))
 

@@ -20,6 +20,7 @@ OpenAPI schema documents them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -36,7 +37,8 @@ from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
 from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tierserve.server.state import ServerState
+from tierserve.server.refusals import draining_error
+from tierserve.server.state import DRAINING, ServerState
 
 log = logging.getLogger("tierserve.server")
 
@@ -73,6 +75,11 @@ class GenerationRoutes:
             return e.response()
         if (refused := unsupported_encoding(http)) is not None:
             return refused.response()
+        if self._state.draining:  # not worth its body: it cannot be admitted
+            return self._draining()
+        task = asyncio.current_task()  # an ASGI app runs in a task: never None here
+        if task is not None:
+            self._state.uploads.add(task)
         try:
             raw = await http.body()
         except ClientDisconnect:
@@ -80,6 +87,14 @@ class GenerationRoutes:
             return None
         except HTTPException as e:  # the body limit, while reading a chunked body
             return http_error(e).response()
+        except asyncio.CancelledError as e:
+            if task is None or e.args != (DRAINING,):
+                raise
+            task.uncancel()  # ServerState.begin_draining's, while the body came in
+            return self._draining()
+        finally:
+            if task is not None:
+                self._state.uploads.discard(task)
         try:
             if len(raw) > OFFLOAD_BYTES:
                 kind: Kind = "chat" if model is ChatCompletionRequest else "completion"
@@ -93,6 +108,13 @@ class GenerationRoutes:
             return invalid_body(e.errors).response()
         except ApiError as e:
             return e.response()
+
+    def _draining(self) -> Response:
+        """503 `draining` for a request whose body is not (all) read: the connection closes."""
+        self._state.metrics.reject("draining", None)
+        refusal = draining_error()
+        refusal.headers["connection"] = "close"
+        return refusal.response()
 
 
 def close_if_unread(e: ApiError, http: HttpRequest) -> None:

@@ -1,9 +1,11 @@
 """One generation request, from the HTTP body to the last byte.
 
 Order of checks: draining (503) -> tenant (401) -> model and body (404/400) -> tier ->
-rate limits (429; 400 for a request too large to ever fit) -> admission (503) -> engine.
-Nothing is reserved until the body is known to be valid, and a refusal after the rate
-limit refunds the reserved tokens.
+rate limits (429; 400 for a request too large to ever fit) -> admission (503) -> draining
+again (it may have begun while the prompt was prepared off the event loop, or the buckets
+answered: past that point the drain would not wait for it) -> engine. Nothing is reserved
+until the body is known to be valid, and a refusal after the rate limit refunds the
+reserved tokens.
 """
 
 from __future__ import annotations
@@ -124,6 +126,10 @@ async def _pass_limits(
         await state.limiter.settle(rate.reservation, 0)
         wait = verdict.estimated_wait_s
         raise overloaded(tier, verdict.reason, verdict.retry_after_s, verdict.queue_depth, wait, headers)
+    if state.draining:  # it began while the prompt was prepared or the buckets answered
+        metrics.reject("draining", tier)
+        await state.limiter.settle(rate.reservation, 0)
+        raise draining_error()
     return rate, headers
 
 
