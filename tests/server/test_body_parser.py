@@ -80,6 +80,9 @@ def test_the_worker_parses_in_another_process_and_a_dead_one_is_replaced() -> No
         assert parser.num_parsed_in_process == 1 and _worker_pid(parser) != os.getpid()
         assert parser._pool is not None  # at the lowest CPU priority, beside the server
         assert parser._pool.submit(os.nice, 0).result(timeout=10) == WORKER_NICENESS
+        # Ctrl-C reaches the whole process group; the server shuts the worker down after it
+        # drains (the worker took it as a KeyboardInterrupt and printed a traceback).
+        assert parser._pool.submit(signal.getsignal, signal.SIGINT).result(timeout=10) is signal.SIG_IGN
         assert isinstance(body, CompletionRequest) and isinstance(body.prompt, np.ndarray)
         with pytest.raises(BodyInvalid) as invalid:
             await parser.parse("completion", raw[:-3])

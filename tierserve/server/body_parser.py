@@ -30,6 +30,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -99,12 +100,16 @@ PARENT_CHECK_S = 0.5  # how often the worker looks for its server
 
 
 def _worker_init() -> None:
-    """In the worker: the lowest CPU priority, and an exit when the server is gone.
+    """In the worker: the lowest CPU priority, no Ctrl-C, and an exit when the server is gone.
 
     It shares the server's CPUs (it inherits their affinity), and a token due on the event
-    loop must not wait for a time slice of a parse. A server killed outright (SIGKILL, a
-    crash) never shuts the pool down, and the worker holds both ends of its own job queue,
-    so it would wait for a job for ever: a thread watches for the server's exit instead."""
+    loop must not wait for a time slice of a parse. Ctrl-C in a terminal reaches the whole
+    process group: the server drains and then shuts the pool down, and the worker, had it
+    taken the signal itself, printed a KeyboardInterrupt traceback. A server killed outright
+    (SIGKILL, a crash) never shuts the pool down, and the worker holds both ends of its own
+    job queue, so it would wait for a job for ever: a thread watches for the server's exit
+    instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):  # not permitted here: it runs at normal priority
         os.nice(WORKER_NICENESS)
     server = os.getppid()
