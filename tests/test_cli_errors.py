@@ -87,6 +87,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "fleet", "--scale-interval-s", "0"], 2, "--scale-interval-s: expected a finite"),
         (["bench", "fleet", "--scale-by", "users"], 2, "--scale-by: invalid choice: 'users'"),
         (["bench", "overhead", "--running", "100000"], 2, "--running: expected at most 16384"),
+        (["serve", "--max-header-bytes", "10"], 2, "--max-header-bytes: expected an integer >= 1024"),
         (
             ["serve", "--model", "llama-3.1-8b"],
             2,

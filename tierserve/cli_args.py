@@ -39,6 +39,10 @@ def _bounded_int(low: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+def int_at_least(low: int) -> Callable[[str], int]:
+    return _bounded_int(low, f"an integer >= {low}")
+
+
 positive_int = _bounded_int(1, "an integer >= 1")
 non_negative_int = _bounded_int(0, "an integer >= 0")
 

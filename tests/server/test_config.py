@@ -58,6 +58,11 @@ def test_burst_defaults_to_one_second_of_rate() -> None:
         ({"tenants": {"a": {"colour": "red"}}}, "tenants.a.colour"),
         ({"tenants": {"a": 3}}, "tenants.a"),
         ({"tiers": {"P1": {"ttft_target_s": -1}}}, "tiers.P1.ttft_target_s"),
+        # Accepted, then every request (/ready too) got 431.
+        ({"server": {"http": {"max_header_bytes": 10}}}, "server.http.max_header_bytes"),
+        # Tenants no x-tenant-id could ever name.
+        ({"tenants": {"a\x00b": {"api_keys": ["k"]}}}, "tenants.'a"),
+        ({"tenants": {"t" * 65: {"api_keys": ["k"]}}}, "tenants.'" + "t" * 64 + "'..."),
     ],
 )
 def test_invalid_values_are_rejected_naming_the_field(raw: dict[str, object], field: str) -> None:

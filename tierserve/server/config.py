@@ -17,6 +17,8 @@ from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
 from tierserve.server.http_limits import HttpLimits, parse_http_limits
 from tierserve.tiers import Tier
 
+MAX_TENANT_NAME = 64  # characters: the longest tenant name, in the config or x-tenant-id
+
 
 class ApiDocsUrls(TypedDict):
     """FastAPI's settings for the API docs (`ServeConfig.api_docs_urls`)."""
@@ -316,6 +318,10 @@ def _limits(raw: Mapping[str, Any]) -> LimitsConfig:
 
 def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> TenantConfig:
     path = f"tenants.{name}"
+    if not name or len(name) > MAX_TENANT_NAME or not name.isprintable():
+        # As x-tenant-id must be: a tenant no header could name was accepted.
+        shown = repr(name[:MAX_TENANT_NAME]) + ("..." if len(name) > MAX_TENANT_NAME else "")
+        raise ConfigError(f"tenants.{shown}: a tenant name is 1..{MAX_TENANT_NAME} printable characters")
     _reject_unknown(path, raw, ("api_keys", "max_tier", "default_tier", "weight", *_RATE_KEYS))
     keys = raw.get("api_keys", [])
     if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):

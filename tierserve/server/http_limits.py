@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.cli_args import positive_float, positive_int
+from tierserve.cli_args import int_at_least, positive_float, positive_int
 from tierserve.config import ConfigError
 
 KEYS = (
@@ -35,6 +35,11 @@ class HttpLimits:
     max_connections: int = 512  # open connections per server; one more is answered 503 and closed
 
 
+# A request line and the headers any client sends take a few hundred bytes: a server with
+# less answered 431 to every request, /ready included.
+MIN_HEADER_BYTES = 1024
+
+
 def _value(path: str, value: Any, *, integer: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path}: expected a number, got {value!r}")
@@ -42,6 +47,8 @@ def _value(path: str, value: Any, *, integer: bool) -> float:
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{path}: must be a finite number > 0, got {value!r}")
+    if path.endswith(".max_header_bytes") and value < MIN_HEADER_BYTES:
+        raise ConfigError(f"{path}: must be at least {MIN_HEADER_BYTES} (a request line and its headers)")
     return float(value)
 
 
@@ -71,7 +78,12 @@ def parse_http_limits(raw: Mapping[str, Any], base: HttpLimits | None = None) ->
 # (flag, key, type, help): `tierserve serve` flags that override `[server.http]`. Each type
 # refuses what `parse_http_limits` refuses, so that the error names the flag, not the key.
 FLAGS: tuple[tuple[str, str, Callable[[str], float], str], ...] = (
-    ("--max-header-bytes", "max_header_bytes", positive_int, "largest request line + headers; past it 431"),
+    (
+        "--max-header-bytes",
+        "max_header_bytes",
+        int_at_least(MIN_HEADER_BYTES),
+        "largest request line + headers; past it 431",
+    ),
     ("--max-headers", "max_headers", positive_int, "most header fields per request; past it 431"),
     ("--header-timeout", "header_timeout_s", positive_float, "seconds to send a request's headers; then 408"),
     (

@@ -9,11 +9,9 @@ from dataclasses import dataclass, replace
 
 from starlette.datastructures import Headers
 
-from tierserve.server.config import ServeConfig, TenantConfig
+from tierserve.server.config import MAX_TENANT_NAME, ServeConfig, TenantConfig
 from tierserve.server.errors import bad_request, unauthorized
 from tierserve.tiers import Tier
-
-MAX_TENANT_NAME = 64
 
 
 @dataclass(frozen=True, slots=True)
