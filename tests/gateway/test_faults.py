@@ -267,3 +267,41 @@ def test_an_upstream_ejected_by_a_forwarded_request_is_said_once_with_its_reason
     assert line.levelno == logging.WARNING and "upstream f0 ejected" in line.getMessage()
     assert "a forwarded request failed" in line.getMessage() and "Cannot connect" in line.getMessage()
     assert 'tierserve_gateway_upstream_ejections_total{upstream="f0"} 1.0' in metrics
+
+
+def test_a_request_still_uploading_when_the_drain_begins_gets_503_draining_unread() -> None:
+    """With nothing in flight the drain ended at once, and uvicorn then cancelled the
+    handler still waiting for its body: a plain-text 500 and a traceback."""
+    from urllib.parse import urlsplit
+
+    from tests.server.test_http_limits import read_all, status_and_code
+
+    with fake_upstream(FakeUpstream("ok")) as url, gateway([url], drain_timeout_s=5) as (gw, state):
+        parts = urlsplit(gw.url)
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n"
+        with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=10) as sock:
+            sock.sendall(head + b'{"model": "')  # and no more of it
+            deadline = time.monotonic() + 10
+            while not len(state.uploads) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            gw.server.handle_exit(signal.SIGTERM, None)
+            response = read_all(sock)
+    assert status_and_code(response) == (503, "draining")
+    assert b"connection: close" in response.lower()
+
+
+def test_a_drain_that_begins_while_a_request_waits_for_its_limits_refuses_it() -> None:
+    """The drain waits for the requests in flight; one still at the rate limiter when it
+    began was sent upstream after the drain had found nothing to wait for."""
+    fake = FakeUpstream("ok")
+    with fake_upstream(fake) as url, gateway([url]) as (gw, state):
+        acquire = state.limiter.acquire
+
+        async def acquire_while_the_drain_begins(*args: object, **kwargs: object) -> object:
+            state.draining = True
+            return await acquire(*args, **kwargs)  # type: ignore[arg-type]
+
+        state.limiter.acquire = acquire_while_the_drain_begins  # type: ignore[method-assign]
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+    assert not fake.bodies

@@ -63,13 +63,16 @@ class _Call:
 
 
 async def _read_body(
-    http: HttpRequest, chat: bool
+    gw: GatewayState, http: HttpRequest, chat: bool
 ) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
     """The body as sent (forwarded as is) and as validated. It is validated from its bytes,
     as `tierserve serve` validates it, so that the server's 400s are the gateway's too:
     a lone surrogate escape ("\\ud800"), which Python's `json` lets through, is
-    `invalid_json` at every tier."""
-    content = await http.body()
+    `invalid_json` at every tier. A drain that begins while it comes in refuses it."""
+    content = await gw.uploads.read(http)
+    if content is None:
+        gw.metrics.reject("draining", None)
+        raise draining_error(unread=True)
     try:
         raw = json.loads(content)
     except ValueError as e:
@@ -113,7 +116,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         raise
     if (refused := unsupported_encoding(http)) is not None:
         raise refused
-    raw, body = await _read_body(http, chat)
+    raw, body = await _read_body(gw, http, chat)
     _check_model(gw, body.model)
     declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
     tier = decide_tier(tenant, declared).effective
@@ -126,6 +129,10 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     if not rate.allowed:
         gw.metrics.reject(f"rate_limit_{rate.reason}", tier)
         raise rate_refusal(rate, tenant.name, headers, param=param)
+    if gw.draining:  # it began while the buckets answered: the drain would not wait for it
+        gw.metrics.reject("draining", tier)
+        await gw.limiter.settle(rate.reservation, 0)
+        raise draining_error()
     call = _Call(
         "/v1/chat/completions" if chat else "/v1/completions",
         raw,

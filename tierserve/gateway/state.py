@@ -20,6 +20,7 @@ from tierserve.gateway.router import Router
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.ratelimit import RateLimiter
 from tierserve.server.tenants import TenantResolver
+from tierserve.server.uploads import Uploads
 
 if TYPE_CHECKING:
     from tierserve.gateway.relay import Relay
@@ -44,6 +45,7 @@ class GatewayState:
     streams: aiohttp.ClientSession | None = None
     remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
     draining: bool = False
+    uploads: Uploads = field(default_factory=Uploads)  # bodies coming in: draining refuses them
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)

@@ -20,7 +20,6 @@ OpenAPI schema documents them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -38,7 +37,7 @@ from tierserve.server.generate import generate
 from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.refusals import draining_error
-from tierserve.server.state import DRAINING, ServerState
+from tierserve.server.state import ServerState
 
 log = logging.getLogger("tierserve.server")
 
@@ -77,24 +76,15 @@ class GenerationRoutes:
             return refused.response()
         if self._state.draining:  # not worth its body: it cannot be admitted
             return self._draining()
-        task = asyncio.current_task()  # an ASGI app runs in a task: never None here
-        if task is not None:
-            self._state.uploads.add(task)
         try:
-            raw = await http.body()
+            raw = await self._state.uploads.read(http)
         except ClientDisconnect:
             aborted_upload(self._state.metrics.count_http_error, http.scope, log)
             return None
         except HTTPException as e:  # the body limit, while reading a chunked body
             return http_error(e).response()
-        except asyncio.CancelledError as e:
-            if task is None or e.args != (DRAINING,):
-                raise
-            task.uncancel()  # ServerState.begin_draining's, while the body came in
+        if raw is None:  # the drain began while it came in
             return self._draining()
-        finally:
-            if task is not None:
-                self._state.uploads.discard(task)
         try:
             if len(raw) > OFFLOAD_BYTES:
                 kind: Kind = "chat" if model is ChatCompletionRequest else "completion"
@@ -112,9 +102,7 @@ class GenerationRoutes:
     def _draining(self) -> Response:
         """503 `draining` for a request whose body is not (all) read: the connection closes."""
         self._state.metrics.reject("draining", None)
-        refusal = draining_error()
-        refusal.headers["connection"] = "close"
-        return refusal.response()
+        return draining_error(unread=True).response()
 
 
 def close_if_unread(e: ApiError, http: HttpRequest) -> None:

@@ -11,13 +11,14 @@ from tierserve.server.ratelimit import RateDecision
 from tierserve.tiers import Tier
 
 
-def draining_error() -> ApiError:
+def draining_error(*, unread: bool = False) -> ApiError:
+    """`unread`: the request's body is not (all) read, so the connection closes."""
     return ApiError(
         503,
         "The server is shutting down; retry on another replica.",
         type="server_error",
         code="draining",
-        headers={"Retry-After": "1"},
+        headers={"Retry-After": "1", **({"connection": "close"} if unread else {})},
         extra={"retry_after": 1.0},
     )
 

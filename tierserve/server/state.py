@@ -26,10 +26,10 @@ from tierserve.server.state_metrics import LimiterState
 from tierserve.server.tenants import TenantResolver
 from tierserve.server.tokenizer import Tokenizer
 from tierserve.server.tracing import ServeTrace
+from tierserve.server.uploads import Uploads
 from tierserve.tiers import ALL_TIERS, Tier
 
 log = logging.getLogger("tierserve.server")
-DRAINING = "draining"  # the message of the cancellation `begin_draining` sends an upload
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class ServerState:
     trace: ServeTrace | None = None  # set before create_app to record per-request timestamps
     draining: bool = False
     body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies, in a process of its own
-    # Handlers waiting for the rest of a request body (fast_routes.py): draining refuses them.
-    uploads: set[asyncio.Task[Any]] = field(default_factory=set)
+    uploads: Uploads = field(default_factory=Uploads)  # bodies coming in: draining refuses them
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _id_prefix: str = field(default_factory=lambda: os.urandom(3).hex())  # tells replicas' ids apart
@@ -68,8 +67,7 @@ class ServerState:
         refused now with 503 `draining`, unread: it could never be admitted, and a stalled
         upload held the shutdown until uvicorn cancelled it into a 500 and a traceback."""
         self.draining = True
-        for task in self.uploads:
-            task.cancel(DRAINING)
+        self.uploads.refuse_all()
 
     def new_request_id(self, kind: str) -> str:
         return f"{kind}-{self._id_prefix}{next(self._ids):09x}"
