@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+from tierserve.bench import host
 from tierserve.bench.cell import BenchSetup, Cell, Driven, Pattern, cell_result, drive
-from tierserve.bench.host import snapshot
 from tierserve.bench.output import emit, make_out_folder
 from tierserve.bench.summary import summarize
 from tierserve.cli_args import non_negative_int, positive_int
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         num_measured=args.requests, think_time_s=args.think_time, max_trace_rows=args.trace_rows
     )
     cell = Cell(args.workload, pattern, args.load, args.policy, args.seed)
-    before = snapshot()
+    before = host.snapshot()  # through the module: tests replace it there
     result = measure(setup, cell, args.repeats)
     result["host"] = {"load_avg_1m_before": before.load_avg_1m}
 
