@@ -141,6 +141,9 @@ def test_explicit_cells_and_traces() -> None:
     # So is a load given twice (the pooled results held the cell twice; a seed twice is refused).
     again = matrix_from_args(parse("--workloads", "mooncake", "--trace-scale", "1", "2", "2"))
     assert again.groups == (("mooncake", "trace", 1.0), ("mooncake", "trace", 2.0))
+    # And a policy (it ran twice, and the report had one column for both).
+    policies = matrix_from_args(parse("--policies", "hybrid", "fcfs", "hybrid")).policies
+    assert policies == ("hybrid", "fcfs")
 
 
 @pytest.mark.parametrize(
@@ -179,11 +182,25 @@ def test_think_time_and_burst_cv_must_be_finite(
         (["--workloads", "default", "--trace-rows", "100"], "--trace-rows"),
         (["--trace-scale", "2"], "--trace-scale"),  # ran the whole default matrix
         (["--quick", "--trace-rows", "100"], "--trace-rows"),
+        # A trace replays at its own timestamps: these were read past without a word.
+        (["--workloads", "mooncake", "--patterns", "closed"], "--patterns"),
+        (["--workloads", "mooncake", "--think-time", "1"], "--think-time"),
+        (["--patterns", "poisson", "--burst-cv", "2"], "--burst-cv"),
     ],
 )
 def test_a_cell_option_no_cell_uses_is_refused(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=f"{flag} applies to .* cells, and none runs"):
         matrix_from_args(parse(*argv))
+
+
+def test_a_trace_slowed_past_ten_years_is_refused_before_any_cell_runs(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(shared_data / "AzureLLMInferenceTrace_code.csv")
+    out = tmp_path / "out"
+    assert run(parse("--trace", trace, "--trace-scale", "1e-9", "--trace-rows", "50", "--out", str(out))) == 2
+    assert "years at 1e-09 times its rate; at most 10" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("argv", [["--loads", "0"], ["--loads", "nan"], ["--requests", "0"]])

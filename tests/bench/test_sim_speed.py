@@ -61,3 +61,10 @@ def test_a_trace_refuses_the_closed_loop_and_a_synthetic_workload_the_trace_patt
     assert "is a trace, replayed at its own timestamps" in capsys.readouterr().err
     assert main(["bench", "sim-speed", "--pattern", "trace"]) == 2
     assert "default is not a trace file" in capsys.readouterr().err
+
+
+def test_a_trace_slowed_past_ten_years_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(_trace(tmp_path, 60))
+    out = tmp_path / "out.json"
+    assert main(["bench", "sim-speed", "--workload", trace, "--load", "1e-12", "--out", str(out)]) == 2
+    assert "years at 1e-12 times its rate" in capsys.readouterr().err and not out.exists()

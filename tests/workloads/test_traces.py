@@ -265,6 +265,31 @@ def test_a_folder_named_as_a_trace_is_called_a_folder(tmp_path: Path) -> None:
         get_preset(str(folder))
 
 
+def test_a_trace_spanning_more_than_ten_years_is_refused(tmp_path: Path) -> None:
+    """A row at 1e308 s ran, and its times had no digits left for a step's milliseconds."""
+    far = write(tmp_path, "far.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
+    far.write_text(far.read_text() + "1e308,ChatGPT,5,5,10,Conversation log\n")
+    with pytest.raises(TraceFormatError, match=r"span .* years; at most 10"):
+        load_trace(far)
+
+
+def test_a_device_named_as_a_trace_is_not_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="not a regular file"):
+        load_trace("/dev/null")
+
+
+def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path: Path) -> None:
+    twice = write(tmp_path, "t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens,contexttokens\n")
+    with pytest.raises(TraceFormatError, match="names the column 'ContextTokens' more than once"):
+        load_trace(twice)
+
+
+def test_a_json_line_nested_too_deeply_is_a_format_error(tmp_path: Path) -> None:
+    deep = write(tmp_path, "d.jsonl", "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TraceFormatError, match="nested too deeply"):
+        load_trace(deep)
+
+
 MOONCAKE_ROW = '{"timestamp": %s, "input_length": 10, "output_length": 5}\n'
 
 
@@ -340,7 +365,10 @@ def test_seconds_read_as_milliseconds_are_warned_of(tmp_path: Path, caplog: pyte
     millis = write(tmp_path, "ms.jsonl", "".join(MOONCAKE_ROW % (i * 500) for i in range(200)))
     # Stamped to the whole second, in ms, as Mooncake's: most rows share the one before's.
     whole_seconds = write(tmp_path, "w.jsonl", "".join(MOONCAKE_ROW % (i // 10 * 1000) for i in range(200)))
+    # All at one instant, as a burst may be: no unit would spread it (the advice was wrong).
+    instant = write(tmp_path, "i.jsonl", MOONCAKE_ROW % 7 * 200)
     with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
         load_trace(millis)
         load_trace(whole_seconds)
+        load_trace(instant)
     assert caplog.text == ""

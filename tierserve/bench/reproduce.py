@@ -92,8 +92,8 @@ def _add_cell_args(p: argparse.ArgumentParser) -> None:
         "--trace-scale", type=positive_float, nargs="+", help="trace: speed-up factors (default: 1)"
     )
     p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
-    p.add_argument("--think-time", type=float, default=2.0, help="closed loop: mean think time, s")
-    p.add_argument("--burst-cv", type=float, default=4.0, help="bursty: CV of inter-arrival times")
+    p.add_argument("--think-time", type=float, help="closed loop: mean think time, s (default: 2)")
+    p.add_argument("--burst-cv", type=float, help="bursty: CV of inter-arrival times (default: 4)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -159,23 +159,25 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
     from tierserve.scheduling.registry import POLICIES
     from tierserve.workloads import TierMix
 
-    policies = tuple(args.policies or DEFAULT_POLICIES)
+    policies = tuple(dict.fromkeys(args.policies or DEFAULT_POLICIES))  # one given twice runs once
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
     TierMix.parse(args.tier_mix)
     # Written so that nan fails too; inf ran every cell and then could not be written to
     # results.json (JSON has no inf).
-    if not 0 <= args.think_time < math.inf:
-        raise ValueError(f"--think-time must be a finite number >= 0, got {args.think_time:g}")
-    if not 0 < args.burst_cv < math.inf:
-        raise ValueError(f"--burst-cv must be a finite number > 0, got {args.burst_cv:g}")
+    think_time = BenchSetup.think_time_s if args.think_time is None else args.think_time
+    burst_cv = BenchSetup.burst_cv if args.burst_cv is None else args.burst_cv
+    if not 0 <= think_time < math.inf:
+        raise ValueError(f"--think-time must be a finite number >= 0, got {think_time:g}")
+    if not 0 < burst_cv < math.inf:
+        raise ValueError(f"--burst-cv must be a finite number > 0, got {burst_cv:g}")
     setup = BenchSetup(
         limits=engine_limits(args.engine_limits, args.max_num_batched_tokens, args.max_num_seqs),
         tier_mix=args.tier_mix,
         num_measured=args.requests or (QUICK_REQUESTS if args.quick else FULL_REQUESTS),
-        burst_cv=args.burst_cv,
-        think_time_s=args.think_time,
+        burst_cv=burst_cv,
+        think_time_s=think_time,
         drain_timeout_s=args.drain_timeout,
         config_path=args.config,
         max_trace_rows=args.trace_rows,
@@ -194,8 +196,11 @@ def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
     ran the Poisson cells and left the clients out without a word, and `--trace-scale 2`
     without a trace ran the whole default matrix."""
     applies = {
+        "--patterns": (args.patterns, ("poisson", "bursty", "closed")),  # traces replay their own
         "--loads": (args.loads, ("poisson", "bursty")),
         "--clients": (args.clients, ("closed",)),
+        "--think-time": (args.think_time, ("closed",)),
+        "--burst-cv": (args.burst_cv, ("bursty",)),
         "--trace-scale": (args.trace_scale, ("trace",)),
         "--trace-rows": (args.trace_rows, ("trace",)),
     }
@@ -207,8 +212,10 @@ def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
 def check_traces(matrix: Matrix) -> None:
     """Read every trace the matrix replays (up to its row limit): a missing or malformed one
     fails before any cell runs, not after the cells before it."""
-    for workload in dict.fromkeys(w for w, pattern, _ in matrix.groups if pattern == "trace"):
-        matrix.setup.trace_rows(workload)
+    from tierserve.workloads.traces import check_span
+
+    for workload, _, scale in (g for g in matrix.groups if g[1] == "trace"):
+        check_span(Path(workload), matrix.setup.trace_rows(workload), scale)  # read once (cached)
 
 
 def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:

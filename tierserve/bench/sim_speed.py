@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from tierserve.bench import host
@@ -26,6 +27,7 @@ from tierserve.bench.summary import summarize
 from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.workloads import get_preset
+from tierserve.workloads.traces import check_span
 
 DESCRIPTION = """\
 Simulate one benchmark cell twice, step by step and in the fast mode (which keeps the
@@ -211,10 +213,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--trace-rows applies to a trace, and {args.workload} runs closed-loop clients")
     if pattern == "closed" and args.load != int(args.load):
         raise ValueError(f"--load: a closed loop has a whole number of clients, got {args.load:g}")
-    make_out_folder(args.out)
     setup = BenchSetup(
         num_measured=args.requests, think_time_s=args.think_time, max_trace_rows=args.trace_rows
     )
+    if pattern == "trace":
+        check_span(Path(args.workload), setup.trace_rows(args.workload), args.load)
+    make_out_folder(args.out)
     cell = Cell(args.workload, pattern, args.load, args.policy, args.seed)
     before = host.snapshot()  # through the module: tests replace it there
     result = measure(setup, cell, args.repeats)

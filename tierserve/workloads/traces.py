@@ -23,7 +23,7 @@ import gzip
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -45,6 +45,9 @@ TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # CSV (Azure, BurstGPT); Mooncake 
 # timestamps in seconds, not milliseconds: the replay would send them all at once.
 _SUSPICIOUS_GAP_MS = 1.0
 _MIN_ROWS_TO_JUDGE = 100
+# The longest span of arrivals a replay takes: past it float seconds keep too few digits for
+# a step's milliseconds, and no request trace covers it.
+MAX_SPAN_S = 10 * 365 * 86_400.0
 _CACHE_ENTRIES = 4
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,9 @@ def _csv_layout(p: Path, header: list[str] | None) -> tuple[CsvLayout, tuple[int
     for layout in CSV_LAYOUTS:
         wanted = (layout.timestamp, layout.prompt, layout.output)
         if all(w.lower() in names for w in wanted):
+            twice = [w for w in wanted if names.count(w.lower()) > 1]
+            if twice:  # the first was read, without a word, whichever the file meant
+                raise TraceFormatError(f"{p}:1: the header names the column {twice[0]!r} more than once")
             ts, prompt, output = (names.index(w.lower()) for w in wanted)
             return layout, (ts, prompt, output)
     got = "nothing" if header is None else repr(",".join(header))
@@ -247,6 +253,8 @@ def _mooncake_row(where: str, line: str) -> tuple[float, int, int, tuple[int, ..
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceFormatError(f"{where}: invalid JSON ({e.msg}; {lines_hint})") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: JSON nested too deeply ({lines_hint})") from None
     if not isinstance(row, dict):
         got = "an array" if isinstance(row, list) else type(row).__name__
         raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
@@ -283,8 +291,8 @@ def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:
     """Timestamps in seconds read as milliseconds put a whole trace into an instant. Judged
     by the mean gap, not the median: traces stamped to the whole second (Mooncake's) have
     most rows at the same instant as the row before."""
-    if len(records) < _MIN_ROWS_TO_JUDGE:
-        return
+    if len(records) < _MIN_ROWS_TO_JUDGE or records[-1].arrival_s == 0:
+        return  # too few to judge, or all at one instant (as a burst may be, in either unit)
     mean_ms = records[-1].arrival_s / (len(records) - 1) * 1000.0
     if mean_ms < _SUSPICIOUS_GAP_MS:
         log.warning(
@@ -294,6 +302,19 @@ def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:
             len(records),
             records[-1].arrival_s,
             mean_ms,
+        )
+
+
+def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -> None:
+    """Refuse a trace spanning more than MAX_SPAN_S at `scale` times its rate: one row a
+    lifetime later (a timestamp of 1e308 s) ran, and its times lost all their digits (a
+    request with a TTFT of 0 that never completed)."""
+    span_s = (records[-1].arrival_s if records else 0.0) / scale
+    if span_s > MAX_SPAN_S:
+        at = f" at {scale:g} times its rate" if scale != 1.0 else ""
+        raise TraceFormatError(
+            f"{path}: its rows span {span_s / 86_400 / 365:.3g} years{at}; at most "
+            f"{MAX_SPAN_S / 86_400 / 365:g} (check the timestamps' unit, or the speed-up)"
         )
 
 
@@ -310,8 +331,10 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
     p = Path(path)
     if p.is_dir():
         raise TraceFormatError(f"{p}: a folder, not a trace file")
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"{p}: no such trace file")
+    if not p.is_file():
+        raise TraceFormatError(f"{p}: not a regular file (a trace is read from a file)")
     suffix = trace_suffix(p)
     if suffix is None:
         raise TraceFormatError(
@@ -328,6 +351,7 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
             raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         except (gzip.BadGzipFile, EOFError) as e:
             raise TraceFormatError(f"{p}: not a readable gzip file ({e})") from None
+        check_span(p, cached)
         if len(_cache) >= _CACHE_ENTRIES:
             del _cache[next(iter(_cache))]
         _cache[key] = cached
