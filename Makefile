@@ -62,6 +62,7 @@ bench-quick: $(STAMP)
 	$(VENV)/bin/tierserve bench reproduce --quick --out bench-out/reproduce-quick
 
 bench-vllm: $(STAMP) $(VLLM_STAMP)
+	mkdir -p bench-out
 	$(VENV)/bin/tierserve bench vllm --json --out bench-out/vllm > bench-out/vllm.json
 
 clean:
