@@ -141,6 +141,13 @@ def test_explicit_cells_and_traces() -> None:
     # So is a load given twice (the pooled results held the cell twice; a seed twice is refused).
     again = matrix_from_args(parse("--workloads", "mooncake", "--trace-scale", "1", "2", "2"))
     assert again.groups == (("mooncake", "trace", 1.0), ("mooncake", "trace", 2.0))
+    # The cell options name their arrivals (`--loads 2` alone also ran every closed loop).
+    assert matrix_from_args(parse("--loads", "2")).groups == (("default", "poisson", 2.0),)
+    assert matrix_from_args(parse("--clients", "8")).groups == (("default", "closed", 8.0),)
+    assert {p for _, p, _ in matrix_from_args(parse("--burst-cv", "2", "--loads", "1")).groups} == {
+        "poisson",
+        "bursty",
+    }
     # And a policy (it ran twice, and the report had one column for both).
     policies = matrix_from_args(parse("--policies", "hybrid", "fcfs", "hybrid")).policies
     assert policies == ("hybrid", "fcfs")

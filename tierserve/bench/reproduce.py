@@ -54,7 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="a few cells, small samples (a few minutes)")
-    p.add_argument("--out", default="bench-out/reproduce", help="output directory (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        help="output directory (default: bench-out/reproduce, or bench-out/reproduce-quick with --quick, "
+        "so that a quick run does not overwrite the whole matrix's results)",
+    )
     p.add_argument(
         "--policies", nargs="+", help=f"policies to compare (default: {' '.join(DEFAULT_POLICIES)})"
     )
@@ -140,7 +144,7 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
     workloads = list(by_key.values())
     for workload in workloads:
         trace = get_preset(workload).trace_file is not None
-        patterns: Sequence[Pattern] = ["trace"] if trace else (args.patterns or ["poisson", "closed"])
+        patterns: Sequence[Pattern] = ["trace"] if trace else (args.patterns or _implied_patterns(args))
         for pattern in patterns:
             if (pattern == "trace") != trace:
                 raise ValueError(f"pattern {pattern} does not apply to workload {workload}")
@@ -152,6 +156,19 @@ def _groups(args: argparse.Namespace) -> tuple[Group, ...]:
                 raise ValueError("loads, clients and trace scales must be positive")
             groups += [(workload, pattern, x) for x in dict.fromkeys(map(float, loads))]  # each once
     return tuple(groups)
+
+
+def _implied_patterns(args: argparse.Namespace) -> list[Pattern]:
+    """The synthetic workloads' arrivals when --patterns is not given: those the cell options
+    name (`--loads 2` alone also ran every closed loop), else Poisson and closed loops."""
+    named: list[Pattern] = []
+    if args.loads is not None:
+        named.append("poisson")
+    if args.burst_cv is not None:
+        named.append("bursty")
+    if args.clients is not None or args.think_time is not None:
+        named.append("closed")
+    return named or ["poisson", "closed"]
 
 
 def matrix_from_args(args: argparse.Namespace) -> Matrix:
@@ -297,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.bench.matrix import run_matrix
     from tierserve.bench.output import make_out_dir
 
+    if args.out is None:
+        args.out = "bench-out/reproduce-quick" if args.quick else "bench-out/reproduce"
     try:
         matrix = matrix_from_args(args)
         check_traces(matrix)
