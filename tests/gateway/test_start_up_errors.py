@@ -3,6 +3,7 @@ traceback: a bad upstream URL (named by its setting) and a port already in use."
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 
@@ -46,3 +47,18 @@ def test_a_port_in_use_is_one_line_before_the_upstreams_are_polled(
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err
     assert "make run" not in err  # `make run PORT=...` starts `serve`, never the gateway
+
+
+def test_a_gateway_with_no_upstream_up_says_it_is_not_ready(caplog: pytest.LogCaptureFixture) -> None:
+    """It logged "tierserve gateway ready: 0/1 upstreams healthy" while /ready answered 503."""
+    import httpx
+
+    from tests.gateway.fakes import gateway
+    from tierserve.server.embedded import loopback_socket
+
+    with loopback_socket() as sock:  # a port nothing listens on (bound, never accepting)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with caplog.at_level(logging.INFO, logger="tierserve.gateway"), gateway([url]) as (gw, _):
+            assert httpx.get(gw.url + "/ready").status_code == 503
+    said = [r for r in caplog.records if "upstreams healthy" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "not ready" in said[0].getMessage()

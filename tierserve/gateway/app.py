@@ -80,7 +80,11 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
         await asyncio.gather(poller.poll_once(), _check_redis(gw))  # know both before the first request
         task = asyncio.get_running_loop().create_task(poller.run())
         healthy = [s.name for s in gw.router.states if s.healthy]
-        log.info("tierserve gateway ready: %d/%d upstreams healthy", len(healthy), len(gw.router.states))
+        total = len(gw.router.states)
+        if healthy:
+            log.info("tierserve gateway ready: %d/%d upstreams healthy", len(healthy), total)
+        else:  # /ready answers 503 until a health check admits one
+            log.warning("tierserve gateway started, not ready: 0/%d upstreams healthy yet", total)
         try:
             yield
         finally:
