@@ -97,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     results = {}
     monitor = HostMonitor()
+    width = max(map(len, policies))
     for name in policies:
         results[name] = measure(name, args.running, args.waiting, args.passes)
         if not args.json:
             r = results[name]
             print(
-                f"{name:<14} p50 {r['schedule_us_p50']:8.0f} us   p99 {r['schedule_us_p99']:8.0f} us   "
+                f"{name:<{width}} p50 {r['schedule_us_p50']:8.0f} us   p99 {r['schedule_us_p99']:8.0f} us   "
                 f"running {r['running']:4d}  waiting {r['waiting']:6d}  preemptions {r['preemptions']}",
                 flush=True,
             )
