@@ -136,3 +136,45 @@ def test_a_checkpoint_given_as_dot_is_served_under_its_directory_name(
     assert build_backend("torch", ".").model_name == checkpoint.path.name
     monkeypatch.chdir(checkpoint.path / "..")
     assert build_backend("torch", f"{checkpoint.path.name}/").model_name == checkpoint.path.name
+
+
+def test_a_chat_template_file_wins_over_the_one_in_tokenizer_config(checkpoint: Checkpoint) -> None:
+    """As in transformers (and so vLLM): a checkpoint that kept an older template in
+    tokenizer_config.json beside its chat_template.jinja got prompts built by the old one."""
+    transformers = pytest.importorskip("transformers")
+    set_template(checkpoint, "OLD{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    (checkpoint.path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    assert isinstance(tok, HFTokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    reference = transformers.AutoTokenizer.from_pretrained(checkpoint.path)
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert expected == "<user>hi<|assistant|>" and tok.decode(tok.apply_chat_template(messages)) == expected
+
+
+def test_model_safetensors_is_read_before_an_index_beside_it(make_checkpoint) -> None:
+    """transformers reads model.safetensors when it is there; the index's shards were read
+    instead, and the model answered with other weights."""
+    from torch_paged_runner import prompt_logits
+
+    from tierserve.executors.pytorch.executor import build_torch_executor
+
+    single, sharded = make_checkpoint(seed=1), make_checkpoint(max_shard_size="60KB", seed=2)
+    (sharded.path / "model.safetensors").write_bytes((single.path / "model.safetensors").read_bytes())
+    executor, _ = build_torch_executor(sharded.path, dtype=torch.float64, num_device_blocks=8)
+    prompt = [5, 9, 200, 31, 7]
+    torch.testing.assert_close(prompt_logits(executor, prompt), single.logits(prompt), atol=1e-9, rtol=1e-9)
+
+
+def test_two_weight_files_with_the_same_tensor_and_no_index_are_refused(checkpoint: Checkpoint) -> None:
+    """Each tensor was taken from whichever file sorted last: a stale copy won without a word."""
+    weights = checkpoint.path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    (checkpoint.path / "a.safetensors").write_bytes(data)
+    (checkpoint.path / "old-a.safetensors").write_bytes(data)
+    message = load_error(checkpoint.path)
+    assert "old-a.safetensors" in message and "also in a.safetensors" in message and "ambiguous" in message

@@ -88,7 +88,13 @@ def _unfilled_model(
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it (for error messages and loading)."""
+    """Tensor name -> safetensors file holding it (for error messages and loading). The files
+    transformers would read, in its order: `model.safetensors` alone, else the shards its index
+    lists, else every `*.safetensors` in the folder, none of which may repeat a tensor (a
+    stale copy beside the weights was read instead of them, without a word)."""
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return _tensors_of([single])
     index_path = directory / "model.safetensors.index.json"
     if index_path.exists():
         weight_map = read_json(index_path).get("weight_map")
@@ -104,13 +110,23 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         raise ModelLoadError(
             f"{directory}: missing file: no *.safetensors weights{_unread_weights(directory)}"
         )
+    return _tensors_of(shards)
+
+
+def _tensors_of(shards: list[Path]) -> dict[str, Path]:
     from safetensors import SafetensorError, safe_open
 
-    files = {}
+    files: dict[str, Path] = {}
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+                    if name in files:
+                        raise ModelLoadError(
+                            f"{shard}: tensor {name!r} is also in {files[name].name}: which weights "
+                            "to load is ambiguous (remove the stale file, or add "
+                            "model.safetensors.index.json)"
+                        )
                     files[name] = shard
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{shard}: unreadable safetensors: {e}") from None
@@ -228,7 +244,9 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
     if isinstance(template, list):  # named templates: take the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if not template and (directory / "chat_template.jinja").is_file():
+    if (directory / "chat_template.jinja").is_file():
+        # As in transformers: a template file of its own wins over the entry in
+        # tokenizer_config.json (an older template a checkpoint kept there built other prompts).
         template_file = directory / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8")
     bos = _token_text(tok_config.get("bos_token"))
