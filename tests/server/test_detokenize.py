@@ -94,3 +94,13 @@ def test_word_start_tokenizers_keep_the_space_of_the_first_word_and_after_an_eos
     stream = TextStream(tok, context_token_ids=tok.encode("the"))  # type: ignore[arg-type]
     out = [stream.push([t]) for t in (3, 4, 1, 2, 3)] + [stream.flush()]
     assert "".join(out) == " quick fox the quick"
+
+
+def test_a_word_after_a_run_of_tokens_that_decode_to_nothing_keeps_its_space() -> None:
+    """Four of them or more (special tokens, padding ids) filled the decode window, and the
+    next word was sent without its space."""
+    tok = _WordStartTokenizer()
+    for run in (4, 9):
+        stream = TextStream(tok, context_token_ids=tok.encode("the"))  # type: ignore[arg-type]
+        out = [stream.push([t]) for t in (3, *[1] * run, 4)] + [stream.flush()]
+        assert "".join(out) == " quick fox", run

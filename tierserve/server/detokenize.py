@@ -20,7 +20,9 @@ _REPLACEMENT = "\ufffd"
 MAX_INCOMPLETE_TOKENS = 4
 # Tokens decoded before the new ones, for context: tokenizers that mark word starts (Llama-2's
 # and Mistral's SentencePiece) drop the space of a window's first word, so that word must be
-# an old one; a few, since a special token (EOS under ignore_eos) decodes to nothing.
+# an old one. Only tokens that gave text count: a run of tokens that decode to nothing (special
+# tokens, EOS under ignore_eos, padding ids) made a window of no bearings, and the next word
+# lost its space.
 DECODE_CONTEXT_TOKENS = 4
 
 
@@ -34,7 +36,7 @@ class TextStream:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = list(context_token_ids[-DECODE_CONTEXT_TOKENS:]) if context_token_ids else []
-        self._prefix = 0  # decode context starts here
+        self._context = list(self._ids)  # decoded before the pending tokens (see DECODE_CONTEXT_TOKENS)
         self._read = len(self._ids)  # tokens before this one have been turned into text
         self._held = ""  # decoded, not yet released (may be the start of a stop string)
         self.stopped = False
@@ -58,10 +60,9 @@ class TextStream:
             return ""
         tail = ""
         if self._read < len(self._ids):
-            before = self._tok.decode(self._ids[self._prefix : self._read])
-            tail = self._tok.decode(self._ids[self._prefix :])[len(before) :]
+            before = self._tok.decode(self._context)
+            tail = self._tok.decode(self._context + self._ids[self._read :])[len(before) :]
             self._read = len(self._ids)
-            self._prefix = max(0, self._read - DECODE_CONTEXT_TOKENS)
         text = self._release(self._held + tail)
         if not self.stopped:
             text += self._held
@@ -69,15 +70,18 @@ class TextStream:
         return text
 
     def _decode_new(self) -> str:
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        pending = self._ids[self._read :]
+        before = self._tok.decode(self._context)
+        after = self._tok.decode(self._context + pending)
         if len(after) < len(before):
             return ""  # the new tokens changed the text before them: wait for more
-        if after.endswith(_REPLACEMENT) and len(self._ids) - self._read < MAX_INCOMPLETE_TOKENS:
+        if after.endswith(_REPLACEMENT) and len(pending) < MAX_INCOMPLETE_TOKENS:
             return ""  # an incomplete character: wait for the next token
         self._read = len(self._ids)
-        self._prefix = max(0, self._read - DECODE_CONTEXT_TOKENS)
-        return after[len(before) :]
+        new = after[len(before) :]
+        if new:
+            self._context = (self._context + pending)[-DECODE_CONTEXT_TOKENS:]
+        return new
 
     def _release(self, text: str) -> str:
         if not self._stop:

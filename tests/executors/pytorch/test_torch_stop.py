@@ -33,6 +33,14 @@ def test_a_word_after_a_token_that_decodes_to_nothing_keeps_its_space() -> None:
     assert "".join(stream(c, [[0], [6], [1], [1]])) + c.flush() == " hello world world"
 
 
+def test_a_word_after_a_run_of_tokens_that_decode_to_nothing_keeps_its_space() -> None:
+    """Four of them or more (special tokens, padding ids) filled the whole decode window."""
+    for run in (4, 7, 200):
+        c = StopStringChecker(WordTokenizer(), context_token_ids=[4])
+        pieces = [[0], *([6] for _ in range(run)), [1]]
+        assert "".join(stream(c, pieces)) + c.flush() == " hello world", run
+
+
 def test_stop_string_spanning_tokens_ends_the_text_before_it() -> None:
     tok = ByteTokenizer()
     c = StopStringChecker(tok, stop=["END"])

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for a partial multi-byte character
-DECODE_CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for their leading space
+DECODE_CONTEXT_TOKENS = 4  # text-giving tokens decoded before the new ones, for their leading space
 
 
 class Detokenizer(Protocol):
@@ -34,7 +34,10 @@ class StopStringChecker:
         self._stops = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._ids: list[int] = list(context_token_ids)
-        self._prefix_offset = 0  # decoding starts here, for context
+        # Decoded before the pending tokens, for their bearings: the last few tokens that gave
+        # text (tokens that decode to nothing, special or padding, give a decoder none: a
+        # window of them dropped the next word's leading space).
+        self._context: list[int] = list(context_token_ids)
         self._read_offset = len(self._ids)  # tokens before this are already in `_text`
         self._text = ""
         self._emitted = 0  # characters of `_text` released by push/flush
@@ -65,17 +68,18 @@ class StopStringChecker:
 
     def _decode_pending(self, *, final: bool) -> bool:
         """Move the tokens after `_read_offset` into `_text`; False if they are not final yet."""
-        if self._read_offset == len(self._ids):
+        pending = self._ids[self._read_offset :]
+        if not pending:
             return True
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._tok.decode(self._context)
+        full = self._tok.decode(self._context + pending)
         if not final and (full.endswith(_REPLACEMENT) or not full.startswith(prefix)):
             return False
-        self._text += full[_common_prefix_len(prefix, full) :]
-        # The next decode starts a few tokens back: a window whose first token is the new
-        # word's would drop its leading space where the one before decodes to nothing (EOS).
+        new = full[_common_prefix_len(prefix, full) :]
+        self._text += new
         self._read_offset = len(self._ids)
-        self._prefix_offset = max(0, self._read_offset - DECODE_CONTEXT_TOKENS)
+        if new:  # the next decode starts a few text-giving tokens back
+            self._context = (self._context + pending)[-DECODE_CONTEXT_TOKENS:]
         self._find_stop()
         return True
 
