@@ -109,3 +109,11 @@ def test_hybrid_settings_live_in_its_own_table() -> None:
     assert options.step_bound_s == 0.3 and options.p3_yields is False
     with pytest.raises(ConfigError, match=r"policy\.hybrid\.p0_step_tokens: must be >= 1"):
         parse_config({"policy": {"hybrid": {"p0_step_tokens": 0}}})
+
+
+def test_floors_over_100_percent_name_each_tiers_share_defaults_included() -> None:
+    """Only P0 set, yet "130 %": P1's default reserve was counted without a word."""
+    with pytest.raises(ConfigError) as e:
+        parse_config({"tiers": {"P0": {"floor": 1.0, "ceiling": 1.0}}})
+    message = str(e.value)
+    assert "130%" in message and "P0 100%" in message and "P1 30%" in message and "default" in message

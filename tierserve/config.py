@@ -152,7 +152,16 @@ def validate(config: EngineConfig) -> EngineConfig:
             raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
     total = sum(config.tiers[t].floor + config.tiers[t].reserve for t in ALL_TIERS)
     if total > 1 + 1e-9:
-        raise ConfigError(f"tiers: floors and reserves add up to {total:.0%}, over 100%")
+        parts = ", ".join(
+            f"{t.name} {config.tiers[t].floor + config.tiers[t].reserve:.0%}"
+            for t in ALL_TIERS
+            if config.tiers[t].floor + config.tiers[t].reserve
+        )
+        # A tier the file does not name keeps its default share, which the sum counts too.
+        raise ConfigError(
+            f"tiers: floors and reserves add up to {total:.0%}, over 100% ({parts}; a tier not "
+            "set keeps its default floor and reserve)"
+        )
     return config
 
 

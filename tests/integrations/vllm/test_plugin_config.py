@@ -263,5 +263,6 @@ def test_a_config_error_names_where_the_config_came_from(tmp_path: Path) -> None
     path.write_text('[vllm]\ncolour = "red"\n')
     with pytest.raises(ConfigError, match=rf"\$TIERSERVE_CONFIG \({path}\): vllm\.colour: unknown key"):
         load_plugin_config(None, environ={CONFIG_ENV: str(path)})
-    with pytest.raises(ConfigError, match=r"--additional-config 'tierserve': tiers\.P0\.floor"):
+    inline = r"--additional-config / additional_config 'tierserve': tiers\.P0\.floor"
+    with pytest.raises(ConfigError, match=inline):
         load_plugin_config({"tierserve": {"tiers": {"P0": {"floor": "0.1"}}}}, environ={})

@@ -101,6 +101,10 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
     return PluginConfig(parse_config(body), policy, priorities, default_tier)
 
 
+# vLLM's additional config, as `vllm serve` and `LLM(...)` users each write it.
+INLINE_SOURCE = f"--additional-config / additional_config {ADDITIONAL_CONFIG_KEY!r}"
+
+
 def load_plugin_config(
     additional_config: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ
 ) -> PluginConfig:
@@ -108,16 +112,14 @@ def load_plugin_config(
     path = environ.get(CONFIG_ENV)
     inline = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
     if path and inline is not None:
-        raise ConfigError(
-            f"both ${CONFIG_ENV} ({path}) and --additional-config {ADDITIONAL_CONFIG_KEY!r} are set; use one"
-        )
+        raise ConfigError(f"both ${CONFIG_ENV} ({path}) and {INLINE_SOURCE} are set; use one")
     if path:
         raw = load_raw(path)  # its errors name the file already
         return _parse_from(f"${CONFIG_ENV} ({path})", raw)
     if inline is not None:
         if not isinstance(inline, Mapping):
             raise ConfigError(f"additional_config.{ADDITIONAL_CONFIG_KEY}: expected a JSON object")
-        return _parse_from(f"--additional-config {ADDITIONAL_CONFIG_KEY!r}", inline)
+        return _parse_from(INLINE_SOURCE, inline)
     return PluginConfig()
 
 
