@@ -24,11 +24,17 @@ def _azure_trace(path: Path, num_rows: int, seed: int) -> Path:
     return path
 
 
-def test_bench_fleet_writes_results_report_and_plots_for_each_router(tmp_path: Path) -> None:
+def test_bench_fleet_writes_results_report_and_plots_for_each_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = _azure_trace(tmp_path / "trace.csv", 40, seed=1)
     out = tmp_path / "out"
     argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), "--router", "round-robin,tier-aware"]
     assert main([*argv, "--out", str(out)]) == 0
+    # A line a run on the terminal (it printed only where the files went).
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:5] == ["run", "P0", "P1", "P2", "P3"] and len(table) == 3
+    assert table[1].startswith("round-robin / fixed") and table[2].startswith("tier-aware / fixed")
 
     results = json.loads((out / "results.json").read_text())
     meta, runs = results["meta"], results["runs"]

@@ -257,7 +257,43 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}/results.json, report.md and {len(plots)} plots", file=sys.stderr)
     if args.json:
         print(json.dumps([{k: r[k] for k in ("router", "scaling")} | _brief(r["summary"]) for r in runs]))
+    else:
+        print(summary_table(runs))
     return 0
+
+
+def summary_table(runs: list[dict[str, Any]]) -> str:
+    """One line a run: its SLO attainment by tier, goodput, GPU-hours and the requests it did
+    not serve (report.md has the rest)."""
+    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "launched", "refused", "lost"]
+    rows = [head]
+    for run in runs:
+        s = run["summary"]
+        tiers = s["tiers"]
+        goodput = [t["goodput_rps"] for t in tiers.values()]
+        rows.append(
+            [
+                f"{run['router']} / {run['scaling']}",
+                *(_share(tiers[name]["slo_attainment"]) for name in ("P0", "P1", "P2", "P3")),
+                "-" if None in goodput else f"{sum(goodput):.3f}",
+                f"{s['gpu_hours']:.2f}",
+                str(s["num_replicas_launched"]),
+                str(sum(t["num_refused"] for t in tiers.values())),
+                str(s["num_lost"]),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    )
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _brief(summary: dict[str, Any]) -> dict[str, Any]:
