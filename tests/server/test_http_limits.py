@@ -160,6 +160,17 @@ def test_a_body_over_the_size_limit_gets_413_and_the_connection_closes_unread(
     assert {r: errors(server, r) for r in before} == before
 
 
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"deflate"])
+def test_a_transfer_coding_other_than_chunked_gets_501(server: LiveServer, coding: bytes) -> None:
+    """`gzip, chunked` was taken as chunked and the gzip ignored: the body failed as JSON."""
+    before = errors(server, "unsupported_transfer_encoding")
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: " + coding + b"\r\n\r\n"
+    with connect(server) as sock:
+        sock.sendall(head + b"5\r\nhello\r\n0\r\n\r\n")
+        assert status_and_code(read_all(sock)) == (501, "unsupported_transfer_encoding")
+    assert errors(server, "unsupported_transfer_encoding") == before + 1
+
+
 def test_a_chunked_body_without_its_end_gets_400_at_the_body_timeout(server: LiveServer) -> None:
     head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
     with connect(server) as sock:

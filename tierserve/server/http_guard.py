@@ -11,6 +11,9 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
 * a body not complete `body_timeout_s` after its headers, or cut short by the client's
   end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
 * a connection beyond `max_connections`: 503;
+* a transfer coding other than `chunked` (`Transfer-Encoding: gzip, chunked`): 501, as RFC
+  9112 asks of a coding the server does not implement (the gzip was ignored, and the body
+  then failed as JSON);
 * bytes that are not HTTP/1.1 (a malformed request line, header or chunk framing): 400,
   where uvicorn would answer in plain text, uncounted.
 
@@ -41,6 +44,7 @@ _REASONS = {
     431: "Request Header Fields Too Large",
     408: "Request Timeout",
     400: "Bad Request",
+    501: "Not Implemented",
     503: "Service Unavailable",
 }
 
@@ -135,6 +139,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(
                 431, "too_many_headers", f"More than {self.settings.limits.max_headers} header fields."
             )
+            return
+        if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            coding = value.decode("latin-1")[:64]
+            self._refuse(501, "unsupported_transfer_encoding", f"Transfer-Encoding {coding!r}: only chunked.")
             return
         super().on_header(name, value)
 
