@@ -35,9 +35,10 @@ class TextStream:
     ) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = list(context_token_ids[-DECODE_CONTEXT_TOKENS:]) if context_token_ids else []
-        self._context = list(self._ids)  # decoded before the pending tokens (see DECODE_CONTEXT_TOKENS)
-        self._read = len(self._ids)  # tokens before this one have been turned into text
+        # Decoded before the pending tokens (see DECODE_CONTEXT_TOKENS), and the tokens not yet
+        # turned into text.
+        self._context: list[int] = list(context_token_ids[-DECODE_CONTEXT_TOKENS:])
+        self._pending: list[int] = []
         self._held = ""  # decoded, not yet released (may be the start of a stop string)
         self.stopped = False
         self.num_tokens_used = 0  # tokens up to and including the one that completed a stop string
@@ -47,7 +48,7 @@ class TextStream:
             return ""
         out: list[str] = []
         for token in token_ids:
-            self._ids.append(token)
+            self._pending.append(token)
             self.num_tokens_used += 1
             out.append(self._release(self._held + self._decode_new()))
             if self.stopped:
@@ -59,10 +60,10 @@ class TextStream:
         if self.stopped:
             return ""
         tail = ""
-        if self._read < len(self._ids):
+        if self._pending:
             before = self._tok.decode(self._context)
-            tail = self._tok.decode(self._context + self._ids[self._read :])[len(before) :]
-            self._read = len(self._ids)
+            tail = self._tok.decode(self._context + self._pending)[len(before) :]
+            self._pending = []
         text = self._release(self._held + tail)
         if not self.stopped:
             text += self._held
@@ -70,14 +71,14 @@ class TextStream:
         return text
 
     def _decode_new(self) -> str:
-        pending = self._ids[self._read :]
+        pending = self._pending
         before = self._tok.decode(self._context)
         after = self._tok.decode(self._context + pending)
         if len(after) < len(before):
             return ""  # the new tokens changed the text before them: wait for more
         if after.endswith(_REPLACEMENT) and len(pending) < MAX_INCOMPLETE_TOKENS:
             return ""  # an incomplete character: wait for the next token
-        self._read = len(self._ids)
+        self._pending = []
         new = after[len(before) :]
         if new:
             self._context = (self._context + pending)[-DECODE_CONTEXT_TOKENS:]

@@ -40,15 +40,15 @@ class HttpLimits:
 MIN_HEADER_BYTES = 1024
 
 
-def _value(path: str, value: Any, *, integer: bool) -> float:
+def _value(path: str, value: Any, *, integer: bool, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     if integer and not isinstance(value, int):
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{path}: must be a finite number > 0, got {value!r}")
-    if path.endswith(".max_header_bytes") and value < MIN_HEADER_BYTES:
-        raise ConfigError(f"{path}: must be at least {MIN_HEADER_BYTES} (a request line and its headers)")
+    if value < minimum:
+        raise ConfigError(f"{path}: must be at least {minimum:g}, got {value!r}")
     return float(value)
 
 
@@ -59,14 +59,14 @@ def parse_http_limits(raw: Mapping[str, Any], base: HttpLimits | None = None) ->
         if key not in KEYS:
             raise ConfigError(f"server.http.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
 
-    def get(key: str, integer: bool) -> float:
+    def get(key: str, integer: bool, minimum: float = 0.0) -> float:
         value = raw.get(key)
         if value is None:
             return float(getattr(base, key))
-        return _value(f"server.http.{key}", value, integer=integer)
+        return _value(f"server.http.{key}", value, integer=integer, minimum=minimum)
 
     return HttpLimits(
-        max_header_bytes=int(get("max_header_bytes", True)),
+        max_header_bytes=int(get("max_header_bytes", True, MIN_HEADER_BYTES)),
         max_headers=int(get("max_headers", True)),
         header_timeout_s=get("header_timeout_s", False),
         body_timeout_s=get("body_timeout_s", False),

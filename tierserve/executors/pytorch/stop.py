@@ -33,12 +33,11 @@ class StopStringChecker:
         self._tok = tokenizer
         self._stops = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stops), default=0)
-        self._ids: list[int] = list(context_token_ids)
         # Decoded before the pending tokens, for their bearings: the last few tokens that gave
         # text (tokens that decode to nothing, special or padding, give a decoder none: a
         # window of them dropped the next word's leading space).
         self._context: list[int] = list(context_token_ids)
-        self._read_offset = len(self._ids)  # tokens before this are already in `_text`
+        self._pending: list[int] = []  # tokens not yet in `_text`
         self._text = ""
         self._emitted = 0  # characters of `_text` released by push/flush
         self._searched = 0  # stop strings cannot start before this index of `_text`
@@ -54,7 +53,7 @@ class StopStringChecker:
         """Add tokens; return the text that is now final. Ignores tokens once stopped."""
         if self.stopped:
             return ""
-        self._ids.extend(new_token_ids)
+        self._pending.extend(new_token_ids)
         if not self._decode_pending(final=False):
             return ""  # mid-character: wait for the next token
         end = len(self._text) if self.stopped else len(self._text) - self._held_back()
@@ -67,8 +66,8 @@ class StopStringChecker:
         return self._release(len(self._text))
 
     def _decode_pending(self, *, final: bool) -> bool:
-        """Move the tokens after `_read_offset` into `_text`; False if they are not final yet."""
-        pending = self._ids[self._read_offset :]
+        """Move the pending tokens into `_text`; False if they are not final yet."""
+        pending = self._pending
         if not pending:
             return True
         prefix = self._tok.decode(self._context)
@@ -77,7 +76,7 @@ class StopStringChecker:
             return False
         new = full[_common_prefix_len(prefix, full) :]
         self._text += new
-        self._read_offset = len(self._ids)
+        self._pending = []
         if new:  # the next decode starts a few text-giving tokens back
             self._context = (self._context + pending)[-DECODE_CONTEXT_TOKENS:]
         self._find_stop()
