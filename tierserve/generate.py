@@ -72,8 +72,8 @@ def generate(
     is final. `sampling`: `SamplingParams` fields (max_tokens defaults to 64 here)."""
     from tierserve.clock import WallClock
     from tierserve.config import EngineConfig
+    from tierserve.detokenize import TextStream
     from tierserve.engine import Engine
-    from tierserve.executors.pytorch.stop import StopStringChecker
     from tierserve.request import Request, SamplingParams
 
     if chat:
@@ -86,16 +86,23 @@ def generate(
     req = Request("generate-0", prompt_ids, params, arrival_time=clock.now())
     if not engine.add_request(req):
         raise ValueError(f"request rejected: {req.reject_reason}")
-    checker = StopStringChecker(tokenizer, stop, context_token_ids=prompt_ids[-_CONTEXT_TOKENS:])
-    emit = on_text or (lambda _text: None)
+    stream = TextStream(tokenizer, stop, context_token_ids=prompt_ids[-_CONTEXT_TOKENS:])
+    pieces: list[str] = []
+
+    def emit(text: str) -> None:
+        if text:
+            pieces.append(text)
+            if on_text is not None:
+                on_text(text)
+
     while engine.has_unfinished():
         for out in engine.step():
-            emit(checker.push(out.new_token_ids))
-            if checker.stopped and not out.finished:
+            emit(stream.push(out.new_token_ids))
+            if stream.stopped and not out.finished:
                 engine.finish(req.request_id)
-    emit(checker.flush())
-    reason = "stop" if checker.stopped else (req.finish_reason.value if req.finish_reason else "")
-    return GenerateResult(list(prompt_ids), list(req.output_token_ids), checker.text, reason)
+    emit(stream.flush())
+    reason = "stop" if stream.stopped else (req.finish_reason.value if req.finish_reason else "")
+    return GenerateResult(list(prompt_ids), list(req.output_token_ids), "".join(pieces), reason)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -19,10 +19,10 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
+from tierserve.detokenize import TextStream
 from tierserve.request import FinishReason, Request
 from tierserve.server.body_gate import BodyGate
 from tierserve.server.config import TenantConfig
-from tierserve.server.detokenize import TextStream
 from tierserve.server.errors import ApiError
 from tierserve.server.formatting import DONE, ResponseFormatter, Usage, error_event
 from tierserve.server.prepare import Prepared, check_model, prepare

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from tests.server.helpers import ByteTokenizer
-from tierserve.server.detokenize import TextStream
+from tierserve.detokenize import TextStream
 
 
 def _feed(stream: TextStream, text: str, per_push: int = 1) -> list[str]:
@@ -104,3 +104,30 @@ def test_a_word_after_a_run_of_tokens_that_decode_to_nothing_keeps_its_space() -
         stream = TextStream(tok, context_token_ids=tok.encode("the"))  # type: ignore[arg-type]
         out = [stream.push([t]) for t in (3, *[1] * run, 4)] + [stream.flush()]
         assert "".join(out) == " quick fox", run
+
+
+class _WordTokenizer:
+    """Each id is a word; a word-start marker gives the space, dropped at the start of a decode."""
+
+    WORDS = ("▁hello", "▁world", "!", "▁STOP", "▁the", "▁end", "")  # 6: EOS, decodes to nothing
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(self.WORDS[t] for t in token_ids).replace("▁", " ").lstrip(" ")
+
+
+def test_without_stops_each_word_comes_out_with_its_token() -> None:
+    stream = TextStream(_WordTokenizer(), context_token_ids=[4])
+    assert [stream.push([t]) for t in (0, 1, 2)] == [" hello", " world", "!"]
+    assert not stream.stopped and stream.flush() == ""
+
+
+def test_a_word_after_one_token_that_decodes_to_nothing_keeps_its_space() -> None:
+    """EOS under ignore_eos: a decode window starting at it dropped the next word's space."""
+    stream = TextStream(_WordTokenizer(), context_token_ids=[4])
+    assert "".join(stream.push([t]) for t in (0, 6, 1, 1)) + stream.flush() == " hello world world"
+
+
+def test_a_stop_string_inside_one_push_of_several_tokens_ends_the_text_before_it() -> None:
+    stream = TextStream(_WordTokenizer(), stop=["end", "STOP"])
+    assert stream.push([0, 3, 4, 5]) == "hello "
+    assert stream.stopped and stream.num_tokens_used == 2

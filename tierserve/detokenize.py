@@ -1,18 +1,19 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, for the server's streams and `tierserve generate`.
 
-`TextStream.push(new_ids)` returns the text that is safe to send now. It decodes only a
+Stop token ids end a request inside the engine; stop *strings* can only be seen in text, so
+the caller feeds each request's new tokens here and finishes the request once `stopped` is
+true. `TextStream.push(new_ids)` returns the text that is safe to send now. It decodes only a
 short window of recent tokens (so a long generation costs O(n), not O(n^2)), holds back
 text that ends in an incomplete UTF-8 character (for up to 4 tokens: then the replacement
-characters are real and are sent), and holds back any tail that could be
-the start of a stop string. When a stop string appears, the text before it is released,
+characters are real and are sent), and holds back any tail that could be the start of a
+stop string. When a stop string appears, the text before it is released,
 `stopped` turns true and everything after is dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from tierserve.server.tokenizer import Tokenizer
+from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
 # A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still ending in U+FFFD
@@ -26,12 +27,16 @@ MAX_INCOMPLETE_TOKENS = 4
 DECODE_CONTEXT_TOKENS = 4
 
 
+class Detokenizer(Protocol):
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
 class TextStream:
     """`context_token_ids`: the prompt's last tokens, for the first output tokens' context
     (never part of the text)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, stop: Sequence[str] = (), context_token_ids: Sequence[int] = ()
+        self, tokenizer: Detokenizer, stop: Sequence[str] = (), context_token_ids: Sequence[int] = ()
     ) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
