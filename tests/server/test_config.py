@@ -44,6 +44,8 @@ def test_burst_defaults_to_one_second_of_rate() -> None:
         ({"server": {"large_body_share": 1.5}}, "server.large_body_share"),
         ({"server": {"large_body_queue": 0}}, "server.large_body_queue"),
         ({"server": {"large_body_queue": 2.5}}, "server.large_body_queue"),
+        ({"server": {"engine_stall_s": -1}}, "server.engine_stall_s"),
+        ({"server": {"engine_stall_s": float("inf")}}, "server.engine_stall_s"),
         ({"server": {"ratelimit": {"backend": "memcached"}}}, "server.ratelimit.backend"),
         ({"server": {"ratelimit": {"fail_mode": "maybe"}}}, "server.ratelimit.fail_mode"),
         ({"limits": {"requests_per_s": -1}}, "limits.requests_per_s"),

@@ -26,6 +26,7 @@ from tests.server.helpers import (
     pool_free_and_total,
     wait_until_ready,
 )
+from tierserve.server.config import ServeConfig, ServerSettings
 from tierserve.server.engine_client import EngineClient
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -203,3 +204,36 @@ def test_commands_and_outputs_larger_than_the_pipe_buffer_cross_intact() -> None
         assert big.status_code == 200, big.text
         assert big.json()["usage"]["prompt_tokens"] == len(prompt)
         assert srv.state.engine.running
+
+
+def test_ready_answers_503_while_a_stopped_engine_holds_work_and_200_once_it_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hung engine process (here SIGSTOP) is alive, so nothing fails; only its silence while
+    requests wait tells the load balancer to send them elsewhere."""
+    config = ServeConfig(server=ServerSettings(engine_stall_s=0.5))
+    state = make_state(config, step_s=0.005)
+    engine = state.engine
+    assert isinstance(engine, EngineClient)
+    with live_server(state) as srv:
+        assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
+        time.sleep(1.0)  # idle for longer than the limit: silence without work is no stall
+        assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
+        body = {**CHAT, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            assert next(lines) and next(lines)  # the stream is under way
+            os.kill(engine.pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.0)
+                stalled = httpx.get(srv.url + "/ready", timeout=10)
+                again = httpx.get(srv.url + "/ready", timeout=10)
+            finally:
+                os.kill(engine.pid, signal.SIGCONT)
+            rest = list(lines)
+        assert stalled.status_code == 503 and "silent" in stalled.json()["reason"]
+        assert again.status_code == 503
+        assert rest[-1] == "data: [DONE]" and "error" not in "".join(rest)  # the stream finished
+        assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
+    stall_lines = [r for r in caplog.records if "has sent nothing" in r.getMessage()]
+    assert len(stall_lines) == 1  # one line a stall, not one a probe

@@ -195,9 +195,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.engine.running and not state.draining:
+        why = state.not_ready()
+        if why is None:
             return JSONResponse({"status": "ready"})
-        why = "draining" if state.draining else "engine loop not running"
         return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
 
     @app.get("/metrics")

@@ -78,6 +78,9 @@ class ServerSettings:
     # None = served unless the server requires API keys.
     api_docs: bool | None = None
     drain_timeout_s: float = 30.0
+    # /ready answers 503 while the engine has had work and sent nothing for this long (a hung
+    # or stopped engine process: no step ends); 0 = never. Keep it above the longest step.
+    engine_stall_s: float = 60.0
     ratelimit: RateLimitBackendConfig = field(default_factory=RateLimitBackendConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
 
@@ -242,6 +245,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "allow_anonymous",
         "api_docs",
         "drain_timeout_s",
+        "engine_stall_s",
         "ratelimit",
         "http",
     )
@@ -278,6 +282,9 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         api_docs=None if "api_docs" not in raw else _bool("server.api_docs", raw["api_docs"]),
         drain_timeout_s=_number(
             "server.drain_timeout_s", raw.get("drain_timeout_s", base.drain_timeout_s), minimum=0.0
+        ),
+        engine_stall_s=_number(
+            "server.engine_stall_s", raw.get("engine_stall_s", base.engine_stall_s), minimum=0.0
         ),
         ratelimit=_ratelimit_backend(
             "server.ratelimit", _table("server.ratelimit", raw.get("ratelimit", {}))

@@ -82,6 +82,8 @@ class EngineClient:
         self._submitted = dict.fromkeys(ALL_TIERS, 0)
         self._applied = dict.fromkeys(ALL_TIERS, 0)
         self._reading = False
+        # When the engine process last sent anything, or was given work while it had none.
+        self._heard_at = time.monotonic()
         self._died = False
         self._stopping = False
         self.snapshot = EngineSnapshot()
@@ -139,6 +141,14 @@ class EngineClient:
     def running(self) -> bool:
         return not self._died and not self._stopping
 
+    def silent_s(self) -> float:
+        """How long the engine process has had work (requests or calls) and sent nothing; 0
+        when it has none. A step sends a message when it ends, so this is the step in flight,
+        and a long one means an engine hung or stopped (SIGSTOP, a deadlock, a stuck device)."""
+        if not self._routes and not self._calls:
+            return 0.0
+        return time.monotonic() - self._heard_at
+
     @property
     def died(self) -> bool:
         """The engine process ended without being asked to."""
@@ -185,6 +195,7 @@ class EngineClient:
             handle.finished = True
             handle.queue.put_nowait(Delta((), True, FinishReason.ABORTED, ENGINE_LOST))
             return handle
+        self._note_work()
         self._routes[rid] = handle
         self._submitted[request.tier] += 1
         self._send(AddRequest(request, entitled))
@@ -242,6 +253,7 @@ class EngineClient:
     async def _call(self, make: Callable[[int], Inspect | ScrapeMetrics]) -> Any:
         if self._loop is None or not self.running:
             raise EngineStartError(ENGINE_LOST)
+        self._note_work()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
@@ -250,6 +262,11 @@ class EngineClient:
             return await future
         finally:
             self._calls.pop(call_id, None)
+
+    def _note_work(self) -> None:
+        """Work is about to be sent: an idle engine's silence starts counting now."""
+        if not self._routes and not self._calls:
+            self._heard_at = time.monotonic()
 
     def _send(self, command: Command) -> None:
         if not self.running:
@@ -277,6 +294,7 @@ class EngineClient:
         try:
             while self._conn.poll(0):
                 message = self._conn.recv()
+                self._heard_at = time.monotonic()
                 if isinstance(message, StepOutputs):
                     self._apply(message)
                     if message.firsts and self._loop is not None:

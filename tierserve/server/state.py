@@ -56,6 +56,7 @@ class ServerState:
     remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
     trace: ServeTrace | None = None  # set before create_app to record per-request timestamps
     draining: bool = False
+    engine_stalled: bool = False  # /ready found the engine silent past `engine_stall_s` (logged once)
     body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies, in a process of its own
     uploads: Uploads = field(default_factory=Uploads)  # bodies coming in: draining refuses them
     _background: set[asyncio.Task[None]] = field(default_factory=set)
@@ -68,6 +69,31 @@ class ServerState:
         upload held the shutdown until uvicorn cancelled it into a 500 and a traceback."""
         self.draining = True
         self.uploads.refuse_all()
+
+    def not_ready(self) -> str | None:
+        """Why /ready should answer 503, or None: the engine loop gone, a drain, or an engine
+        that has had work and sent nothing for `server.engine_stall_s` (logged once a stall)."""
+        if self.draining:
+            return "draining"
+        if not self.engine.running:
+            return "engine loop not running"
+        limit = self.config.server.engine_stall_s
+        silent = self.engine.silent_s()
+        stalled = 0 < limit <= silent
+        if stalled != self.engine_stalled:
+            self.engine_stalled = stalled
+            if stalled:
+                log.warning(
+                    "engine process %d has sent nothing for %.0f s with %d requests in flight; "
+                    "/ready answers 503 until it does (server.engine_stall_s = %g)",
+                    self.engine.pid,
+                    silent,
+                    self.engine.num_in_flight,
+                    limit,
+                )
+            else:
+                log.info("engine process %d is answering again; /ready answers 200", self.engine.pid)
+        return f"engine silent for {silent:.0f} s with work in flight" if stalled else None
 
     def new_request_id(self, kind: str) -> str:
         return f"{kind}-{self._id_prefix}{next(self._ids):09x}"
