@@ -142,6 +142,9 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             "--out /proc/tierserve/x: cannot make its folder",
         ),
         (["bench", "sim-speed", "--out", "/"], 2, "--out / is a folder: name the JSON file"),
+        # A folder not made yet: the result was written to a file named after it.
+        (["bench", "sim-speed", "--out", MISSING + "/"], 2, "/ is a folder: name the JSON file"),
+        (["bench", "sim-check", "--device", "foo"], 2, "device must be cpu or cuda, got 'foo'"),
         (["bench", "sim-speed", "--seed", "-5"], 2, "--seed"),
         (["serve", "--max-headers", "0"], 2, "argument --max-headers: expected an integer >= 1"),
         (["serve", "--backend", "sim", "--device", "cuda"], 2, "--device applies to --backend torch"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +14,9 @@ def make_out_folder(out: str | None) -> None:
     """Make the folder of the result file `out` now, so that a path that cannot be written
     fails before the benchmark runs rather than after (OSError, or ValueError for a folder)."""
     if out:
-        if Path(out).is_dir():
+        # "results/" names a folder, even one not made yet (Path drops the slash, and the
+        # result was written to a file called "results").
+        if Path(out).is_dir() or out.endswith(("/", os.sep)):
             raise ValueError(f"--out {out} is a folder: name the JSON file to write")
         with _naming_out(out):
             Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -349,7 +349,10 @@ def _device(device: str) -> torch.device:
     """The torch device; ValueError for one other than cpu or cuda, or cuda without a GPU."""
     import torch
 
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's message lists twenty device types this command does not run on
+        raise ValueError(f"device must be cpu or cuda, got {device!r}") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -402,7 +405,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="demo", help="a known model name (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="a known model name, or a local Hugging Face model directory (its config.json; the "
+        "weights are random) (default: %(default)s)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument(

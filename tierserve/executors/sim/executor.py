@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,11 +42,34 @@ _MIX64 = 0xBF58476D1CE4E5B9  # SplitMix64's first multiplier (Steele, Lea, Flood
 
 
 def get_model(name: str) -> ModelConfig:
-    """The model called `name` (case-insensitive); ValueError listing the known ones if none is."""
+    """The model called `name` (case-insensitive), or the one a local Hugging Face model
+    directory describes (its config.json, or that file itself; no weights are read). Its
+    name is then `name`, so that the path finds it again. ValueError if neither, naming the
+    known models, or saying what config.json lacks."""
     model = KNOWN_MODELS.get(name.lower())
-    if model is None:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}")
-    return model
+    if model is not None:
+        return model
+    path = Path(name)
+    if path.is_dir() or path.is_file():
+        from tierserve.executors.pytorch.hf_config import ModelLoadError, parse_hf_config, read_json
+
+        config = path / "config.json" if path.is_dir() else path
+        try:
+            spec = parse_hf_config(config)
+            quantized = read_json(config).get("quantization_config")
+        except ModelLoadError as e:
+            raise ValueError(str(e)) from None
+        if quantized is not None:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+            raise ValueError(
+                f"{config}: quantized weights ({method}) are not modelled: the simulator prices "
+                f"{8 * spec.config.dtype_bytes}-bit weights and K/V"
+            )
+        return replace(spec.config, name=name)
+    raise ValueError(
+        f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}, "
+        "or a local model directory with a config.json"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "When the weights leave no room for the K/V cache, it says the model does not fit, names the "
         "smallest --tp that fits, and exits with status 1 (bad arguments: status 2).",
     )
-    p.add_argument("--model", required=True, help=f"one of: {', '.join(sorted(KNOWN_MODELS))}")
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"one of: {', '.join(sorted(KNOWN_MODELS))}; or a local Hugging Face model directory "
+        "(its config.json is read; no weights)",
+    )
     p.add_argument("--gpu", required=True, help=f"one of: {', '.join(sorted(KNOWN_GPUS))}")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     p.add_argument(
@@ -87,11 +92,27 @@ class Profile:
                 f" (roofline {ms * self.prefill_roofline_s:.2f} ms)",
                 f"  decode step, batch {self.batch}, context {self.context}: {ms * self.decode_step_s:.2f} ms"
                 f" (roofline {ms * self.decode_roofline_s:.2f} ms; {self.decode_tokens_per_s:.0f} tokens/s)",
-                f"  K/V bytes per token: {self.kv_bytes_per_token:,}"
-                f" ({self.kv_bytes_per_token_per_gpu:,} per GPU)",
-                f"  K/V capacity at {self.mem_util:.0%} of memory: {self.kv_capacity_tokens:,} tokens",
+                f"  K/V bytes per token: {self.kv_bytes_per_token:,}{self._split()}",
+                f"  K/V capacity at {_percent(self.mem_util)} of memory: {self.kv_capacity_tokens:,} tokens",
             ]
         )
+
+    def _split(self) -> str:
+        """How the K/V bytes lie on the GPUs; past one GPU per KV head each GPU holds a copy of
+        a head, and the model's own figure is less than the total."""
+        if self.tp == 1:
+            return ""
+        heads = get_model(self.model).num_key_value_heads
+        copied = f"; its {heads} KV heads are copied to reach {self.tp} GPUs" if self.tp > heads else ""
+        return f" on the {self.tp} GPUs ({self.kv_bytes_per_token_per_gpu:,} per GPU{copied})"
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.4g}%"
+
+
+# Shapes past this many tokens are typing mistakes: their float figures overflow.
+MAX_SHAPE = 1 << 40
 
 
 def profile(
@@ -109,11 +130,18 @@ def profile(
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if context < 0:
         raise ValueError(f"--context must be >= 0, got {context}")
+    for name, value in (("prefill-tokens", prefill_tokens), ("batch", batch), ("context", context)):
+        if value > MAX_SHAPE:
+            raise ValueError(f"--{name} must be <= {MAX_SHAPE:,}, got {value:,}")
+    if batch * (context + 1) > MAX_SHAPE:
+        raise ValueError(
+            f"--batch x --context must be <= {MAX_SHAPE:,} tokens, got {batch * (context + 1):,}"
+        )
     if not 0 < mem_util <= 1:
         raise ValueError(f"--mem-util must be in (0, 1], got {mem_util:g}")
     cm = CostModel(get_gpu(gpu_name), get_model(model_name), tp)
     prefill = cm.step_cost([SeqChunk(prefill_tokens, 0)])
-    decode = cm.step_cost([SeqChunk(1, context)] * batch)
+    decode = cm.decode_step_cost(batch, batch * context)
     return Profile(
         model=cm.model.name,
         gpu=cm.gpu.name,
@@ -143,7 +171,7 @@ def does_not_fit(figures: Profile) -> str | None:
     hint = f"try --tp {fitting[0]}" if fitting else "no --tp up to 64 fits"
     return (
         f"{figures.model} does not fit on {figures.tp} x {figures.gpu}: its weights take "
-        f"{figures.weight_bytes_per_gpu / _GIB:.1f} GiB per GPU, {figures.mem_util:.0%} of one GPU's "
+        f"{figures.weight_bytes_per_gpu / _GIB:.1f} GiB per GPU, {_percent(figures.mem_util)} of one GPU's "
         f"memory is {usable / _GIB:.1f} GiB (2 GiB of it kept for activations), so no K/V cache is left; "
         f"{hint}"
     )
@@ -157,6 +185,11 @@ def beyond_limits(figures: Profile) -> list[str]:
     for what, tokens in (("a prefill", figures.prefill_tokens), ("a context", figures.context + 1)):
         if tokens > context:
             notes.append(f"{what} of {tokens:,} tokens exceeds the model's context ({context:,})")
+    if figures.prefill_tokens > figures.kv_capacity_tokens:
+        notes.append(
+            f"a prefill of {figures.prefill_tokens:,} tokens holds that many tokens of K/V, over the "
+            f"{figures.kv_capacity_tokens:,} that fit"
+        )
     held = figures.batch * (figures.context + 1)
     if held > figures.kv_capacity_tokens:
         notes.append(
