@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import make_request
@@ -139,3 +142,25 @@ def test_drawn_runs_are_kept_for_a_bounded_number_of_requests() -> None:
     for i in range(AHEAD_MEMO_SIZE + 10):
         tokens.tokens(f"r{i}", 0, 16)
     assert 0 < len(tokens._ahead) <= AHEAD_MEMO_SIZE
+
+
+def test_a_local_model_directory_builds_the_same_executor_as_its_built_in_name(tmp_path: Path) -> None:
+    """`serve --backend sim --model DIR` and `profile --model DIR` go through this: the config
+    of Llama-3.1-8B written out gives the built-in model's blocks and context."""
+    m = LLAMA_3_1_8B
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.num_hidden_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_key_value_heads,
+        "max_position_embeddings": m.max_position_embeddings,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    local = build_sim_executor(str(tmp_path), "a100-80gb")
+    built_in = build_sim_executor("llama-3.1-8b", "a100-80gb")
+    assert local.spec.num_device_blocks == built_in.spec.num_device_blocks
+    assert local.spec.max_model_len == built_in.spec.max_model_len
