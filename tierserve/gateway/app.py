@@ -88,7 +88,7 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
         try:
             yield
         finally:
-            gw.draining = True
+            gw.begin_draining()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

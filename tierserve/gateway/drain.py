@@ -44,8 +44,7 @@ class DrainingGateway(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         if self._drain_task is None:
-            self._gw.draining = True
-            self._gw.uploads.refuse_all()  # 503 draining, unread (tierserve/server/uploads.py)
+            self._gw.begin_draining()
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:

@@ -51,6 +51,12 @@ class GatewayState:
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
+    def begin_draining(self) -> None:
+        """Stop admitting (on the event loop); a body still uploading is refused now, unread
+        (as `ServerState.begin_draining`)."""
+        self.draining = True
+        self.uploads.refuse_all()
+
     def open_streams(self) -> aiohttp.ClientSession:
         """The upstream session; made on first use, inside the running event loop."""
         if self.streams is None:

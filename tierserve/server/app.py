@@ -121,7 +121,7 @@ def _lifespan(
         try:
             yield
         finally:
-            state.draining = True
+            state.begin_draining()
             await state.engine.stop()
             await state.body_parser.aclose()
             if state.remote_buckets is not None:
