@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -174,3 +175,54 @@ def test_a_metrics_page_that_is_not_prometheus_text_is_never_admitted() -> None:
         )
 
     assert not _polled(answer).healthy
+
+
+def test_an_upstream_that_never_answers_its_check_holds_up_no_other_upstreams_scrape(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`/metrics` trickling in a byte at a time never tripped httpx's per-read timeouts, and
+    every upstream's scrape waited for the round: the healthy one's sample went stale, it
+    counted as full, and requests queued in the gateway past their tier's max_wait_s."""
+    raw = {
+        "gateway": {"scrape_interval_s": 0.05, "stale_after_s": 0.3, "connect_timeout_s": 0.2},
+        "upstreams": [
+            {"name": "slow", "kind": "vllm", "url": "http://slow.test"},
+            {"name": "ok", "kind": "vllm", "url": "http://ok.test"},
+        ],
+    }
+    gw = build_gateway_state(parse_gateway_config(raw))
+    metrics = 'vllm:num_requests_waiting{model_name="tiny"} 0.0\nvllm:num_requests_running 0.0\n'
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "slow.test":
+            await asyncio.sleep(3600)  # a trickle, as far as any one read's timeout can tell
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics)
+        return httpx.Response(200, json=MODELS)
+
+    async def run() -> tuple[float, float]:
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            poller = UpstreamPoller(gw)
+            started = gw.clock.now()
+            await poller.poll_once()  # as the gateway does before it serves
+            first_round = gw.clock.now() - started
+            task = asyncio.get_running_loop().create_task(poller.run())
+            await asyncio.sleep(1.0)
+            ok = gw.router.states[1]
+            assert ok.sample is not None
+            age = gw.clock.now() - ok.sample.at
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return first_round, age
+        finally:
+            await gw.client.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="tierserve.gateway"):
+        first_round, age = asyncio.run(run())
+    slow, ok = gw.router.states
+    assert first_round < 1.0  # the check's own deadline, not the trickle's
+    assert ok.healthy and age < 0.3  # still fresh: not taken for a full replica
+    assert not slow.healthy
+    assert any("health check took over 0.2 s" in r.getMessage() for r in caplog.records)

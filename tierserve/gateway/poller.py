@@ -1,10 +1,17 @@
-"""Health checks and load scrapes of every upstream, on a timer.
+"""Health checks and load scrapes of every upstream, each on a timer of its own.
 
-Each round fetches `/metrics` (or `/v1/models` for plain OpenAI endpoints, which export
-no load) from every upstream at once, and `/ready` from tierserve upstreams, which say
-there when they drain (their `/metrics` still answers). A success admits (or re-admits)
-the upstream and records its load; failures in a row eject it. An admitted upstream's
-model list is refreshed from `/v1/models` when it is (re-)admitted.
+A check fetches `/metrics` (or `/v1/models` for plain OpenAI endpoints, which export no
+load), and `/ready` from tierserve upstreams, which say there when they drain (their
+`/metrics` still answers). A success admits (or re-admits) the upstream and records its
+load; failures in a row eject it. An admitted upstream's model list is refreshed from
+`/v1/models` when it is (re-)admitted.
+
+A check has one deadline for all of it (httpx's timeouts bound each read, and an answer
+that trickles in a byte at a time never trips them), and each upstream is checked in a
+loop of its own: one upstream's slow answers once held every other's scrape, their samples
+went stale, the healthy upstreams counted as full, and requests waited in the gateway past
+their tier's `max_wait_s` (the queues' expiry ran in the same loop). The queues are pumped
+on a timer of their own.
 """
 
 from __future__ import annotations
@@ -58,53 +65,78 @@ class UpstreamPoller:
         self._admitted: set[str] = set()
 
     async def _check(self, s: UpstreamState) -> None:
-        gw, url, auth = self._gw, s.config.url, s.config.auth_headers
+        gw = self._gw
         try:
-            models = None
-            if s.has_metrics:
-                r = await gw.client.get(url + "/metrics", timeout=self._timeout_s, headers=auth)
-                r.raise_for_status()
-                try:
-                    sample = parse_load(s.config.kind, r.text, gw.clock.now())
-                except MetricsParseError:
-                    # A fresh vLLM whose metrics are kept per process (PROMETHEUS_MULTIPROC_DIR)
-                    # exports its load gauges only after its first request: a replica that
-                    # answers valid metrics and has never reported load is idle, not broken.
-                    # An answer that is not metrics (a proxy's HTML page) fails the check.
-                    check_exposition(r.text, r.headers.get("content-type"))
-                    models = await fetch_models(gw.client, url, self._timeout_s, auth)
-                    sample = LoadSample(0.0, 0.0, 0.0, gw.clock.now())
-                if models is None and (not s.healthy or not s.models):
-                    models = await fetch_models(gw.client, url, self._timeout_s, auth)
-            else:
-                models = await fetch_models(gw.client, url, self._timeout_s, auth)
-            if s.config.kind == "tierserve":
-                await check_ready(gw.client, url, self._timeout_s, auth)
-        except (httpx.HTTPError, MetricsParseError, ValueError, KeyError) as e:
-            # One line: httpx's status errors add a second ("For more information check: ...").
-            why = (str(e).strip() or type(e).__name__).splitlines()[0]
+            sample, models = await asyncio.wait_for(self._probe(s), self._timeout_s)
+        except (httpx.HTTPError, MetricsParseError, ValueError, KeyError, TimeoutError) as e:
+            if isinstance(e, TimeoutError):
+                why = f"its health check took over {self._timeout_s:g} s"
+            else:  # one line: httpx's status errors add a second ("For more information check: ...")
+                why = (str(e).strip() or type(e).__name__).splitlines()[0]
             ejected = gw.record_failure(s.name, why, eject_now=isinstance(e, NotReady))  # draining: now
             if not ejected and s.name not in self._admitted and self._why_not.get(s.name) != why:
                 # One that was never admitted failed in silence: say why, once per reason.
-                log.warning("upstream %s (%s) not admitted: %s", s.name, url, why)
+                log.warning("upstream %s (%s) not admitted: %s", s.name, s.config.url, why)
             self._why_not[s.name] = why
             return
         self._why_not.pop(s.name, None)
-        if s.has_metrics:
+        if sample is not None:
             gw.router.record_sample(s.name, sample)
         self._admitted.add(s.name)
         if gw.router.record_success(s.name, models):
             log.info("upstream %s admitted (models: %s)", s.name, ", ".join(sorted(s.models)) or "any")
 
+    async def _probe(self, s: UpstreamState) -> tuple[LoadSample | None, frozenset[str] | None]:
+        """The upstream's load (None where it exports none) and, where it is asked for, its
+        models; raises what makes the check fail."""
+        gw, url, auth = self._gw, s.config.url, s.config.auth_headers
+        sample = models = None
+        if s.has_metrics:
+            r = await gw.client.get(url + "/metrics", timeout=self._timeout_s, headers=auth)
+            r.raise_for_status()
+            try:
+                sample = parse_load(s.config.kind, r.text, gw.clock.now())
+            except MetricsParseError:
+                # A fresh vLLM whose metrics are kept per process (PROMETHEUS_MULTIPROC_DIR)
+                # exports its load gauges only after its first request: a replica that
+                # answers valid metrics and has never reported load is idle, not broken.
+                # An answer that is not metrics (a proxy's HTML page) fails the check.
+                check_exposition(r.text, r.headers.get("content-type"))
+                models = await fetch_models(gw.client, url, self._timeout_s, auth)
+                sample = LoadSample(0.0, 0.0, 0.0, gw.clock.now())
+            if models is None and (not s.healthy or not s.models):
+                models = await fetch_models(gw.client, url, self._timeout_s, auth)
+        else:
+            models = await fetch_models(gw.client, url, self._timeout_s, auth)
+        if s.config.kind == "tierserve":
+            await check_ready(gw.client, url, self._timeout_s, auth)
+        return sample, models
+
     async def poll_once(self) -> None:
+        """Check every upstream once, at the same time (before serving, and in tests)."""
         await asyncio.gather(*(self._check(s) for s in self._gw.router.states))
         self._gw.dispatcher.pump()
 
     async def run(self) -> None:
-        """Poll until cancelled; between rounds, pump the queues (aging, expiry) a few times."""
+        """Until cancelled: each upstream checked in a loop of its own, one interval after its
+        last check ended (an upstream added later starts within a tick), and the queues
+        pumped (aging, expiry) five times an interval."""
         ticks = 5
-        while True:
-            await self.poll_once()
-            for _ in range(ticks):
-                await asyncio.sleep(self._interval_s / ticks)
+        watches: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for s in self._gw.router.states:
+                    if s.name not in watches:
+                        watches[s.name] = asyncio.get_running_loop().create_task(self._watch(s))
                 self._gw.dispatcher.pump()
+                await asyncio.sleep(self._interval_s / ticks)
+        finally:
+            for task in watches.values():
+                task.cancel()
+            await asyncio.gather(*watches.values(), return_exceptions=True)
+
+    async def _watch(self, s: UpstreamState) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self._check(s)
+            self._gw.dispatcher.pump()
