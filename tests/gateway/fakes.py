@@ -37,8 +37,9 @@ def _event(i: int, last: bool) -> bytes:
 @dataclass
 class FakeUpstream:
     """mode: "ok", "fail" (500 before any byte), "break" (two events, then the connection drops),
-    "stop" (two events, then a clean end without `data: [DONE]`) or "refuse" (`refusal_status`,
-    with `refusal_body`, `refusal_type` and a Retry-After of 7).
+    "halfway" (half an event, then the connection drops), "stop" (two events, then a clean
+    end without `data: [DONE]`) or "refuse" (`refusal_status`, with `refusal_body`,
+    `refusal_type` and a Retry-After of `retry_after`).
     A reply (a stream's status and first event too) comes after `reply_after_s` and once
     `hold` (when given) is set, or never if its client goes first (counted in `num_clients_gone`)."""
 
@@ -49,6 +50,7 @@ class FakeUpstream:
     refusal_status: int = 429
     refusal_body: bytes = b'{"detail": "slow down"}'
     refusal_type: str = "application/json"
+    retry_after: str = "7"
     num_clients_gone: int = 0
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
@@ -66,7 +68,7 @@ class FakeUpstream:
             await asyncio.sleep(self.reply_after_s)  # a slow failure, with `reply_after_s`
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "refuse":
-            headers = {"Retry-After": "7"}
+            headers = {"Retry-After": self.retry_after}
             return Response(self.refusal_body, self.refusal_status, headers, media_type=self.refusal_type)
         if not await self._client_stays(request):
             self.num_clients_gone += 1
@@ -89,6 +91,10 @@ class FakeUpstream:
         return True
 
     async def _stream(self) -> AsyncIterator[bytes]:
+        if self.mode == "halfway":
+            yield _event(0, False)[:20]
+            await asyncio.sleep(0.05)  # sent on its own, before the connection drops
+            raise ConnectionError("the upstream died inside its first event")
         for i in range(self.num_events):
             if self.mode == "break" and i == 2:
                 raise ConnectionError("the upstream died mid-stream")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import socket
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
+from tierserve.gateway import forward
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -305,3 +307,49 @@ def test_a_drain_that_begins_while_a_request_waits_for_its_limits_refuses_it() -
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
     assert not fake.bodies
+
+
+def test_a_stream_that_breaks_inside_its_first_event_is_retried_and_the_client_gets_whole_events() -> None:
+    """Half an event was passed on, then the error event: the OpenAI client failed on the
+    half (JSONDecodeError) before it read the error, and the request, of which the client had
+    nothing whole, was not tried elsewhere."""
+    halfway, good = FakeUpstream("halfway"), FakeUpstream("ok")
+    with (
+        fake_upstream(halfway) as halfway_url,
+        fake_upstream(good) as good_url,
+        gateway([halfway_url, good_url]) as (gw, _),
+    ):
+        for i in range(6):
+            body = {**CHAT, "messages": [{"role": "user", "content": f"prefix {i}"}], "stream": True}
+            with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                text = r.read().decode()
+            events = [e for e in text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and "error" not in text, text
+            assert all(json.loads(e.removeprefix("data: ")) for e in events[:-1])  # every one whole
+    assert len(good.bodies) == 6 and len(halfway.bodies) > 0
+
+
+def test_every_upstream_full_with_a_retry_after_gives_a_503_with_the_longest() -> None:
+    """Their 503s with Retry-After 30 reached the client as a 502 asking for a retry in 1 s."""
+    busy = [FakeUpstream("refuse", refusal_status=503, retry_after=after) for after in ("30", "12")]
+    with (
+        fake_upstream(busy[0]) as url0,
+        fake_upstream(busy[1]) as url1,
+        gateway([url0, url1]) as (gw, _),
+    ):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "30"
+    assert r.json()["error"]["code"] == "upstream_overloaded"
+    assert all(len(f.bodies) == 1 for f in busy)
+
+
+def test_a_whole_reply_past_the_limit_is_a_502_not_the_gateways_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(forward, "MAX_REPLY_BYTES", 40)  # the fake's answer is about 120 bytes
+    fake = FakeUpstream("ok")
+    with fake_upstream(fake) as url, gateway([url]) as (gw, _):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        metrics = httpx.get(gw.url + "/metrics").text
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_reply_too_large"
+    assert 'tierserve_gateway_upstream_requests_total{outcome="too_large",upstream="f0"} 1.0' in metrics

@@ -14,7 +14,7 @@ import pytest
 from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway, gateway_of
 from tierserve.config import ConfigError
 from tierserve.gateway.config import parse_gateway_config
-from tierserve.gateway.usage import SseUsageTap
+from tierserve.gateway.usage import EventTooLarge, SseUsageTap
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -40,7 +40,12 @@ def test_a_stream_the_upstream_ends_without_done_ends_with_an_error_event_and_do
 def test_the_usage_tap_notes_done_and_ends_a_last_event_without_its_blank_line() -> None:
     tap = SseUsageTap(forward_usage=False)
     assert tap.feed(b'data: {"choices": []}\n\ndata: {"cho') == b'data: {"choices": []}\n\n'
-    assert tap.flush() == b'data: {"cho\n\n' and not tap.done  # kept apart from what follows
+    # Cut inside a line: half a JSON chunk, on which the OpenAI client raised JSONDecodeError
+    # before it could read the error event after it. Dropped.
+    assert tap.flush() == b"" and not tap.done
+    tap = SseUsageTap(forward_usage=False)
+    assert tap.feed(b'data: {"choices": []}\n') == b""
+    assert tap.flush() == b'data: {"choices": []}\n\n'  # whole lines: ended, apart from what follows
     for last in (b"data: [DONE]\n\n", b"data: [DONE]\n", b"data:[DONE]"):
         tap = SseUsageTap(forward_usage=False)
         assert tap.feed(last) + tap.flush() == last.rstrip(b"\n") + b"\n\n" and tap.done, last
@@ -173,3 +178,25 @@ def test_an_upstream_that_wants_an_api_key_gets_it_from_the_environment(
     monkeypatch.delenv("UPSTREAM_KEY")
     with pytest.raises(ConfigError, match=r"upstreams\[0\]\.api_key_env: .*UPSTREAM_KEY is not set"):
         parse_gateway_config(tomllib.loads(ups))
+
+
+def test_the_usage_tap_gives_the_same_events_however_the_stream_is_cut() -> None:
+    """CRLF line ends split between two chunks ("\r" | "\n") made a stream of no events: it
+    was held whole to its end and then called broken."""
+    events = [b'data: {"choices": [{"text": "%d"}]}\n\n' % i for i in range(30)] + [b"data: [DONE]\n\n"]
+    raw = b"".join(events)
+    for line_end in (b"\n", b"\r\n"):
+        data = raw.replace(b"\n", line_end)
+        for size in (1, 2, 3, 7, 64):
+            tap = SseUsageTap(forward_usage=True)
+            outs = [tap.feed(data[i : i + size]) for i in range(0, len(data), size)]
+            assert b"".join(outs) + tap.flush() == raw and tap.done, (line_end, size)
+            if size == 1:  # each event as its last byte comes, not held to the end
+                assert sum(1 for out in outs if out) == len(events)
+
+
+def test_an_event_past_the_limit_ends_the_stream_instead_of_filling_memory() -> None:
+    tap = SseUsageTap(forward_usage=True, max_event_bytes=1000)
+    assert tap.feed(b"data: " + b"x" * 600) == b""
+    with pytest.raises(EventTooLarge, match="over 1,000 bytes"):
+        tap.feed(b"x" * 600)

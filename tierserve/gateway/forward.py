@@ -4,10 +4,10 @@ Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before 
 is read) -> Content-Encoding (415, unread) -> body (400) -> model (404) -> tier (400 for a
 tier header sent twice, differing) -> rate limits (429, or 503 when Redis is down and the
 tier fails closed; 400 for a request too large to ever fit) -> flow control (503) ->
-upstream. An upstream that fails before the first byte of its reply (connect error, 5xx,
-a stream cut before any data) is left for another one, up to `max_attempts`; once bytes
-have reached the client a broken stream ends with an error event. Reserved tokens are
-settled with the upstream's reported usage.
+upstream. An upstream that fails before the first byte of its reply reaches the client
+(connect error, 5xx, a stream cut before its first whole event) is left for another one,
+up to `max_attempts`; once bytes have reached the client a broken stream ends with an
+error event. Reserved tokens are settled with the upstream's reported usage.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from tierserve.gateway.prompt import estimate_prompt_tokens, prefix_key
 from tierserve.gateway.relay import Relay
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
-from tierserve.gateway.usage import SseUsageTap, usage_of
+from tierserve.gateway.usage import EventTooLarge, SseUsageTap, usage_of
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, invalid_body
 from tierserve.server.fast_routes import close_if_unread, unsupported_encoding
@@ -42,6 +44,7 @@ from tierserve.tiers import Tier
 
 log = logging.getLogger("tierserve.gateway")
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+MAX_REPLY_BYTES = 64 << 20  # a non-streaming reply, read whole before it is passed on
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away
 
 
@@ -190,6 +193,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     prefix = prefix_key(call.body, settings.prefix_chars)
     tried: list[str] = []
     last_error = "no upstream tried"
+    busy: list[float] = []  # the Retry-After of each attempt that said the upstream was full
     for _ in range(settings.max_attempts):
         try:
             decision = await gw.dispatcher.acquire(
@@ -220,11 +224,25 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             log.warning("upstream %s failed before the first byte (%s); retrying", decision.upstream, e)
             tried.append(decision.upstream)
             last_error = str(e)
+            if e.retry_after_s is not None:
+                busy.append(e.retry_after_s)
             if not gw.router.candidates(str(call.body.get("model", "")), tried):
                 break
     # The client hears how many were tried, not what failed: the errors name hosts and ports
     # behind the gateway. Each failure is in the gateway's log, with its upstream.
     log.warning("no upstream could serve a request; the last error: %s", last_error)
+    if tried and len(busy) == len(tried):
+        # Every upstream tried was full and said when to come back: so does the gateway (a
+        # 502 asking for a retry in 1 s had its clients back thirty times as often).
+        wait_s = max(busy)
+        raise ApiError(
+            503,
+            f"Every upstream tried is overloaded ({len(tried)} tried); retry after {wait_s:g} s.",
+            type="server_error",
+            code="upstream_overloaded",
+            headers={**call.headers, "Retry-After": str(math.ceil(wait_s))},
+            extra={"retry_after": wait_s},
+        )
     raise ApiError(
         502,
         f"No upstream could serve the request ({len(tried) or 'none'} tried).",
@@ -236,7 +254,12 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
 
 
 class _Retry(Exception):
-    """The upstream failed before sending anything: the request may go elsewhere."""
+    """The upstream failed before sending anything: the request may go elsewhere.
+    `retry_after_s`: a 503 whose Retry-After said when the upstream expects room."""
+
+    def __init__(self, why: str, retry_after_s: float | None = None) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
 
 
 async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
@@ -267,7 +290,8 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         raise _Retry(why) from None
     if reply.status in RETRYABLE_STATUS:
         reply.release()
-        raise _Retry(f"HTTP {reply.status}")
+        wait_s = _retry_after_s(reply) if reply.status == 503 else None
+        raise _Retry(f"HTTP {reply.status}", wait_s)
     if call.stream and reply.status == 200 and not _is_event_stream(reply):
         # An HTML page from a proxy, say: not events, so nothing of it may reach the client,
         # as a non-streaming 200 that is not JSON does not; another upstream may answer.
@@ -276,19 +300,29 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
     if not call.stream or reply.status != 200:
         return await _whole(gw, call, decision, reply)
     chunks = reply.content.iter_any()
-    try:
-        first = await anext(chunks)
-    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as e:
-        reply.close()
-        raise _Retry(f"stream ended before any data: {type(e).__name__}") from None
-    # The gateway's own share of the first token: before the upstream call (less its queue
-    # waits and failed attempts), and from the upstream's first bytes to the client's (the
-    # relay adds that part once it is sent).
-    before_s, first_in = sent - call.arrived - call.not_ours_s, time.perf_counter()
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
     tap = SseUsageTap(forward_usage)
+    try:
+        first = await _first_events(chunks, tap)
+    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, EventTooLarge) as e:
+        reply.close()
+        raise _Retry(f"stream ended before its first whole event: {type(e).__name__}") from None
+    # The gateway's own share of the first token: before the upstream call (less its queue
+    # waits and failed attempts), and from the upstream's first event to the client's (the
+    # relay adds that part once it is sent).
+    before_s, first_in = sent - call.arrived - call.not_ours_s, time.perf_counter()
     relay = Relay(gw, decision, call.reservation, reply, chunks, tap, first_bytes=(before_s, first_in))
     return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
+
+
+async def _first_events(chunks: AsyncIterator[bytes], tap: SseUsageTap) -> bytes:
+    """The stream's first whole events, as the client will get them. Nothing reaches the
+    client before them, so a stream that breaks first (even halfway through an event) may
+    still go to another upstream."""
+    while True:
+        out = tap.feed(await anext(chunks))
+        if out:
+            return out
 
 
 async def _whole(
@@ -299,9 +333,17 @@ async def _whole(
     client in OpenAI's error envelope, whatever the upstream wrote, with its Retry-After."""
     name = decision.upstream
     try:
-        content = await reply.read()
+        content = await _read_capped(reply, MAX_REPLY_BYTES)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise _Retry(f"reply cut: {type(e).__name__}") from None
+    except ReplyTooLarge as e:
+        gw.dispatcher.finished(decision)
+        gw.metrics.upstream_requests.labels(name, "too_large").inc()
+        gw.spawn(gw.limiter.settle(call.reservation, call.reservation.num_tokens if call.reservation else 0))
+        log.warning("upstream %s sent a reply over %s bytes; not passed on", name, f"{MAX_REPLY_BYTES:,}")
+        raise ApiError(
+            502, f"The upstream's reply was over {e}.", type="server_error", code="upstream_reply_too_large"
+        ) from None
     finally:
         reply.release()
     payload = _json_object(content)
@@ -315,6 +357,34 @@ async def _whole(
         headers = {**call.headers, **_retry_after(reply)}
         return Response(content, status_code=reply.status, headers=headers, media_type="application/json")
     raise _upstream_refusal(name, reply, payload, content, call.headers)
+
+
+class ReplyTooLarge(Exception):
+    """A non-streaming reply past `MAX_REPLY_BYTES` (its message: the limit, in words)."""
+
+
+async def _read_capped(reply: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole reply, or `ReplyTooLarge` as soon as it passes `limit` bytes (a reply of
+    200 MB was read whole into the gateway's memory)."""
+    if reply.content_length is not None and reply.content_length > limit:
+        raise ReplyTooLarge(f"{limit:,} bytes")
+    pieces: list[bytes] = []
+    size = 0
+    async for piece in reply.content.iter_any():
+        size += len(piece)
+        if size > limit:
+            raise ReplyTooLarge(f"{limit:,} bytes")
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+def _retry_after_s(reply: aiohttp.ClientResponse) -> float | None:
+    """A Retry-After given in seconds (not an HTTP date), if any."""
+    try:
+        value = float(reply.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return value if 0 <= value < 86400 else None
 
 
 def _is_event_stream(reply: aiohttp.ClientResponse) -> bool:

@@ -18,7 +18,7 @@ import aiohttp
 
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
-from tierserve.gateway.usage import SseUsageTap
+from tierserve.gateway.usage import EventTooLarge, SseUsageTap
 from tierserve.server.formatting import DONE, error_event
 from tierserve.server.ratelimit import Reservation
 
@@ -59,10 +59,11 @@ class Relay:
             self._reply.close()
 
     async def run(self, first: bytes) -> AsyncIterator[bytes]:
+        """`first`: the stream's first whole events, already through the tap."""
         tap = self._tap
         self._gw.relays.add(self)
         try:
-            yield tap.feed(first)
+            yield first
             # Resumed once the first bytes are with the server's transport.
             before_s, first_in = self._first_bytes
             self._gw.metrics.added.observe(before_s + time.perf_counter() - first_in)
@@ -71,10 +72,16 @@ class Relay:
                     out = tap.feed(chunk)
                     if out:
                         yield out
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
                 if self._outcome == "client_left":
                     return
-                yield tap.flush() + self._error_event(type(e).__name__) + DONE
+                # An event cut short stays behind: the client gets whole events only.
+                tail = b"" if isinstance(e, EventTooLarge) else tap.flush()
+                yield (
+                    tail
+                    + self._error_event(str(e) if isinstance(e, EventTooLarge) else type(e).__name__)
+                    + DONE
+                )
                 return
             rest = tap.flush()
             if tap.done or self._outcome == "client_left":

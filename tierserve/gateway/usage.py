@@ -5,6 +5,11 @@ received; events that mention `"usage"` are parsed to learn the count. When the 
 did not ask for usage, the gateway asks the upstream anyway and drops the usage-only
 event (no choices) before it reaches the client. The tap also notes whether the stream's
 last word, `data: [DONE]`, came: a stream that stops without it did not run to its end.
+
+An event is looked for in the new bytes only (a long event arriving in many chunks once
+cost time quadratic in its size, on the event loop every stream shares), CRLF line ends
+split between two chunks still pair up, and an event past `MAX_EVENT_BYTES` ends the
+stream (`EventTooLarge`) rather than the gateway's memory.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
+MAX_EVENT_BYTES = 8 << 20  # one SSE event; a token's delta, even with logprobs, is a few KB
 _DONE = re.compile(rb"data:\s?\[DONE\]\s*")
 
 
@@ -38,31 +44,63 @@ def usage_of(payload: Any) -> TokenUsage | None:
     return TokenUsage(prompt, completion)
 
 
+class EventTooLarge(ValueError):
+    """An upstream sent an SSE event past `MAX_EVENT_BYTES`."""
+
+
 class SseUsageTap:
     """Feed it raw chunks; it returns the bytes to forward (whole events) and keeps the usage."""
 
-    def __init__(self, forward_usage: bool) -> None:
+    def __init__(self, forward_usage: bool, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._forward_usage = forward_usage
-        self._buffer = b""
+        self._max_event_bytes = max_event_bytes
+        self._pieces: list[bytes] = []  # the bytes of the event under way, "\n" line ends
+        self._size = 0
+        self._cr = False  # the last chunk ended in "\r": its "\n" may start the next
         self.usage: TokenUsage | None = None
         self.done = False  # `data: [DONE]` came
 
     def feed(self, chunk: bytes) -> bytes:
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        head, sep, rest = self._buffer.rpartition(b"\n\n")
-        if not sep:
+        if self._cr:
+            chunk = b"\r" + chunk
+        self._cr = chunk.endswith(b"\r")
+        if self._cr:
+            chunk = chunk[:-1]
+        chunk = chunk.replace(b"\r\n", b"\n")
+        # A separator may straddle the chunks: the last byte kept and the first new one.
+        joined = self._pieces[-1][-1:] + chunk if self._pieces else chunk
+        if b"\n\n" not in joined:
+            self._keep(chunk)
             return b""
-        self._buffer = rest
+        data = b"".join([*self._pieces, chunk])
+        self._pieces, self._size = [], 0
+        head, _, rest = data.rpartition(b"\n\n")
+        if rest:
+            self._keep(rest)
         return b"".join(self._event(e + b"\n\n") for e in head.split(b"\n\n") if e)
 
     def flush(self) -> bytes:
-        """Whatever is left at the end of the stream (an event without its blank line),
-        ended with one so that an event written after it stays an event of its own."""
-        rest, self._buffer = self._buffer, b""
-        if not rest.strip():
+        """What is left at the end of the stream, an event without its blank line: passed on,
+        ended with one, if its last line is whole (or is `data: [DONE]`); dropped if the
+        stream stopped inside a line (a client would read half an event: a JSON chunk cut
+        short, which the OpenAI client fails on before it reads the error event after it)."""
+        rest = b"".join(self._pieces) + (b"\r" if self._cr else b"")
+        self._pieces, self._size, self._cr = [], 0, False
+        rest = rest.replace(b"\r\n", b"\n")
+        whole = rest.endswith((b"\n", b"\r")) or _DONE.fullmatch(rest.strip()) is not None
+        if not rest.strip() or not whole:
             return b""
         self._note_done(rest)
-        return rest.rstrip(b"\n") + b"\n\n"
+        return rest.rstrip(b"\r\n") + b"\n\n"
+
+    def _keep(self, piece: bytes) -> None:
+        if not piece:
+            return
+        self._pieces.append(piece)
+        self._size += len(piece)
+        if self._size > self._max_event_bytes:
+            self._pieces, self._size = [], 0
+            raise EventTooLarge(f"an event over {self._max_event_bytes:,} bytes")
 
     def _note_done(self, event: bytes) -> None:
         if _DONE.fullmatch(event):
