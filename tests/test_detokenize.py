@@ -21,14 +21,41 @@ def test_multibyte_characters_are_held_until_complete() -> None:
     assert out == ["", "é", "", "", "€"]
 
 
-def test_bytes_that_never_make_a_character_are_sent_once_no_character_could_still_form() -> None:
-    """A demo model's random bytes: held while they could still be the start of a UTF-8
-    character (at most 4 bytes), then sent as replacement characters, not at the end."""
+def test_bytes_that_never_make_a_character_are_sent_once_a_token_comes_after_them() -> None:
+    """A demo model's random bytes: each U+FFFD is held only while it could still be the
+    start of a character, until the next token shows it is not; none waits for the end."""
     stream = TextStream(ByteTokenizer())
     out = [stream.push([0xFF]) for _ in range(10)]
-    assert out[:3] == ["", "", ""] and "\ufffd" in out[3]
-    assert "".join(out).count("\ufffd") >= 4  # the first four, then the rest as they come
+    assert out == ["", *["\ufffd"] * 9]
     assert "".join(out) + stream.flush() == bytes([0xFF] * 10).decode(errors="replace")
+
+
+def test_a_character_whose_bytes_straddle_many_tokens_is_never_sent_as_a_replacement() -> None:
+    """Byte-level BPE on CJK text: every token ends inside a character (`æ | Ĺ¥æ | Ĺ¥æ ...`).
+    After four such tokens the text was sent with its last, incomplete character as U+FFFD,
+    and the token that completed it gave no new text: 日日日�日日日 for 日日日日日日日."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {"Ĺ¥": len(vocab), "Ĺ¥æ": len(vocab) + 1}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ĺ", "¥"), ("Ĺ¥", "æ")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+
+    class Bpe:
+        def decode(self, ids: list[int]) -> str:
+            return str(tok.decode(list(ids)))
+
+    ids = tok.encode("日" * 7).ids
+    assert len(ids) == 8  # seven characters in eight tokens, each but the last ending inside one
+    stream = TextStream(Bpe())
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == "日" * 7 and "\ufffd" not in "".join(pieces)
+    assert pieces[1:8] == ["日"] * 7  # each as soon as it is whole
+    bytes_stream = TextStream(ByteTokenizer())  # invalid bytes, then a character: the demo model's
+    ids = [0xA5, 0xFF, 0x94, 0xD1, 0x8C, 0x41]
+    out = "".join(bytes_stream.push([i]) for i in ids) + bytes_stream.flush()
+    assert out == bytes(ids).decode(errors="replace") == "\ufffd\ufffd\ufffd\u044cA"
 
 
 def test_stop_string_across_tokens_is_cut_and_never_sent() -> None:

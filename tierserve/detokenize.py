@@ -4,10 +4,11 @@ Stop token ids end a request inside the engine; stop *strings* can only be seen 
 the caller feeds each request's new tokens here and finishes the request once `stopped` is
 true. `TextStream.push(new_ids)` returns the text that is safe to send now. It decodes only a
 short window of recent tokens (so a long generation costs O(n), not O(n^2)), holds back
-text that ends in an incomplete UTF-8 character (for up to 4 tokens: then the replacement
-characters are real and are sent), and holds back any tail that could be the start of a
-stop string. When a stop string appears, the text before it is released,
-`stopped` turns true and everything after is dropped.
+the last character while it may be an incomplete UTF-8 one (a U+FFFD at the end of the
+text: until a token comes after it, which completes it or shows it is a real replacement
+character), and holds back any tail that could be the start of a stop string. When a stop
+string appears, the text before it is released, `stopped` turns true and everything after
+is dropped.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
-# A UTF-8 character spans at most 4 bytes, so at most 4 tokens: text still ending in U+FFFD
-# after that many is a real replacement character (bytes that decode to none), and is sent.
-MAX_INCOMPLETE_TOKENS = 4
+# Tokens whose text still ends in U+FFFD stay pending (their last character may be one whose
+# bytes are split across tokens: it is held until a token comes after it, the text before it
+# is sent). Past this many, the run is sent as it decodes, U+FFFD and all: a bound on the
+# decoding (each token decodes the whole run), met only by runs of tokens that all end
+# inside a character.
+MAX_PENDING_TOKENS = 64
 # Tokens decoded before the new ones, for context: tokenizers that mark word starts (Llama-2's
 # and Mistral's SentencePiece) drop the space of a window's first word, so that word must be
 # an old one. Only tokens that gave text count: a run of tokens that decode to nothing (special
@@ -44,6 +48,7 @@ class TextStream:
         # turned into text.
         self._context: list[int] = list(context_token_ids[-DECODE_CONTEXT_TOKENS:])
         self._pending: list[int] = []
+        self._sent = 0  # characters of the pending tokens' text sent already (before a held one)
         self._held = ""  # decoded, not yet released (may be the start of a stop string)
         self.stopped = False
         self.num_tokens_used = 0  # tokens up to and including the one that completed a stop string
@@ -67,8 +72,8 @@ class TextStream:
         tail = ""
         if self._pending:
             before = self._tok.decode(self._context)
-            tail = self._tok.decode(self._context + self._pending)[len(before) :]
-            self._pending = []
+            tail = self._tok.decode(self._context + self._pending)[len(before) + self._sent :]
+            self._pending, self._sent = [], 0
         text = self._release(self._held + tail)
         if not self.stopped:
             text += self._held
@@ -76,18 +81,27 @@ class TextStream:
         return text
 
     def _decode_new(self) -> str:
+        """The pending tokens' text not sent yet, less a last character that may be incomplete."""
         pending = self._pending
         before = self._tok.decode(self._context)
         after = self._tok.decode(self._context + pending)
         if len(after) < len(before):
             return ""  # the new tokens changed the text before them: wait for more
-        if after.endswith(_REPLACEMENT) and len(pending) < MAX_INCOMPLETE_TOKENS:
-            return ""  # an incomplete character: wait for the next token
-        self._pending = []
         new = after[len(before) :]
+        if new.endswith(_REPLACEMENT) and len(pending) < MAX_PENDING_TOKENS:
+            # Send what comes before it: the text before a character still arriving is final.
+            # (Sending it all after a few tokens sent a real character as U+FFFD, and the
+            # token that completed it then gave no new text.)
+            stable = len(new) - 1
+            out = new[self._sent : stable]
+            self._sent = max(self._sent, stable)
+            return out
+        self._pending = []
+        out = new[self._sent :]
+        self._sent = 0
         if new:
             self._context = (self._context + pending)[-DECODE_CONTEXT_TOKENS:]
-        return new
+        return out
 
     def _release(self, text: str) -> str:
         if not self._stop:
