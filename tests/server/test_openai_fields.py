@@ -56,6 +56,9 @@ def _chat(client: openai.OpenAI, **fields: Any) -> openai.types.chat.ChatComplet
         ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
+        ({"reasoning_effort": "none"}, "reasoning_effort"),  # was ignored: thinking stayed on
+        ({"verbosity": "low"}, "verbosity"),
+        ({"web_search_options": {}}, "web_search_options"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]},
             "messages.0.content.1",

@@ -61,6 +61,12 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "continue_final_message": (None, False),
     "chat_template": (None,),
     "documents": (None, []),
+    # OpenAI's, for reasoning models; vLLM gives the first to the chat template (Qwen3's
+    # thinking is off at "none"). Accepted and ignored, a client turning thinking off still
+    # got it: `chat_template_kwargs` ({"enable_thinking": false}) says it here.
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
 }
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "add_special_tokens": (None, True),
