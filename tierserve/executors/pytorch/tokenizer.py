@@ -54,7 +54,8 @@ class ByteTokenizer:
     """The demo model's tokenizer: ids 0-255 are bytes, 256 is BOS, 257 EOS, 258 PAD.
 
     The demo model's weights are random, so the text it produces is gibberish by design;
-    ids above 258 (it has 512) decode to nothing.
+    its vocabulary is these 259 ids, and an id above 258 (from another model's config)
+    decodes to nothing.
     """
 
     BOS = 256
