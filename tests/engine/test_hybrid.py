@@ -13,7 +13,7 @@ from tierserve.config import EngineConfig, SchedulerConfig, parse_config
 from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
 from tierserve.executors.sim.executor import SimExecutor
-from tierserve.request import EventKind, FinishReason, Request, RequestStatus
+from tierserve.request import EventKind, FinishReason, Request, RequestStatus, SamplingParams
 from tierserve.scheduling.hybrid import P0_FLOOR_SHARE
 from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
 from tierserve.tiers import Tier
@@ -713,3 +713,58 @@ def test_rescued_p0_steps_leave_the_other_tiers_one_step_in_eight() -> None:
     for i in range(len(left_out) - SHAPING_WINDOW + 1):
         assert sum(left_out[i : i + SHAPING_WINDOW]) <= SHAPING_WINDOW - 1, f"steps {i}-{i + 7}"
     run(eng)
+
+
+def _shared_prefix_engine(config: dict[str, Any], blocks: int, host: int, block_size: int) -> Engine:
+    executor = NullExecutor(num_device_blocks=blocks, num_host_blocks=host, block_size=block_size)
+    return Engine(parse_config(config), "hybrid", executor, VirtualClock())
+
+
+def _req(eng: Engine, rid: str, prompt: list[int], max_tokens: int, tier: Tier) -> Request:
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), tier=tier, arrival_time=eng.clock.now())
+    assert eng.add_request(req)
+    return req
+
+
+def test_a_p0_prompt_over_its_ceiling_does_not_keep_the_step_from_the_prompt_that_would_free_it() -> None:
+    """A prefix block computed by a P0 request stays charged to P0 while a P1 request shares
+    it. A P0 prompt that then finds P0 over its ceiling is set aside, but the step's tokens
+    were kept for it pass after pass: the P1 prompt, which alone could free the block, never
+    prefilled again and the engine stood still (every later step empty)."""
+    config = {"scheduler": {"max_num_batched_tokens": 64}, "tiers": {"P0": {"floor": 0.25, "ceiling": 0.25}}}
+    eng = _shared_prefix_engine(config, blocks=40, host=0, block_size=16)  # P0 may hold 10 blocks
+    shared = list(range(1000, 1016))
+    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
+    eng.step()
+    p1 = _req(eng, "b", [*shared, *range(3000, 3300)], 2, Tier.P1)  # shares the P0-charged block
+    while not first.status.is_final:
+        eng.step()
+    late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)  # fits P0's ceiling alone, not now
+    run(eng, limit=10_000)
+    assert p1.finish_reason is FinishReason.LENGTH and late.finish_reason is FinishReason.LENGTH
+
+
+def test_a_p0_request_swapped_out_over_its_ceiling_comes_back_once_the_sharing_prompts_end() -> None:
+    """The same with a swapped-out P0 request: it cannot come back while P1 prompts hold
+    blocks charged to P0, nothing is admitted ahead of it, and the tokens kept for a waiting
+    P0 prompt starved those P1 prompts: the engine stood still."""
+    config = {
+        "scheduler": {"max_num_batched_tokens": 16, "long_prompt_tokens": 100, "long_prompt_chunk_tokens": 4},
+        "tiers": {"P0": {"floor": 0.02, "ceiling": 0.04}},  # of 1000 blocks: P0 may hold 40
+    }
+    eng = _shared_prefix_engine(config, blocks=1000, host=1000, block_size=1)
+    shared, shared2 = list(range(1000, 1010)), list(range(2000, 2010))
+    _req(eng, "a", [*shared, 1], 3, Tier.P0)
+    swapped = _req(eng, "c", [*shared2, *range(3000, 3010)], 20, Tier.P0)  # 40 blocks at its end
+    eng.step()
+    eng.step()
+    p1s = [
+        _req(eng, "b1", [*shared, *range(4000, 4300)], 4, Tier.P1),
+        _req(eng, "b2", [*shared2, *range(5000, 5300)], 4, Tier.P1),
+    ]
+    while swapped.status is not RequestStatus.SWAPPED:
+        eng.step()
+        assert eng.clock.now() < 100
+    late = _req(eng, "d", list(range(6000, 6030)), 4, Tier.P0)
+    run(eng, limit=10_000)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in [*p1s, swapped, late])

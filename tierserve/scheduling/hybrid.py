@@ -159,6 +159,10 @@ class HybridPolicy(FairQueuePolicy):
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
         self._deferred = False  # P3 steps aside in this pass (set by `begin_step`)
         self._held: set[Tier] = set()  # tiers set aside for the rest of the pass (`hold_tier`)
+        # The last pass kept a step's tokens for waiting P0 prompts and admitted none: they
+        # are not kept again until a P0 request is admitted or none waits (`_p0_prompts`).
+        self._p0_stuck = False
+        self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
 
     def _choose(self, now: float) -> Choice | None:
         sfq, held = self._sfq, self._held
@@ -314,13 +318,22 @@ class HybridPolicy(FairQueuePolicy):
         self._deferred = self._p1_p2_in_danger(now)
         if prefilling is None:
             prefilling = prefilling_of(running)  # one scan of the running
-        self._p0_by_length = self._p0_prompts(prefilling)
+        self._p0_stuck = self._p0_stuck and bool(self.num_waiting(Tier.P0))
+        self._p0_by_length = self._p0_prompts(prefilling, waiting=not self._p0_stuck)
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)
         self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
 
     def end_step(self, step: StepBudget, now: float) -> None:
         self._shaper.end(step, self._more_urgent_queued(now), now)
+        p0_in = any(r.tier is Tier.P0 for r in step.fresh)  # admitted or swapped in
+        if p0_in:
+            self._p0_stuck = False
+        elif self._p0_kept_for and self.num_waiting(Tier.P0):
+            # Tokens kept for a P0 prompt that could not come in (its tier over its ceiling,
+            # say, where blocks charged to P0 are held by a lower tier's prompt that only
+            # these tokens would finish): kept again, pass after pass, the engine stopped.
+            self._p0_stuck = True
         self._step, self._p0_by_length = None, []
         self._held.clear()
 
@@ -349,13 +362,15 @@ class HybridPolicy(FairQueuePolicy):
         # The engine's P0-only prefill steps (`p0_solo_prefill`), same window of steps.
         return Tier.P0 if self._shaper.solo(Tier.P0 in tiers_prefilling) else None
 
-    def _p0_prompts(self, prefilling: Sequence[Request]) -> list[Request]:
+    def _p0_prompts(self, prefilling: Sequence[Request], *, waiting: bool = True) -> list[Request]:
         """The P0 prompts with tokens left to prefill, running (among `prefilling`) or
-        waiting, shortest first: the waiting ones only as far as a step's tokens reach
-        (those beyond go after every listed one, and `_ahead_of` treats them so)."""
+        waiting (unless not `waiting`), shortest first: the waiting ones only as far as a
+        step's tokens reach (those beyond go after every listed one, and `_ahead_of` treats
+        them so)."""
         p0 = Tier.P0  # `is`: an IntEnum's == costs five times as much
         prompts = [r for r in prefilling if r.tier is p0]
-        if self.num_waiting(Tier.P0):
+        self._p0_kept_for = waiting and bool(self.num_waiting(Tier.P0))
+        if self._p0_kept_for:
             budget, total = self.config.scheduler.max_num_batched_tokens, 0
 
             def enough(req: Request) -> bool:
