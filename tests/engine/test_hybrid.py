@@ -768,3 +768,26 @@ def test_a_p0_request_swapped_out_over_its_ceiling_comes_back_once_the_sharing_p
     late = _req(eng, "d", list(range(6000, 6030)), 4, Tier.P0)
     run(eng, limit=10_000)
     assert all(r.finish_reason is FinishReason.LENGTH for r in [*p1s, swapped, late])
+
+
+def test_a_p3_request_preempted_after_running_is_shed_only_once_it_has_waited_in_the_queue() -> None:
+    """The shedding rule measured a P3 request's wait from its arrival: one that had decoded
+    for 13 s lost its seat to P1 requests (by recompute) and was shed at once, 1,366 tokens
+    thrown away, for having "waited over 10 s"."""
+    config = parse_config({"scheduler": {"max_num_seqs": 1}, "policy": {"hybrid": {"p3_shed_after_s": 10.0}}})
+    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=0, step_s=0.01)
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    background = Request("bg", list(range(100)), SamplingParams(max_tokens=5000), tier=Tier.P3)
+    assert eng.add_request(background)
+    while eng.clock.now() < 12.0:
+        eng.step()
+    assert background.status is RequestStatus.RUNNING  # it ran, it did not wait
+    for i in range(2):
+        prompt = list(range(1000 + 50 * i, 1050 + 50 * i))
+        sampling, now = SamplingParams(max_tokens=400), eng.clock.now()
+        eng.add_request(Request(f"p1-{i}", prompt, sampling, tier=Tier.P1, arrival_time=now))
+    while eng.clock.now() < 16.0:
+        eng.step()
+    assert background.num_preemptions == 1 and background.status is RequestStatus.WAITING
+    run(eng)
+    assert background.finish_reason is FinishReason.LENGTH

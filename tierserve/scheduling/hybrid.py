@@ -154,6 +154,7 @@ class HybridPolicy(FairQueuePolicy):
         self._waiting = OldestWaiting()  # every waiting request: aging
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
         self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
+        self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
         self._step: StepBudget | None = None  # the step being built, between the hooks
         self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
@@ -245,6 +246,7 @@ class HybridPolicy(FairQueuePolicy):
     def _push_front(self, req: Request, now: float) -> None:
         super()._push_front(req, now)
         self._track(req)
+        self._requeued_at[req] = now
 
     def _remove(self, req: Request) -> None:
         super()._remove(req)
@@ -261,6 +263,7 @@ class HybridPolicy(FairQueuePolicy):
             self._savable.add(req)
 
     def _untrack(self, req: Request) -> None:
+        self._requeued_at.pop(req, None)
         self._p0_waiting.discard(req)
         self._waiting.discard(req)
         self._savable.discard(req)
@@ -296,15 +299,26 @@ class HybridPolicy(FairQueuePolicy):
     # ---- the step ------------------------------------------------------------------------
 
     def to_shed(self, now: float) -> list[tuple[Request, str]]:
-        """P3 requests that have waited over `p3_shed_after_s` while P1 or P2 requests wait
-        too: the engine is full, and the loss falls on the background tier first."""
+        """P3 requests that have waited in the queue over `p3_shed_after_s` while P1 or P2
+        requests wait too: the engine is full, and the loss falls on the background tier
+        first."""
         limit = self.options.p3_shed_after_s
         sfq = self._sfq
-        head = sfq.head_of(Tier.P3)
-        if head is None or now - head.arrival_time <= limit or not (sfq.count(Tier.P1) or sfq.count(Tier.P2)):
+        oldest = self._waiting.oldest(Tier.P3)  # none has waited longer than since its arrival
+        if (
+            oldest is None
+            or now - oldest.arrival_time <= limit
+            or not (sfq.count(Tier.P1) or sfq.count(Tier.P2))
+        ):
             return []
+        # The wait is in the queue, since the request came back to it where it was preempted
+        # by recompute: a P3 answer that had run for minutes was shed the moment it lost its
+        # seat, its tokens thrown away, as if it had waited all that time.
+        requeued = self._requeued_at
         reason = f"overload: waited over {limit:g} s while P1/P2 requests waited"
-        return [(r, reason) for r in self if r.tier == Tier.P3 and now - r.arrival_time > limit]
+        return [
+            (r, reason) for r in self if r.tier == Tier.P3 and now - requeued.get(r, r.arrival_time) > limit
+        ]
 
     def begin_step(
         self,
