@@ -35,6 +35,9 @@ def test_toml_overrides_fields_and_keeps_the_rest(tmp_path: Path) -> None:
         ({"tiers": {"P0": {"floor": 0.3, "ceiling": 0.2}}}, "tiers.P0.ceiling"),
         ({"tiers": {"P2": {"wfq_weight": -1}}}, "tiers.P2.wfq_weight"),
         ({"tiers": {"P2": {"drr_weight": 0}}}, "tiers.P2.drr_weight"),
+        # DRR's deficit rounds never ended: cost / quantum overflowed to inf.
+        ({"tiers": {"P1": {"drr_weight": 1e-320}}}, "tiers.P1.drr_weight"),
+        ({"tiers": {"P1": {"wfq_weight": float("inf")}}}, "tiers.P1.wfq_weight"),
         ({"tiers": {"P1": {"colour": 3}}}, "tiers.P1.colour"),
         ({"tiers": {"P9": {}}}, "tiers.P9"),
         ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs"),

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from tierserve.tiers import ALL_TIERS, Tier
 
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6  # a tier's wfq_weight and drr_weight
+
 OptionsT = TypeVar("OptionsT", bound="PolicyOptions")
 
 
@@ -135,8 +137,12 @@ def validate(config: EngineConfig) -> EngineConfig:
         t = config.tiers[tier]
         p = f"tiers.{tier.name}"
         for name in ("wfq_weight", "drr_weight"):
-            if getattr(t, name) <= 0:
-                raise ConfigError(f"{p}.{name}: must be > 0, got {getattr(t, name)}")
+            # Relative shares: past these a ratio means nothing, and a weight of 1e-320 made
+            # DRR's deficit round loop run forever (cost / quantum overflowed to inf).
+            if not MIN_WEIGHT <= getattr(t, name) <= MAX_WEIGHT:
+                raise ConfigError(
+                    f"{p}.{name}: must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {getattr(t, name)}"
+                )
         for name in ("ttft_target_s", "aging_s"):
             if getattr(t, name) <= 0:
                 raise ConfigError(f"{p}.{name}: must be > 0, got {getattr(t, name)}")
