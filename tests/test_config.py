@@ -35,6 +35,8 @@ def test_toml_overrides_fields_and_keeps_the_rest(tmp_path: Path) -> None:
         ({"tiers": {"P0": {"floor": 0.3, "ceiling": 0.2}}}, "tiers.P0.ceiling"),
         ({"tiers": {"P2": {"wfq_weight": -1}}}, "tiers.P2.wfq_weight"),
         ({"tiers": {"P2": {"drr_weight": 0}}}, "tiers.P2.drr_weight"),
+        # Accepted, then every P1-P3 request was refused, blamed on its max_tokens.
+        ({"tiers": {"P0": {"floor": 1.0, "ceiling": 1.0}, "P1": {"reserve": 0.0}}}, "tiers.P1: the floors"),
         # DRR's deficit rounds never ended: cost / quantum overflowed to inf.
         ({"tiers": {"P1": {"drr_weight": 1e-320}}}, "tiers.P1.drr_weight"),
         ({"tiers": {"P1": {"wfq_weight": float("inf")}}}, "tiers.P1.wfq_weight"),
@@ -120,3 +122,9 @@ def test_floors_over_100_percent_name_each_tiers_share_defaults_included() -> No
         parse_config({"tiers": {"P0": {"floor": 1.0, "ceiling": 1.0}}})
     message = str(e.value)
     assert "130%" in message and "P0 100%" in message and "P1 30%" in message and "default" in message
+
+
+def test_a_tier_turned_off_by_a_ceiling_of_zero_may_sit_under_floors_that_take_everything() -> None:
+    off = {"ceiling": 0.0, "reserve": 0.0}
+    config = parse_config({"tiers": {"P0": {"floor": 1.0, "ceiling": 1.0}, "P1": off, "P2": off, "P3": off}})
+    assert config.tiers[Tier.P0].floor == 1.0 and config.tiers[Tier.P3].ceiling == 0.0

@@ -168,6 +168,18 @@ def validate(config: EngineConfig) -> EngineConfig:
             f"tiers: floors and reserves add up to {total:.0%}, over 100% ({parts}; a tier not "
             "set keeps its default floor and reserve)"
         )
+    above = 0.0  # the floors of the more urgent tiers, which a tier's allocations leave free
+    for tier in ALL_TIERS:
+        t = config.tiers[tier]
+        if t.ceiling > 0 and above >= 1 - 1e-9:
+            # Every request of it was refused, blamed on its max_tokens; a ceiling of 0 is
+            # the way to turn a tier off.
+            raise ConfigError(
+                f"tiers.{tier.name}: the floors of the more urgent tiers take the whole KV cache "
+                f"({above:.0%}), so it could hold no block; lower them, or set its ceiling to 0 "
+                "to turn it off"
+            )
+        above += t.floor
     return config
 
 
