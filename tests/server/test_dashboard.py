@@ -18,7 +18,7 @@ REQUIRED = [
     "llm_scheduler_wait_seconds",
     "llm_kv_cache_hit_rate",
     "llm_preemption",
-    "llm_sla_attainment",
+    "llm_sla_requests",
     "llm_kv_swap_seconds",
     "tierserve_kv_blocks_used",
     "tierserve_kv_blocks_borrowed",

@@ -51,3 +51,18 @@ def test_without_an_engine_process_the_registry_is_rendered_as_it_is() -> None:
     embedded = _engine_side()  # the engine thread writes to the server's own registry
     got = _samples(embedded.render())
     assert got[("vllm:prompt_tokens_total", (("model_name", "m"),))] == 100
+
+
+def test_a_request_that_ended_with_no_token_past_its_target_counts_as_a_miss() -> None:
+    """30 P0 clients that gave up after 1 s (twice the target) moved P0's attainment up: a
+    request with no first token was left out. Counted now, as met and missed counters that
+    give attainment over any window and summed over replicas."""
+    engine = ServerMetrics("m", {Tier.P0: 0.5})
+    engine.observe_finished(Tier.P0, Tier.P0, 0.2, 1.0, "length")  # met
+    engine.observe_finished(Tier.P0, Tier.P0, None, 1.0, "abort")  # gave up after the target
+    engine.observe_finished(Tier.P0, Tier.P0, None, 0.1, "abort")  # gone before it: no verdict
+    got = _samples(ServerMetrics("m", {Tier.P0: 0.5}).render(list(engine.registry.collect())))
+    labels = (("outcome", "met"), ("priority", "P0"), ("tier", "P0"))
+    assert got[("llm_sla_requests_total", labels)] == 1
+    assert got[("llm_sla_requests_total", (("outcome", "missed"), *labels[1:]))] == 1
+    assert got[("llm_sla_attainment", (("priority", "P0"), ("tier", "P0")))] == 0.5

@@ -102,7 +102,7 @@ class ServerMetrics:
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
         self._engine_families: Sequence[Metric] = ()  # the engine process's, as it answered last
-        self._state = StateCollector(model_name, self.sla_attainment)
+        self._state = StateCollector(model_name, self.sla_attainment, self.sla_counts)
         r.register(self._state)
 
     def bind(
@@ -124,9 +124,16 @@ class ServerMetrics:
     ) -> None:
         self.e2e.observe(e2e_s)
         self.outcomes.labels(tier.name, reason).inc()
+        target = self._targets.get(tier, math.inf)
         if ttft_s is None:
-            return
-        met = ttft_s <= self._targets.get(tier, math.inf)
+            # Ended with no token (the client gave up, a drain): a miss once it had waited
+            # past the target, or the worst misses of all were left out; too soon to tell
+            # otherwise.
+            if e2e_s <= target:
+                return
+            met = False
+        else:
+            met = ttft_s <= target
         with self._sla_lock:
             counts = self._sla.setdefault((tier, entitled), [0, 0])
             counts[0] += met
@@ -141,6 +148,11 @@ class ServerMetrics:
     def sla_attainment(self) -> dict[tuple[Tier, Tier], float]:
         with self._sla_lock:
             return {k: met / total for k, (met, total) in self._sla.items() if total}
+
+    def sla_counts(self) -> dict[tuple[Tier, Tier], tuple[int, int]]:
+        """(met, missed) by (run tier, entitled tier), since start-up."""
+        with self._sla_lock:
+            return {k: (met, total - met) for k, (met, total) in self._sla.items()}
 
     def render(self, engine_families: Sequence[Metric] = ()) -> bytes:
         """The exposition text; `engine_families`: the engine process's, merged in (its

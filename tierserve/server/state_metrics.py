@@ -60,9 +60,15 @@ def snapshot_of(engine: Engine) -> EngineSnapshot:
 class StateCollector(Collector):
     """Yields the state metrics from whatever `snapshot`, `sla` and `limiter` return at scrape time."""
 
-    def __init__(self, model_name: str, sla: Callable[[], Mapping[tuple[Tier, Tier], float]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        sla: Callable[[], Mapping[tuple[Tier, Tier], float]],
+        sla_counts: Callable[[], Mapping[tuple[Tier, Tier], tuple[int, int]]] = dict,
+    ) -> None:
         self._model = model_name
         self._sla = sla
+        self._sla_counts = sla_counts
         self.snapshot: Callable[[], EngineSnapshot] = EngineSnapshot
         self.limiter: Callable[[], LimiterState] | None = None
 
@@ -103,6 +109,19 @@ class StateCollector(Collector):
         for (tier, entitled), value in sorted(self._sla().items()):
             sla.add_metric([tier.name, entitled.name], value)
         yield sla
+        # The same as counts, for attainment over a window (rate of met over rate of all)
+        # and summed over replicas: the gauge above is since start-up, one replica's.
+        judged = CounterMetricFamily(
+            "llm_sla_requests",
+            "Requests judged against the TTFT target of the tier they ran at (priority), by the "
+            "tenant's entitled tier (tier): met, or missed (a request that ended with no token "
+            "after waiting past the target counts as missed)",
+            labels=["priority", "tier", "outcome"],
+        )
+        for (tier, entitled), (met, missed) in sorted(self._sla_counts().items()):
+            judged.add_metric([tier.name, entitled.name, "met"], float(met))
+            judged.add_metric([tier.name, entitled.name, "missed"], float(missed))
+        yield judged
         pre = CounterMetricFamily(
             "llm_preemption", "Preempted requests", labels=["victim_priority", "reason"]
         )
