@@ -160,3 +160,31 @@ def test_a_header_sent_twice_with_different_values_is_400_naming_it(
         assert r.status_code == 400 and r.json()["error"]["param"] == name
     same = httpx.post(chat, json=body, headers=[*auth, (name, first), (name, first)])
     assert same.status_code == 200  # the same value twice is no ambiguity
+
+
+def test_refusals_before_the_application_takes_a_request_are_counted() -> None:
+    """A wrong key, a compressed body, a body over the limit, a trailing slash and a key sent
+    twice were answered and counted nowhere (the docs said each one is)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+    key = {"authorization": "Bearer sk-gold"}
+    twice = [("authorization", "Bearer sk-gold"), ("authorization", "Bearer sk-bronze")]
+    with live_server(make_state(parse_serve_config(CONFIG))) as srv:
+        url = srv.base_url + "/chat/completions"
+        sent = [
+            httpx.post(url, json=body, headers={"authorization": "Bearer sk-guess"}, timeout=30),
+            httpx.post(url, content=b"x", headers={**key, "content-encoding": "gzip"}, timeout=30),
+            httpx.post(url, content=b"x" * (2 << 20), headers=key, timeout=30),
+            httpx.post(url + "/", json=body, headers=key, timeout=30),
+            httpx.post(url, json=body, headers=twice, timeout=30),
+        ]
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    assert [r.status_code for r in sent] == [401, 415, 413, 404, 400]
+    reasons = (
+        "invalid_api_key",
+        "unsupported_content_encoding",
+        "request_too_large",
+        "not_found",
+        "bad_header",
+    )
+    for reason in reasons:
+        assert f'tierserve_http_errors_total{{reason="{reason}"}} 1.0' in metrics, reason

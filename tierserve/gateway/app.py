@@ -33,7 +33,7 @@ from tierserve.gateway.state import GatewayState
 from tierserve.server.app import HeadAsGet
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error
-from tierserve.server.fast_routes import aborted_upload
+from tierserve.server.fast_routes import aborted_upload, refused_at_the_door
 
 log = logging.getLogger("tierserve.gateway")
 
@@ -62,7 +62,7 @@ class GenerationRoutes:
         except ApiError as e:
             response = e.response()
         except HTTPException as e:  # the body limit, while reading a chunked body
-            response = http_error(e).response()
+            response = refused_at_the_door(http_error(e), self._gw.metrics.count_http_error)
         except ClientDisconnect:
             aborted_upload(self._gw.metrics.count_http_error, scope, log)
             return
@@ -141,14 +141,15 @@ def create_gateway_app(gw: GatewayState) -> FastAPI:
         BodyLimitMiddleware,
         max_bytes=gw.config.serve.server.max_body_bytes,
         max_buffered_bytes=gw.config.serve.server.max_buffered_body_bytes,
+        count=gw.metrics.count_http_error,
     )
     app.add_middleware(HeadAsGet)
-    _add_error_handlers(app)
+    _add_error_handlers(app, gw)
     _add_routes(app, gw)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, gw: GatewayState) -> None:
     """Every error leaves in OpenAI's envelope; anything unexpected as a logged 500."""
 
     @app.exception_handler(ApiError)
@@ -157,7 +158,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def starlette_error(_: HttpRequest, exc: HTTPException) -> Response:
-        return http_error(exc).response()
+        return refused_at_the_door(http_error(exc), gw.metrics.count_http_error)
 
     @app.exception_handler(Exception)
     async def internal_error(_: HttpRequest, exc: Exception) -> Response:

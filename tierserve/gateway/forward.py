@@ -34,7 +34,7 @@ from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import EventTooLarge, SseUsageTap, usage_of
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, invalid_body
-from tierserve.server.fast_routes import close_if_unread, unsupported_encoding
+from tierserve.server.fast_routes import close_if_unread, refused_at_the_door, unsupported_encoding
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, rate_refusal
@@ -116,9 +116,9 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         tenant = gw.tenants.resolve_headers(asked)
     except ApiError as e:
         close_if_unread(e, http)
-        raise
+        return refused_at_the_door(e, gw.metrics.count_http_error)
     if (refused := unsupported_encoding(http)) is not None:
-        raise refused
+        return refused_at_the_door(refused, gw.metrics.count_http_error)
     raw, body = await _read_body(gw, http, chat)
     _check_model(gw, body.model)
     declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)

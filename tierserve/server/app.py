@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tierserve import __version__
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error, invalid_body
-from tierserve.server.fast_routes import GenerationRoutes, aborted_upload
+from tierserve.server.fast_routes import GenerationRoutes, aborted_upload, refused_at_the_door
 from tierserve.server.generate import generate
 from tierserve.server.prepare import check_model
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -77,6 +77,7 @@ def create_app(state: ServerState, *, freeze_heap: bool = False) -> FastAPI:
         BodyLimitMiddleware,
         max_bytes=state.config.server.max_body_bytes,
         max_buffered_bytes=state.config.server.max_buffered_body_bytes,
+        count=state.metrics.count_http_error,
     )
     app.add_middleware(HeadAsGet)
     if state.trace is not None:
@@ -143,7 +144,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(HTTPException)
     async def starlette_error(_: HttpRequest, exc: HTTPException) -> Response:
-        return http_error(exc).response()
+        return refused_at_the_door(http_error(exc), state.metrics.count_http_error)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(http: HttpRequest, _: ClientDisconnect) -> Response:

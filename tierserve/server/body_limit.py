@@ -17,6 +17,8 @@ connection is closed), and the client may send it again shortly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -59,8 +61,16 @@ class BodyBudget:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_buffered_bytes: int | None = None,
+        count: Callable[[str], None] | None = None,
+    ) -> None:
+        """`count`: told the reason of each refusal it answers itself (`tierserve_http_errors_total`)."""
         self._app = app
+        self._count = count
         self._max = max_bytes
         self.budget = BodyBudget(max_buffered_bytes) if max_buffered_bytes is not None else None
 
@@ -83,6 +93,8 @@ class BodyLimitMiddleware:
                         code="request_too_large",
                         headers={"connection": "close"},  # unread (see BodyTooLarge)
                     )
+                    if self._count is not None:
+                        self._count("request_too_large")
                     await error.response()(scope, receive, send)
                     return
             elif name == b"transfer-encoding" and b"chunked" in value.lower():

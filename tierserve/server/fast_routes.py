@@ -67,13 +67,14 @@ class GenerationRoutes:
             await response(scope, receive, send)
 
     async def _respond(self, http: HttpRequest, model: Model) -> Response | None:
+        count = self._state.metrics.count_http_error
         try:
             tenant = self._state.tenants.resolve_headers(http.headers)
         except ApiError as e:
             close_if_unread(e, http)
-            return e.response()
+            return refused_at_the_door(e, count)
         if (refused := unsupported_encoding(http)) is not None:
-            return refused.response()
+            return refused_at_the_door(refused, count)
         if self._state.draining:  # not worth its body: it cannot be admitted
             return self._draining()
         try:
@@ -82,14 +83,19 @@ class GenerationRoutes:
             aborted_upload(self._state.metrics.count_http_error, http.scope, log)
             return None
         except HTTPException as e:  # the body limit, while reading a chunked body
-            return http_error(e).response()
+            return refused_at_the_door(http_error(e), count)
         if raw is None:  # the drain began while it came in
             return self._draining()
         try:
             if len(raw) > OFFLOAD_BYTES:
                 kind: Kind = "chat" if model is ChatCompletionRequest else "completion"
                 parser = self._state.body_parser
-                body = await self._gate.admit(lambda: parser.parse(kind, raw))
+                try:
+                    body = await self._gate.admit(lambda: parser.parse(kind, raw))
+                except ApiError as e:
+                    if e.code != "busy":
+                        raise
+                    return refused_at_the_door(e, count)
                 return await generate(self._state, http, body, tenant, offload=self._gate)
             return await generate(self._state, http, _validate(model, raw), tenant)
         except ValidationError as e:
@@ -103,6 +109,13 @@ class GenerationRoutes:
         """503 `draining` for a request whose body is not (all) read: the connection closes."""
         self._state.metrics.reject("draining", None)
         return draining_error(unread=True).response()
+
+
+def refused_at_the_door(e: ApiError, count: Callable[[str], None]) -> Response:
+    """A refusal before the application takes the request (its key or headers, its body's
+    size or encoding, no room to parse it), counted in `tierserve_http_errors_total`."""
+    count(e.code or ("bad_header" if e.status == 400 else f"http_{e.status}"))
+    return e.response()
 
 
 def close_if_unread(e: ApiError, http: HttpRequest) -> None:
