@@ -353,3 +353,13 @@ def test_a_whole_reply_past_the_limit_is_a_502_not_the_gateways_memory(
         metrics = httpx.get(gw.url + "/metrics").text
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_reply_too_large"
     assert 'tierserve_gateway_upstream_requests_total{outcome="too_large",upstream="f0"} 1.0' in metrics
+
+
+def test_a_stream_broken_midway_does_not_tell_the_client_the_upstreams_address() -> None:
+    with (
+        fake_upstream(FakeUpstream("break")) as url,
+        gateway([url]) as (gw, _),
+        httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r,
+    ):
+        text = r.read().decode()
+    assert '"code": "upstream_failed"' in text and "f0" not in text and "127.0.0.1" not in text

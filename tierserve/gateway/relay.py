@@ -101,7 +101,9 @@ class Relay:
             return error_event("the gateway is shutting down (drain timeout)", code="aborted")
         self._outcome = "broken"
         log.warning("upstream %s broke a stream midway: %s", self._name, error)
-        return error_event(f"upstream {self._name} failed mid-stream", code="upstream_failed")
+        # Which one is in the log line above: an upstream's name is often its address, which
+        # a 502 keeps from the client too.
+        return error_event("The upstream serving this stream failed mid-stream.", code="upstream_failed")
 
     def _close(self) -> None:
         gw = self._gw
