@@ -26,6 +26,7 @@ from tests.server.helpers import (
     pool_free_and_total,
     wait_until_ready,
 )
+from tierserve.server import engine_client
 from tierserve.server.config import ServeConfig, ServerSettings
 from tierserve.server.engine_client import EngineClient
 
@@ -237,3 +238,26 @@ def test_ready_answers_503_while_a_stopped_engine_holds_work_and_200_once_it_goe
         assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200
     stall_lines = [r for r in caplog.records if "has sent nothing" in r.getMessage()]
     assert len(stall_lines) == 1  # one line a stall, not one a probe
+
+
+def test_a_stopped_engine_makes_one_scrape_wait_not_every_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each /metrics waited the whole scrape timeout (5 s) for an engine that could not
+    answer, past many Prometheus servers' own timeout: the target read as down."""
+    monkeypatch.setattr(engine_client, "SCRAPE_TIMEOUT_S", 0.5)
+    state = make_state()
+    engine = state.engine
+    assert isinstance(engine, EngineClient)
+    with live_server(state) as srv:
+        assert "vllm:num_requests_running" in httpx.get(srv.url + "/metrics", timeout=10).text
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            took = []
+            for _ in range(3):
+                started = time.monotonic()
+                r = httpx.get(srv.url + "/metrics", timeout=10)
+                took.append(time.monotonic() - started)
+                assert r.status_code == 200 and "vllm:num_requests_running" in r.text  # the last families
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        assert took[0] >= 0.5 and max(took[1:]) < 0.5, took
+        assert httpx.get(srv.url + "/metrics", timeout=10).status_code == 200

@@ -78,6 +78,7 @@ class EngineClient:
         self._routes: dict[str, RequestHandle] = {}  # requests the engine has not ended yet
         self._started: set[str] = set()  # routed requests that have had a token
         self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._scrape: asyncio.Future[Any] | None = None  # the last metrics scrape asked of the engine
         self._call_ids = itertools.count()
         self._submitted = dict.fromkeys(ALL_TIERS, 0)
         self._applied = dict.fromkeys(ALL_TIERS, 0)
@@ -231,11 +232,18 @@ class EngineClient:
         return await self._call(lambda call_id: Inspect(call_id, fn))
 
     async def metric_families(self) -> list[Metric]:
-        """The engine process's metric families, for `/metrics`; none if it does not answer."""
+        """The engine process's metric families, for `/metrics`; none if it does not answer
+        within SCRAPE_TIMEOUT_S, or at once while an earlier scrape is still unanswered (a
+        stalled engine made every scrape wait the whole timeout, past many Prometheus
+        servers' own; the server then shows the last families it had)."""
         if not self.running:
             return []
+        if self._scrape is not None and not self._scrape.done():
+            return []
+        self._scrape = scrape = asyncio.ensure_future(self._call(ScrapeMetrics))
+        scrape.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if none waits
         try:
-            families: list[Metric] = await asyncio.wait_for(self._call(ScrapeMetrics), SCRAPE_TIMEOUT_S)
+            families: list[Metric] = await asyncio.wait_for(asyncio.shield(scrape), SCRAPE_TIMEOUT_S)
         except (TimeoutError, EngineStartError):
             return []
         return families
