@@ -7,7 +7,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,3 +194,17 @@ def gateway_of(
         DrainingGateway, create_gateway_app(gw), gw=gw, drain_timeout_s=drain_timeout_s
     ) as running:
         yield running, gw
+
+
+@contextmanager
+def gateway_over(*fakes: FakeUpstream, extra: str = "") -> Iterator[Running]:
+    """A gateway in front of `fakes`, each served on its own port (upstreams f0, f1, ...)."""
+    with ExitStack() as stack:
+        urls = [stack.enter_context(fake_upstream(fake)) for fake in fakes]
+        running, _ = stack.enter_context(gateway(urls, extra))
+        yield running
+
+
+def spread_body(base: dict[str, Any], i: int, **fields: object) -> dict[str, Any]:
+    """`base` with a prompt of its own (`prefix i`), so that prefix affinity spreads requests."""
+    return {**base, "messages": [{"role": "user", "content": f"prefix {i}"}], **fields}

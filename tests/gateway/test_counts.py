@@ -12,7 +12,14 @@ from collections.abc import Callable
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway, gateway_of
+from tests.gateway.fakes import (
+    FAKE_MODEL,
+    FakeUpstream,
+    fake_upstream,
+    gateway_of,
+    gateway_over,
+    spread_body,
+)
 from tierserve.gateway.config import parse_gateway_config
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -143,13 +150,9 @@ def test_an_attempt_on_an_upstream_that_failed_is_not_counted_as_the_gateway_s_a
     """A stream retried after an upstream took 0.5 s to fail: that half second is the
     upstream's, not the gateway's own work."""
     bad, good = FakeUpstream("fail", reply_after_s=0.5), FakeUpstream("ok")
-    with (
-        fake_upstream(bad) as bad_url,
-        fake_upstream(good) as good_url,
-        gateway([bad_url, good_url]) as (gw, _),
-    ):
+    with gateway_over(bad, good) as gw:
         for i in range(8):
-            body = {**CHAT, "messages": [{"role": "user", "content": f"prefix {i}"}], "stream": True}
+            body = spread_body(CHAT, i, stream=True)
             with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as reply:
                 reply.read()
                 assert reply.status_code == 200

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
+from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway, gateway_over, spread_body
 from tierserve.gateway import forward
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -20,14 +20,11 @@ CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "m
 
 def test_an_upstream_failing_before_the_first_byte_is_retried_on_another() -> None:
     bad, good = FakeUpstream("fail"), FakeUpstream("ok")
-    with (
-        fake_upstream(bad) as bad_url,
-        fake_upstream(good) as good_url,
-        gateway([bad_url, good_url]) as (gw, _),
-    ):
+    with gateway_over(bad, good) as gw:
         for i in range(8):
-            body = {**CHAT, "messages": [{"role": "user", "content": f"prefix {i}"}], "stream": i % 2 == 0}
-            r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+            r = httpx.post(
+                gw.url + "/v1/chat/completions", json=spread_body(CHAT, i, stream=i % 2 == 0), timeout=30
+            )
             assert r.status_code == 200, r.text
         metrics = httpx.get(gw.url + "/metrics").text
     assert len(good.bodies) == 8 and len(bad.bodies) > 0
@@ -314,13 +311,9 @@ def test_a_stream_that_breaks_inside_its_first_event_is_retried_and_the_client_g
     half (JSONDecodeError) before it read the error, and the request, of which the client had
     nothing whole, was not tried elsewhere."""
     halfway, good = FakeUpstream("halfway"), FakeUpstream("ok")
-    with (
-        fake_upstream(halfway) as halfway_url,
-        fake_upstream(good) as good_url,
-        gateway([halfway_url, good_url]) as (gw, _),
-    ):
+    with gateway_over(halfway, good) as gw:
         for i in range(6):
-            body = {**CHAT, "messages": [{"role": "user", "content": f"prefix {i}"}], "stream": True}
+            body = spread_body(CHAT, i, stream=True)
             with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
                 text = r.read().decode()
             events = [e for e in text.split("\n\n") if e]
