@@ -21,12 +21,12 @@ def test_multibyte_characters_are_held_until_complete() -> None:
     assert out == ["", "é", "", "", "€"]
 
 
-def test_bytes_that_never_make_a_character_are_sent_once_a_token_comes_after_them() -> None:
-    """A demo model's random bytes: each U+FFFD is held only while it could still be the
-    start of a character, until the next token shows it is not; none waits for the end."""
+def test_bytes_that_never_make_a_character_are_sent_once_no_character_could_still_form() -> None:
+    """A demo model's random bytes: U+FFFD is held only while it could still be part of a
+    character (three bytes at most wait for a fourth); none waits for the end."""
     stream = TextStream(ByteTokenizer())
     out = [stream.push([0xFF]) for _ in range(10)]
-    assert out == ["", *["\ufffd"] * 9]
+    assert out == ["", "", "", *["\ufffd"] * 7]
     assert "".join(out) + stream.flush() == bytes([0xFF] * 10).decode(errors="replace")
 
 
@@ -158,3 +158,64 @@ def test_a_stop_string_inside_one_push_of_several_tokens_ends_the_text_before_it
     stream = TextStream(_WordTokenizer(), stop=["end", "STOP"])
     assert stream.push([0, 3, 4, 5]) == "hello "
     assert stream.stopped and stream.num_tokens_used == 2
+
+
+def test_a_byte_fallback_tokenizer_streams_characters_of_three_and_four_bytes_whole() -> None:
+    """SentencePiece with byte fallback (Llama-2, Mistral, Gemma): each byte of an unfinished
+    character decodes as its own U+FFFD, and a finished character before an unfinished one
+    in the same run of byte tokens reads as U+FFFD too. 中文 went out as ��."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "▁Hi": 1, "▁there": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+
+    class Fallback:
+        def decode(self, ids: list[int]) -> str:
+            return str(tok.decode(list(ids)))
+
+    text = "中文😀"  # three, three and four bytes
+    ids = [1, *(3 + b for b in text.encode()), 2]
+    stream = TextStream(Fallback())
+    pieces = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == Fallback().decode(ids) == "Hi中文😀 there"
+    assert "\ufffd" not in "".join(pieces)
+
+
+def test_streamed_text_equals_the_whole_decode_for_random_text_and_bytes() -> None:
+    """Text of one- to four-byte characters through SentencePiece's byte fallback, and random
+    bytes (valid or not) through the demo's byte tokenizer, one token a push: what streams
+    out is the whole decode, character for character."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "▁a": 1, "▁the": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    fallback = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+
+    class Fallback:
+        def decode(self, ids: list[int]) -> str:
+            return str(fallback.decode(list(ids)))
+
+    rng = random.Random(0)
+    alphabet = "aé中文😀Ωж"  # one to four bytes each
+    for _ in range(200):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 12)):
+            if rng.random() < 0.3:
+                ids.append(rng.choice((1, 2)))
+            else:
+                ids.extend(3 + b for b in rng.choice(alphabet).encode())
+        # A prompt ending in a whole word gives the context; random bytes come with none.
+        for tok, context, case in (
+            (Fallback(), [2], ids),
+            (ByteTokenizer(), [], [rng.randrange(256) for _ in range(12)]),
+        ):
+            stream = TextStream(tok, context_token_ids=context)
+            out = "".join(stream.push([i]) for i in case) + stream.flush()
+            assert out == tok.decode(context + case)[len(tok.decode(context)) :], case
