@@ -791,3 +791,23 @@ def test_a_p3_request_preempted_after_running_is_shed_only_once_it_has_waited_in
     assert background.num_preemptions == 1 and background.status is RequestStatus.WAITING
     run(eng)
     assert background.finish_reason is FinishReason.LENGTH
+
+
+def test_a_p0_prompt_waiting_on_another_p0_requests_blocks_comes_in_once_they_are_freed() -> None:
+    """After a pass that kept tokens for a P0 prompt and could not admit it (P0 at its
+    ceiling, held by a running P0 request), none were kept again until a P0 request came
+    in: once the running one ended, a long P1 prompt's chunks took every step and the P0
+    prompt waited for that whole prefill (first token 1.0 s after the blocks were free)."""
+    config = {"scheduler": {"max_num_batched_tokens": 64}, "tiers": {"P0": {"floor": 0.25, "ceiling": 0.25}}}
+    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=0, block_size=16, step_s=0.01)
+    eng = Engine(parse_config(config), "hybrid", executor, VirtualClock())
+    holder = _req(eng, "a", list(range(1000, 4600)), 40, Tier.P0)  # most of P0's 250 blocks
+    while holder.first_token_time is None:
+        eng.step()
+    long_p1 = _req(eng, "b", list(range(10000, 18000)), 2, Tier.P1)  # 125 chunks of 64 tokens
+    eng.step()
+    waiting = _req(eng, "c", list(range(20000, 20600)), 2, Tier.P0)  # over P0's ceiling until a ends
+    run(eng)
+    assert holder.finish_time is not None and waiting.first_token_time is not None
+    assert waiting.first_token_time - holder.finish_time < 0.25
+    assert long_p1.first_token_time is not None and waiting.first_token_time < long_p1.first_token_time - 0.5

@@ -163,6 +163,7 @@ class HybridPolicy(FairQueuePolicy):
         # The last pass kept a step's tokens for waiting P0 prompts and admitted none: they
         # are not kept again until a P0 request is admitted or none waits (`_p0_prompts`).
         self._p0_stuck = False
+        self._p0_running_when_stuck: int | None = None  # running P0 requests the first pass after
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
 
     def _choose(self, now: float) -> Choice | None:
@@ -332,11 +333,25 @@ class HybridPolicy(FairQueuePolicy):
         self._deferred = self._p1_p2_in_danger(now)
         if prefilling is None:
             prefilling = prefilling_of(running)  # one scan of the running
-        self._p0_stuck = self._p0_stuck and bool(self.num_waiting(Tier.P0))
+        if self._p0_stuck:
+            self._p0_stuck = self._still_stuck(running)
         self._p0_by_length = self._p0_prompts(prefilling, waiting=not self._p0_stuck)
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)
         self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
+
+    def _still_stuck(self, running: Sequence[Request]) -> bool:
+        """Whether waiting P0 prompts still go without kept tokens: until one comes in, none
+        waits, or a running P0 request ends or leaves (its blocks may be the room they
+        wait for: a P0 prompt waiting on another P0 request's blocks once waited for a whole
+        lower-tier prefill after they were freed)."""
+        if not self.num_waiting(Tier.P0):
+            return False
+        p0 = Tier.P0
+        num_running = sum(1 for r in running if r.tier is p0)
+        if self._p0_running_when_stuck is None or num_running > self._p0_running_when_stuck:
+            self._p0_running_when_stuck = num_running
+        return num_running >= self._p0_running_when_stuck
 
     def end_step(self, step: StepBudget, now: float) -> None:
         self._shaper.end(step, self._more_urgent_queued(now), now)
@@ -348,6 +363,8 @@ class HybridPolicy(FairQueuePolicy):
             # say, where blocks charged to P0 are held by a lower tier's prompt that only
             # these tokens would finish): kept again, pass after pass, the engine stopped.
             self._p0_stuck = True
+        if not self._p0_stuck:
+            self._p0_running_when_stuck = None
         self._step, self._p0_by_length = None, []
         self._held.clear()
 
