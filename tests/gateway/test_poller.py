@@ -226,3 +226,40 @@ def test_an_upstream_that_never_answers_its_check_holds_up_no_other_upstreams_sc
     assert ok.healthy and age < 0.3  # still fresh: not taken for a full replica
     assert not slow.healthy
     assert any("health check took over 0.2 s" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "models",
+    [{"object": "list", "data": None}, [{"id": "tiny"}], {"object": "list"}],
+)
+def test_a_model_list_of_the_wrong_shape_fails_the_check_and_checks_go_on(models: object) -> None:
+    """`{"data": null}` raised a TypeError that ended the upstream's check loop for good, in
+    silence: it kept its last health state forever."""
+    raw = {
+        "gateway": {"scrape_interval_s": 0.05},
+        "upstreams": [{"name": "u", "kind": "openai", "url": "http://u.test"}],
+    }
+    gw = build_gateway_state(parse_gateway_config(raw))
+    asked = 0
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal asked
+        asked += 1
+        return httpx.Response(200, json=models)
+
+    async def run() -> None:
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        try:
+            poller = UpstreamPoller(gw)
+            await poller.poll_once()
+            task = asyncio.get_running_loop().create_task(poller.run())
+            await asyncio.sleep(0.6)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            await gw.client.aclose()
+
+    asyncio.run(run())
+    assert not gw.router.states[0].healthy
+    assert asked >= 6  # about one check an interval, not one and then none

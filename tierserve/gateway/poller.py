@@ -33,7 +33,10 @@ async def fetch_models(
 ) -> frozenset[str]:
     r = await client.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     r.raise_for_status()
-    data = r.json().get("data", [])
+    body = r.json()
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("/v1/models: not an OpenAI model list")
     return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
 
 
@@ -47,9 +50,10 @@ async def check_ready(
     r = await client.get(url + "/ready", timeout=timeout_s, headers=headers)
     if r.status_code == 503:
         try:
-            reason = r.json().get("reason", "not ready")
+            body = r.json()
         except ValueError:
-            reason = "not ready"
+            body = None
+        reason = body.get("reason", "not ready") if isinstance(body, dict) else "not ready"
         raise NotReady(f"/ready: {reason}")
     r.raise_for_status()
 
@@ -138,5 +142,9 @@ class UpstreamPoller:
     async def _watch(self, s: UpstreamState) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            await self._check(s)
+            try:
+                await self._check(s)
+            except Exception:  # a reply no check foresaw: its loop must not end in silence
+                log.exception("health check of upstream %s failed unexpectedly", s.name)
+                self._gw.record_failure(s.name, "its health check failed unexpectedly")
             self._gw.dispatcher.pump()
