@@ -811,3 +811,15 @@ def test_a_p0_prompt_waiting_on_another_p0_requests_blocks_comes_in_once_they_ar
     assert holder.finish_time is not None and waiting.first_token_time is not None
     assert waiting.first_token_time - holder.finish_time < 0.25
     assert long_p1.first_token_time is not None and waiting.first_token_time < long_p1.first_token_time - 0.5
+
+
+def test_a_p3_request_back_in_the_queue_is_shed_by_its_time_there() -> None:
+    from tierserve.scheduling.hybrid import HybridPolicy
+
+    policy = HybridPolicy(parse_config({"policy": {"hybrid": {"p3_shed_after_s": 10.0}}}))
+    p1 = Request("p1", [1, 2, 3], SamplingParams(max_tokens=8), tier=Tier.P1, arrival_time=100.0)
+    policy.add(p1, 100.0)
+    back = Request("bg", [1, 2, 3], SamplingParams(max_tokens=8), tier=Tier.P3, arrival_time=0.0)
+    policy.prepend(back, 100.0)  # arrived long ago, ran, preempted by recompute at 100 s
+    assert policy.to_shed(109.0) == []
+    assert [r for r, _ in policy.to_shed(111.0)] == [back]

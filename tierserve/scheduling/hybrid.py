@@ -155,6 +155,9 @@ class HybridPolicy(FairQueuePolicy):
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
         self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
         self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
+        self._queued = OldestWaiting(
+            key=self._queued_since
+        )  # waiting P3 requests, longest in the queue first
         self._step: StepBudget | None = None  # the step being built, between the hooks
         self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
@@ -245,9 +248,9 @@ class HybridPolicy(FairQueuePolicy):
         self._track(req)
 
     def _push_front(self, req: Request, now: float) -> None:
+        self._requeued_at[req] = now  # before `_track`, which files it by it
         super()._push_front(req, now)
         self._track(req)
-        self._requeued_at[req] = now
 
     def _remove(self, req: Request) -> None:
         super()._remove(req)
@@ -260,12 +263,15 @@ class HybridPolicy(FairQueuePolicy):
             self._p0_waiting.add(req)
         if req.tier in AGED_TIERS:
             self._waiting.add(req)
+        if req.tier is Tier.P3:
+            self._queued.add(req)
         if req.tier in RESCUED_TIERS:
             self._savable.add(req)
 
     def _untrack(self, req: Request) -> None:
-        self._requeued_at.pop(req, None)
         self._p0_waiting.discard(req)
+        self._queued.discard(req)
+        self._requeued_at.pop(req, None)
         self._waiting.discard(req)
         self._savable.discard(req)
 
@@ -305,21 +311,19 @@ class HybridPolicy(FairQueuePolicy):
         first."""
         limit = self.options.p3_shed_after_s
         sfq = self._sfq
-        oldest = self._waiting.oldest(Tier.P3)  # none has waited longer than since its arrival
-        if (
-            oldest is None
-            or now - oldest.arrival_time <= limit
-            or not (sfq.count(Tier.P1) or sfq.count(Tier.P2))
-        ):
-            return []
         # The wait is in the queue, since the request came back to it where it was preempted
         # by recompute: a P3 answer that had run for minutes was shed the moment it lost its
         # seat, its tokens thrown away, as if it had waited all that time.
-        requeued = self._requeued_at
+        longest = self._queued.oldest(Tier.P3)
+        if longest is None or now - self._queued_since(longest) <= limit:
+            return []
+        if not (sfq.count(Tier.P1) or sfq.count(Tier.P2)):
+            return []
         reason = f"overload: waited over {limit:g} s while P1/P2 requests waited"
-        return [
-            (r, reason) for r in self if r.tier == Tier.P3 and now - requeued.get(r, r.arrival_time) > limit
-        ]
+        return [(r, reason) for r in self if r.tier is Tier.P3 and now - self._queued_since(r) > limit]
+
+    def _queued_since(self, req: Request) -> float:
+        return self._requeued_at.get(req, req.arrival_time)
 
     def begin_step(
         self,
