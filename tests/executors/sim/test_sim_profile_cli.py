@@ -191,3 +191,13 @@ def test_shapes_past_any_deployment_are_refused_not_overflowed(capsys: pytest.Ca
 def test_a_memory_share_is_printed_as_given(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["profile", "--model", "llama-3.1-8b", "--gpu", "h200", "--mem-util", "0.925"]) == 0
     assert "K/V capacity at 92.5% of memory" in capsys.readouterr().out
+
+
+def test_a_sliding_window_caps_the_context_as_the_torch_executor_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Mistral-7B-v0.1's window of 4,096 was dropped: a 16k context was profiled without a note."""
+    folder = _write_config(tmp_path / "mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
+    assert run(["profile", "--model", str(folder), "--gpu", "h100-80gb", "--context", "16000", "--json"]) == 0
+    (note,) = json.loads(capsys.readouterr().out)["beyond_limits"]
+    assert "exceeds the model's context (4,096)" in note

@@ -65,7 +65,10 @@ def get_model(name: str) -> ModelConfig:
                 f"{config}: quantized weights ({method}) are not modelled: the simulator prices "
                 f"{8 * spec.config.dtype_bytes}-bit weights and K/V"
             )
-        return replace(spec.config, name=name)
+        # A sliding window caps the context the model attends over (Mistral's 4,096), as the
+        # torch executor caps it: the simulator then admits no longer request either.
+        context = min(spec.config.max_position_embeddings, spec.max_model_len)
+        return replace(spec.config, name=name, max_position_embeddings=context)
     raise ValueError(
         f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}, "
         "or a local model directory with a config.json"
