@@ -160,27 +160,33 @@ def test_a_stop_string_inside_one_push_of_several_tokens_ends_the_text_before_it
     assert stream.stopped and stream.num_tokens_used == 2
 
 
+class _ByteFallback:
+    """SentencePiece with byte fallback (Llama-2, Mistral, Gemma): words 1 and 2, and a
+    token for each byte (3 + the byte) that the decoder turns back into text."""
+
+    def __init__(self, words: tuple[str, str]) -> None:
+        from tokenizers import Tokenizer, decoders, models
+
+        vocab = {"<unk>": 0, words[0]: 1, words[1]: 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+        self._tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+        self._tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(list(ids)))
+
+
 def test_a_byte_fallback_tokenizer_streams_characters_of_three_and_four_bytes_whole() -> None:
-    """SentencePiece with byte fallback (Llama-2, Mistral, Gemma): each byte of an unfinished
-    character decodes as its own U+FFFD, and a finished character before an unfinished one
-    in the same run of byte tokens reads as U+FFFD too. 中文 went out as ��."""
-    from tokenizers import Tokenizer, decoders, models
-
-    vocab = {"<unk>": 0, "▁Hi": 1, "▁there": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-
-    class Fallback:
-        def decode(self, ids: list[int]) -> str:
-            return str(tok.decode(list(ids)))
-
+    """Each byte of an unfinished character decodes as its own U+FFFD, and a finished
+    character before an unfinished one in the same run of byte tokens reads as U+FFFD too.
+    中文 went out as ��."""
+    tok = _ByteFallback(("▁Hi", "▁there"))
     text = "中文😀"  # three, three and four bytes
     ids = [1, *(3 + b for b in text.encode()), 2]
-    stream = TextStream(Fallback())
+    stream = TextStream(tok)
     pieces = [stream.push([i]) for i in ids] + [stream.flush()]
-    assert "".join(pieces) == Fallback().decode(ids) == "Hi中文😀 there"
+    assert "".join(pieces) == tok.decode(ids) == "Hi中文😀 there"
     assert "\ufffd" not in "".join(pieces)
 
 
@@ -190,18 +196,7 @@ def test_streamed_text_equals_the_whole_decode_for_random_text_and_bytes() -> No
     out is the whole decode, character for character."""
     import random
 
-    from tokenizers import Tokenizer, decoders, models
-
-    vocab = {"<unk>": 0, "▁a": 1, "▁the": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    fallback = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    fallback.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-
-    class Fallback:
-        def decode(self, ids: list[int]) -> str:
-            return str(fallback.decode(list(ids)))
-
+    fallback = _ByteFallback(("▁a", "▁the"))
     rng = random.Random(0)
     alphabet = "aé中文😀Ωж"  # one to four bytes each
     for _ in range(200):
@@ -213,7 +208,7 @@ def test_streamed_text_equals_the_whole_decode_for_random_text_and_bytes() -> No
                 ids.extend(3 + b for b in rng.choice(alphabet).encode())
         # A prompt ending in a whole word gives the context; random bytes come with none.
         for tok, context, case in (
-            (Fallback(), [2], ids),
+            (fallback, [2], ids),
             (ByteTokenizer(), [], [rng.randrange(256) for _ in range(12)]),
         ):
             stream = TextStream(tok, context_token_ids=context)
