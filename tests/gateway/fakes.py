@@ -47,6 +47,7 @@ class FakeUpstream:
     num_events: int = 4
     event_gap_s: float = 0.0
     reply_after_s: float = 0.0
+    first_event_after_s: float = 0.0  # a stream's headers go out at once, its first event after this
     refusal_status: int = 429
     refusal_body: bytes = b'{"detail": "slow down"}'
     refusal_type: str = "application/json"
@@ -91,6 +92,7 @@ class FakeUpstream:
         return True
 
     async def _stream(self) -> AsyncIterator[bytes]:
+        await asyncio.sleep(self.first_event_after_s)
         if self.mode == "halfway":
             yield _event(0, False)[:20]
             await asyncio.sleep(0.05)  # sent on its own, before the connection drops

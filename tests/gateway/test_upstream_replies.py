@@ -11,7 +11,15 @@ import tomllib
 import httpx
 import pytest
 
-from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway, gateway_of
+from tests.gateway.fakes import (
+    FAKE_MODEL,
+    FakeUpstream,
+    fake_upstream,
+    gateway,
+    gateway_of,
+    gateway_over,
+    spread_body,
+)
 from tierserve.config import ConfigError
 from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.usage import EventTooLarge, SseUsageTap
@@ -200,3 +208,22 @@ def test_an_event_past_the_limit_ends_the_stream_instead_of_filling_memory() -> 
     assert tap.feed(b"data: " + b"x" * 600) == b""
     with pytest.raises(EventTooLarge, match="over 1,000 bytes"):
         tap.feed(b"x" * 600)
+
+
+def test_an_upstream_that_sends_headers_then_nothing_is_ejected_as_a_silent_one_is() -> None:
+    """Its request was retried elsewhere, but the upstream was never ejected, as one silent
+    before its headers is: the next request went to it and waited the read timeout too."""
+    mute, good = FakeUpstream("ok", first_event_after_s=60.0), FakeUpstream("ok")
+    with gateway_over(mute, good, extra="read_timeout_s = 0.5") as gw:
+        for i in range(4):
+            body = spread_body(CHAT, i, stream=True)
+            with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200 and "error" not in r.read().decode()
+        metrics = httpx.get(gw.url + "/metrics").text
+    # Ejected each time (until its next good health check, which its /metrics passes).
+    ejections = [
+        line for line in metrics.splitlines() if line.startswith("tierserve_gateway_upstream_ejections")
+    ]
+    assert (
+        f'tierserve_gateway_upstream_ejections_total{{upstream="f0"}} {float(len(mute.bodies))}' in ejections
+    )

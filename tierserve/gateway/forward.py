@@ -306,7 +306,10 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         first = await _first_events(chunks, tap)
     except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, EventTooLarge) as e:
         reply.close()
-        raise _Retry(f"stream ended before its first whole event: {type(e).__name__}") from None
+        why = f"stream ended before its first whole event: {type(e).__name__}"
+        if isinstance(e, TimeoutError):  # headers, then silence: ejected as a silent upstream is
+            gw.record_failure(decision.upstream, f"a forwarded request's {why}", eject_now=True)
+        raise _Retry(why) from None
     # The gateway's own share of the first token: before the upstream call (less its queue
     # waits and failed attempts), and from the upstream's first event to the client's (the
     # relay adds that part once it is sent).
@@ -335,7 +338,10 @@ async def _whole(
     try:
         content = await _read_capped(reply, MAX_REPLY_BYTES)
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise _Retry(f"reply cut: {type(e).__name__}") from None
+        why = f"reply cut: {type(e).__name__}"
+        if isinstance(e, TimeoutError):  # part of a reply, then silence
+            gw.record_failure(name, f"a forwarded request's {why}", eject_now=True)
+        raise _Retry(why) from None
     except ReplyTooLarge as e:
         gw.dispatcher.finished(decision)
         gw.metrics.upstream_requests.labels(name, "too_large").inc()
