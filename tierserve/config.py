@@ -119,6 +119,8 @@ def _merge(path: str, base: Any, raw: Mapping[str, Any]) -> Any:
 
 
 def validate(config: EngineConfig) -> EngineConfig:
+    """`config` if every value is in range (ConfigError naming the field if not): the
+    scheduler's limits, each tier's settings, then how the tiers' shares of the cache add up."""
     s = config.scheduler
     for name in (
         "max_num_batched_tokens",
@@ -134,34 +136,43 @@ def validate(config: EngineConfig) -> EngineConfig:
     for tier in ALL_TIERS:
         if tier not in config.tiers:
             raise ConfigError(f"tiers.{tier.name}: missing")
-        t = config.tiers[tier]
-        p = f"tiers.{tier.name}"
-        for name in ("wfq_weight", "drr_weight"):
-            # Relative shares: past these a ratio means nothing, and a weight of 1e-320 made
-            # DRR's deficit round loop run forever (cost / quantum overflowed to inf).
-            if not MIN_WEIGHT <= getattr(t, name) <= MAX_WEIGHT:
-                raise ConfigError(
-                    f"{p}.{name}: must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {getattr(t, name)}"
-                )
-        for name in ("ttft_target_s", "aging_s"):
-            if getattr(t, name) <= 0:
-                raise ConfigError(f"{p}.{name}: must be > 0, got {getattr(t, name)}")
-        for name in ("floor", "reserve", "ceiling"):
-            if not 0 <= getattr(t, name) <= 1:
-                raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
-        if t.ceiling < t.floor + t.reserve:
-            default = " (its default: set it too)" if t.ceiling == DEFAULT_TIERS[tier].ceiling else ""
+        _check_tier(tier, config.tiers[tier])
+    _check_shares(config.tiers)
+    return config
+
+
+def _check_tier(tier: Tier, t: TierConfig) -> None:
+    p = f"tiers.{tier.name}"
+    for name in ("wfq_weight", "drr_weight"):
+        # Relative shares: past these a ratio means nothing, and a weight of 1e-320 made
+        # DRR's deficit round loop run forever (cost / quantum overflowed to inf).
+        if not MIN_WEIGHT <= getattr(t, name) <= MAX_WEIGHT:
             raise ConfigError(
-                f"{p}.ceiling: {t.ceiling}{default} is below floor + reserve ({t.floor} + {t.reserve})"
+                f"{p}.{name}: must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {getattr(t, name)}"
             )
-        if t.expected_output_tokens < 1:
-            raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
-    total = sum(config.tiers[t].floor + config.tiers[t].reserve for t in ALL_TIERS)
+    for name in ("ttft_target_s", "aging_s"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"{p}.{name}: must be > 0, got {getattr(t, name)}")
+    for name in ("floor", "reserve", "ceiling"):
+        if not 0 <= getattr(t, name) <= 1:
+            raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
+    if t.ceiling < t.floor + t.reserve:
+        default = " (its default: set it too)" if t.ceiling == DEFAULT_TIERS[tier].ceiling else ""
+        raise ConfigError(
+            f"{p}.ceiling: {t.ceiling}{default} is below floor + reserve ({t.floor} + {t.reserve})"
+        )
+    if t.expected_output_tokens < 1:
+        raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
+
+
+def _check_shares(tiers: Mapping[Tier, TierConfig]) -> None:
+    """Floors and reserves within the cache, and room left for every tier that may hold any."""
+    total = sum(tiers[t].floor + tiers[t].reserve for t in ALL_TIERS)
     if total > 1 + 1e-9:
         parts = ", ".join(
-            f"{t.name} {config.tiers[t].floor + config.tiers[t].reserve:.0%}"
+            f"{t.name} {tiers[t].floor + tiers[t].reserve:.0%}"
             for t in ALL_TIERS
-            if config.tiers[t].floor + config.tiers[t].reserve
+            if tiers[t].floor + tiers[t].reserve
         )
         # A tier the file does not name keeps its default share, which the sum counts too.
         raise ConfigError(
@@ -170,8 +181,7 @@ def validate(config: EngineConfig) -> EngineConfig:
         )
     above = 0.0  # the floors of the more urgent tiers, which a tier's allocations leave free
     for tier in ALL_TIERS:
-        t = config.tiers[tier]
-        if t.ceiling > 0 and above >= 1 - 1e-9:
+        if tiers[tier].ceiling > 0 and above >= 1 - 1e-9:
             # Every request of it was refused, blamed on its max_tokens; a ceiling of 0 is
             # the way to turn a tier off.
             raise ConfigError(
@@ -179,8 +189,7 @@ def validate(config: EngineConfig) -> EngineConfig:
                 f"({above:.0%}), so it could hold no block; lower them, or set its ceiling to 0 "
                 "to turn it off"
             )
-        above += t.floor
-    return config
+        above += tiers[tier].floor
 
 
 # Top-level tables that belong to other layers (the server validates them itself).

@@ -7,9 +7,8 @@ short window of recent tokens (so a long generation costs O(n), not O(n^2)), hol
 the last character while it may be an incomplete UTF-8 one (the U+FFFD, up to three, at the
 end of the text: until the tokens after them complete a character or show that they are
 real replacement characters), and holds back any tail that could be the start of a stop
-string. When a stop
-string appears, the text before it is released, `stopped` turns true and everything after
-is dropped.
+string. When a stop string appears, the text before it is released, `stopped` turns true
+and everything after is dropped.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ class Detokenizer(Protocol):
 
 
 class TextStream:
-    """`context_token_ids`: the prompt's last tokens, for the first output tokens' context
-    (never part of the text)."""
+    """`context_token_ids`: the prompt (its last few tokens are read), for the first output
+    tokens' context (never part of the text)."""
 
     def __init__(
         self, tokenizer: Detokenizer, stop: Sequence[str] = (), context_token_ids: Sequence[int] = ()
@@ -51,7 +50,7 @@ class TextStream:
         # turned into text.
         self._context: list[int] = []
         self._before = ""  # the context's text
-        self._set_context(list(context_token_ids))
+        self._set_context(list(context_token_ids[-(DECODE_CONTEXT_TOKENS + MAX_UNFINISHED_BYTES) :]))
         self._pending: list[int] = []
         self._sent = 0  # characters of the pending tokens' text sent already (before a held one)
         self._held = ""  # decoded, not yet released (may be the start of a stop string)

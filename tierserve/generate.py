@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
     from tierserve.executors.pytorch.tokenizer import Tokenizer
 
-_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees for context (leading spaces)
 _KEPT_CONTROLS = "\n\t"
 DEMO_NOTICE = (
     "the demo model has random weights and a byte-level tokenizer: its text is gibberish by design; "
@@ -86,7 +85,7 @@ def generate(
     req = Request("generate-0", prompt_ids, params, arrival_time=clock.now())
     if not engine.add_request(req):
         raise ValueError(f"request rejected: {req.reject_reason}")
-    stream = TextStream(tokenizer, stop, context_token_ids=prompt_ids[-_CONTEXT_TOKENS:])
+    stream = TextStream(tokenizer, stop, context_token_ids=prompt_ids)
     pieces: list[str] = []
 
     def emit(text: str) -> None:

@@ -228,24 +228,29 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
                 busy.append(e.retry_after_s)
             if not gw.router.candidates(str(call.body.get("model", "")), tried):
                 break
-    # The client hears how many were tried, not what failed: the errors name hosts and ports
-    # behind the gateway. Each failure is in the gateway's log, with its upstream.
     log.warning("no upstream could serve a request; the last error: %s", last_error)
-    if tried and len(busy) == len(tried):
+    raise _unserved(call, len(tried), busy)
+
+
+def _unserved(call: _Call, num_tried: int, busy: list[float]) -> ApiError:
+    """The answer when no upstream could take the request. The client hears how many were
+    tried, not what failed: the errors name hosts and ports behind the gateway (each failure
+    is in the gateway's log, with its upstream)."""
+    if num_tried and len(busy) == num_tried:
         # Every upstream tried was full and said when to come back: so does the gateway (a
         # 502 asking for a retry in 1 s had its clients back thirty times as often).
         wait_s = max(busy)
-        raise ApiError(
+        return ApiError(
             503,
-            f"Every upstream tried is overloaded ({len(tried)} tried); retry after {wait_s:g} s.",
+            f"Every upstream tried is overloaded ({num_tried} tried); retry after {wait_s:g} s.",
             type="server_error",
             code="upstream_overloaded",
             headers={**call.headers, "Retry-After": str(math.ceil(wait_s))},
             extra={"retry_after": wait_s},
         )
-    raise ApiError(
+    return ApiError(
         502,
-        f"No upstream could serve the request ({len(tried) or 'none'} tried).",
+        f"No upstream could serve the request ({num_tried or 'none'} tried).",
         type="server_error",
         code="upstream_unavailable",
         headers={**call.headers, "Retry-After": "1"},

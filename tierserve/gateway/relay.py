@@ -76,12 +76,9 @@ class Relay:
                 if self._outcome == "client_left":
                     return
                 # An event cut short stays behind: the client gets whole events only.
-                tail = b"" if isinstance(e, EventTooLarge) else tap.flush()
-                yield (
-                    tail
-                    + self._error_event(str(e) if isinstance(e, EventTooLarge) else type(e).__name__)
-                    + DONE
-                )
+                too_large = isinstance(e, EventTooLarge)
+                tail = b"" if too_large else tap.flush()
+                yield tail + self._error_event(str(e) if too_large else type(e).__name__) + DONE
                 return
             rest = tap.flush()
             if tap.done or self._outcome == "client_left":

@@ -155,18 +155,18 @@ class HybridPolicy(FairQueuePolicy):
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
         self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
         self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
-        self._queued = OldestWaiting(
-            key=self._queued_since
-        )  # waiting P3 requests, longest in the queue first
+        # Waiting P3 requests, longest in the queue first (since arrival or since `_requeued_at`).
+        self._queued = OldestWaiting(key=self._queued_since)
         self._step: StepBudget | None = None  # the step being built, between the hooks
         self._p0_by_length: list[Request] = []  # this step's P0 prompts, shortest first
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
         self._deferred = False  # P3 steps aside in this pass (set by `begin_step`)
         self._held: set[Tier] = set()  # tiers set aside for the rest of the pass (`hold_tier`)
-        # The last pass kept a step's tokens for waiting P0 prompts and admitted none: they
-        # are not kept again until a P0 request is admitted or none waits (`_p0_prompts`).
+        # A pass kept a step's tokens for waiting P0 prompts and admitted none: they are not
+        # kept again until a P0 request comes in, none waits, or a running one ends or
+        # leaves (`_still_stuck`).
         self._p0_stuck = False
-        self._p0_running_when_stuck: int | None = None  # running P0 requests the first pass after
+        self._p0_running_when_stuck: int | None = None  # P0 requests running then
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
 
     def _choose(self, now: float) -> Choice | None:
@@ -339,7 +339,8 @@ class HybridPolicy(FairQueuePolicy):
             prefilling = prefilling_of(running)  # one scan of the running
         if self._p0_stuck:
             self._p0_stuck = self._still_stuck(running)
-        self._p0_by_length = self._p0_prompts(prefilling, waiting=not self._p0_stuck)
+        self._p0_kept_for = not self._p0_stuck and bool(self.num_waiting(Tier.P0))
+        self._p0_by_length = self._p0_prompts(prefilling, waiting=self._p0_kept_for)
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)
         self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
@@ -404,8 +405,7 @@ class HybridPolicy(FairQueuePolicy):
         them so)."""
         p0 = Tier.P0  # `is`: an IntEnum's == costs five times as much
         prompts = [r for r in prefilling if r.tier is p0]
-        self._p0_kept_for = waiting and bool(self.num_waiting(Tier.P0))
-        if self._p0_kept_for:
+        if waiting and self.num_waiting(Tier.P0):
             budget, total = self.config.scheduler.max_num_batched_tokens, 0
 
             def enough(req: Request) -> bool:

@@ -104,7 +104,7 @@ class ServerMetrics:
         self._sla_lock = threading.Lock()
         self._sla: dict[tuple[Tier, Tier], list[int]] = {}  # (run tier, entitled tier) -> [met, total]
         self._engine_families: Sequence[Metric] = ()  # the engine process's, as it answered last
-        self._state = StateCollector(model_name, self.sla_attainment, self.sla_counts)
+        self._state = StateCollector(model_name, self.sla_counts)
         r.register(self._state)
 
     def bind(
@@ -146,10 +146,6 @@ class ServerMetrics:
 
     def reject(self, reason: str, tier: Tier | None) -> None:
         self.rejections.labels(reason, "none" if tier is None else tier.name).inc()
-
-    def sla_attainment(self) -> dict[tuple[Tier, Tier], float]:
-        with self._sla_lock:
-            return {k: met / total for k, (met, total) in self._sla.items() if total}
 
     def sla_counts(self) -> dict[tuple[Tier, Tier], tuple[int, int]]:
         """(met, missed) by (run tier, entitled tier), since start-up."""

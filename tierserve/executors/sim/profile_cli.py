@@ -29,6 +29,7 @@ EXIT_BAD_ARGUMENTS = 2
 _GIB = 1 << 30
 _TP_TRIED = (1, 2, 4, 8, 16, 32, 64)
 _GPUS_PER_NODE = 8  # an HGX/DGX board: NVLink joins no more of these SXM GPUs
+MAX_SHAPE = 1 << 40  # shapes past this many tokens are typing mistakes: their float figures overflow
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -109,10 +110,6 @@ class Profile:
 
 def _percent(share: float) -> str:
     return f"{100 * share:.4g}%"
-
-
-# Shapes past this many tokens are typing mistakes: their float figures overflow.
-MAX_SHAPE = 1 << 40
 
 
 def profile(
