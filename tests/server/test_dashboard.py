@@ -39,7 +39,8 @@ def _exprs() -> list[str]:
     return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
-def _exported() -> set[str]:
+def _families() -> dict[str, str]:
+    """Each family /metrics exports, with its type."""
     config = parse_serve_config(
         {"server": {"ratelimit": {"backend": "redis", "redis_url": "redis://127.0.0.1:1"}}}
     )
@@ -47,7 +48,17 @@ def _exported() -> set[str]:
     state.metrics.reject("queue_full", None)  # labelled families appear once they have a sample
     with live_server(state) as srv:
         text = httpx.get(srv.url + "/metrics", timeout=30).text  # the engine process's families too
-    return {family.name for family in text_string_to_metric_families(text)}
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
+
+
+def _exported() -> set[str]:
+    return set(_families())
+
+
+def test_only_counters_end_in_total() -> None:
+    # Prometheus keeps `_total` for counters; a gauge so named reads as one in PromQL and lint.
+    misnamed = [name for name, kind in _families().items() if kind != "counter" and name.endswith("_total")]
+    assert misnamed == []
 
 
 def test_dashboard_charts_every_named_metric() -> None:

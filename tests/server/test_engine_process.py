@@ -186,7 +186,7 @@ def test_state_gauges_from_the_engine_process_reach_metrics() -> None:
         r = httpx.post(srv.base_url + "/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=30)
         assert r.status_code == 200
         metrics = httpx.get(srv.url + "/metrics").text
-        total = re.search(r"^tierserve_kv_blocks_total (\S+)$", metrics, re.M)
+        total = re.search(r"^tierserve_kv_blocks_capacity (\S+)$", metrics, re.M)
         assert total is not None and float(total.group(1)) == srv.inspect(pool_free_and_total)[1] > 0
         assert re.search(r'^llm_kv_cache_hit_rate\{priority="P0"\} ', metrics, re.M)
 

@@ -99,7 +99,7 @@ def _tiers_and_blocks(s: EngineSnapshot) -> Iterator[GaugeMetricFamily]:
     yield _by_tier(
         "tierserve_requests_swapped", "Requests whose blocks are in host memory, by tier", s.swapped
     )
-    total = GaugeMetricFamily("tierserve_kv_blocks_total", "KV blocks in the device pool")
+    total = GaugeMetricFamily("tierserve_kv_blocks_capacity", "KV blocks in the device pool")
     total.add_metric([], float(s.num_blocks))
     yield total
     free = GaugeMetricFamily("tierserve_kv_blocks_free", "Free KV blocks (cached ones included)")
