@@ -78,3 +78,37 @@ def test_a_bucket_key_of_another_type_starts_over_and_redis_stays_up() -> None:
         metrics = httpx.get(srv.url + "/metrics").text
     assert codes == [200, 200, 200, 429]  # a full bucket of 3 again, then the limit
     assert "tierserve_ratelimit_redis_up 1.0" in metrics
+
+
+def test_a_bucket_that_refills_over_centuries_still_works_through_redis() -> None:
+    """Its expiry (the time to refill, + 60 s) was past what Redis accepts: every take failed
+    with "invalid expire time", which read as Redis down, for every tenant (here: 503)."""
+    redis = pytest.importorskip("redis")
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
+    except (redis.RedisError, OSError):
+        pytest.skip(NO_REDIS)
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+    config = parse_serve_config({
+        "server": {"ratelimit": {"backend": "redis", "redis_url": REDIS_URL, "key_prefix": prefix,
+                                 "fail_mode": "closed", "redis_timeout_s": 0.5}},
+        "tenants": {"t": {"api_keys": ["sk-t"], "requests_per_s": 1e-13, "request_burst": 2}},
+    })  # fmt: skip
+    with live_server(make_state(config)) as srv:
+        codes = [_post(srv.url).status_code for _ in range(3)]
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert codes == [200, 200, 429]
+    assert "tierserve_ratelimit_redis_up 1.0" in metrics
+
+
+def test_redis_unreachable_at_start_up_is_said_before_any_request(caplog: pytest.LogCaptureFixture) -> None:
+    """The gauge read 1 and the log said nothing until the first request met the outage."""
+    caplog.set_level("WARNING", logger="tierserve.ratelimit")
+    state = make_state(_config("redis://:secret@127.0.0.1:1/0", "x", "closed"))
+    with live_server(state) as srv:
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert "tierserve_ratelimit_redis_up 0.0" in metrics
+    lines = [r.getMessage() for r in caplog.records if "unreachable at start-up" in r.getMessage()]
+    assert len(lines) == 1
+    assert "127.0.0.1:1" in lines[0] and "secret" not in lines[0]
+    assert "Error" in lines[0] and "fail_mode closed" in lines[0]  # the error and the rule

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
-from urllib.parse import urlparse
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierserve import __version__
-from tierserve.gateway.config import fail_open_by_tier
 from tierserve.gateway.forward import forward
 from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
@@ -34,6 +32,7 @@ from tierserve.server.app import HeadAsGet
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error
 from tierserve.server.fast_routes import aborted_upload, refused_at_the_door
+from tierserve.server.ratelimit import redis_where
 
 log = logging.getLogger("tierserve.gateway")
 
@@ -100,31 +99,11 @@ def _lifespan(gw: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManag
 
 
 async def _check_redis(gw: GatewayState) -> None:
-    """Ask the limits' Redis once at start-up: one that cannot be reached is said in one
-    WARNING line (the gateway still serves, each tier by its `[gateway.redis_fail]` rule)
-    and exported as `tierserve_ratelimit_redis_up 0`, not 1 until the first request finds out."""
-    remote = gw.remote_buckets
-    if remote is None or not hasattr(remote, "ping"):
-        return
+    """Ask the limits' Redis once at start-up (`RateLimiter.check_remote`): the gateway still
+    serves if it does not answer, each tier by its `[gateway.redis_fail]` rule."""
     rl = gw.config.serve.server.ratelimit
-    try:
-        await asyncio.wait_for(
-            remote.ping(), timeout=max(rl.redis_timeout_s, gw.config.gateway.connect_timeout_s)
-        )
-        return
-    except Exception as e:  # any failure to answer: refused, timed out, auth, a bad database
-        why = str(e) or type(e).__name__
-    url = urlparse(rl.redis_url)  # named without its password
-    where = f"{url.hostname}:{url.port or 6379}" if url.hostname else url.path
-    fail = fail_open_by_tier(gw.config)
-    rules = ", ".join(f"{t.name} {'open' if fail[t] else 'closed'}" for t in fail)
-    log.warning(
-        "rate-limit Redis %s unreachable at start-up (%s): each tier follows its rule (%s) until it answers",
-        where,
-        why,
-        rules,
-    )
-    gw.limiter.redis_up = False
+    timeout_s = max(rl.redis_timeout_s, gw.config.gateway.connect_timeout_s)
+    await gw.limiter.check_remote(redis_where(rl.redis_url), timeout_s)
 
 
 def create_gateway_app(gw: GatewayState) -> FastAPI:

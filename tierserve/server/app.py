@@ -32,6 +32,7 @@ from tierserve.server.fast_routes import GenerationRoutes, aborted_upload, refus
 from tierserve.server.generate import generate
 from tierserve.server.prepare import check_model
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.ratelimit import redis_where
 from tierserve.server.state import ServerState
 from tierserve.server.tracing import ReceivedAtMiddleware
 
@@ -115,6 +116,8 @@ def _lifespan(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
+        rl = state.config.server.ratelimit
+        await state.limiter.check_remote(redis_where(rl.redis_url), max(rl.redis_timeout_s, 1.0))
         if freeze_heap:
             gc.collect()
             gc.freeze()

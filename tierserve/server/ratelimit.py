@@ -19,11 +19,13 @@ whole stays near the limit instead of admitting N times it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from urllib.parse import urlparse
 
 from tierserve.server.buckets import Bucket, BucketBackend, LocalBuckets, TakeResult
 from tierserve.server.config import RateLimit, TenantConfig
@@ -114,13 +116,40 @@ class RateLimiter:
         tokens = [b for b in (self._global[1], own[1], per_tier[1]) if b is not None]
         return requests, tokens
 
-    def _mark_redis(self, up: bool) -> None:
+    def fail_rule(self) -> str:
+        """What happens to a decision while Redis does not answer, in words for the log."""
+        if self._fail_open_tiers:
+            by_tier = self._fail_open_tiers.items()
+            rules = ", ".join(f"{t.name} {'open' if fail_open else 'closed'}" for t, fail_open in by_tier)
+            return f"each tier follows its rule ({rules})"
+        if self._fail_open:
+            return "fail_mode open: each process limits on its own buckets"
+        return "fail_mode closed: requests are refused (503)"
+
+    async def check_remote(self, where: str, timeout_s: float) -> None:
+        """Ask Redis once, at start-up: one that does not answer is said in one WARNING line
+        naming `where` and the error, and exported as down (not up until the first request
+        finds out)."""
+        ping = getattr(self._remote, "ping", None)  # a backend without one (a test's) is not asked
+        if ping is None:
+            return
+        try:
+            await asyncio.wait_for(ping(), timeout=timeout_s)
+            return
+        except Exception as e:  # any failure to answer: refused, timed out, auth, a bad database
+            why = _why(e)
+        rule = self.fail_rule()
+        log.warning("rate-limit Redis %s unreachable at start-up (%s): %s until it answers", where, why, rule)
+        self.redis_up = False
+
+    def _mark_redis(self, up: bool, error: BaseException | None = None) -> None:
         if up and self.redis_up is False:
             log.warning("rate-limit Redis is back (reachable again): limits are global again")
         elif not up:
             self.num_redis_errors += 1
             if self.redis_up is not False:
-                log.warning("rate-limit Redis unreachable: falling back by each tier's rule")
+                why = "" if error is None else f" ({_why(error)})"
+                log.warning("rate-limit Redis unreachable%s: %s", why, self.fail_rule())
             self._remote_down_until = self._now() + REDIS_RETRY_S
         self.redis_up = up
 
@@ -135,8 +164,8 @@ class RateLimiter:
                 result = await remote.take(buckets, costs)
                 self._mark_redis(True)
                 return result, remote, buckets
-            except (TimeoutError, OSError, ConnectionError, _redis_error()):
-                self._mark_redis(False)
+            except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
+                self._mark_redis(False, e)
         if remote is not None:
             self.num_fallbacks += 1
             fail_open = self._fail_open if tier is None else self._fail_open_tiers.get(tier, self._fail_open)
@@ -210,9 +239,9 @@ class RateLimiter:
         for bucket in reservation.token_buckets:
             try:
                 await reservation.backend.give(bucket, delta)
-            except (TimeoutError, OSError, ConnectionError, _redis_error()):
+            except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
                 self.num_fallbacks += 1
-                self._mark_redis(False)
+                self._mark_redis(False, e)
 
 
 def _scope(bucket_key: str) -> str:
@@ -222,6 +251,19 @@ def _scope(bucket_key: str) -> str:
         return "the server-wide limit"
     kind, _, name = owner.partition(":")
     return f"tenant {name!r}" if kind == "tenant" else f"tier {name}"
+
+
+def _why(error: BaseException) -> str:
+    """An error in a few words for the log: its class and message."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def redis_where(url: str) -> str:
+    """Where a Redis URL points, for the log: host and port (or the socket), never the password."""
+    parts = urlparse(url)
+    where = f"{parts.hostname}:{parts.port or 6379}" if parts.hostname else parts.path
+    return f"{where}/{parts.path.lstrip('/')}" if parts.hostname and parts.path.strip("/") else where
 
 
 def _redis_error() -> type[Exception]:

@@ -4,7 +4,10 @@ Each operation is one Lua script, so it is atomic, and it reads the Redis server
 clock (`TIME`), so replicas with skewed clocks agree. A bucket is a hash
 ``{level, ts}`` that expires once it would have refilled anyway. A bucket's key that holds
 something else (written by another program under the prefix) starts over as a full bucket:
-its WRONGTYPE error had read as Redis being down, for every tenant, at each request.
+its WRONGTYPE error had read as Redis being down, for every tenant, at each request. The
+expiry is capped at MAX_TTL_S (about 32 years): a bucket that refills more slowly (a burst
+of 1e19 tokens, a rate of 1e-13 per second) asked for one Redis refuses, and that error,
+too, read as Redis being down.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tierserve.server.buckets import Bucket, BucketLevel, TakeResult
 # Returns {allowed (0/1), level_1, wait_1, level_2, wait_2, ...}; numbers as strings, because
 # Redis truncates Lua numbers to integers in replies.
 TAKE_SCRIPT = """
+local MAX_TTL_S = 1000000000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local n = #KEYS
@@ -49,7 +53,7 @@ for i = 1, n do
   if level < cost then wait = (cost - level) / rate end
   if allowed == 1 then level = level - cost end
   redis.call('HSET', KEYS[i], 'level', tostring(level), 'ts', tostring(now))
-  redis.call('EXPIRE', KEYS[i], math.ceil((cap - math.min(level, 0)) / rate) + 60)
+  redis.call('EXPIRE', KEYS[i], math.min(math.ceil((cap - math.min(level, 0)) / rate) + 60, MAX_TTL_S))
   out[#out + 1] = tostring(level)
   out[#out + 1] = tostring(wait)
 end
@@ -58,6 +62,7 @@ return out
 
 # KEYS[1]: the bucket. ARGV: rate, capacity, amount. Refill, add, cap at capacity.
 GIVE_SCRIPT = """
+local MAX_TTL_S = 1000000000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate = tonumber(ARGV[1])
@@ -72,7 +77,7 @@ if level == nil or ts == nil then
 end
 level = math.min(cap, level + math.max(0, now - ts) * rate + tonumber(ARGV[3]))
 redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(now))
-redis.call('EXPIRE', KEYS[1], math.ceil((cap - math.min(level, 0)) / rate) + 60)
+redis.call('EXPIRE', KEYS[1], math.min(math.ceil((cap - math.min(level, 0)) / rate) + 60, MAX_TTL_S))
 return tostring(level)
 """
 
