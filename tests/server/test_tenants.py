@@ -162,3 +162,38 @@ def test_a_bad_tier_header_is_quoted_as_sent_and_cut_short() -> None:
     with pytest.raises(ApiError) as e:  # bytes that are not UTF-8 stay as they came
         parse_declared_tier(b"\xffP0".decode("latin-1"), None)
     assert "'\xffP0'" in e.value.message
+
+
+def test_a_misspelt_default_tenant_is_refused_naming_the_close_one() -> None:
+    """It ran the anonymous requests as a tenant of its own, with none of the limits of the
+    tenant meant (start-up said only the name)."""
+    raw = {
+        "server": {"allow_anonymous": True, "default_tenant": "pubilc"},
+        "tenants": {"public": {"max_tier": "P3", "requests_per_s": 1}, "gold": {"api_keys": ["sk-g"]}},
+    }
+    with pytest.raises(ConfigError, match=r"server.default_tenant: 'pubilc' .*did you mean 'public'"):
+        parse_serve_config(raw)
+    # Left out, the built-in name need not be declared: it is a tenant of its own, at P3.
+    del raw["server"]["default_tenant"]
+    assert TenantResolver(parse_serve_config(raw)).resolve(None, None).name == "default"
+
+
+@pytest.mark.parametrize("weight", [1e-320, 1e-7, 1e7])
+def test_a_tenant_weight_outside_a_tiers_bounds_is_refused(weight: float) -> None:
+    # 1e-320 made a request's cost infinite: the tier's fair queue went first come, first served.
+    with pytest.raises(ConfigError, match=r"tenants.a.weight: must be in \[1e-06, 1e\+06\]"):
+        parse_serve_config({"tenants": {"a": {"api_keys": ["k"], "weight": weight}}})
+
+
+@pytest.mark.parametrize("key", [" sk-a", "sk-a ", "sk\u0000a", "sk\na"])
+def test_an_api_key_no_request_could_present_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match=r"tenants.a.api_keys: key .* spaces at an end or a control"):
+        parse_serve_config({"tenants": {"a": {"api_keys": [key]}}})
+
+
+def test_a_utf8_api_key_selects_its_tenant() -> None:
+    """The ASGI server hands headers over decoded as Latin-1: a key "clé" arrived as "clÃ©"
+    and every request with it was a 401 (x-tenant-id was already read as UTF-8)."""
+    resolver = TenantResolver(parse_serve_config({"tenants": {"a": {"api_keys": ["clé"]}}}))
+    sent = "Bearer clé".encode().decode("latin-1")
+    assert resolver.resolve(sent, None).name == "a"

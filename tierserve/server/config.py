@@ -7,13 +7,14 @@ this module, which validates them strictly: an unknown key or a bad value raises
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
+from tierserve.config import MAX_WEIGHT, MIN_WEIGHT, ConfigError, EngineConfig, load_raw, parse_config
 from tierserve.server.http_limits import HttpLimits, parse_http_limits
 from tierserve.tiers import Tier
 
@@ -334,6 +335,12 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
     if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
         raise ConfigError(f"{path}.api_keys: expected a list of non-empty strings, got {keys!r}")
     for key in keys:
+        if key != key.strip() or not key.isprintable():
+            # No request could present it: the bearer token is read without the spaces
+            # around it, and a header cannot carry a control character.
+            raise ConfigError(
+                f"{path}.api_keys: key {key[:6]!r}... has spaces at an end or a control character"
+            )
         if key in seen_keys:
             raise ConfigError(f"{path}.api_keys: key {key[:6]}... is also given to tenant {seen_keys[key]!r}")
         seen_keys[key] = name
@@ -352,8 +359,31 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
         api_keys=tuple(keys),
         max_tier=max_tier,
         default_tier=default_tier,
-        weight=_number(f"{path}.weight", raw.get("weight", 1.0), minimum=0.0, strict=True),
+        weight=_weight(f"{path}.weight", raw.get("weight", 1.0)),
         limit=_rate_limit(path, raw),
+    )
+
+
+def _weight(path: str, value: Any) -> float:
+    """A tenant's fair-share weight, in the bounds of a tier's (a weight of 1e-320 made a
+    request's cost infinite, and the tier's fair queue first come, first served for good)."""
+    weight = _number(path, value, minimum=0.0, strict=True)
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ConfigError(f"{path}: must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {value!r}")
+    return weight
+
+
+def _check_default_tenant(raw: Mapping[str, Any], tenants: Mapping[str, TenantConfig]) -> None:
+    """A `default_tenant` the file names must be one it declares: a misspelt name ran the
+    anonymous requests as a tenant of its own, with none of the declared one's limits."""
+    name = raw.get("default_tenant", ServerSettings.default_tenant)
+    if name == ServerSettings.default_tenant or not tenants or name in tenants:
+        return  # the built-in name needs no declaring: a tenant of its own, at P3
+    close = difflib.get_close_matches(name, list(tenants), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(
+        f"server.default_tenant: {name!r} is not a declared tenant{hint}; declare [tenants.{name}] "
+        "(it may have no api_keys) or leave default_tenant out"
     )
 
 
@@ -366,6 +396,7 @@ def parse_serve_config(raw: Mapping[str, Any], source: str | None = None) -> Ser
     seen_keys: dict[str, str] = {}
     for name, body in _table("tenants", raw.get("tenants", {})).items():
         tenants[name] = _tenant(name, _table(f"tenants.{name}", body), seen_keys)
+    _check_default_tenant(_table("server", raw.get("server", {})), tenants)
     if tenants and not any(t.api_keys for t in tenants.values()) and not server.allow_anonymous:
         raise ConfigError(
             "tenants: declared, but none has api_keys: anyone could pick any tenant. Give tenants "

@@ -64,7 +64,7 @@ class TenantResolver:
         if tenant_header is not None:
             tenant_header = header_text(tenant_header)
             _check_tenant_name(tenant_header)
-        key = _bearer(authorization)
+        key = _bearer(None if authorization is None else header_text(authorization))
         if key and self._by_key:
             tenant = self._by_key.get(key)
             if tenant is None:
