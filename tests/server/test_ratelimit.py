@@ -311,3 +311,41 @@ def test_a_request_too_large_names_the_tightest_limit() -> None:
     limiter = RateLimiter(RateLimit(tokens_per_s=2000.0, token_burst=2000.0))
     decision = asyncio.run(limiter.acquire(tenant, 5000))
     assert decision.reason == "too_large" and "tenant 'acme' allows at most 300 at once" in decision.message
+
+
+def test_a_take_that_timed_out_is_not_sent_again() -> None:
+    """The take is not idempotent: sent again after a timeout, a slow Redis ran it twice and
+    the tenant paid twice for a request it was refused (503). Only a broken connection (a
+    stale pooled one, after Redis restarts) is worth a second try."""
+    pytest.importorskip("redis")
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    scripts: list[bytes] = []
+
+    async def silent_on_scripts(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A RESP server that answers the connection's set-up and never a script.
+        while line := await reader.readline():
+            if not line.startswith(b"*"):
+                continue
+            words = []
+            for _ in range(int(line[1:])):
+                size = int((await reader.readline())[1:])
+                words.append((await reader.readexactly(size + 2))[:-2])
+            if words[0].upper() in (b"EVALSHA", b"EVAL"):
+                scripts.append(words[0])
+            else:
+                writer.write(b"+OK\r\n")
+                await writer.drain()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(silent_on_scripts, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        backend = RedisBuckets(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, key_prefix="x")
+        limiter = RateLimiter(RateLimit(requests_per_s=10.0), remote=backend, fail_open=False)
+        decision = await limiter.acquire(_tenant(), 1)
+        assert decision.reason == "unavailable"
+        await backend.close()
+        server.close()
+
+    asyncio.run(scenario())
+    assert len(scripts) == 1

@@ -89,15 +89,18 @@ class RedisBuckets:
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
-        # One immediate retry (on a fresh connection: a pooled one may be stale after Redis
-        # restarts), then fail fast: redis-py's default of 10 retries with backoff would hold
-        # each decision for seconds while Redis is away, instead of applying the fail rule.
+        # One immediate retry of a broken connection (on a fresh one: a pooled one may be
+        # stale after Redis restarts), then fail fast: redis-py's default of 10 retries with
+        # backoff would hold each decision for seconds while Redis is away, instead of
+        # applying the fail rule. Not of a timeout: the take is not idempotent, and a slow
+        # Redis ran it twice, charging twice a request it then refused.
         self._client: Any = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._prefix = key_prefix
         self._take = self._client.register_script(TAKE_SCRIPT)
