@@ -239,7 +239,7 @@ def test_mooncake_hash_ids_must_fit_in_64_bits(tmp_path: Path) -> None:
 def test_a_trace_that_is_not_utf8_names_its_file(tmp_path: Path, name: str, data: bytes) -> None:
     path = tmp_path / name
     path.write_bytes(data)
-    with pytest.raises(TraceFormatError, match=f"{path}: not UTF-8 text"):
+    with pytest.raises(TraceFormatError, match=f"{path}:2: not UTF-8 text"):
         load_trace(path)
 
 
@@ -372,3 +372,65 @@ def test_seconds_read_as_milliseconds_are_warned_of(tmp_path: Path, caplog: pyte
         load_trace(whole_seconds)
         load_trace(instant)
     assert caplog.text == ""
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, path: Path) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
+        load_trace(path)
+    return caplog.text
+
+
+def test_a_short_trace_or_an_epoch_clock_in_the_wrong_unit_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Judged only from 100 rows on (so a --max-requests under 100 hid it), and an epoch
+    clock 2 s apart read as 2 ms was never judged at all: the trace ran 1000 times too fast
+    (or, BurstGPT in milliseconds, too slow) without a word."""
+    seconds = write(tmp_path, "s.jsonl", "".join(MOONCAKE_ROW % (i * 0.3) for i in range(20)))
+    assert "multiply them by 1000" in _warnings(caplog, seconds)
+    epoch_s = write(tmp_path, "e.jsonl", "".join(MOONCAKE_ROW % (1.7e9 + 2 * i) for i in range(20)))
+    assert "epoch clock in seconds" in _warnings(caplog, epoch_s)
+    assert "multiply them by 1000" in caplog.text
+    epoch_us = write(tmp_path, "u.jsonl", "".join(MOONCAKE_ROW % (1.7e15 + 2e6 * i) for i in range(3)))
+    assert "divide them by 1000" in _warnings(caplog, epoch_us)
+    rows = "".join(f"{1.7e12 + 300 * i:.0f},ChatGPT,472,18,490,Conversation log\n" for i in range(5))
+    burst_ms = write(tmp_path, "b.csv", BURSTGPT_HEADER + rows)
+    assert "epoch clock in milliseconds" in _warnings(caplog, burst_ms)
+    assert "divide them by 1000" in caplog.text
+    # In their own units: no word.
+    epoch_ms = write(tmp_path, "m.jsonl", "".join(MOONCAKE_ROW % (1.7e12 + 2000 * i) for i in range(20)))
+    rows_s = "".join(f"{1.7e9 + 0.3 * i:.1f},ChatGPT,472,18,490,Conversation log\n" for i in range(5))
+    burst_s = write(tmp_path, "bs.csv", BURSTGPT_HEADER + rows_s)
+    assert _warnings(caplog, epoch_ms) == "" and _warnings(caplog, burst_s) == ""
+
+
+def test_a_stray_quote_names_the_line_its_record_starts_on(tmp_path: Path) -> None:
+    """The record runs to the end of the file: a small one was blamed on its last line, a
+    large one escaped as csv.Error ("field larger than field limit"), an unexpected failure."""
+    good = "2023-11-16 18:17:03.9799600,10,2\n"
+    small = write(tmp_path, "small.csv", AZURE_HEADER + good * 5 + '2023-11-16 18:17:04,"10,2\n' + good * 200)
+    with pytest.raises(TraceFormatError, match=r"small\.csv:7: expected 3 columns"):
+        load_trace(small)
+    large = write(
+        tmp_path, "large.csv", AZURE_HEADER + good * 5 + '2023-11-16 18:17:04,"10,2\n' + good * 5000
+    )
+    with pytest.raises(TraceFormatError, match=r"large\.csv:7: not CSV the loader can read .*stray quote"):
+        load_trace(large)
+
+
+def test_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
+    """The byte offset given was inside the decoder's chunk (byte 2574 of a file whose bad
+    byte was at 150,030)."""
+    good = b"2023-11-16 18:17:03.9799600,10,2\n"
+    path = tmp_path / "t.csv"
+    path.write_bytes(AZURE_HEADER.encode() + good * 5000 + b"2023-11-16 18:17:04,1\xe9,2\n" + good)
+    with pytest.raises(TraceFormatError, match=r"t\.csv:5002: not UTF-8 text"):
+        load_trace(path)
+
+
+def test_gzip_data_under_a_plain_name_says_to_name_it_gz(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(gzip.compress((AZURE_HEADER + "2023-11-16 18:17:03,10,2\n").encode()))
+    with pytest.raises(TraceFormatError, match=r"gzip data .* name it t\.csv\.gz"):
+        load_trace(path)

@@ -44,7 +44,13 @@ TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # CSV (Azure, BurstGPT); Mooncake 
 # A Mooncake trace whose rows come this close together (mean gap) likely has its
 # timestamps in seconds, not milliseconds: the replay would send them all at once.
 _SUSPICIOUS_GAP_MS = 1.0
-_MIN_ROWS_TO_JUDGE = 100
+_MIN_ROWS_TO_JUDGE = 10  # fewer rows may well come that close, in either unit
+# A first timestamp in these ranges is an epoch clock in another unit than the loader reads:
+# epoch seconds (2001-2286) where milliseconds are read, epoch microseconds where milliseconds
+# are, epoch milliseconds or microseconds where seconds are (BurstGPT's column).
+_EPOCH_S = (1e9, 1e10)
+_EPOCH_MS = (1e12, 1e13)
+_EPOCH_US = (1e15, 1e16)
 # The longest span of arrivals a replay takes: past it float seconds keep too few digits for
 # a step's milliseconds, and no request trace covers it.
 MAX_SPAN_S = 10 * 365 * 86_400.0
@@ -198,10 +204,11 @@ def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]
         num_columns = len(header or ())
         arrival = _date_clock(layout) if layout.dates else _seconds_clock(layout)
         min_prompt = 0 if layout.skips_empty_prompts else 1
-        for row in reader:
+        first_stamp = ""
+        for start, row in _rows(p, reader):
             if len(records) == max_rows:
                 break
-            where = f"{p}:{reader.line_num}"
+            where = f"{p}:{start}"
             if not row or (len(row) == 1 and not row[0].strip()):  # blank, or only spaces
                 continue
             if len(row) != num_columns:
@@ -213,14 +220,38 @@ def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]
                 continue
             stamp = row[ts_col].strip()
             arrival_s = arrival(where, stamp)
+            first_stamp = first_stamp if records else stamp
             _check_order(where, repr(stamp), arrival_s, records[-1].arrival_s if records else 0.0)
-            records.append(TraceRecord(arrival_s, num_prompt, num_output, line=reader.line_num))
+            records.append(TraceRecord(arrival_s, num_prompt, num_output, line=start))
     if num_empty:
         rows = "row" if num_empty == 1 else "rows"
         log.warning("%s: skipped %d %s with 0 %s (nothing to serve)", p, num_empty, rows, layout.prompt)
     if not records:
         raise TraceFormatError(f"{p}: no rows")
+    if not layout.dates:
+        _warn_if_epoch(
+            p, float(first_stamp), "seconds", (("milliseconds", _EPOCH_MS), ("microseconds", _EPOCH_US))
+        )
     return records
+
+
+def _rows(p: Path, reader: Any) -> Iterator[tuple[int, list[str]]]:
+    """Each record of a CSV reader with the line it starts on (a quoted field may run over
+    several lines: the reader's line number is its last). A record the csv module cannot
+    read (a stray quote that runs to the end of a large file) is a TraceFormatError naming
+    where it starts, not an unexpected failure."""
+    start = reader.line_num + 1
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise TraceFormatError(
+                f"{p}:{start}: not CSV the loader can read ({e}; a stray quote?)"
+            ) from None
+        yield start, row
+        start = reader.line_num + 1
 
 
 def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
@@ -242,6 +273,8 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
             records.append(TraceRecord(arrival_s, num_prompt, num_output, hash_ids, line=line_no))
     if not records:
         raise TraceFormatError(f"{p}: no rows")
+    if origin_ms is not None:
+        _warn_if_epoch(p, origin_ms, "milliseconds", (("seconds", _EPOCH_S), ("microseconds", _EPOCH_US)))
     _warn_if_seconds(p, records)
     return records
 
@@ -285,6 +318,33 @@ def _mooncake_row(where: str, line: str) -> tuple[float, int, int, tuple[int, ..
         )
     num_output = _count(where, "output_length", row["output_length"], 0)
     return stamp, num_prompt, num_output, tuple(hash_ids)
+
+
+_UNIT_S = {"seconds": 1.0, "milliseconds": 1e-3, "microseconds": 1e-6}
+
+
+def _warn_if_epoch(
+    p: Path, first: float, read_as: str, others: Sequence[tuple[str, tuple[float, float]]]
+) -> None:
+    """A first timestamp that is an epoch clock in another unit (`others`: each unit with
+    the range its clock is in these centuries) replays the trace 1000 times too fast or
+    too slow."""
+    for unit, (low, high) in others:
+        if low <= first < high:
+            ratio = _UNIT_S[unit] / _UNIT_S[read_as]  # > 1: read as a smaller unit, too fast
+            fix = f"multiply them by {ratio:.0f}" if ratio > 1 else f"divide them by {1 / ratio:.0f}"
+            log.warning(
+                "%s: the first timestamp, %.17g, looks like an epoch clock in %s, and this format's are "
+                "read as %s (the replay would run %.0f times too %s): %s",
+                p,
+                first,
+                unit,
+                read_as,
+                max(ratio, 1 / ratio),
+                "fast" if ratio > 1 else "slow",
+                fix,
+            )
+            return
 
 
 def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:
@@ -340,6 +400,8 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
         raise TraceFormatError(
             f"{p}: unknown trace format (expected .csv, or .jsonl / .json lines; either may be .gz)"
         )
+    if not p.name.lower().endswith(".gz") and _is_gzip(p):
+        raise TraceFormatError(f"{p}: gzip data in a file not named .gz: name it {p.name}.gz")
     stat = p.stat()
     key = (str(p.resolve()), stat.st_size, stat.st_mtime_ns, max_rows)
     cached = _cache.get(key)
@@ -348,7 +410,8 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
             loader = load_csv if suffix == ".csv" else load_mooncake_jsonl
             cached = loader(p, max_rows)
         except UnicodeDecodeError as e:
-            raise TraceFormatError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+            # e.start counts from the decoder's chunk, not the file's start: name the line.
+            raise TraceFormatError(f"{p}:{_first_line_not_utf8(p)}: not UTF-8 text ({e.reason})") from None
         except (gzip.BadGzipFile, EOFError) as e:
             raise TraceFormatError(f"{p}: not a readable gzip file ({e})") from None
         check_span(p, cached)
@@ -356,3 +419,20 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
             del _cache[next(iter(_cache))]
         _cache[key] = cached
     return list(cached)
+
+
+def _is_gzip(p: Path) -> bool:
+    with p.open("rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _first_line_not_utf8(p: Path) -> int:
+    """The number of the first line of `p` (gunzipped where named .gz) that is not UTF-8."""
+    opener = gzip.open if p.name.lower().endswith(".gz") else open
+    with opener(p, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return line_no
+    return 1  # not reached: the text reader failed somewhere
