@@ -388,3 +388,73 @@ def test_a_burst_of_p0_starts_together_through_a_full_batch(plugin: Driver) -> N
     plugin.run(20, until=lambda: all(rid in plugin.first_token_step for rid in burst))
     assert {plugin.first_token_step[rid] for rid in burst} == {plugin.first_token_step[burst[0]]}
     assert max(plugin.ttft_steps(rid) for rid in burst) <= 2
+
+
+def test_a_capped_step_gives_waiting_p0_prompts_their_tokens_not_a_running_lower_prompt(
+    plugin: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capped budget counts the waiting P0 prompts' tokens, but vLLM serves running
+    requests first: a running P3 prompt took them (64 + 40 per waiting P0 a step, past its
+    cap) and P0 prompts arriving every step waited up to 4 steps."""
+    sched = scheduler_of(plugin.llm)
+    shaper = sched.tier_policy._shaper
+    monkeypatch.setattr(shaper, "options", replace(shaper.options, step_bound_x_p0=0.0, p0_likely_s=1e9))
+    monkeypatch.setattr(sched.step_times, "estimate_s", lambda n, context: 0.002 + 2e-5 * n)
+    tokens: list[dict[str, int]] = []
+    schedule = sched.schedule
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        tokens.append({rid.rsplit("-", 1)[0]: n for rid, n in output.num_scheduled_tokens.items()})
+        return output
+
+    monkeypatch.setattr(sched, "schedule", recording)
+    plugin.submit("held-p3", prompt(900, 480), 4, Tier.P3)
+    p0 = [f"held-p0-{k}" for k in range(16)]
+    for k, rid in enumerate(p0):
+        plugin.submit(rid, prompt(1000 + k, 40), 2, Tier.P0)
+        plugin.step()
+    plugin.run(300)
+    assert plugin.finished["held-p3"] == 1, "the P3 prompt was not starved"
+    assert max(plugin.ttft_steps(rid) for rid in p0) <= 2
+    assert all(step.get("held-p3", 0) <= MIN_OTHER_PREFILL_TOKENS for step in tokens), "the cap holds"
+
+
+def test_a_ceilings_marks_do_not_make_a_lower_tiers_allocation_preempt_p0(
+    plugin: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P0 at its ceiling and the pool full; on one step a P0 request and a P3 request each
+    need a block. The P0's ceiling marks P0's running requests as vLLM's first victims; kept
+    for the rest of the pass, the P3's failed allocation then took a P0 request too."""
+    sched = scheduler_of(plugin.llm)
+    shaper = sched.tier_policy._shaper
+    monkeypatch.setattr(shaper, "options", replace(shaper.options, p0_solo_prefill=False, p0_likely_s=0.0))
+    assert sched.ledger.partition.ceiling[Tier.P0] == 25 and sched.num_pool_blocks == 63
+    guard = sched.kv_cache_manager
+    allocating: list[Tier] = []  # the tier of the request whose allocation runs
+    preempted_for: list[tuple[Tier, Tier]] = []  # (the allocating request's tier, the victim's)
+    allocate, preempt = guard.allocate_slots, sched._preempt_request
+
+    def allocate_spy(request: Any, *args: Any, **kwargs: Any) -> Any:
+        allocating.append(sched.book.tier(request.request_id))
+        return allocate(request, *args, **kwargs)
+
+    def preempt_spy(request: Any, *args: Any, **kwargs: Any) -> None:
+        preempted_for.append((allocating[-1], sched.book.tier(request.request_id)))
+        preempt(request, *args, **kwargs)
+
+    monkeypatch.setattr(guard, "allocate_slots", allocate_spy)
+    monkeypatch.setattr(sched, "_preempt_request", preempt_spy)
+    # P0: 9 + 8 blocks; P3: 10 + 10 + 11 blocks; none grows for a dozen steps.
+    for seed, (rid, length, tier) in enumerate((("inv-b", 270, 0), ("inv-c", 225, 0), ("inv-y1", 300, 3),
+                                                ("inv-y2", 300, 3), ("inv-y3", 340, 3))):  # fmt: skip
+        plugin.submit(rid, prompt(1100 + seed, length), 100, Tier(tier))
+    plugin.run(10, until=lambda: all(r in plugin.first_token_step for r in ("inv-y1", "inv-y2", "inv-y3")))
+    # A and X fill 7 blocks each and need an 8th on the same step; D (1 block) brings P0 to
+    # its ceiling of 25 and the pool to all 63 blocks.
+    for seed, (rid, length, tier) in enumerate((("inv-a", 220, 0), ("inv-d", 20, 0), ("inv-x", 220, 3))):
+        plugin.submit(rid, prompt(1200 + seed, length), 100, Tier(tier))
+    plugin.steps(12)
+    assert (Tier.P0, Tier.P0) in preempted_for, "P0's ceiling bound"
+    assert any(requester is Tier.P3 for requester, _ in preempted_for), "a P3 allocation failed"
+    assert (Tier.P3, Tier.P0) not in preempted_for

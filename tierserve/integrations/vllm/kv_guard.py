@@ -73,10 +73,14 @@ class TierGuardedKVCacheManager:
         self._book = book
         # Called with a running request, and its tier, that its tier's ceiling holds back.
         self.on_ceiling: Callable[[Request, Tier], None] | None = None
+        # Called with each request before its allocation is tried.
+        self.on_allocate: Callable[[Request], None] | None = None
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, *args: Any, reserved_blocks: int = 0, **kwargs: Any
     ) -> KVCacheBlocks | None:
+        if self.on_allocate is not None:
+            self.on_allocate(request)
         tier = self._book.tier(request.request_id)
         pool = self.inner.block_pool
         num_free = pool.get_num_free_blocks()

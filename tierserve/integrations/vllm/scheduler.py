@@ -101,7 +101,10 @@ class TierScheduler(Scheduler):
         self.ledger = TierLedger(partition)
         self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)
         self.kv_cache_manager.on_ceiling = self._ceiling_reached
-        self._ceiling_victims: list[Request] = []  # marked by `_ceiling_reached` in this pass
+        self.kv_cache_manager.on_allocate = self._allocating
+        self._ceiling_victims: list[Request] = []  # marked by `_ceiling_reached` ...
+        self._ceiling_for: str | None = None  # ... for this request's allocation
+        self._held_back: set[str] = set()  # prompts held back last step (`_hold_back_for_p0`)
         self.tier_metrics = TierMetrics()
         self.step_times = StepTimes()
         if not on_vllm_endpoint():
@@ -188,9 +191,10 @@ class TierScheduler(Scheduler):
         try:
             if solo is not None:
                 output = self._schedule_solo(solo, *args, **kwargs)
-            elif (budget := self._capped_budget(now)) is not None:
+            elif (budget := self._capped_budget(now, admitted is Tier.P0)) is not None:
                 output = self._schedule_capped(budget, *args, **kwargs)
             else:
+                self._held_back.clear()
                 output = super().schedule(*args, **kwargs)
         finally:
             self._unmark_ceiling_victims()
@@ -211,15 +215,24 @@ class TierScheduler(Scheduler):
         pass, `tier`'s running requests are marked above every tier instead, so the victims
         are `tier`'s own, latest first, as vLLM picks within a tier."""
         book = self.book
+        self._ceiling_for = request.request_id
         for r in self.running:
             if r.priority != CEILING_VICTIM_PRIORITY and book.tier(r.request_id) is tier:
                 r.priority = CEILING_VICTIM_PRIORITY
                 self._ceiling_victims.append(r)
 
+    def _allocating(self, request: Request) -> None:
+        """Before each allocation: the marks of `_ceiling_reached` hold only while the
+        request they were made for tries again. Kept for the rest of the pass, they made a
+        later request's failed allocation, a P3's, preempt a marked P0 request."""
+        if self._ceiling_victims and request.request_id != self._ceiling_for:
+            self._unmark_ceiling_victims()
+
     def _unmark_ceiling_victims(self) -> None:
         for r in self._ceiling_victims:
             r.priority = int(self.book.tier(r.request_id))
         self._ceiling_victims.clear()
+        self._ceiling_for = None
 
     def _tiers_prefilling(self, admitted: Tier | None) -> set[Tier]:
         """The tiers with prompt tokens to compute in the coming step: the running
@@ -237,25 +250,29 @@ class TierScheduler(Scheduler):
         `tier`'s requests. (Waiting requests that hold blocks, during KV transfers, are
         admitted from vLLM's own queue ahead of ours, whatever their tier.)"""
         next_step = self.current_step + 2  # vLLM's schedule() first advances current_step
+        self._held_back = set()  # held back this step, as `_hold_back_for_p0` counts it
         for req in self.running:
             if self.book.tier(req.request_id) != tier:
                 req.next_decode_eligible_step = max(req.next_decode_eligible_step, next_step)
+                if req.is_prefill_chunk:
+                    self._held_back.add(req.request_id)
         self.waiting.show_only(tier)
         try:
             return super().schedule(*args, **kwargs)
         finally:
             self.waiting.show_only(None)
 
-    def _capped_budget(self, now: float) -> int | None:
+    def _capped_budget(self, now: float, p0_admissible: bool) -> int | None:
         """This step's token budget under the policy's cap on the tiers below P0 (None: no
         cap, or one no tighter than vLLM's own budget): every running decode's tokens (one,
         or more with speculative decoding: what vLLM's pass gives it), P0's prompt tokens,
-        running and waiting, and the cap. Without chunked prefill a prompt is never cut, so
-        nothing is capped."""
+        running and waiting (`_hold_back_for_p0`), and the cap. Without chunked prefill
+        a prompt is never cut, so nothing is capped."""
         if not self.scheduler_config.enable_chunked_prefill:
             return None
         p0, book = Tier.P0, self.book
         decode_tokens, p0_tokens, p0_prefilling = 0, 0, False
+        others_prefilling: list[Request] = []
         for r in self.running:
             if not r.is_prefill_chunk:
                 decode_tokens += max(
@@ -264,13 +281,37 @@ class TierScheduler(Scheduler):
             elif book.tier(r.request_id) is p0:
                 p0_prefilling = True
                 p0_tokens += r.num_tokens - r.num_computed_tokens
+            else:
+                others_prefilling.append(r)
         cap = self.tier_policy.prefill_cap(decode_tokens, p0_prefilling, now, self.step_times.estimate_s)
-        if cap is None:
+        budget = None if cap is None else decode_tokens + p0_tokens + cap
+        if budget is None or budget >= self.max_num_scheduled_tokens:
+            self._held_back.clear()
             return None
-        if self.tier_policy.num_waiting(p0):
-            p0_tokens += sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
-        budget = decode_tokens + p0_tokens + cap
-        return budget if budget < self.max_num_scheduled_tokens else None
+        waiting_p0 = 0
+        if p0_admissible and self.tier_policy.num_waiting(p0):
+            waiting_p0 = sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
+        if self._hold_back_for_p0(others_prefilling, waiting_p0 > 0):
+            budget = min(budget + waiting_p0, self.max_num_scheduled_tokens)
+        return budget
+
+    def _hold_back_for_p0(self, others_prefilling: list[Request], p0_waits: bool) -> bool:
+        """Whether this capped step counts the waiting P0 prompts' tokens in its budget.
+        vLLM's pass serves the running requests before the waiting ones, so a lower tier's
+        running prompt took those tokens (past the cap) and the P0 prompts none: such
+        prompts sit this step out, as `_schedule_solo` holds requests back. Never two steps
+        in a row (a P0 arriving every step would starve them): the step after, the budget
+        leaves the waiting P0 prompts out, the lower prompts get the cap and no more, and
+        the P0 prompts what it leaves."""
+        held_last_step = self._held_back
+        self._held_back = set()
+        if not p0_waits or any(r.request_id in held_last_step for r in others_prefilling):
+            return False
+        next_step = self.current_step + 2  # vLLM's schedule() first advances current_step
+        for r in others_prefilling:
+            r.next_decode_eligible_step = max(r.next_decode_eligible_step, next_step)
+            self._held_back.add(r.request_id)
+        return True
 
     def _schedule_capped(self, budget: int, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """vLLM's pass with `budget` tokens: P0's work first, then every other decode,
