@@ -12,11 +12,19 @@ beyond that it is borrowing, and the least urgent tiers are deemed the borrowers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierserve.config import TierConfig
 from tierserve.tiers import ALL_TIERS, Tier
+
+
+def share_of(share: float, num_blocks: int) -> int:
+    """The whole blocks a share of the pool comes to, rounded down, but not below a whole
+    number by floating point's error: 0.57 x 100 is 56.999..., and a share asked for as
+    "at least 0.570" gave 56 blocks, one short."""
+    return math.floor(share * num_blocks + 1e-9)
 
 
 @dataclass(frozen=True)
@@ -34,9 +42,9 @@ class TierPartition:
 
     @classmethod
     def from_tiers(cls, num_blocks: int, tiers: Mapping[Tier, TierConfig]) -> TierPartition:
-        floor = tuple(int(tiers[t].floor * num_blocks) for t in ALL_TIERS)
-        reserve = tuple(int(tiers[t].reserve * num_blocks) for t in ALL_TIERS)
-        ceiling = tuple(max(int(tiers[t].ceiling * num_blocks), floor[t] + reserve[t]) for t in ALL_TIERS)
+        floor = tuple(share_of(tiers[t].floor, num_blocks) for t in ALL_TIERS)
+        reserve = tuple(share_of(tiers[t].reserve, num_blocks) for t in ALL_TIERS)
+        ceiling = tuple(max(share_of(tiers[t].ceiling, num_blocks), floor[t] + reserve[t]) for t in ALL_TIERS)
         return cls(num_blocks, floor, reserve, ceiling)
 
     @property

@@ -209,6 +209,26 @@ def test_every_tier_must_have_room_for_one_request_of_the_models_context() -> No
         check_room_for_one_request(wide, 90, 2880)
 
 
+def test_the_ceiling_a_refusal_suggests_is_enough() -> None:
+    """It suggested 0.570 for 57 of 100 blocks, which came to 56: 0.57 x 100 is 56.999..."""
+    tiers = parse_plugin_config({"tiers": {"P0": {"ceiling": 0.4}}}).engine.tiers
+    with pytest.raises(ConfigError, match=r"at least 0\.570") as e:
+        check_room_for_one_request(TierPartition.from_tiers(100, tiers), 57, 57 * 32)
+    assert "0.570" in str(e.value)
+    tiers = parse_plugin_config({"tiers": {"P0": {"ceiling": 0.57}}}).engine.tiers
+    check_room_for_one_request(TierPartition.from_tiers(100, tiers), 57, 57 * 32)
+
+
+def test_a_tier_turned_off_is_refused_with_what_to_do_instead() -> None:
+    """The engine's advice for floors that take the whole cache is a ceiling of 0 for the
+    tier below; in the plug-in that led back to "raise the ceiling": a loop."""
+    raw = {"tiers": {"P0": {"floor": 0.5, "ceiling": 0.6}, "P1": {"floor": 0.5, "reserve": 0.0},
+                     "P2": {"ceiling": 0.0}, "P3": {"ceiling": 0.0}}}  # fmt: skip
+    tiers = parse_plugin_config(raw).engine.tiers
+    with pytest.raises(ConfigError, match=r"tiers\.P2\.ceiling: 0 turns a tier off .* lowering the floors"):
+        check_room_for_one_request(TierPartition.from_tiers(63, tiers), 16, 512)
+
+
 def test_a_config_path_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="a folder, not a config file"):
         load_plugin_config(None, environ={CONFIG_ENV: str(tmp_path)})

@@ -87,6 +87,14 @@ def check_room_for_one_request(partition: TierPartition, num_blocks_needed: int,
         most = partition.max_blocks(tier)
         if most >= num_blocks_needed:
             continue
+        if partition.ceiling[tier] == 0:
+            # tierserve's engine refuses the requests of a tier turned off; vLLM's scheduler
+            # cannot refuse a request, and they would wait forever.
+            raise ConfigError(
+                f"tiers.{tier.name}.ceiling: 0 turns a tier off in tierserve's own engine, but the plug-in "
+                "cannot refuse a request (it would wait forever): give the tier a ceiling, lowering the "
+                "floors of the more urgent tiers to leave it room"
+            )
         share = math.ceil(1000 * num_blocks_needed / partition.num_blocks) / 1000  # enough, rounded up
         if partition.ceiling[tier] == most:
             raise ConfigError(
