@@ -41,6 +41,29 @@ def test_unset_tiers_follow_the_servers_fail_mode() -> None:
     assert fail_open_by_tier(c) == {Tier.P0: True, Tier.P1: False, Tier.P2: False, Tier.P3: False}
 
 
+def test_the_start_up_warning_on_redis_says_each_tiers_rule_and_the_share() -> None:
+    """It gave the server's line ("each replica enforces the limits on its own") for a
+    gateway whose P2 and P3 are refused and whose open tiers keep 1/2 of each limit."""
+    from tierserve.gateway.config import redis_fail_summary
+    from tierserve.server.permissive import permissive_settings
+
+    c = parse_gateway_config({
+        "server": {"ratelimit": {"backend": "redis", "fail_mode": "open"}},
+        "gateway": {"instances": 2, "redis_fail": {"P2": "closed", "P3": "closed"}},
+        "upstreams": [UP],
+    })  # fmt: skip
+    lines = permissive_settings(c.serve, redis_fail_summary(c))
+    redis = [line for line in lines if "Redis" in line]
+    assert len(redis) == 1 and "replica" not in redis[0]
+    assert "limits P0, P1 requests on its own, on 1/2 of each limit" in redis[0]
+    assert "P2, P3 requests are refused (503)" in redis[0]
+    closed = parse_gateway_config({
+        "server": {"ratelimit": {"backend": "redis", "fail_mode": "closed"}}, "upstreams": [UP],
+    })  # fmt: skip
+    assert redis_fail_summary(closed) == ""
+    assert not [line for line in permissive_settings(closed.serve, "") if "Redis" in line]
+
+
 @pytest.mark.parametrize(
     ("raw", "field"),
     [

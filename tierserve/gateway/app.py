@@ -163,7 +163,13 @@ def _add_routes(app: FastAPI, gw: GatewayState) -> None:
                 for m in s.models:
                     served.setdefault(m, []).append(s.name)
         return {
-            m: {"id": m, "object": "model", "owned_by": "tierserve-gateway", "upstreams": sorted(ups)}
+            m: {
+                "id": m,
+                "object": "model",
+                "created": gw.started_at,  # OpenAI's Model object requires it: when this gateway started
+                "owned_by": "tierserve-gateway",
+                "upstreams": sorted(ups),
+            }
             for m, ups in sorted(served.items())
         }
 

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tierserve.config import ConfigError
     from tierserve.gateway.app import create_gateway_app
-    from tierserve.gateway.config import load_gateway_config
+    from tierserve.gateway.config import load_gateway_config, redis_fail_summary
     from tierserve.gateway.drain import DrainingGateway
     from tierserve.gateway.state import build_gateway_state
     from tierserve.server.http_guard import uvicorn_options
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tierserve gateway: {problem}", file=sys.stderr)
         return 2
-    log_permissive_settings(config.serve, logging.getLogger("tierserve.gateway"))
+    log_permissive_settings(config.serve, logging.getLogger("tierserve.gateway"), redis_fail_summary(config))
     gw = build_gateway_state(config)
     app = create_gateway_app(gw)
     uv_config = uvicorn.Config(

@@ -238,6 +238,23 @@ def load_gateway_config(path: str | Path) -> GatewayConfig:
     return parse_gateway_config(load_raw(path), source=str(path))
 
 
+def redis_fail_summary(config: GatewayConfig) -> str:
+    """The tiers that keep running while the limits' Redis is away, and on what, in one
+    line for the start-up warnings; "" where every tier is refused then (nothing open)."""
+    fail_open = fail_open_by_tier(config)
+    kept = [t.name for t in ALL_TIERS if fail_open[t]]
+    if not kept:
+        return ""
+    instances = config.gateway.instances
+    share = "the whole of each limit" if instances == 1 else f"1/{instances} of each limit"
+    refused = [t.name for t in ALL_TIERS if not fail_open[t]]
+    also = f"; {', '.join(refused)} requests are refused (503)" if refused else ""
+    return (
+        f"while the rate-limit Redis is unreachable, each gateway limits {', '.join(kept)} requests on "
+        f"its own, on {share} ([gateway.redis_fail], gateway.instances = {instances}){also}"
+    )
+
+
 def fail_open_by_tier(config: GatewayConfig) -> dict[Tier, bool]:
     """Each tier's Redis rule: its own `[gateway.redis_fail]` entry, else `[server.ratelimit] fail_mode`."""
     default = config.serve.server.ratelimit.fail_mode == "open"

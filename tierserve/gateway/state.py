@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,7 @@ class GatewayState:
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)
+    started_at: int = field(default_factory=lambda: int(time.time()))  # Unix seconds: the models' "created"
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def begin_draining(self) -> None:

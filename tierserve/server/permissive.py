@@ -12,8 +12,10 @@ from tierserve.server.tenants import TenantResolver
 FD_HEADROOM = 64  # descriptors kept for the listening socket, logs, Redis, the model files
 
 
-def permissive_settings(config: ServeConfig) -> list[str]:
-    """One line per permissive setting of `config` (empty for a locked-down server)."""
+def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> list[str]:
+    """One line per permissive setting of `config` (empty for a locked-down server).
+    `redis_fail`: what happens while the limits' Redis is away, where the caller's rule is
+    not `[server.ratelimit] fail_mode`'s (the gateway's, by tier); "" for nothing to say."""
     s = config.server
     lines: list[str] = []
     if config.source is None:
@@ -33,7 +35,10 @@ def permissive_settings(config: ServeConfig) -> list[str]:
             "server.tenant_header = true: x-tenant-id selects a tenant without its API key "
             "(safe only behind a proxy that sets the header itself)"
         )
-    if s.ratelimit.backend == "redis" and s.ratelimit.fail_mode == "open":
+    if s.ratelimit.backend == "redis" and redis_fail is not None:
+        if redis_fail:
+            lines.append(redis_fail)
+    elif s.ratelimit.backend == "redis" and s.ratelimit.fail_mode == "open":
         lines.append(
             "server.ratelimit.fail_mode = open: while Redis is unreachable each replica "
             "enforces the limits on its own"
@@ -62,6 +67,6 @@ def closed_tiers(config: ServeConfig) -> list[str]:
     ]
 
 
-def log_permissive_settings(config: ServeConfig, log: logging.Logger) -> None:
-    for line in permissive_settings(config):
+def log_permissive_settings(config: ServeConfig, log: logging.Logger, redis_fail: str | None = None) -> None:
+    for line in permissive_settings(config, redis_fail):
         log.warning("%s", line)
