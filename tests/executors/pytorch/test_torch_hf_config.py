@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +98,57 @@ def test_layers_beyond_num_hidden_layers_in_the_weights_are_refused(checkpoint: 
     edit_config(checkpoint, num_hidden_layers=1)  # the file has layers 0 and 1
     message = load_error(checkpoint)
     assert "model.layers.1." in message and "num_hidden_layers" in message
+
+
+def test_a_mistral_file_without_sliding_window_slides_transformers_default_window(
+    make_checkpoint: Callable[..., Checkpoint],
+) -> None:
+    """MistralConfig's sliding_window is 4096 when the file leaves it out (null: none); the
+    loader read absent as none and ran past 4096 tokens with full attention."""
+    ckpt = make_checkpoint(arch="mistral")
+    edit_config(ckpt, sliding_window=None, max_position_embeddings=32768)
+    assert load_model(ckpt.path, CPU).max_model_len == 4096
+    config = json.loads((ckpt.path / "config.json").read_text())
+    config["sliding_window"] = None  # written as null: no window
+    (ckpt.path / "config.json").write_text(json.dumps(config))
+    assert load_model(ckpt.path, CPU).max_model_len == 32768
+
+
+def test_absent_key_value_heads_take_the_architectures_default_and_null_means_one_per_head() -> None:
+    from tierserve.executors.pytorch.hf_config import parse_hf_config
+
+    def heads(tmp: Path, **config: object) -> int:
+        base = {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 16,
+        }
+        (tmp / "config.json").write_text(json.dumps({**base, **config}))
+        return parse_hf_config(tmp / "config.json").config.num_key_value_heads
+
+    with tempfile.TemporaryDirectory() as tmp:
+        assert heads(Path(tmp)) == 8  # MistralConfig's default
+        assert heads(Path(tmp), num_key_value_heads=None) == 16
+
+
+def test_architectures_and_model_type_must_agree(make_checkpoint: Callable[..., Checkpoint]) -> None:
+    """transformers builds by model_type: a Llama-named file of model_type "mistral" slid a
+    window that the Llama reading ignored."""
+    ckpt = make_checkpoint(arch="mistral")
+    edit_config(ckpt, architectures=["LlamaForCausalLM"], sliding_window=16)
+    assert "architectures names LlamaForCausalLM but model_type 'mistral'" in load_error(ckpt)
+
+
+def test_rope_scaling_beside_rope_parameters_must_agree(make_checkpoint: Callable[..., Checkpoint]) -> None:
+    """transformers reads rope_scaling first; the loader read rope_parameters and ran an
+    unscaled rotation where transformers scaled it."""
+    ckpt = make_checkpoint()
+    edit_config(ckpt, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    edit_config(ckpt, rope_scaling={"type": "linear", "factor": 4.0})
+    assert "rope_scaling" in load_error(ckpt) and "disagree" in load_error(ckpt)
+    edit_config(ckpt, rope_parameters={"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0})
+    assert load_model(ckpt.path, CPU).model is not None  # the same rotation said twice

@@ -54,6 +54,24 @@ def test_tokenizer_eos_bos_and_chat_template(checkpoint: Checkpoint) -> None:
     assert tok.decode(chat) == "<|user|>hi<|assistant|>"  # </s> is special: skipped on decode
 
 
+def test_a_template_renders_only_the_bos_and_eos_the_tokenizer_declares(checkpoint: Checkpoint) -> None:
+    """As transformers' apply_chat_template: none declared, they are empty. They were filled
+    from config.json's ids, and --chat built other prompt ids than transformers."""
+    config_path = checkpoint.path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["bos_token"], config["eos_token"]
+    config_path.write_text(json.dumps(config))
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert BOS_ID not in chat and EOS_ID not in chat
+    assert tok.eos_token_ids == (EOS_ID,)  # stopping still knows the end of text, from config.json
+    # A special_tokens_map.json (older checkpoints') declares them as tokenizer_config.json would.
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    (checkpoint.path / "special_tokens_map.json").write_text(json.dumps(special))
+    chat = load_model(checkpoint.path, CPU).tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat[0] == BOS_ID and EOS_ID in chat
+
+
 def test_chat_template_kwargs_reach_the_template_and_may_not_set_what_the_server_does(
     checkpoint: Checkpoint,
 ) -> None:

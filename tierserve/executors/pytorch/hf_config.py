@@ -22,6 +22,20 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES.values())
+# What transformers' config class of each architecture gives a key config.json leaves out
+# (transformers 5.24's LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config): read as any
+# other default, a Mistral file without `sliding_window` ran with no window where
+# transformers slides one of 4096 tokens.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "sliding_window": 4096,
+    },
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+}
 _DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -92,22 +106,37 @@ def _flag(path: Path, raw: dict[str, Any], key: str) -> bool:
 
 def _architecture(path: Path, raw: dict[str, Any]) -> str:
     archs = raw.get("architectures")
+    model_type = raw.get("model_type")
     if isinstance(archs, list) and archs:
         arch = str(archs[0])
-    elif raw.get("model_type") in _MODEL_TYPES:
-        arch = _MODEL_TYPES[raw["model_type"]]
+    elif model_type in _MODEL_TYPES:
+        arch = _MODEL_TYPES[model_type]
     else:
         raise ModelLoadError(f"{path}: no 'architectures' list and no known 'model_type'")
     if arch not in SUPPORTED_ARCHITECTURES:
         known = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {known})")
+    if model_type is not None and _MODEL_TYPES.get(str(model_type)) != arch:
+        # transformers builds the model by model_type: a Llama-named file of model_type
+        # "mistral" slides a window the Llama reading ignored.
+        builds = _MODEL_TYPES.get(str(model_type), "a model tierserve does not support")
+        raise ModelLoadError(
+            f"{path}: architectures names {arch} but model_type {model_type!r}, from which transformers "
+            f"builds {builds}: make the two agree"
+        )
     return arch
+
+
+def _default(arch: str, key: str, fallback: Any) -> Any:
+    return _ARCH_DEFAULTS.get(arch, {}).get(key, fallback)
 
 
 def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
     """(rope_theta, Llama-3 scaling or None, the linear scaling factor: 1.0 when not linear)."""
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files
-    # have `rope_theta` and `rope_scaling` at the top level.
+    # have `rope_theta` and `rope_scaling` at the top level. transformers reads
+    # `rope_scaling` first: one added beside `rope_parameters` (an edit, say) must agree.
+    _check_one_rope(path, raw.get("rope_scaling"), raw.get("rope_parameters"))
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelLoadError(f"{path}: rope_scaling: expected an object, got {params!r}")
@@ -165,6 +194,24 @@ def _decoder_options(path: Path, raw: dict[str, Any], arch: str, linear_factor: 
     )
 
 
+def _check_one_rope(path: Path, scaling: Any, parameters: Any) -> None:
+    """Refuse `rope_scaling` and `rope_parameters` that say different things (the rotation
+    transformers applies, and tierserve, would then differ)."""
+    if not (isinstance(scaling, dict) and isinstance(parameters, dict) and scaling and parameters):
+        return
+
+    def scaling_of(params: dict[str, Any]) -> dict[str, Any]:
+        kind = params.get("rope_type", params.get("type", "default"))
+        rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+        return {"rope_type": kind, **rest}
+
+    if scaling_of(scaling) != scaling_of(parameters):
+        raise ModelLoadError(
+            f"{path}: rope_scaling {scaling!r} and rope_parameters {parameters!r} disagree (transformers "
+            "reads rope_scaling first): keep one"
+        )
+
+
 def _refuse_sliding_window(path: Path, raw: dict[str, Any]) -> None:
     if raw.get("use_sliding_window"):
         raise ModelLoadError(f"{path}: use_sliding_window is not supported")
@@ -194,7 +241,9 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     _refuse_sliding_window(path, raw)
     heads = _int(path, raw, "num_attention_heads")
-    kv_heads = _int(path, raw, "num_key_value_heads", heads)
+    # Absent: the config class's default; null: as many as the query heads (MHA).
+    kv_default = heads if "num_key_value_heads" in raw else _default(arch, "num_key_value_heads", heads)
+    kv_heads = _int(path, raw, "num_key_value_heads", kv_default)
     if heads % kv_heads:
         raise ModelLoadError(
             f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
@@ -221,7 +270,9 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         num_hidden_layers=_int(path, raw, "num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=_int(path, raw, "max_position_embeddings", 2048),
+        max_position_embeddings=_int(
+            path, raw, "max_position_embeddings", _default(arch, "max_position_embeddings", 2048)
+        ),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=_float(path, raw, "rms_norm_eps", 1e-6),
@@ -232,7 +283,7 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         dtype_bytes=_DTYPES.get(str(dtype), 2),
     )
     max_len = config.max_position_embeddings
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window", _default(arch, "sliding_window", None))
     if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
         max_len = min(max_len, window)  # within the window, sliding attention is full attention
     return HFModelSpec(config, arch, options, str(dtype) if dtype else None, max_len)

@@ -249,16 +249,18 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
         # tokenizer_config.json (an older template a checkpoint kept there built other prompts).
         template_file = directory / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8")
-    bos = _token_text(tok_config.get("bos_token"))
-    eos = _token_text(tok_config.get("eos_token"))
-    if bos is None and config.bos_token_id is not None:
-        bos = raw.id_to_token(config.bos_token_id)
+    # The template's bos_token and eos_token are the tokenizer's own, as transformers renders
+    # them: none declared, they are empty (they were filled from config.json's ids, and
+    # --chat then built other prompt ids than apply_chat_template).
+    special = tok_config
+    if (directory / "special_tokens_map.json").is_file():
+        special = {**read_json(directory / "special_tokens_map.json"), **tok_config}
+    bos = _token_text(special.get("bos_token"))
+    eos = _token_text(special.get("eos_token"))
     eos_ids = config.eos_token_ids
     eos_id = raw.token_to_id(eos) if eos is not None else None
     if not eos_ids and eos_id is not None:
         eos_ids = (int(eos_id),)
-    if eos is None and eos_ids:
-        eos = raw.id_to_token(eos_ids[0])
     # Added tokens past the model's embeddings: text that encodes to one is refused.
     oversized = max(raw.get_vocab(with_added_tokens=True).values(), default=0) >= config.vocab_size
     from jinja2 import TemplateError
