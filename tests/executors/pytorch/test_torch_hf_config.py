@@ -152,3 +152,17 @@ def test_rope_scaling_beside_rope_parameters_must_agree(make_checkpoint: Callabl
     assert "rope_scaling" in load_error(ckpt) and "disagree" in load_error(ckpt)
     edit_config(ckpt, rope_parameters={"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0})
     assert load_model(ckpt.path, CPU).model is not None  # the same rotation said twice
+
+
+@pytest.mark.parametrize(("act", "loads"), [("swish", True), ("gelu", False)])
+def test_swish_is_silu_and_other_activations_are_refused(
+    checkpoint: Checkpoint, act: str, loads: bool
+) -> None:
+    edit_config(checkpoint, hidden_act=act)
+    if loads:
+        executor, _ = build_torch_executor(checkpoint.path, dtype=torch.float64, num_device_blocks=8)
+        torch.testing.assert_close(
+            prompt_logits(executor, PROMPT), checkpoint.logits(PROMPT), atol=1e-9, rtol=1e-9
+        )
+    else:
+        assert "hidden_act 'gelu' is not supported" in load_error(checkpoint)

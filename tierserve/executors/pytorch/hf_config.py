@@ -237,7 +237,7 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
     """Read `path` (config.json); EOS ids come from generation_config.json when it has them."""
     raw = read_json(path)
     arch = _architecture(path, raw)
-    if raw.get("hidden_act", "silu") != "silu":
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' one function, two names
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     _refuse_sliding_window(path, raw)
     heads = _int(path, raw, "num_attention_heads")
