@@ -62,7 +62,7 @@ def test_waiting_queue_and_kv_usage_saturate_and_requests_sent_since_the_scrape_
     router, clock = _router(max_waiting=3, max_kv_usage=0.9)
     _load(router, clock, "u0", 3, 0)
     _load(router, clock, "u1", 0, 0, kv=0.95)
-    _load(router, clock, "u2", 1, 0)
+    _load(router, clock, "u2", 1, 4)  # full at 4 seats
     assert [router.saturated(s, Tier.P1) for s in router.states] == [True, True, False]
     router.started("u2", Tier.P1)
     router.started("u2", Tier.P1)  # 1 waiting + 2 sent since the scrape
@@ -231,3 +231,14 @@ def test_a_first_come_first_served_upstream_counts_every_request_sent_since_the_
         _load(router, clock, name, 0, 5, kv)
     router.started("u0", Tier.P2)  # it starts before a P0 sent after it: first come, first served
     assert router.route(Tier.P0, "p", M).upstream == "u1"  # type: ignore[union-attr]
+
+
+def test_a_queue_beside_nothing_running_teaches_no_capacity() -> None:
+    """A scrape that caught a request between its arrival and its admission (waiting 1,
+    running 0) was read as a full upstream with no seat: every request sent to it after
+    counted as waiting, and a burst into an idle fleet went 290 / 10 to the other replica."""
+    router, clock = _router(2)
+    _load(router, clock, "u0", 1, 0)
+    assert router.state("u0").seats is None
+    _load(router, clock, "u0", 3, 5)
+    assert router.state("u0").seats == 5  # a queue beside running work: full at 5

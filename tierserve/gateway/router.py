@@ -14,7 +14,8 @@ queued first.
 
 Requests sent since the last scrape could not be seen by it. They count as waiting beyond
 the upstream's free seats: its capacity is learned from its own metrics, as the number
-running in the latest scrape that also showed a queue (a full upstream), and the free
+running in the latest scrape that also showed a queue beside running work (a full
+upstream), and the free
 seats are that less those running now. An upstream never yet seen full has shown no limit,
 so what was sent since the scrape counts as running. An idle fleet then takes a burst of
 hundreds of streams at once (counted as waiting, 200 streams to an idle replica were
@@ -115,7 +116,10 @@ class Router:
         s = self.state(name)
         s.sample = sample
         s.seen_upto = [s.num_in_flight_upto(t) for t in ALL_TIERS]
-        if sample.num_waiting > 0:
+        if sample.num_waiting > 0 and sample.num_running > 0:
+            # A queue beside nothing running is a request caught between its arrival and
+            # its admission, not a full upstream: read as 0 seats, a burst into an idle
+            # fleet went almost all to the replicas not scraped in that instant.
             s.seats = sample.num_running
 
     def record_success(self, name: str, models: frozenset[str] | None = None) -> bool:
