@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tierserve.bench.output import source_commit
 
 
@@ -26,3 +28,23 @@ def test_the_commit_is_marked_when_tracked_files_differ_from_it(tmp_path: Path) 
     assert source_commit(tmp_path) == head
     (tmp_path / "code.py").write_text("x = 2\n")
     assert source_commit(tmp_path) == f"{head}+uncommitted"
+
+
+def test_a_results_folder_that_cannot_be_written_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only folder passed the check (it exists and is a folder) and failed when the
+    results were written, after every run."""
+    import errno
+
+    from tierserve.bench.output import make_out_dir
+
+    make_out_dir(tmp_path / "fine")
+    assert list((tmp_path / "fine").iterdir()) == []  # the check leaves nothing behind
+
+    def read_only(self: Path, data: bytes) -> int:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    with pytest.raises(ValueError, match=r"--out .*: cannot write in it \(Read-only file system\)"):
+        make_out_dir(tmp_path / "ro")

@@ -23,11 +23,19 @@ def make_out_folder(out: str | None) -> None:
 
 
 def make_out_dir(out: Path) -> None:
-    """Make the results folder `out` now (see `make_out_folder`)."""
+    """Make the results folder `out` now, and write a file in it (see `make_out_folder`):
+    a folder that exists but cannot be written (read-only, another user's) failed only
+    when the results were written, after every run."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
     with _naming_out(out):
         out.mkdir(parents=True, exist_ok=True)
+    probe = out / f".tierserve-write-check-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in it ({e.strerror or e})") from e
 
 
 @contextmanager
