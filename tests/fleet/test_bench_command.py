@@ -39,6 +39,9 @@ def test_bench_fleet_writes_results_report_and_plots_for_each_router(
     results = json.loads((out / "results.json").read_text())
     meta, runs = results["meta"], results["runs"]
     assert meta["num_requests"] == 40 and meta["replicas"] == 2 and meta["sim_mode"] == "fast"
+    # Enough to run it again, autoscaler included (two runs differing in --max-replicas had one meta).
+    assert (meta["min_replicas"], meta["max_replicas"]) == (1, 32)
+    assert {"scale_interval_s", "idle_s", "bin_s", "startup_delay_s"} <= set(meta)
     assert [(r["router"], r["scaling"]) for r in runs] == [("round-robin", "fixed"), ("tier-aware", "fixed")]
     for run in runs:
         outcomes = run["summary"]["outcomes"]
@@ -131,3 +134,10 @@ def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
     run = {"router": "tier-aware", "scaling": "fixed", "summary": summary}
     row = next(line for line in table([run]) if line.startswith("| tier-aware"))  # type: ignore[list-item]
     assert row.count("| 0.000694 ") == 4
+    # The terminal's table too (it printed 0.003, and 0.000 for sparser ones).
+    from tierserve.bench.fleet_bench import summary_table
+
+    tiers = {t: {**tiers[t], "num_refused": 0} for t in tiers}
+    summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, "gpu_hours": 0.0012}
+    line = summary_table([{**run, "summary": summary}]).splitlines()[1]
+    assert "0.00278" in line and "0.0012" in line

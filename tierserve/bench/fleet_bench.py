@@ -265,6 +265,8 @@ def main(args: argparse.Namespace) -> int:
 def summary_table(runs: list[dict[str, Any]]) -> str:
     """One line a run: its SLO attainment by tier, goodput, GPU-hours and the requests it did
     not serve (report.md has the rest)."""
+    from tierserve.fleet.report import rate_text
+
     head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "launched", "refused", "lost"]
     rows = [head]
     for run in runs:
@@ -275,8 +277,8 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
             [
                 f"{run['router']} / {run['scaling']}",
                 *(_share(tiers[name]["slo_attainment"]) for name in ("P0", "P1", "P2", "P3")),
-                "-" if None in goodput else f"{sum(goodput):.3f}",
-                f"{s['gpu_hours']:.2f}",
+                "-" if None in goodput else rate_text(sum(goodput)),  # a sparse trace's 0.0417, not 0.042
+                rate_text(s["gpu_hours"]),
                 str(s["num_replicas_launched"]),
                 str(sum(t["num_refused"] for t in tiers.values())),
                 str(s["num_lost"]),

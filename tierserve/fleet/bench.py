@@ -145,6 +145,12 @@ class FleetBench:
             "tier_mix": self.args.tier_mix,
             "seed": self.args.seed,
             "startup_delay_s": self.args.startup_delay_s,
+            # The autoscaler's settings (what a run with --autoscale needs to be run again).
+            "min_replicas": self.args.min_replicas,
+            "max_replicas": self.args.max_replicas,
+            "scale_interval_s": self.args.scale_interval_s,
+            "idle_s": self.args.idle_s,
+            "bin_s": self.args.bin_s,
             "kills": [list(k) for k in _kills(self.args)],
             "commit": commit,
             "cpu_s": cpu_s,

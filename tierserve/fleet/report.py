@@ -16,7 +16,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
-def _rate(x: float | None) -> str:
+def rate_text(x: float | None) -> str:
     """Three significant digits (whole numbers from 100 up, never an exponent): a sparse
     trace's goodput (a few requests a minute) is 0.0417/s, which two decimals print as 0.04,
     or over a day-long gap as 0.00; and a short run's GPU-hours were 0.00."""
@@ -33,9 +33,9 @@ def table(runs: Sequence[Run]) -> list[str]:
     for r in runs:
         s = r["summary"]
         refused = sum(v for k, v in s["outcomes"].items() if k.startswith("refused:"))
-        cells = [r["router"], r["scaling"], _rate(s["gpu_hours"])]
+        cells = [r["router"], r["scaling"], rate_text(s["gpu_hours"])]
         cells += [_pct(s["tiers"][t]["slo_attainment"]) for t in tiers]
-        cells += [_rate(s["tiers"][t]["goodput_rps"]) for t in tiers]
+        cells += [rate_text(s["tiers"][t]["goodput_rps"]) for t in tiers]
         cells += [str(s["num_retried"]), str(s["num_lost"]), str(refused)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
