@@ -189,3 +189,32 @@ def test_each_request_the_dispatcher_sends_nowhere_is_counted_once_by_why() -> N
         for reason in ("queue_timeout", "client_left", "no_upstream")
     }
     assert unsent == {"queue_timeout": 1.0, "client_left": 1.0, "no_upstream": 2.0}
+
+
+def test_a_more_urgent_request_goes_past_a_head_no_upstream_has_room_for() -> None:
+    """A P3 request aged to the queue's head, on an upstream full for P3 but with room for
+    P1 (it runs P1's work first): the P1 request behind it waited for the P3 one."""
+
+    async def run() -> None:
+        clock = VirtualClock()
+        up = UpstreamConfig("u", "tierserve", "http://127.0.0.1:1")  # orders by priority
+        router = Router([up], GatewaySettings(max_waiting=4), clock)
+        router.record_success(up.name)
+        router.record_sample(up.name, LoadSample(12, 8, 0.5, clock.now(), (0, 4, 4, 4)))
+        flow = FlowControl(
+            EngineConfig(), "hybrid", {t: 8 for t in ALL_TIERS}, {t: 1e6 for t in ALL_TIERS}, clock
+        )
+        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        p3 = asyncio.create_task(d.acquire(Tier.P3, "t", "m", "p"))
+        await asyncio.sleep(0.01)
+        clock.elapse(6.0)  # past P3's aging (5 s): the head, ahead of any P1 that comes later
+        p1 = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p"))
+        await asyncio.sleep(0.01)
+        assert flow.depth() == 2 and flow.peek().tier is Tier.P3  # type: ignore[union-attr]
+        router.record_sample(up.name, LoadSample(4, 8, 0.5, clock.now(), (0, 0, 0, 4)))  # room for P1
+        d.pump()
+        assert (await asyncio.wait_for(p1, 1.0)).upstream == "u"
+        assert not p3.done() and flow.peek().tier is Tier.P3  # type: ignore[union-attr]
+        p3.cancel()
+
+    asyncio.run(run())

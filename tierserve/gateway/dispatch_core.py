@@ -5,8 +5,9 @@ A request of tier t is routed at once when no request of tier t or more urgent w
 the gateway and some upstream is not full for t (waiting requests of less urgent tiers
 would start after it on the upstream anyway); otherwise it takes a ticket. `pump` expires
 tickets that waited too long, refuses those no candidate is left for, and releases the
-rest in the policy's order while the head can be routed. A routed request counts in
-flight at once, so the next decision sees it.
+rest in the policy's order while the head can be routed (past a head with no room, the
+more urgent tiers' requests may still go: `_release`). A routed request counts in flight
+at once, so the next decision sees it.
 """
 
 from __future__ import annotations
@@ -108,16 +109,30 @@ class DispatchCore(Generic[H]):
             held = self._held.pop(ticket.request_id)
             tier, depth = ticket.tier, self.flow.depth(ticket.tier)
             out.append(Dropped(held.handle, tier, "queue_timeout", self.flow.retry_after(tier), depth))
+        try:
+            self._release(out)
+        finally:
+            self.flow.end_pass()
+        return out
+
+    def _release(self, out: list[Released[H] | Dropped[H]]) -> None:
+        """Release waiting requests in the policy's order while the head can be routed. A
+        head no upstream has room for waits, and so do the requests of its tier and the
+        less urgent ones; a more urgent request behind it (a P3 aged to the head, a P1
+        behind it) may still go where the policy can set tiers aside: it had waited behind
+        a P3 request on upstreams with room for P1 and P2."""
         while True:
             now = self._clock.now()
             head = self.flow.peek(now)
             if head is None:
-                return out
+                return
             held = self._held[head.request_id]
             decision = self.router.route(head.tier, held.prefix, held.model, held.exclude)
             if decision is None:
                 if self.router.candidates(held.model, held.exclude):
-                    return out  # the head waits for room; the rest wait behind it
+                    if head.tier is not Tier.P0 and self.flow.set_aside(head.tier):
+                        continue
+                    return  # the head waits for room; the rest wait behind it
                 self.cancel(head)
                 depth = self.flow.depth(head.tier)
                 out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S, depth))

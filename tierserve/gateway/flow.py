@@ -106,6 +106,23 @@ class FlowControl:
         """The ticket `release` at the same `now` hands out (aging is applied here)."""
         return self._policy.peek(self._clock.now() if now is None else now)
 
+    def set_aside(self, tier: Tier) -> bool:
+        """Leave `tier` and the less urgent tiers out of `peek` and `release` until
+        `end_pass`: no upstream has room for `tier`'s head, and a more urgent request may
+        still find some (an upstream that orders by priority is full for a tier sooner
+        than for those above it). False where the policy cannot set tiers aside."""
+        if not self._policy.holds_tiers:
+            return False
+        for t in ALL_TIERS:
+            if t >= tier:
+                self._policy.hold_tier(t)
+        return True
+
+    def end_pass(self) -> None:
+        """Bring back the tiers `set_aside` left out."""
+        if self._policy.holds_tiers:
+            self._policy.release_held()
+
     def release(self, now: float | None = None) -> Request | None:
         """Take the next ticket out, in the policy's order, for an upstream that has room."""
         if not len(self._policy):

@@ -155,6 +155,10 @@ class Policy(ABC):
         for memory only its own tier's running requests can free (where `holds_tiers`)."""
         raise NotImplementedError(f"{self.name} does not hold tiers")
 
+    def release_held(self) -> None:
+        """End the holds of `hold_tier` outside a step (the gateway's queue has no steps)."""
+        raise NotImplementedError(f"{self.name} does not hold tiers")
+
     # ---- shaping the step (hooks every policy may use; the defaults do nothing) -----------
 
     def to_shed(self, now: float) -> list[tuple[Request, str]]:

@@ -190,6 +190,9 @@ class HybridPolicy(FairQueuePolicy):
     def hold_tier(self, tier: Tier) -> None:
         self._held.add(tier)
 
+    def release_held(self) -> None:
+        self._held.clear()
+
     def _rescue(self, tier: Tier, now: float, fraction: float = RESCUE_FRACTION) -> Request | None:
         """The oldest request of `tier` that can still meet its TTFT target, if it has
         waited over `fraction` of it."""
