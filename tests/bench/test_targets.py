@@ -115,6 +115,15 @@ def test_p0_is_not_judged_on_a_cell_with_too_few_p0_requests() -> None:
     assert verdict.met is None and "too few P0 requests" in verdict.detail
 
 
+def test_throughput_is_not_judged_on_a_small_run() -> None:
+    """A --quick run's first benchmark said NOT MET on a ratio of a few hundred requests."""
+    few = run("hybrid", 1.0, 1.0, 1.0, low_sample=True, throughput_vs_fcfs=0.95)
+    verdict = next(v for v in judge([few]) if v.target.startswith("throughput"))
+    assert verdict.met is None and "0.95x (a small run: not judged)" in verdict.detail
+    enough = run("hybrid", 1.0, 1.0, 1.0, throughput_vs_fcfs=0.95)
+    assert next(v for v in judge([enough]) if v.target.startswith("throughput")).met is False
+
+
 def test_a_tier_mix_without_p1_leaves_the_p1_targets_not_run() -> None:
     no_p1 = run("hybrid", 1.0, None, 1.0, load=0.8)  # type: ignore[arg-type]
     no_p1["tiers"]["P1"] = {"requests": 0, "completed": 0, "shed": 0, "slo_attainment": None}

@@ -108,7 +108,7 @@ def run_matrix(matrix: Matrix, workers: int = 2, progress: bool = True) -> dict[
     runs: list[dict[str, Any]] = []
     pooled: list[dict[str, Any]] = []
     # Closed however the loop ends: on Ctrl-C the bar is drawn before "interrupted", not after.
-    with tqdm(total=len(jobs), desc="bench", unit="cell", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(total=len(jobs), desc="bench", unit="run", file=sys.stderr, disable=not progress) as bar:
         for _job_done, per_seed, merged in _pool_map(_run_job, jobs, workers):
             runs += per_seed
             pooled.append(merged)

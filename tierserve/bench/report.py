@@ -209,11 +209,14 @@ def summary_text(results: Mapping[str, Any]) -> str:
             parts.append(table(cells, f"{title}: {w}, {p}", value))
     small = sum(bool(r["low_sample"]) for r in runs)
     if small:
-        parts.append(f"{small} cells have fewer than {MIN_P0_REQUESTS} P0 requests (report.md lists them)\n")
+        parts.append(
+            f"{small} runs (a cell under one policy) have fewer than {MIN_P0_REQUESTS} P0 requests "
+            "(report.md lists them)\n"
+        )
     unmeasured = sum(bool(r.get("goodput_unmeasured")) for r in runs)
     if unmeasured:
         parts.append(
-            f"{unmeasured} cells measured no goodput: their requests arrived within less than "
+            f"{unmeasured} runs measured no goodput: their requests arrived within less than "
             "their median latency (report.md says why)\n"
         )
     return "\n".join(parts) + "\n" + targets_section(runs)

@@ -334,13 +334,13 @@ def print_table(r: BenchResult) -> None:
     )
     print(
         f"{'tier':<5}{'sent':>6}{'ok':>6}{'refused':>8}{'timed':>7}{'TTFT P50 ms':>13}{'TTFT P95 ms':>13}"
-        f"{'engine P50':>12}{'engine P95':>12}"
+        f"{'engine P50 ms':>15}{'engine P95 ms':>15}"
     )
     for tier, t in r.tiers.items():
         print(
             f"{tier:<5}{t['sent']:>6}{t['ok']:>6}{t['rejected']:>8}{t['ttft_samples']:>7}"
             f"{_ms(t['ttft_p50_ms']):>13}"
-            f"{_ms(t['ttft_p95_ms']):>13}{_ms(t['engine_ttft_p50_ms']):>12}{_ms(t['engine_ttft_p95_ms']):>12}"
+            f"{_ms(t['ttft_p95_ms']):>13}{_ms(t['engine_ttft_p50_ms']):>15}{_ms(t['engine_ttft_p95_ms']):>15}"
         )
     print(f"throughput: {r.throughput_rps:.2f} req/s, {r.output_tokens_per_s:.0f} output tokens/s")
     if r.num_sent < c.get("requests", 0):

@@ -14,13 +14,14 @@ from tierserve.server.http_limits import add_http_flags, http_overrides, parse_h
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "gateway",
-        help="serve the OpenAI-compatible API in front of upstream replicas (vLLM, SGLang, tierserve)",
+        help="serve the OpenAI-compatible API in front of upstream replicas (vLLM, SGLang, tierserve, "
+        "any OpenAI-compatible server)",
         description="Tiers, tenants, global limits in Redis, flow control and tier-aware routing "
         "in front of the [[upstreams]] listed in the config.",
     )
     p.add_argument("--config", required=True, help="TOML: [gateway], [[upstreams]] and the server's sections")
-    p.add_argument("--host", default=None, help="bind address (default: [server].host)")
-    p.add_argument("--port", type=port, default=None, help="port (default: [server].port)")
+    p.add_argument("--host", default=None, help="bind address (default: [server].host, else 127.0.0.1)")
+    p.add_argument("--port", type=port, default=None, help="port (default: [server].port, else 8000)")
     add_http_flags(p)
     p.add_argument(
         "--log-level",

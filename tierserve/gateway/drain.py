@@ -49,7 +49,7 @@ class DrainingGateway(uvicorn.Server):
 
     async def _drain(self) -> None:
         gw = self._gw
-        log.info("draining: admission stopped, %d requests in flight", gw.num_in_flight)
+        log.info("draining: admission stopped, requests in flight: %d", gw.num_in_flight)
         deadline = gw.clock.now() + self._drain_timeout_s
         while gw.num_in_flight > 0 and gw.clock.now() < deadline:
             await asyncio.sleep(POLL_S)

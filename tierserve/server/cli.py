@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--model",
         default=None,
-        help="torch: 'demo' or a Hugging Face directory; sim: a model name such as llama-3.1-70b",
+        help="torch: 'demo' or a Hugging Face directory (default demo); sim: a model name such as "
+        "llama-3.1-70b, or a Hugging Face directory (default llama-3.1-70b)",
     )
     p.add_argument(
         "--gpu",

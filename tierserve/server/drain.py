@@ -92,7 +92,7 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self, hurry: asyncio.Event) -> None:
         engine = self._state.engine
         log.info(
-            "draining: admission stopped, %d requests in flight (timeout %.1f s)",
+            "draining: admission stopped, requests in flight: %d (timeout %.1f s)",
             engine.num_in_flight,
             self._drain_timeout_s,
         )

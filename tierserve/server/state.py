@@ -84,7 +84,7 @@ class ServerState:
             self.engine_stalled = stalled
             if stalled:
                 log.warning(
-                    "engine process %d has sent nothing for %.0f s with %d requests in flight; "
+                    "engine process %d has sent nothing for %.0f s (requests in flight: %d); "
                     "/ready answers 503 until it does (server.engine_stall_s = %g)",
                     self.engine.pid,
                     silent,
