@@ -90,7 +90,9 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         "",
         *_cut_lines(meta),
         "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
-        "Goodput: attaining requests per second. GPU-hours include model loading.",
+        "Goodput: attaining requests per second. GPU-hours include model loading. TTFT percentiles "
+        "are over the requests that got a first token (refused and lost ones are counted in the "
+        "outcomes and in the SLO attainment, not in them).",
         "",
         *table(runs),
         "",
