@@ -166,3 +166,9 @@ def test_swish_is_silu_and_other_activations_are_refused(
         )
     else:
         assert "hidden_act 'gelu' is not supported" in load_error(checkpoint)
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_method(checkpoint: Checkpoint) -> None:
+    """It failed the tensor checks with a message about biases and shapes."""
+    edit_config(checkpoint, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    assert "quantized weights (fp8) are not supported" in load_error(checkpoint)

@@ -300,6 +300,13 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
     gen_path = directory / "generation_config.json"
     gen_config = read_json(gen_path) if gen_path.exists() else None
     spec = parse_hf_config(directory / "config.json", gen_config)
+    quantized = read_json(directory / "config.json").get("quantization_config")
+    if quantized is not None:  # else the tensor checks refused it, naming biases and shapes
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(
+            f"{directory / 'config.json'}: quantized weights ({method}) are not supported: the torch "
+            "executor runs float32, float16 and bfloat16 checkpoints"
+        )
     tokenizer = load_tokenizer(directory, spec.config)
     if dtype is None:
         # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
