@@ -116,12 +116,14 @@ def test_p0_is_not_judged_on_a_cell_with_too_few_p0_requests() -> None:
 
 
 def test_throughput_is_not_judged_on_a_small_run() -> None:
-    """A --quick run's first benchmark said NOT MET on a ratio of a few hundred requests."""
-    few = run("hybrid", 1.0, 1.0, 1.0, low_sample=True, throughput_vs_fcfs=0.95)
+    """A --quick run's first benchmark said NOT MET on a ratio of a few hundred requests;
+    a long run is judged, with or without P0 requests."""
+    few = run("hybrid", 1.0, 1.0, 1.0, throughput_vs_fcfs=0.95)  # 30 requests
     verdict = next(v for v in judge([few]) if v.target.startswith("throughput"))
-    assert verdict.met is None and "0.95x (a small run: not judged)" in verdict.detail
-    enough = run("hybrid", 1.0, 1.0, 1.0, throughput_vs_fcfs=0.95)
-    assert next(v for v in judge([enough]) if v.target.startswith("throughput")).met is False
+    assert verdict.met is None and "0.95x (fewer than 1000 requests: not judged)" in verdict.detail
+    long_without_p0 = run("hybrid", 1.0, 1.0, 1.0, low_sample=True, throughput_vs_fcfs=0.95)
+    long_without_p0["tiers"]["P1"]["requests"] = 5000
+    assert next(v for v in judge([long_without_p0]) if v.target.startswith("throughput")).met is False
 
 
 def test_a_tier_mix_without_p1_leaves_the_p1_targets_not_run() -> None:

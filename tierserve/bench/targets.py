@@ -56,6 +56,9 @@ def _same_cell(runs: Sequence[Run], run: Run, policy: str) -> Run | None:
     )
 
 
+MIN_THROUGHPUT_REQUESTS = 1000  # measured requests a run needs for its throughput to be judged
+
+
 def _num_measured(run: Run) -> int:
     return sum(int(tier["requests"]) for tier in run["tiers"].values())
 
@@ -147,11 +150,16 @@ def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) 
     return _judge("goodput >= every baseline's at every load", cells, ok, show)
 
 
+def _small(run: Run) -> bool:
+    return _num_measured(run) < MIN_THROUGHPUT_REQUESTS
+
+
 def _throughput_ok(run: Run) -> bool | None:
-    """Not judged on a small run (a --quick cell), as P0 is not: there the ratio moves by
-    several per cent with when the last few long answers end (0.95x in a --quick run)."""
+    """Not judged on a small run (a --quick cell's 400 requests): there the ratio moves by
+    several per cent with when the last few long answers end (0.95x in a --quick run).
+    By the run's size, not its P0 count: a long run without P0 is judged."""
     ratio = run["throughput_vs_fcfs"]
-    if ratio is None or run.get("low_sample"):
+    if ratio is None or _small(run):
         return None
     return bool(ratio >= THROUGHPUT_FLOOR)
 
@@ -194,7 +202,7 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
                 "–"
                 if r["throughput_vs_fcfs"] is None
                 else f"{r['throughput_vs_fcfs']}x"
-                + (" (a small run: not judged)" if r.get("low_sample") else "")
+                + (f" (fewer than {MIN_THROUGHPUT_REQUESTS} requests: not judged)" if _small(r) else "")
             ),
         ),
         _judge(
