@@ -152,6 +152,11 @@ def test_rope_scaling_beside_rope_parameters_must_agree(make_checkpoint: Callabl
     assert "rope_scaling" in load_error(ckpt) and "disagree" in load_error(ckpt)
     edit_config(ckpt, rope_parameters={"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0})
     assert load_model(ckpt.path, CPU).model is not None  # the same rotation said twice
+    # The base too: transformers takes rope_scaling's theta, else the top-level one (10000 here).
+    edit_config(
+        ckpt, rope_theta=None, rope_parameters={"rope_theta": 500000.0, "rope_type": "linear", "factor": 4.0}
+    )
+    assert "disagree" in load_error(ckpt)
 
 
 @pytest.mark.parametrize(("act", "loads"), [("swish", True), ("gelu", False)])

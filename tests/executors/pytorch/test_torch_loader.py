@@ -70,6 +70,10 @@ def test_a_template_renders_only_the_bos_and_eos_the_tokenizer_declares(checkpoi
     (checkpoint.path / "special_tokens_map.json").write_text(json.dumps(special))
     chat = load_model(checkpoint.path, CPU).tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat[0] == BOS_ID and EOS_ID in chat
+    # ... unless tokenizer_config.json lists its added tokens: then transformers 5 reads no map.
+    edit_json(config_path, added_tokens_decoder={})
+    chat = load_model(checkpoint.path, CPU).tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert BOS_ID not in chat and EOS_ID not in chat
 
 
 def test_chat_template_kwargs_reach_the_template_and_may_not_set_what_the_server_does(

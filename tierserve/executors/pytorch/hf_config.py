@@ -136,7 +136,7 @@ def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, f
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files
     # have `rope_theta` and `rope_scaling` at the top level. transformers reads
     # `rope_scaling` first: one added beside `rope_parameters` (an edit, say) must agree.
-    _check_one_rope(path, raw.get("rope_scaling"), raw.get("rope_parameters"))
+    _check_one_rope(path, raw)
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelLoadError(f"{path}: rope_scaling: expected an object, got {params!r}")
@@ -194,21 +194,24 @@ def _decoder_options(path: Path, raw: dict[str, Any], arch: str, linear_factor: 
     )
 
 
-def _check_one_rope(path: Path, scaling: Any, parameters: Any) -> None:
-    """Refuse `rope_scaling` and `rope_parameters` that say different things (the rotation
-    transformers applies, and tierserve, would then differ)."""
+def _check_one_rope(path: Path, raw: dict[str, Any]) -> None:
+    """Refuse `rope_scaling` and `rope_parameters` that say different things, the rotation's
+    base included (transformers takes it from `rope_scaling`, else the top-level
+    `rope_theta`): the rotation transformers applies, and tierserve, would then differ."""
+    scaling, parameters = raw.get("rope_scaling"), raw.get("rope_parameters")
     if not (isinstance(scaling, dict) and isinstance(parameters, dict) and scaling and parameters):
         return
+    top_theta = raw.get("rope_theta", 10000.0)
 
     def scaling_of(params: dict[str, Any]) -> dict[str, Any]:
         kind = params.get("rope_type", params.get("type", "default"))
         rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
-        return {"rope_type": kind, **rest}
+        return {"rope_type": kind, "rope_theta": params.get("rope_theta", top_theta), **rest}
 
     if scaling_of(scaling) != scaling_of(parameters):
         raise ModelLoadError(
             f"{path}: rope_scaling {scaling!r} and rope_parameters {parameters!r} disagree (transformers "
-            "reads rope_scaling first): keep one"
+            "reads rope_scaling first, and its rope_theta, else the top-level one): keep one"
         )
 
 

@@ -251,10 +251,12 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
         template = template_file.read_text(encoding="utf-8")
     # The template's bos_token and eos_token are the tokenizer's own, as transformers renders
     # them: none declared, they are empty (they were filled from config.json's ids, and
-    # --chat then built other prompt ids than apply_chat_template).
+    # --chat then built other prompt ids than apply_chat_template). As transformers 5 reads
+    # them: special_tokens_map.json, where tokenizer_config.json has no added_tokens_decoder,
+    # wins over tokenizer_config.json.
     special = tok_config
-    if (directory / "special_tokens_map.json").is_file():
-        special = {**read_json(directory / "special_tokens_map.json"), **tok_config}
+    if "added_tokens_decoder" not in tok_config and (directory / "special_tokens_map.json").is_file():
+        special = {**tok_config, **read_json(directory / "special_tokens_map.json")}
     bos = _token_text(special.get("bos_token"))
     eos = _token_text(special.get("eos_token"))
     eos_ids = config.eos_token_ids
