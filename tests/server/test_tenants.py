@@ -197,3 +197,9 @@ def test_a_utf8_api_key_selects_its_tenant() -> None:
     resolver = TenantResolver(parse_serve_config({"tenants": {"a": {"api_keys": ["clé"]}}}))
     sent = "Bearer clé".encode().decode("latin-1")
     assert resolver.resolve(sent, None).name == "a"
+    # A key whose Latin-1 text reads as UTF-8 too still matches as sent.
+    resolver = TenantResolver(
+        parse_serve_config({"tenants": {"a": {"api_keys": ["keyÃ©", "k\tx", "k\u00a0y"]}}})
+    )
+    assert resolver.resolve("Bearer keyÃ©", None).name == "a"
+    assert resolver.resolve("Bearer k\tx", None).name == "a"  # a tab or a no-break space inside is fine

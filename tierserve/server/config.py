@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,9 +336,9 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
     if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
         raise ConfigError(f"{path}.api_keys: expected a list of non-empty strings, got {keys!r}")
     for key in keys:
-        if key != key.strip() or not key.isprintable():
+        if key != key.strip() or any(c != "\t" and unicodedata.category(c) == "Cc" for c in key):
             # No request could present it: the bearer token is read without the spaces
-            # around it, and a header cannot carry a control character.
+            # around it, and a header cannot carry a control character (a tab aside).
             raise ConfigError(
                 f"{path}.api_keys: key {key[:6]!r}... has spaces at an end or a control character"
             )

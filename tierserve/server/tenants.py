@@ -64,9 +64,11 @@ class TenantResolver:
         if tenant_header is not None:
             tenant_header = header_text(tenant_header)
             _check_tenant_name(tenant_header)
-        key = _bearer(None if authorization is None else header_text(authorization))
+        key = _bearer(authorization)
         if key and self._by_key:
-            tenant = self._by_key.get(key)
+            # As sent (Latin-1, as the ASGI server decodes headers), else read as UTF-8: a key
+            # "clé" sent as UTF-8 arrives as "clÃ©".
+            tenant = self._by_key.get(key) or self._by_key.get(header_text(key))
             if tenant is None:
                 raise unauthorized("Incorrect API key provided.")
             return tenant
