@@ -95,7 +95,9 @@ class RedisBuckets:
         # stale after Redis restarts), then fail fast: redis-py's default of 10 retries with
         # backoff would hold each decision for seconds while Redis is away, instead of
         # applying the fail rule. Not of a timeout: the take is not idempotent, and a slow
-        # Redis ran it twice, charging twice a request it then refused.
+        # Redis ran it twice, charging twice a request it then refused. A connection that
+        # breaks after Redis ran the script but before its reply came is retried too, and
+        # charges twice: rare, and the price of getting past a pooled connection gone stale.
         self._client: Any = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout_s,

@@ -299,10 +299,11 @@ class TierScheduler(Scheduler):
         """Whether this capped step counts the waiting P0 prompts' tokens in its budget.
         vLLM's pass serves the running requests before the waiting ones, so a lower tier's
         running prompt took those tokens (past the cap) and the P0 prompts none: such
-        prompts sit this step out, as `_schedule_solo` holds requests back. Never two steps
-        in a row (a P0 arriving every step would starve them): the step after, the budget
-        leaves the waiting P0 prompts out, the lower prompts get the cap and no more, and
-        the P0 prompts what it leaves."""
+        prompts sit this step out, as `_schedule_solo` holds requests back. Never two capped
+        steps in a row (a P0 arriving every step would starve them): the capped step after
+        leaves the waiting P0 prompts out of its budget, the lower prompts get the cap and no
+        more, and the P0 prompts what it leaves. A P0-only step between counts as a hold, so
+        such a prompt runs at least one step in three."""
         held_last_step = self._held_back
         self._held_back = set()
         if not p0_waits or any(r.request_id in held_last_step for r in others_prefilling):
