@@ -28,12 +28,19 @@ def _post(url: str) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=BODY, headers={"authorization": "Bearer sk-t"})
 
 
-def test_two_replicas_share_one_tenant_bucket_through_redis() -> None:
+def _redis_or_skip() -> Any:
+    """A client of the test Redis; the test is skipped where none answers."""
     redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2)
     try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
+        client.ping()
     except (redis.RedisError, OSError):
         pytest.skip(NO_REDIS)
+    return client
+
+
+def test_two_replicas_share_one_tenant_bucket_through_redis() -> None:
+    _redis_or_skip()
     prefix = f"tierserve-test-{uuid.uuid4().hex}"
     with (
         live_server(make_state(_config(REDIS_URL, prefix, "closed"))) as a,
@@ -60,12 +67,7 @@ def test_unreachable_redis_follows_the_fail_rule_and_says_so(fail_mode: str, sta
 def test_a_bucket_key_of_another_type_starts_over_and_redis_stays_up() -> None:
     """A key under the prefix that is not a bucket's hash made every script fail with
     WRONGTYPE, which read as Redis down: every tenant fell to the fail rule (here: 503)."""
-    redis = pytest.importorskip("redis")
-    try:
-        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2)
-        client.ping()
-    except (redis.RedisError, OSError):
-        pytest.skip(NO_REDIS)
+    client = _redis_or_skip()
     prefix = f"tierserve-test-{uuid.uuid4().hex}"
     with live_server(make_state(_config(REDIS_URL, prefix, "closed"))) as srv:
         assert _post(srv.url).status_code == 200
@@ -83,11 +85,7 @@ def test_a_bucket_key_of_another_type_starts_over_and_redis_stays_up() -> None:
 def test_a_bucket_that_refills_over_centuries_still_works_through_redis() -> None:
     """Its expiry (the time to refill, + 60 s) was past what Redis accepts: every take failed
     with "invalid expire time", which read as Redis down, for every tenant (here: 503)."""
-    redis = pytest.importorskip("redis")
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.2).ping()
-    except (redis.RedisError, OSError):
-        pytest.skip(NO_REDIS)
+    _redis_or_skip()
     prefix = f"tierserve-test-{uuid.uuid4().hex}"
     config = parse_serve_config({
         "server": {"ratelimit": {"backend": "redis", "redis_url": REDIS_URL, "key_prefix": prefix,

@@ -234,14 +234,17 @@ def test_the_policy_sizes_its_steps_by_vllms_limits_not_tierserves_own(plugin: D
     assert sched.tier_policy._shaper.max_step_tokens == sched.scheduler_config.max_num_batched_tokens
 
 
-def test_while_a_p0_is_likely_the_step_bound_caps_the_other_tiers_prompts(
-    plugin: Driver, vanilla: Driver, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sched = scheduler_of(plugin.llm)
+def _cap_at_the_least(sched: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step bound of no time at all while a P0 is always likely, on a fitted step time:
+    the other tiers' prompts keep the least a step gives them."""
     shaper = sched.tier_policy._shaper
-    # A bound of no time at all: the other tiers keep the least a step gives them.
     monkeypatch.setattr(shaper, "options", replace(shaper.options, step_bound_x_p0=0.0, p0_likely_s=1e9))
     monkeypatch.setattr(sched.step_times, "estimate_s", lambda n, context: 0.002 + 2e-5 * n)
+
+
+def _token_recorder(sched: Any) -> tuple[list[dict[str, int]], Any]:
+    """The tokens each step gives each request (by the caller's id), filled by the returned
+    `schedule` once the caller puts it in place."""
     tokens: list[dict[str, int]] = []
     schedule = sched.schedule
 
@@ -250,6 +253,15 @@ def test_while_a_p0_is_likely_the_step_bound_caps_the_other_tiers_prompts(
         tokens.append({rid.rsplit("-", 1)[0]: n for rid, n in output.num_scheduled_tokens.items()})
         return output
 
+    return tokens, recording
+
+
+def test_while_a_p0_is_likely_the_step_bound_caps_the_other_tiers_prompts(
+    plugin: Driver, vanilla: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched = scheduler_of(plugin.llm)
+    _cap_at_the_least(sched, monkeypatch)
+    tokens, recording = _token_recorder(sched)
     for d in (plugin, vanilla):
         p3 = _p3_decoding(d, "cap-p3", 3, seed=700, max_tokens=60)
         d.submit("cap-p0", prompt(710, 40), 2, Tier.P0)
@@ -397,17 +409,8 @@ def test_a_capped_step_gives_waiting_p0_prompts_their_tokens_not_a_running_lower
     requests first: a running P3 prompt took them (64 + 40 per waiting P0 a step, past its
     cap) and P0 prompts arriving every step waited up to 4 steps."""
     sched = scheduler_of(plugin.llm)
-    shaper = sched.tier_policy._shaper
-    monkeypatch.setattr(shaper, "options", replace(shaper.options, step_bound_x_p0=0.0, p0_likely_s=1e9))
-    monkeypatch.setattr(sched.step_times, "estimate_s", lambda n, context: 0.002 + 2e-5 * n)
-    tokens: list[dict[str, int]] = []
-    schedule = sched.schedule
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        output = schedule(*args, **kwargs)
-        tokens.append({rid.rsplit("-", 1)[0]: n for rid, n in output.num_scheduled_tokens.items()})
-        return output
-
+    _cap_at_the_least(sched, monkeypatch)
+    tokens, recording = _token_recorder(sched)
     monkeypatch.setattr(sched, "schedule", recording)
     plugin.submit("held-p3", prompt(900, 480), 4, Tier.P3)
     p0 = [f"held-p0-{k}" for k in range(16)]
