@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.executors.pytorch.hf_config import ModelLoadError
 
     # Said once the request is accepted, so that a refused one is the only line on stderr.
-    notices = [f"tierserve generate: {DEMO_NOTICE}"] if args.model == "demo" and not args.json else []
+    notices = [f"note: {DEMO_NOTICE}"] if args.model == "demo" and not args.json else []
 
     def stream(text: str) -> None:
         while notices:

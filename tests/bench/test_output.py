@@ -37,7 +37,7 @@ def test_a_results_folder_that_cannot_be_written_is_refused_before_anything_runs
     results were written, after every run."""
     import errno
 
-    from tierserve.bench.output import make_out_dir
+    from tierserve.bench.output import make_out_dir, make_out_folder
 
     make_out_dir(tmp_path / "fine")
     assert list((tmp_path / "fine").iterdir()) == []  # the check leaves nothing behind
@@ -46,5 +46,7 @@ def test_a_results_folder_that_cannot_be_written_is_refused_before_anything_runs
         raise OSError(errno.EROFS, "Read-only file system", str(self))
 
     monkeypatch.setattr(Path, "write_bytes", read_only)
-    with pytest.raises(ValueError, match=r"--out .*: cannot write in it \(Read-only file system\)"):
+    with pytest.raises(ValueError, match=r"--out .*: cannot write in .*ro \(Read-only file system\)"):
         make_out_dir(tmp_path / "ro")
+    with pytest.raises(ValueError, match=r"--out .*results.json: cannot write in .*ro2"):
+        make_out_folder(str(tmp_path / "ro2" / "results.json"))  # a JSON file's folder too

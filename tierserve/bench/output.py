@@ -20,22 +20,27 @@ def make_out_folder(out: str | None) -> None:
             raise ValueError(f"--out {out} is a folder: name the JSON file to write")
         with _naming_out(out):
             Path(out).parent.mkdir(parents=True, exist_ok=True)
+        _check_writable(Path(out).parent, out)
 
 
-def make_out_dir(out: Path) -> None:
-    """Make the results folder `out` now, and write a file in it (see `make_out_folder`):
-    a folder that exists but cannot be written (read-only, another user's) failed only
-    when the results were written, after every run."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
-    with _naming_out(out):
-        out.mkdir(parents=True, exist_ok=True)
-    probe = out / f".tierserve-write-check-{os.getpid()}"
+def _check_writable(folder: Path, out: str | Path) -> None:
+    """Write and remove a file in `folder`: one that exists but cannot be written (read-only,
+    another user's) failed only when the results were written, after every run."""
+    probe = folder / f".tierserve-write-check-{os.getpid()}"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"--out {out}: cannot write in it ({e.strerror or e})") from e
+        raise ValueError(f"--out {out}: cannot write in {folder} ({e.strerror or e})") from e
+
+
+def make_out_dir(out: Path) -> None:
+    """Make the results folder `out` now, and write a file in it (see `make_out_folder`)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    with _naming_out(out):
+        out.mkdir(parents=True, exist_ok=True)
+    _check_writable(out, out)
 
 
 @contextmanager
