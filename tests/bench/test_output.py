@@ -50,3 +50,17 @@ def test_a_results_folder_that_cannot_be_written_is_refused_before_anything_runs
         make_out_dir(tmp_path / "ro")
     with pytest.raises(ValueError, match=r"--out .*results.json: cannot write in .*ro2"):
         make_out_folder(str(tmp_path / "ro2" / "results.json"))  # a JSON file's folder too
+
+
+def test_input_warnings_keeps_what_the_trace_loader_warns_of(tmp_path: Path) -> None:
+    from tierserve.bench.output import input_warnings
+    from tierserve.workloads.traces import load_trace
+
+    seconds = tmp_path / "s.jsonl"
+    row = '{"timestamp": %s, "input_length": 10, "output_length": 5}\n'
+    seconds.write_text("".join(row % (i * 0.3) for i in range(20)))
+    with input_warnings() as warned:
+        load_trace(seconds)
+    assert len(warned) == 1 and "multiply them by 1000" in warned[0]
+    load_trace(tmp_path / "s.jsonl")  # after the block: no longer kept
+    assert len(warned) == 1

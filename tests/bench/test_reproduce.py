@@ -94,6 +94,17 @@ def test_results_json_keeps_every_required_field_for_every_run(results: dict[str
     assert all(r["seed"] == [0, 1] for r in results["pooled"])
 
 
+def test_what_the_trace_loader_warned_of_is_in_the_report(results: dict[str, Any]) -> None:
+    """It went to stderr only, past the progress bars; report.md, read later, said nothing."""
+    from tierserve.bench.report import markdown
+
+    assert "## Warnings on the traces" not in markdown(results)  # none warned: no section
+    warned = {**results, "setup": {**results["setup"], "input_warnings": ["t.csv: skipped 2 rows"]}}
+    report = markdown(warned)
+    assert "## Warnings on the traces\n\n- t.csv: skipped 2 rows" in report
+    assert "**input_warnings**" not in report  # not again among the setup's lines
+
+
 def test_pooled_runs_hold_every_seeds_requests(results: dict[str, Any]) -> None:
     for pooled in results["pooled"]:
         same = [

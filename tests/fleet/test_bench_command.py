@@ -55,6 +55,20 @@ def test_bench_fleet_writes_results_report_and_plots_for_each_router(
         assert (out / plot).stat().st_size > 0 and f"]({plot})" in report
 
 
+def test_what_the_trace_loader_warned_of_is_in_results_and_report(tmp_path: Path) -> None:
+    """BurstGPT rows with 0 request tokens are skipped with a warning: it went to stderr only."""
+    rows = [f"{i * 0.5},ChatGPT,{0 if i % 10 == 0 else 300},20,320,Conversation log" for i in range(40)]
+    trace = tmp_path / "burst.csv"
+    header = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"
+    trace.write_text("\n".join([header, *rows]) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", "fleet", "--replicas", "1", "--trace", str(trace), "--router", "round-robin",
+                 "--out", str(out)]) == 0  # fmt: skip
+    warned = json.loads((out / "results.json").read_text())["meta"]["input_warnings"]
+    assert len(warned) == 1 and "skipped 4 rows with 0 Request tokens" in warned[0]
+    assert "**Warnings on the trace:**" in (out / "report.md").read_text()
+
+
 def test_a_trace_scaled_into_a_burst_measures_no_goodput(tmp_path: Path) -> None:
     """40 requests over ~20 s at a billion times their rate arrive within microseconds:
     attained requests over that span would claim millions a second."""

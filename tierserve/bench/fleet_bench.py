@@ -232,7 +232,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tierserve.bench.output import make_out_dir, source_commit
+    from tierserve.bench.output import input_warnings, make_out_dir, source_commit
     from tierserve.fleet.bench import FleetBench
 
     try:  # before the trace is looked for: a bad argument is said first
@@ -245,10 +245,11 @@ def main(args: argparse.Namespace) -> int:
     trace = args.trace or default_trace()
     commit = source_commit()  # the code that runs: a commit made during a long run is not it
     started = time.process_time()
-    bench = FleetBench(args, trace)
-    make_out_dir(args.out)  # now: a bad --out must not cost the runs
-    runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
-    meta = bench.meta(commit, time.process_time() - started)
+    with input_warnings() as warned:
+        bench = FleetBench(args, trace)
+        make_out_dir(args.out)  # now: a bad --out must not cost the runs
+        runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
+    meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report
 
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))

@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+TRACE_LOGGER = "tierserve.workloads.traces"
+
+
+@contextmanager
+def input_warnings() -> Iterator[list[str]]:
+    """The WARNING lines the trace loader logs meanwhile (a unit that looks misread, rows
+    skipped), kept for results.json and report.md: stderr scrolls past with the progress
+    bars, and a report read later said nothing of them."""
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = _Keep(level=logging.WARNING)
+    logger = logging.getLogger(TRACE_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def make_out_folder(out: str | None) -> None:

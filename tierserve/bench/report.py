@@ -169,7 +169,7 @@ def targets_section(runs: Sequence[Run]) -> str:
 
 
 def _setup_lines(results: Mapping[str, Any]) -> list[str]:
-    setup = results["setup"]
+    setup = {k: v for k, v in results["setup"].items() if k != "input_warnings"}  # a section of its own
     lines = [f"- **{k}**: {json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in setup.items()]
     for w, c in results.get("capacity", {}).items():
         lines.append(f"- **capacity of {w}**: {c['requests_per_s']} requests/s ({c['how']})")
@@ -186,6 +186,8 @@ def markdown(results: Mapping[str, Any]) -> str:
             "",
         ]
     lines += ["## What was simulated", "", *_setup_lines(results), "", DIFFERENCES, ""]
+    if warned := results["setup"].get("input_warnings"):  # a unit that looks misread, rows skipped
+        lines += ["## Warnings on the traces", "", *(f"- {w}" for w in warned), ""]
     lines += [
         f"Every figure is pooled over the seeds {seeds}: their measured requests together, "
         "percentiles over all of them, goodput over their summed arrival spans and throughput over "

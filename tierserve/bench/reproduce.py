@@ -312,13 +312,14 @@ def engine_config_json(config: EngineConfig, policies: Sequence[str]) -> dict[st
 def run(args: argparse.Namespace) -> int:
     from tierserve.bench import report
     from tierserve.bench.matrix import run_matrix
-    from tierserve.bench.output import make_out_dir
+    from tierserve.bench.output import input_warnings, make_out_dir
 
     if args.out is None:
         args.out = "bench-out/reproduce-quick" if args.quick else "bench-out/reproduce"
     try:
         matrix = matrix_from_args(args)
-        check_traces(matrix)
+        with input_warnings() as warned:  # the traces are read here, in this process
+            check_traces(matrix)
         make_out_dir(Path(args.out))  # now: a bad --out must not cost the whole matrix
     except (ValueError, OSError) as e:
         print(f"tierserve bench reproduce: {e}", file=sys.stderr)
@@ -330,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
             "--quick: small samples (P0 figures rest on a few dozen requests; see the warnings)",
             file=sys.stderr,
         )
-    results = {"setup": setup_json(matrix, args.quick), **run_matrix(matrix, max(1, args.workers))}
+    setup = {**setup_json(matrix, args.quick), "input_warnings": warned}
+    results = {"setup": setup, **run_matrix(matrix, max(1, args.workers))}
     out = Path(args.out)
     written = report.write_all(out, results)
     print(report.summary_text(results))

@@ -78,6 +78,12 @@ def _cut_lines(meta: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _warning_lines(meta: Mapping[str, Any]) -> list[str]:
+    """What the trace loader warned of (a unit that looks misread, rows skipped), kept here."""
+    warned = meta.get("input_warnings") or []
+    return ["**Warnings on the trace:**", "", *(f"- {w}" for w in warned), ""] if warned else []
+
+
 def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots: Sequence[str]) -> None:
     lines = [
         "# Fleet simulation",
@@ -89,6 +95,7 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         f"start-up delay {meta['startup_delay_s']:.0f} s; CPU {meta['cpu_s']:.1f} s.",
         "",
         *_cut_lines(meta),
+        *_warning_lines(meta),
         "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
         "Goodput: attaining requests per second. GPU-hours include model loading. TTFT percentiles "
         "are over the requests that got a first token (refused and lost ones are counted in the "
