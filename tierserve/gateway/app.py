@@ -145,6 +145,25 @@ def _add_error_handlers(app: FastAPI, gw: GatewayState) -> None:
         return ApiError(500, "Internal server error.", type="server_error").response()
 
 
+def _model_cards(gw: GatewayState) -> dict[str, dict[str, Any]]:
+    """The models the healthy upstreams serve, each with the upstreams serving it."""
+    served: dict[str, list[str]] = {}
+    for s in gw.router.states:
+        if s.healthy:
+            for m in s.models:
+                served.setdefault(m, []).append(s.name)
+    return {
+        m: {
+            "id": m,
+            "object": "model",
+            "created": gw.started_at,  # OpenAI's Model object requires it: when this gateway started
+            "owned_by": "tierserve-gateway",
+            "upstreams": sorted(ups),
+        }
+        for m, ups in sorted(served.items())
+    }
+
+
 def _add_routes(app: FastAPI, gw: GatewayState) -> None:
     # Served by `GenerationRoutes` ahead of FastAPI's router; declared here for the schema.
     @app.post("/v1/chat/completions", response_model=None)
@@ -155,38 +174,21 @@ def _add_routes(app: FastAPI, gw: GatewayState) -> None:
     async def completions(http: HttpRequest) -> Response:
         return await forward(gw, http, False, time.perf_counter())
 
-    def cards() -> dict[str, dict[str, Any]]:
-        """The models the healthy upstreams serve, each with the upstreams serving it."""
-        served: dict[str, list[str]] = {}
-        for s in gw.router.states:
-            if s.healthy:
-                for m in s.models:
-                    served.setdefault(m, []).append(s.name)
-        return {
-            m: {
-                "id": m,
-                "object": "model",
-                "created": gw.started_at,  # OpenAI's Model object requires it: when this gateway started
-                "owned_by": "tierserve-gateway",
-                "upstreams": sorted(ups),
-            }
-            for m, ups in sorted(served.items())
-        }
-
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:
         gw.tenants.resolve_headers(http.headers)
-        return {"object": "list", "data": list(cards().values())}
+        return {"object": "list", "data": list(_model_cards(gw).values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, http: HttpRequest) -> dict[str, Any]:
         """One model (the OpenAI client's `models.retrieve`), behind the same keys, as the server."""
         gw.tenants.resolve_headers(http.headers)
-        card = cards().get(model_id)
+        cards = _model_cards(gw)
+        card = cards.get(model_id)
         if card is None:
             raise ApiError(
                 404,
-                f"The model {model_id!r} does not exist (served here: {', '.join(cards()) or 'none'}).",
+                f"The model {model_id!r} does not exist (served here: {', '.join(cards) or 'none'}).",
                 param="model",
                 code="model_not_found",
             )

@@ -374,10 +374,9 @@ def _weight(path: str, value: Any) -> float:
     return weight
 
 
-def _check_default_tenant(raw: Mapping[str, Any], tenants: Mapping[str, TenantConfig]) -> None:
+def _check_default_tenant(name: str, tenants: Mapping[str, TenantConfig]) -> None:
     """A `default_tenant` the file names must be one it declares: a misspelt name ran the
     anonymous requests as a tenant of its own, with none of the declared one's limits."""
-    name = raw.get("default_tenant", ServerSettings.default_tenant)
     if name == ServerSettings.default_tenant or not tenants or name in tenants:
         return  # the built-in name needs no declaring: a tenant of its own, at P3
     close = difflib.get_close_matches(name, list(tenants), n=1)
@@ -397,7 +396,7 @@ def parse_serve_config(raw: Mapping[str, Any], source: str | None = None) -> Ser
     seen_keys: dict[str, str] = {}
     for name, body in _table("tenants", raw.get("tenants", {})).items():
         tenants[name] = _tenant(name, _table(f"tenants.{name}", body), seen_keys)
-    _check_default_tenant(_table("server", raw.get("server", {})), tenants)
+    _check_default_tenant(server.default_tenant, tenants)
     if tenants and not any(t.api_keys for t in tenants.values()) and not server.allow_anonymous:
         raise ConfigError(
             "tenants: declared, but none has api_keys: anyone could pick any tenant. Give tenants "

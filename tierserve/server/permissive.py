@@ -35,14 +35,13 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
             "server.tenant_header = true: x-tenant-id selects a tenant without its API key "
             "(safe only behind a proxy that sets the header itself)"
         )
-    if s.ratelimit.backend == "redis" and redis_fail is not None:
-        if redis_fail:
-            lines.append(redis_fail)
-    elif s.ratelimit.backend == "redis" and s.ratelimit.fail_mode == "open":
-        lines.append(
+    if s.ratelimit.backend == "redis" and redis_fail is None and s.ratelimit.fail_mode == "open":
+        redis_fail = (
             "server.ratelimit.fail_mode = open: while Redis is unreachable each replica "
             "enforces the limits on its own"
         )
+    if s.ratelimit.backend == "redis" and redis_fail:
+        lines.append(redis_fail)
     limited = config.limits.global_limit != type(config.limits.global_limit)() or any(
         t.limit != type(t.limit)() for t in config.tenants.values()
     )

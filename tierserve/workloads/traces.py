@@ -99,7 +99,7 @@ def _check_order(where: str, stamp: object, arrival_s: float, previous_s: float)
 def _open_text(p: Path, newline: str | None = None) -> Iterator[IO[str]]:
     """The file as text, gunzipped where its name ends in .gz; a BOM at the start is skipped
     (a spreadsheet's export may start with one)."""
-    if p.name.lower().endswith(".gz"):
+    if _gzipped(p):
         with gzip.open(p, "rt", encoding="utf-8-sig", newline=newline) as f:
             yield f
     else:
@@ -220,7 +220,8 @@ def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]
                 continue
             stamp = row[ts_col].strip()
             arrival_s = arrival(where, stamp)
-            first_stamp = first_stamp if records else stamp
+            if not records:
+                first_stamp = stamp  # the first kept row's: the epoch check reads it
             _check_order(where, repr(stamp), arrival_s, records[-1].arrival_s if records else 0.0)
             records.append(TraceRecord(arrival_s, num_prompt, num_output, line=start))
     if num_empty:
@@ -400,7 +401,7 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
         raise TraceFormatError(
             f"{p}: unknown trace format (expected .csv, or .jsonl / .json lines; either may be .gz)"
         )
-    if not p.name.lower().endswith(".gz") and _is_gzip(p):
+    if not _gzipped(p) and _starts_as_gzip(p):
         raise TraceFormatError(f"{p}: gzip data in a file not named .gz: name it {p.name}.gz")
     stat = p.stat()
     key = (str(p.resolve()), stat.st_size, stat.st_mtime_ns, max_rows)
@@ -421,14 +422,19 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
     return list(cached)
 
 
-def _is_gzip(p: Path) -> bool:
+def _gzipped(p: Path) -> bool:
+    """Whether `p` is named as gzip-compressed (and so read through gzip)."""
+    return p.name.lower().endswith(".gz")
+
+
+def _starts_as_gzip(p: Path) -> bool:
     with p.open("rb") as f:
         return f.read(2) == b"\x1f\x8b"
 
 
 def _first_line_not_utf8(p: Path) -> int:
     """The number of the first line of `p` (gunzipped where named .gz) that is not UTF-8."""
-    opener = gzip.open if p.name.lower().endswith(".gz") else open
+    opener = gzip.open if _gzipped(p) else open
     with opener(p, "rb") as f:
         for line_no, line in enumerate(f, start=1):
             try:

@@ -66,6 +66,7 @@ class HFModelSpec:
     options: DecoderOptions
     checkpoint_dtype: str | None  # "bfloat16", ... as the checkpoint declares it
     max_model_len: int  # positions the model may attend over (a sliding window caps it)
+    quantization: str | None = None  # `quantization_config`'s method ("?" unnamed); None: not quantized
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -228,6 +229,14 @@ def _refuse_sliding_window(path: Path, raw: dict[str, Any]) -> None:
         raise ModelLoadError(f"{path}: layer_types: only full_attention layers are supported, got {other!r}")
 
 
+def _quantization(raw: dict[str, Any]) -> str | None:
+    """`quantization_config`'s method ("?" where it names none); None for plain weights."""
+    quantized = raw.get("quantization_config")
+    if quantized is None:
+        return None
+    return str(quantized.get("quant_method", "?")) if isinstance(quantized, dict) else "?"
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
@@ -289,4 +298,4 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
     window = raw.get("sliding_window", _default(arch, "sliding_window", None))
     if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
         max_len = min(max_len, window)  # within the window, sliding attention is full attention
-    return HFModelSpec(config, arch, options, str(dtype) if dtype else None, max_len)
+    return HFModelSpec(config, arch, options, str(dtype) if dtype else None, max_len, _quantization(raw))

@@ -302,12 +302,10 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
     gen_path = directory / "generation_config.json"
     gen_config = read_json(gen_path) if gen_path.exists() else None
     spec = parse_hf_config(directory / "config.json", gen_config)
-    quantized = read_json(directory / "config.json").get("quantization_config")
-    if quantized is not None:  # else the tensor checks refused it, naming biases and shapes
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+    if spec.quantization is not None:  # else the tensor checks refused it, naming biases and shapes
         raise ModelLoadError(
-            f"{directory / 'config.json'}: quantized weights ({method}) are not supported: the torch "
-            "executor runs float32, float16 and bfloat16 checkpoints"
+            f"{directory / 'config.json'}: quantized weights ({spec.quantization}) are not supported: "
+            "the torch executor runs float32, float16 and bfloat16 checkpoints"
         )
     tokenizer = load_tokenizer(directory, spec.config)
     if dtype is None:

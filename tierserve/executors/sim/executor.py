@@ -51,18 +51,16 @@ def get_model(name: str) -> ModelConfig:
         return model
     path = Path(name)
     if path.is_dir() or path.is_file():
-        from tierserve.executors.pytorch.hf_config import ModelLoadError, parse_hf_config, read_json
+        from tierserve.executors.pytorch.hf_config import ModelLoadError, parse_hf_config
 
         config = path / "config.json" if path.is_dir() else path
         try:
             spec = parse_hf_config(config)
-            quantized = read_json(config).get("quantization_config")
         except ModelLoadError as e:
             raise ValueError(str(e)) from None
-        if quantized is not None:
-            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        if spec.quantization is not None:
             raise ValueError(
-                f"{config}: quantized weights ({method}) are not modelled: the simulator prices "
+                f"{config}: quantized weights ({spec.quantization}) are not modelled: the simulator prices "
                 f"{8 * spec.config.dtype_bytes}-bit weights and K/V"
             )
         # A sliding window caps the context the model attends over (Mistral's 4,096), as the

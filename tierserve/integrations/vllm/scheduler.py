@@ -286,8 +286,7 @@ class TierScheduler(Scheduler):
         cap = self.tier_policy.prefill_cap(decode_tokens, p0_prefilling, now, self.step_times.estimate_s)
         budget = None if cap is None else decode_tokens + p0_tokens + cap
         if budget is None or budget >= self.max_num_scheduled_tokens:
-            self._held_back.clear()
-            return None
+            return None  # an uncapped step: `schedule` forgets what was held back
         waiting_p0 = 0
         if p0_admissible and self.tier_policy.num_waiting(p0):
             waiting_p0 = sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
