@@ -155,3 +155,12 @@ def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
     summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, "gpu_hours": 0.0012}
     line = summary_table([{**run, "summary": summary}]).splitlines()[1]
     assert "0.00278" in line and "0.0012" in line
+
+
+def test_rates_keep_three_significant_digits_with_their_trailing_zeros() -> None:
+    """A goodput of exactly 1.0 printed as a bare `1` beside `0.964` in the row above."""
+    from tierserve.fleet.report import rate_text
+
+    cases = {1.0: "1.00", 0.964: "0.964", 0.9996: "1.00", 9.996: "10.0", 99.96: "100", 123.4: "123"}
+    assert {x: rate_text(x) for x in cases} == cases
+    assert rate_text(0.0) == "0.00" and rate_text(1e-7) == "0.000000100" and rate_text(None) == "-"

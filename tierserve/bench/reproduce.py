@@ -28,7 +28,8 @@ from tierserve.scheduling.registry import BENCH_POLICIES
 DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
 LOAD_FRACTIONS = (0.5, 0.8, 1.0, 1.2, 1.5)
 CLIENTS = (32, 64, 128, 256, 512)
-# The full matrix, sized to run in 30 minutes on two cores (docs/benchmark.md, "Sizing").
+# The full matrix, sized to run in 30 minutes on two cores (docs/benchmark.md, "The matrix and
+# how it is sized").
 FULL_PLAN: tuple[tuple[str, Pattern, tuple[float, ...]], ...] = (
     ("default", "poisson", LOAD_FRACTIONS),
     ("default", "bursty", (0.8, 1.2)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,16 @@ def _pct(x: float | None) -> str:
 
 
 def rate_text(x: float | None) -> str:
-    """Three significant digits (whole numbers from 100 up, never an exponent): a sparse
-    trace's goodput (a few requests a minute) is 0.0417/s, which two decimals print as 0.04,
-    or over a day-long gap as 0.00; and a short run's GPU-hours were 0.00."""
+    """Three significant digits, trailing zeros kept (whole numbers from 100 up, never an
+    exponent): a sparse trace's goodput (a few requests a minute) is 0.0417/s, which two
+    decimals print as 0.04, or over a day-long gap as 0.00; a short run's GPU-hours were
+    0.00; and a goodput of 1.0 printed as a bare 1 beside 0.964."""
     if x is None:
         return "-"
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+    rounded = float(f"{x:.3g}")  # 0.9996 is 1.00, and 99.96 is 100
+    if abs(rounded) >= 100 or not math.isfinite(x):
+        return f"{x:.0f}"
+    return f"{rounded:.{2 if x == 0 else 2 - math.floor(math.log10(abs(rounded)))}f}"
 
 
 def table(runs: Sequence[Run]) -> list[str]:
