@@ -61,12 +61,15 @@ def get_model(name: str) -> ModelConfig:
         if spec.quantization is not None:
             raise ValueError(
                 f"{config}: quantized weights ({spec.quantization}) are not modelled: the simulator prices "
-                f"{8 * spec.config.dtype_bytes}-bit weights and K/V"
+                "16-bit weights and K/V"
             )
         # A sliding window caps the context the model attends over (Mistral's 4,096), as the
         # torch executor caps it: the simulator then admits no longer request either.
         context = min(spec.config.max_position_embeddings, spec.max_model_len)
-        return replace(spec.config, name=name, max_position_embeddings=context)
+        # A float32 checkpoint runs in 16 bits on a GPU: vLLM's dtype "auto" casts it to
+        # float16, tierserve's torch executor to bfloat16; the GPU profiles price 16-bit work.
+        dtype_bytes = min(spec.config.dtype_bytes, 2)
+        return replace(spec.config, name=name, max_position_embeddings=context, dtype_bytes=dtype_bytes)
     raise ValueError(
         f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}, "
         "or a local model directory with a config.json"
