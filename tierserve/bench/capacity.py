@@ -9,6 +9,8 @@ the last one. Open-loop loads are fractions of it.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 from tierserve.bench.cell import BenchSetup
@@ -59,9 +61,13 @@ def measure_capacity(
     )
     # The first `clients` ends are the start-up transient (every client's request arrived at
     # once); from then on the engine is saturated until the run stops.
+    # The window opens at that end; the ends counted in it are those after it, not the ones
+    # at the same instant (requests in lockstep finish in waves: counting the opening wave
+    # over-stated the rate by a third).
     skip = min(clients, len(ends) // 2)
-    span = ends[-1][0] - ends[skip][0] if ends else 0.0
-    done = ends[skip + 1 :]
+    start = ends[skip][0] if ends else 0.0
+    span = ends[-1][0] - start if ends else 0.0
+    done = ends[bisect.bisect_right(ends, (start, math.inf)) :]
     if span <= 0 or not done:
         raise RuntimeError(f"{workload}: the saturating run finished too little to measure")
     return Capacity(workload, len(done) / span, sum(n for _, n in done) / span, len(done))
