@@ -12,7 +12,7 @@ import pytest
 
 from tierserve.bench import host, serve_bench
 from tierserve.bench.serve_bench import summarize
-from tierserve.server.loadgen import Outcome, make_specs
+from tierserve.server.loadgen import CUT_OFF, Outcome, make_specs
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -94,6 +94,31 @@ def test_each_tier_says_how_many_requests_its_percentiles_are_over(
     assert row.split()[:5] == ["P1", "4", "3", "1", "2"]
     assert "a P99 over 2 requests is about their slowest" in out
     assert "6 of the 10 requests not sent: --duration-s ran out" in out
+
+
+def test_the_in_process_ttft_and_the_overhead_are_over_the_timed_requests_and_a_cut_off_is_no_refusal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A request cut off by --duration-s had its first token in the engine but none at the
+    client: its in-process TTFT went into the "engine" column and its overhead into the API
+    overhead, beside HTTP columns without it (engine P95 above the HTTP P95 of the same
+    tier), and the table counted it as refused."""
+    outcomes = [
+        Outcome("P2", "ok", ttft_s=0.100, num_output_tokens=1, request_id="a", index=0),
+        Outcome("P2", CUT_OFF, request_id="late", index=1),
+    ]
+    engine = {"a": (0.080, 10.080), "late": (0.500, 20.500)}
+    http: dict[str, tuple[float, float | None]] = {"a": (9.999, 10.082), "late": (19.999, 20.502)}
+    config = {"model": "m", "tp": 1, "gpu": "g", "policy": "p", "concurrency": 1, "requests": 2}
+    r = summarize(outcomes, engine, http, wall_s=1.0, config=config)
+    p2 = r.tiers["P2"]
+    assert p2["engine_ttft_p95_ms"] == pytest.approx(80.0) and p2["ttft_samples"] == 1
+    assert r.api_overhead_samples == 1 and r.api_overhead_p99_ms == pytest.approx(3.0)
+    assert (p2["rejected"], p2["cut_off"], r.rejections, r.num_cut_off) == (0, 1, {}, 1)
+    serve_bench.print_table(r)
+    out = capsys.readouterr().out
+    assert out.splitlines()[4].split()[:5] == ["P2", "2", "1", "0", "1"]
+    assert "1 requests still running when --duration-s ran out (cut off, not refused)" in out
 
 
 @pytest.mark.skipif(

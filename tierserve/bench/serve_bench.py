@@ -51,7 +51,7 @@ from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
 from tierserve.bench.output import emit, make_out_folder
 from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
-from tierserve.server.loadgen import TIERS, Outcome, Spec, drive_in_child, make_specs
+from tierserve.server.loadgen import CUT_OFF, TIERS, Outcome, Spec, drive_in_child, make_specs
 from tierserve.workloads.spec import TierMix
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ class BenchResult:
     wall_s: float
     num_sent: int
     num_ok: int
-    rejections: dict[str, int]
+    rejections: dict[str, int]  # answers with an error status, by status and reason
+    num_cut_off: int  # requests still running when --duration-s ran out (not refusals)
     throughput_rps: float
     output_tokens_per_s: float
     tiers: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
@@ -116,14 +117,16 @@ def _pct(values: list[float], q: float) -> float | None:
 def _tier_summary(
     mine: list[Outcome], engine_trace: dict[str, tuple[float, float]], steady: Callable[[int], bool]
 ) -> dict[str, Any]:
-    """One tier's row: what was sent and refused, and TTFT percentiles over the steady requests."""
-    kept = [o for o in mine if steady(o.index)]
-    ttfts = [o.ttft_s * 1000 for o in kept if o.status == "ok" and o.ttft_s is not None]
-    inside = [engine_trace[o.request_id][0] * 1000 for o in kept if o.request_id in engine_trace]
+    """One tier's row: what was sent, refused and cut off, and TTFT percentiles over the steady
+    requests answered (the HTTP and in-process columns over the same requests)."""
+    timed = [o for o in mine if steady(o.index) and o.status == "ok" and o.ttft_s is not None]
+    ttfts = [o.ttft_s * 1000 for o in timed if o.ttft_s is not None]
+    inside = [engine_trace[o.request_id][0] * 1000 for o in timed if o.request_id in engine_trace]
     return {
         "sent": len(mine),
         "ok": sum(o.status == "ok" for o in mine),
-        "rejected": sum(o.status != "ok" for o in mine),
+        "rejected": sum(o.status not in ("ok", CUT_OFF) for o in mine),  # answered with an error
+        "cut_off": sum(o.status == CUT_OFF for o in mine),  # still running when --duration-s ran out
         "ttft_samples": len(ttfts),  # what the percentiles are over: ok, and not in the start-up burst
         "ttft_p50_ms": _pct(ttfts, 0.50),
         "ttft_p95_ms": _pct(ttfts, 0.95),
@@ -170,7 +173,8 @@ def summarize(
         wall_s=wall_s,
         num_sent=len(outcomes),
         num_ok=len(ok),
-        rejections=dict(Counter(o.status for o in outcomes if o.status != "ok")),
+        rejections=dict(Counter(o.status for o in outcomes if o.status not in ("ok", CUT_OFF))),
+        num_cut_off=sum(o.status == CUT_OFF for o in outcomes),
         throughput_rps=len(ok) / wall_s if wall_s else 0.0,
         output_tokens_per_s=sum(o.num_output_tokens for o in ok) / wall_s if wall_s else 0.0,
         warmup_requests=warmup,
@@ -181,9 +185,10 @@ def summarize(
 
     for tier in TIERS:
         result.tiers[tier] = _tier_summary([o for o in outcomes if o.tier == tier], engine_trace, steady)
-    index_of = {o.request_id: o.index for o in outcomes}
+    # The overhead's steady requests are the timed ones: answered, past the start-up burst.
+    index_of = {o.request_id: o.index for o in ok if o.ttft_s is not None}
     request, response, everything = _overhead_split(
-        engine_trace, http_trace, lambda rid: steady(index_of.get(rid, -1))
+        engine_trace, http_trace, lambda rid: rid in index_of and steady(index_of[rid])
     )
     overhead = [a + b for a, b in zip(request, response, strict=True)]
     client = [
@@ -345,6 +350,8 @@ def print_table(r: BenchResult) -> None:
     print(f"throughput: {r.throughput_rps:.2f} req/s, {r.output_tokens_per_s:.0f} output tokens/s")
     if r.num_sent < c.get("requests", 0):
         print(f"{c['requests'] - r.num_sent} of the {c['requests']} requests not sent: --duration-s ran out")
+    if r.num_cut_off:
+        print(f"{r.num_cut_off} requests still running when --duration-s ran out (cut off, not refused)")
     print(
         "TTFT and overhead percentiles are over the 'timed' requests: those answered, less the "
         f"first {r.warmup_requests} sent (the start-up burst)"
