@@ -10,6 +10,7 @@ import tomllib
 from collections.abc import Callable
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.fakes import (
@@ -159,3 +160,39 @@ def test_an_attempt_on_an_upstream_that_failed_is_not_counted_as_the_gateway_s_a
         total_s, count = _added_sum(httpx.get(gw.url + "/metrics").text)
     assert len(bad.bodies) > 0 and count == 8, "no stream was retried"
     assert total_s < 0.25, f"{total_s:.3f} s added over 8 streams, {len(bad.bodies)} retried after 0.5 s"
+
+
+def test_a_malformed_vllm_xargs_is_a_400_and_a_failure_no_branch_foresaw_gives_its_seat_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`"vllm_xargs": "oops"` was a 500 whose upstream seat was never given back: two such
+    requests filled `max_in_flight = 2` for good, and every request after them timed out in
+    the gateway's queue. Now the field is refused at the door, and any failure between the
+    route and the reply gives the seat back."""
+    from tierserve.gateway import forward
+
+    with fake_upstream(FakeUpstream("ok")) as url:
+        config = parse_gateway_config(
+            tomllib.loads(
+                "[gateway]\nscrape_interval_s = 0.2\n"
+                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\nmax_in_flight = 1\n'
+            )
+        )
+        with gateway_of(config) as (gw, state):
+            endpoint = gw.url + "/v1/chat/completions"
+            for bad in ("oops", 5, [1, 2]):
+                reply = httpx.post(endpoint, json={**CHAT, "vllm_xargs": bad}, timeout=60)
+                assert reply.status_code == 400 and reply.json()["error"]["param"] == "vllm_xargs"
+            assert httpx.post(endpoint, json={**CHAT, "vllm_xargs": {"a": 1}}, timeout=60).status_code == 200
+
+            def broken(*args: object, **kwargs: object) -> None:
+                raise TypeError("a bug")
+
+            monkeypatch.setattr(forward, "pass_down", broken)
+            for _ in range(2):
+                assert httpx.post(endpoint, json=CHAT, timeout=60).status_code == 500
+            assert state.router.state("f0").num_in_flight == 0
+            monkeypatch.undo()
+            assert httpx.post(endpoint, json=CHAT, timeout=60).status_code == 200
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 2.0, "error": 2.0}

@@ -33,7 +33,7 @@ from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import EventTooLarge, SseUsageTap, usage_of
 from tierserve.server.config import TenantConfig
-from tierserve.server.errors import ApiError, invalid_body
+from tierserve.server.errors import ApiError, bad_request, invalid_body
 from tierserve.server.fast_routes import close_if_unread, refused_at_the_door, unsupported_encoding
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import Reservation
@@ -84,6 +84,13 @@ async def _read_body(
         raise ApiError(400, "Invalid JSON body: nested too deeply.", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
+    xargs = raw.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):  # the gateway adds tier and tenant to it
+        raise bad_request(
+            f"vllm_xargs: expected an object of extra arguments, got {json.dumps(xargs)[:64]}",
+            "vllm_xargs",
+            "invalid_value",
+        )
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         return raw, model.model_validate_json(content)
@@ -228,6 +235,14 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
                 busy.append(e.retry_after_s)
             if not gw.router.candidates(str(call.body.get("model", "")), tried):
                 break
+        except ApiError:
+            raise  # `_whole` gave the route back before the refusal
+        except Exception:
+            # A failure no branch foresaw (a bug): the route goes back, or the upstream's
+            # in-flight count kept it for good (two such requests filled max_in_flight = 2).
+            gw.dispatcher.finished(decision)
+            gw.metrics.upstream_requests.labels(decision.upstream, "error").inc()
+            raise
     log.warning("no upstream could serve a request; the last error: %s", last_error)
     raise _unserved(call, len(tried), busy)
 
