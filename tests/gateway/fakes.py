@@ -48,6 +48,7 @@ class FakeUpstream:
     event_gap_s: float = 0.0
     reply_after_s: float = 0.0
     first_event_after_s: float = 0.0  # a stream's headers go out at once, its first event after this
+    end_after_done_s: float = 0.0  # a stream ends this long after its `data: [DONE]`
     refusal_status: int = 429
     refusal_body: bytes = b'{"detail": "slow down"}'
     refusal_type: str = "application/json"
@@ -105,6 +106,7 @@ class FakeUpstream:
             yield _event(i, i == self.num_events - 1)
             await asyncio.sleep(self.event_gap_s)
         yield b"data: [DONE]\n\n"
+        await asyncio.sleep(self.end_after_done_s)
 
     def app(self) -> Any:
         async def metrics(_: Request) -> Response:

@@ -196,3 +196,26 @@ def test_a_malformed_vllm_xargs_is_a_400_and_a_failure_no_branch_foresaw_gives_i
             assert httpx.post(endpoint, json=CHAT, timeout=60).status_code == 200
             metrics = httpx.get(gw.url + "/metrics").text
     assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 2.0, "error": 2.0}
+
+
+def test_a_client_that_closes_on_done_read_the_whole_stream() -> None:
+    """OpenAI's Python client closes its connection as soon as it reads `data: [DONE]`; if
+    the upstream's stream had not ended yet, the gateway counted the stream as client_left
+    (3-15 % of streams) and dropped the upstream connection."""
+    with fake_upstream(FakeUpstream("ok", end_after_done_s=1.0)) as url:
+        config = parse_gateway_config(
+            tomllib.loads(
+                "[gateway]\nscrape_interval_s = 0.2\n"
+                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n'
+            )
+        )
+        with gateway_of(config) as (gw, state):
+            with httpx.stream(
+                "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}
+            ) as reply:
+                for line in reply.iter_lines():
+                    if line == "data: [DONE]":
+                        break  # and the connection closes, the upstream's stream still open
+            _until(lambda: state.num_in_flight == 0)
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}

@@ -48,6 +48,8 @@ class Relay:
         self._first_bytes = first_bytes
 
     def client_left(self) -> None:
+        if self._tap.done:
+            return  # the client had the whole stream: OpenAI's client closes on `data: [DONE]`
         self._outcome = "client_left"
         self._reply.close()  # drops the upstream connection: the upstream sees the client go
 
