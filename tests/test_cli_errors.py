@@ -59,6 +59,9 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         ),
         (["bench", "engine", "--prompt-tokens", "300", "20"], 2, "MIN <= MAX"),
         (["bench", "engine", "--num-prompts", "many"], 2, "--num-prompts: expected an integer >= 1"),
+        # 100,000 threads crashed torch (a segfault), 10,000 hung it
+        (["bench", "engine", "--threads", "100000"], 2, "--threads: expected 0 (torch's default) to"),
+        (["bench", "sim-check", "--threads", "100000"], 2, "--threads: expected 0 (torch's default) to"),
         (["bench", "engine", "--lengths-from", MISSING], 2, "--lengths-from"),
         (["bench", "overhead", "--running", "0"], 2, "--running: expected an integer >= 1"),
         (["bench", "overhead", "--policies", "lottery"], 2, "unknown policy 'lottery'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -45,6 +46,18 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 positive_int = _bounded_int(1, "an integer >= 1")
 non_negative_int = _bounded_int(0, "an integer >= 0")
+
+
+def cpu_threads(text: str) -> int:
+    """torch CPU threads: 0 (torch's default) up to this machine's CPUs (100,000 crashed
+    torch, 10,000 hung it; past the CPUs more threads only contend)."""
+    value = non_negative_int(text)
+    most = os.cpu_count() or 1
+    if value > most:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (torch's default) to {most} (this machine's CPUs), got {value}"
+        )
+    return value
 
 
 def positive_float(text: str) -> float:

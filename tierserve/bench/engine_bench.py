@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import device_name, fail, non_negative_int, positive_int
+from tierserve.cli_args import cpu_threads, device_name, fail, positive_int
 
 if TYPE_CHECKING:
     from tierserve.config import EngineConfig
@@ -494,7 +494,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     """Threads, repeats, the baselines and the output."""
     p.add_argument(
         "--threads",
-        type=non_negative_int,
+        type=cpu_threads,
         default=1,
         help="torch CPU threads for every contender (0 = torch's default); 1, the default, is "
         "steadiest on a shared box",
