@@ -203,3 +203,25 @@ def test_each_tier_counts_what_failed_and_why(monkeypatch: pytest.MonkeyPatch) -
         assert t["sent"] == t["ok"] + sum(t["failed"].values())
         assert set(t["failed"]) <= {"503"}
     assert sum(t["failed"].get("503", 0) for t in result.values()) == len(range(0, sent, 3))
+
+
+def test_probes_whose_every_request_fails_say_what_the_requests_got(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-tokens 100000000`: every probe request got a 400, the capacity was 0, the bench
+    offered 0.5 requests/s anyway and exited 0; `--overhead-tokens` past the context blamed
+    the clients' timing ("raise --overhead-seconds")."""
+    import asyncio
+
+    from tierserve.bench import gateway_bench
+
+    async def refused(client: object, url: str, tier: Tier, max_tokens: int, i: int) -> object:
+        await asyncio.sleep(0.001)
+        return gateway_bench.Shot(tier, False, None, "400")
+
+    monkeypatch.setattr(gateway_bench, "_shot", refused)
+    monkeypatch.setattr(gateway_bench, "OVERHEAD_WARMUP_S", 0.0)
+    import aiohttp  # noqa: F401  (imported now: the probes' 0.1 s are theirs)
+
+    with pytest.raises(RuntimeError, match=r"completed no request in 0.1 s \(answers 400: \d+\); a 400 may"):
+        asyncio.run(gateway_bench._capacity("http://127.0.0.1:1", 2, 0.1, 10**8))
+    with pytest.raises(RuntimeError, match=r"every request of the overhead run failed \(answers 400: \d+\)"):
+        asyncio.run(gateway_bench._streams("http://127.0.0.1:1", 2, 1.2, 10**8, seed=0))  # starts within 1 s

@@ -42,6 +42,7 @@ OVERHEAD_WARMUP_S = 3.0
 # The closed-loop probe of the fleet's capacity: long enough for many requests to complete
 # (3 s gave 0.63 requests/s for two replicas, and an overload arm of 7 requests).
 CAPACITY_PROBE_MIN_S, CAPACITY_PROBE_MAX_S = 3.0, 10.0
+MIN_OFFERED_RPS = 0.5  # the open loop's least rate, whatever --load x capacity is
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,7 @@ async def _streams(
     out of step (equal ones would start and end in waves)."""
     rng = random.Random(seed)
     ttfts: list[float] = []
+    answers: Counter[str] = Counter()
     async with _session(streams + 8) as session:
         await _shot(session, url, Tier.P1, 1, -1)  # open a connection and the route
         start = time.perf_counter()
@@ -172,9 +174,15 @@ async def _streams(
                 shot = await _shot(session, url, Tier.P1, tokens, first_id + k * 100_000 + i)
                 if shot.ok and shot.ttft_s is not None and sent >= start + OVERHEAD_WARMUP_S:
                     ttfts.append(shot.ttft_s * 1000)
+                answers[shot.status] += 1
                 i += 1
 
         await asyncio.gather(*(client(k, rng.random()) for k in range(streams)))
+    if not ttfts and answers.total() and "ok" not in answers:
+        raise RuntimeError(
+            f"every request of the overhead run failed ({_answers(answers)}); "
+            "a 400 may mean --overhead-tokens is past the model's context"
+        )
     return ttfts
 
 
@@ -277,8 +285,10 @@ def _queued(metrics: str) -> dict[str, float]:
 
 
 async def _capacity(url: str, clients: int, seconds: float, max_tokens: int) -> float:
-    """Requests per second the fleet completes with `clients` always waiting on it."""
+    """Requests per second the fleet completes with `clients` always waiting on it; a probe
+    that completes none fails, naming the answers it got."""
     done = 0
+    failures: Counter[str] = Counter()
     stop = time.perf_counter() + seconds
 
     async def loop(k: int) -> None:
@@ -289,12 +299,24 @@ async def _capacity(url: str, clients: int, seconds: float, max_tokens: int) -> 
             # every completion counted meanwhile (it probed a sixteenth of the capacity).
             shot = await _shot(client, url, Tier.P1, max_tokens, k * 10_000 + i)
             done += shot.ok
+            failures[shot.status] += not shot.ok
             i += 1
 
     start = time.perf_counter()
     async with _session(clients + 8) as client:
         await asyncio.gather(*(loop(k) for k in range(clients)))
+    if not done:
+        raise RuntimeError(
+            f"the capacity probe completed no request in {seconds:g} s ({_answers(failures)}); "
+            "a 400 may mean --max-tokens is past the model's context"
+        )
     return done / (time.perf_counter() - start)
+
+
+def _answers(failures: Counter[str]) -> str:
+    """What the failed requests got, e.g. `400: 12`."""
+    shown = ", ".join(f"{k}: {n}" for k, n in failures.most_common() if n)
+    return f"answers {shown}" if shown else "no answer at all"
 
 
 async def _open_loop(url: str, rate: float, seconds: float, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -351,7 +373,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         clients = 2 * args.max_seqs * args.replicas
         probe_s = min(CAPACITY_PROBE_MAX_S, max(CAPACITY_PROBE_MIN_S, args.duration / 3))
         capacity = asyncio.run(_capacity(urls["least_loaded"], clients, probe_s, args.max_tokens))
-        rate = max(0.5, args.load * capacity)
+        rate = max(MIN_OFFERED_RPS, args.load * capacity)
+        if rate > args.load * capacity:
+            result["offered_note"] = (
+                f"offered {MIN_OFFERED_RPS:g} req/s, the least this bench offers, not --load "
+                f"{args.load:g} x {capacity:.3g} req/s"
+            )
         result["upstream_policy"] = args.upstream_policy
         result["capacity_rps"] = round(capacity, 3)
         result["offered_rps"] = round(rate, 3)
@@ -398,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
                 for t, v in result[arm].items()
             )
             print(f"  {arm:13s} {cells}")
+        if "offered_note" in result:
+            print(f"note: {result['offered_note']}")
         if result["host_warning"]:
             print(result["host_warning"])
 
