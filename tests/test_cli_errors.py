@@ -53,6 +53,16 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "serve", "--requests", "2", "--gpu", "tpu"], 2, "unknown GPU 'tpu'"),
         (["bench", "serve", "--tier-mix", "1/2"], 2, "--tier-mix"),
         (["bench", "serve", "--requests", "0"], 2, "--requests"),
+        # Each flag named alone (one line listed all three bounds), checked before a server starts:
+        (["bench", "serve", "--concurrency", "5000"], 2, "need 1 <= --concurrency <= 2000, got 5000"),
+        (
+            ["bench", "serve", "--duration-s", "1e7"],
+            2,
+            "--duration-s <= 86400 (a day), got 1e+07",
+        ),  # a timeout
+        (["bench", "serve", "--model", ""], 2, "--model: expected a model name"),  # fell back to the default
+        (["bench", "serve", "--gpu", " "], 2, "--gpu: expected a GPU name, got ' '"),
+        (["bench", "serve", "--prompt-tokens", "200000-200001"], 2, "more than llama-3.1-70b's context of"),
         (["bench", "serve", "--prompt-tokens", "9-3"], 2, "LO-HI"),
         pytest.param(
             ["bench", "engine", "--device", "cuda", "--skip-hf"], 2, "no CUDA device", marks=cpu_only

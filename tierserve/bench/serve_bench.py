@@ -238,12 +238,18 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
     """The servers' config, once every setting they would refuse is checked, before --out's
     folder is made or a server starts: an unset --api-key-env, a bad --config, and a --model,
     --gpu or --tp the sim backend cannot build (building it is cheap: it loads no weights)."""
-    from tierserve.server.backends import build_backend
+    from tierserve.server.backends import BackendError, build_backend
     from tierserve.server.config import load_serve_config
 
     api_key(args.api_key_env)
     config = load_serve_config(args.config)
-    build_backend("sim", args.model, gpu=args.gpu, tp=args.tp)
+    context = build_backend("sim", args.model, gpu=args.gpu, tp=args.tp).executor.spec.max_model_len
+    (_, prompt_max), (_, output_max) = args.prompt_tokens, args.max_tokens
+    if prompt_max + output_max > context:  # else every such request is a 400
+        raise BackendError(
+            f"--prompt-tokens HI + --max-tokens HI is {prompt_max} + {output_max} = "
+            f"{prompt_max + output_max} tokens, more than {args.model}'s context of {context}"
+        )
     return config
 
 
@@ -483,13 +489,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 1 <= args.requests <= 100_000 or not 1 <= args.concurrency <= 2000 or args.duration_s <= 0:
-        print(
-            "tierserve bench serve: need 1 <= --requests <= 100000, 1 <= --concurrency <= 2000, "
-            "--duration-s > 0",
-            file=sys.stderr,
-        )
-        return 2
+    for wrong, message in (
+        (not 1 <= args.requests <= 100_000, f"need 1 <= --requests <= 100000, got {args.requests}"),
+        (not 1 <= args.concurrency <= 2000, f"need 1 <= --concurrency <= 2000, got {args.concurrency}"),
+        # The load generator waits on sockets for --duration-s and a margin, in whole ms.
+        (
+            not 0 < args.duration_s <= 86_400,
+            f"need 0 < --duration-s <= 86400 (a day), got {args.duration_s:g}",
+        ),
+        (not args.model.strip(), f"--model: expected a model name or a model directory, got {args.model!r}"),
+        (not args.gpu.strip(), f"--gpu: expected a GPU name, got {args.gpu!r}"),
+    ):
+        if wrong:
+            print(f"tierserve bench serve: {message}", file=sys.stderr)
+            return 2
     if not 0 <= args.flood_clients <= 16:
         print("tierserve bench serve: need 0 <= --flood-clients <= 16", file=sys.stderr)
         return 2
