@@ -164,3 +164,18 @@ def test_rates_keep_three_significant_digits_with_their_trailing_zeros() -> None
     cases = {1.0: "1.00", 0.964: "0.964", 0.9996: "1.00", 9.996: "10.0", 99.96: "100", 123.4: "123"}
     assert {x: rate_text(x) for x in cases} == cases
     assert rate_text(0.0) == "0.00" and rate_text(1e-7) == "0.000000100" and rate_text(None) == "-"
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [["--min-replicas", "5"], ["--max-replicas", "3"], ["--scale-interval-s", "60"], ["--idle-s", "1"]],
+)
+def test_an_autoscaler_flag_on_a_fixed_fleet_is_refused(
+    flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--replicas 2 --min-replicas 5` ran a fixed fleet of 2 and wrote min_replicas 5 into
+    results.json's meta, as if it had applied."""
+    trace = _azure_trace(tmp_path / "trace.csv", 10, seed=2)
+    argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), *flag, "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert f"{flag[0]} applies to scaling runs (--autoscale)" in capsys.readouterr().err

@@ -61,14 +61,19 @@ def test_an_unknown_policy_is_said_before_the_trace_is_read(
     assert not out.exists()
 
 
-def test_a_fixed_fleet_ignores_the_autoscalers_bound(tmp_path: Path) -> None:
+def test_a_fixed_fleet_is_not_sized_by_the_autoscalers_bound(tmp_path: Path) -> None:
     """--max-replicas bounds the autoscalers; a fixed fleet of 2 knows only its own replicas'
-    names (it built a gateway for 4 x 10^9 upstreams and ran out of memory)."""
+    names (it built a gateway for 4 x 10^9 upstreams and ran out of memory). Beside a
+    scaling run the bound is the autoscaler's; with no scaling run it is refused (it was
+    ignored without a word)."""
     trace = _azure_trace(tmp_path / "trace.csv", 10, seed=1)
     argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), "--max-replicas", "1000000000"]
-    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
-    (run,) = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
-    assert sum(run["summary"]["outcomes"].values()) == 10
+    assert main([*argv, "--out", str(tmp_path / "fixed")]) == 2
+    assert main([*argv, "--autoscale", "fixed", "--out", str(tmp_path / "fixed")]) == 2
+    argv[-1] = "3"
+    assert main([*argv, "--autoscale", "fixed,tier", "--out", str(tmp_path / "out")]) == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert [sum(r["summary"]["outcomes"].values()) for r in runs] == [10, 10]
 
 
 @pytest.mark.usefixtures("never_runs")

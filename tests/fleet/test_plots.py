@@ -59,7 +59,7 @@ def test_a_days_long_run_is_drawn_in_hours_on_one_axis_for_every_tier(
     assert plt_figs[0].axes[1].get_xlabel() == "arrival time (s)"
 
 
-@pytest.mark.parametrize(("gpu_hours", "shown"), [(0.0031, "0.0031"), (2.345, "2.35"), (1234.5, "1234")])
+@pytest.mark.parametrize(("gpu_hours", "shown"), [(0.0031, "0.00310"), (2.345, "2.35"), (1234.5, "1234")])
 def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float, shown: str) -> None:
     """Two decimals printed a short run's GPU-hours as 0.00."""
     summary: dict[str, Any] = {

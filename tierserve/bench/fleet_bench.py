@@ -75,6 +75,8 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
     except ValueError as e:
         raise FleetArgsError(f"--tier-mix: {e}") from None
     scales = scalings != ["fixed"]
+    if not scales:
+        _check_unused_scaling(args)
     for flag, n in (("--replicas", args.replicas), ("--max-replicas", args.max_replicas if scales else 0)):
         if n > MAX_REPLICAS:
             raise FleetArgsError(f"{flag} {n}: at most {MAX_REPLICAS} simulated replicas in one run")
@@ -100,6 +102,28 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
                 f"--kill {at_s:g}@{replica}: the fleet never has a replica {replica} "
                 f"(its replicas are numbered 0 to {args.replicas - 1})"
             )
+
+
+def _scaling_defaults() -> dict[str, float]:
+    """The autoscaler's flags (as argparse names them) and their defaults."""
+    from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
+
+    return {
+        "min_replicas": 1,
+        "max_replicas": 32,
+        "startup_delay_s": DEFAULT_STARTUP_DELAY_S,
+        "scale_interval_s": 15.0,
+        "idle_s": 300.0,
+    }
+
+
+def _check_unused_scaling(args: argparse.Namespace) -> None:
+    """A fixed fleet never scales: an autoscaler flag set for it was ignored without a word
+    (and written into results.json's meta as if it had applied)."""
+    for name, default in _scaling_defaults().items():
+        if getattr(args, name) != default:
+            flag = "--" + name.replace("_", "-")
+            raise FleetArgsError(f"{flag} applies to scaling runs (--autoscale), and only a fixed fleet runs")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -152,8 +176,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def _add_scaling_args(p: argparse.ArgumentParser) -> None:
     """How requests are routed, how the fleet grows and shrinks, and which replicas die."""
-    from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
-
+    defaults = _scaling_defaults()
     p.add_argument(
         "--router",
         default="tier-aware",
@@ -167,27 +190,33 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
         help=f"scaling policies to compare ({', '.join(SCALING_CHOICES)}, a list; bare: all three)",
     )
     p.add_argument(
-        "--min-replicas", type=positive_int, default=1, help="autoscaling: fewest replicas (default: 1)"
+        "--min-replicas",
+        type=positive_int,
+        default=defaults["min_replicas"],
+        help="autoscaling: fewest replicas (default: 1)",
     )
     p.add_argument(
-        "--max-replicas", type=positive_int, default=32, help="autoscaling: most replicas (default: 32)"
+        "--max-replicas",
+        type=positive_int,
+        default=defaults["max_replicas"],
+        help="autoscaling: most replicas (default: 32)",
     )
     p.add_argument(
         "--startup-delay-s",
         type=non_negative_float,
-        default=DEFAULT_STARTUP_DELAY_S,
+        default=defaults["startup_delay_s"],
         help="a new replica's model load (default: Anyscale's measured 4 min 25 s for a 70B model)",
     )
     p.add_argument(
         "--scale-interval-s",
         type=positive_float,
-        default=15.0,
+        default=defaults["scale_interval_s"],
         help="autoscaling: seconds between decisions (default: 15)",
     )
     p.add_argument(
         "--idle-s",
         type=non_negative_float,
-        default=300.0,
+        default=defaults["idle_s"],
         help="calm this long before removing a replica (default: %(default)s)",
     )
     p.add_argument(
