@@ -21,6 +21,9 @@ except ImportError:  # pragma: no cover - torch is a dependency
 
 MISSING = "/nonexistent/tierserve-test/file"
 TINY_TRACE = "/tiny-trace.jsonl"  # replaced by a three-row trace the test writes (no data folder needed)
+EVERY_BENCH_WITH_OUT = [
+    ["bench", c] for c in ("reproduce", "fleet", "serve", "gateway", "sim-speed", "sim-check", "vllm")
+]
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="this torch build sees a CUDA device")
 
 
@@ -53,6 +56,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "serve", "--requests", "2", "--gpu", "tpu"], 2, "unknown GPU 'tpu'"),
         (["bench", "serve", "--tier-mix", "1/2"], 2, "--tier-mix"),
         (["bench", "serve", "--requests", "0"], 2, "--requests"),
+        # An empty --out wrote into the current folder (reproduce, fleet) or nowhere (serve, gateway)
+        *(([*cmd, "--out", ""], 2, "--out: expected a path, got ''") for cmd in EVERY_BENCH_WITH_OUT),
         # Each flag named alone (one line listed all three bounds), checked before a server starts:
         (["bench", "serve", "--concurrency", "5000"], 2, "need 1 <= --concurrency <= 2000, got 5000"),
         (

@@ -48,6 +48,14 @@ positive_int = _bounded_int(1, "an integer >= 1")
 non_negative_int = _bounded_int(0, "an integer >= 0")
 
 
+def out_path(text: str) -> str:
+    """A path to write to: an empty one wrote into the current folder (`Path("")` is `.`), or
+    nothing at all, by command."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
 def cpu_threads(text: str) -> int:
     """torch CPU threads: 0 (torch's default) up to this machine's CPUs (100,000 crashed
     torch, 10,000 hung it; past the CPUs more threads only contend)."""

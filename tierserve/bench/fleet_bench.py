@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierserve.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
+from tierserve.cli_args import non_negative_float, non_negative_int, out_path, positive_float, positive_int
 from tierserve.workloads.trace_stream import SCALE_BY
 
 TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
@@ -255,7 +255,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "same results); step: every step (default: %(default)s)",
     )
     p.add_argument(
-        "--out", type=Path, default=Path("bench-out/fleet"), help="results folder (default: %(default)s)"
+        "--out",
+        type=lambda text: Path(out_path(text)),
+        default=Path("bench-out/fleet"),
+        help="results folder (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print the per-run summaries as JSON")
 

@@ -21,7 +21,7 @@ from typing import Any
 from tierserve.bench.cell import SIM_MODES, BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
-from tierserve.cli_args import non_negative_int, positive_float, positive_int
+from tierserve.cli_args import non_negative_int, out_path, positive_float, positive_int
 from tierserve.config import EngineConfig
 from tierserve.scheduling.registry import BENCH_POLICIES
 
@@ -57,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--quick", action="store_true", help="a few cells, small samples (a few minutes)")
     p.add_argument(
         "--out",
+        type=out_path,
         help="output directory (default: bench-out/reproduce, or bench-out/reproduce-quick with --quick, "
         "so that a quick run does not overwrite the whole matrix's results)",
     )

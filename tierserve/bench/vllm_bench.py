@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tierserve.bench.vllm_report import compare, render, summarize
-from tierserve.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
+from tierserve.cli_args import non_negative_float, non_negative_int, out_path, positive_float, positive_int
 
 RUN_NAMES = ("vllm-fcfs", "vllm-priority", "tierserve-plugin", "tierserve-engine")
 VLLM_KINDS = RUN_NAMES[:3]
@@ -379,8 +379,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--out",
+        type=out_path,
         default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"),
-        help="folder for the checkpoint, logs and JSON (default: %(default)s)",
+        help="folder for the checkpoint, the workload and results.json (a contender's log is "
+        "printed where it fails; default: %(default)s)",
     )
     p.add_argument(
         "--timeout-s", type=positive_float, default=600.0, help="per contender (default: %(default)s)"
@@ -409,8 +411,13 @@ def check_vllm_python(python: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierserve.bench.output import make_out_dir
+
     check_vllm_python(args.vllm_python)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    make_out_dir(Path(args.out))  # an --out that is a file, or cannot be written, is named now
     res = bench(args)
+    result_file = Path(args.out) / "results.json"
+    result_file.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2) if args.json else render(res))
+    print(f"wrote {result_file}", file=sys.stderr)
     return 0

@@ -179,3 +179,24 @@ def test_cli_takes_repeats_and_refuses_zero() -> None:
     assert build_parser().parse_args(["bench", "vllm", "--repeats", "3"]).repeats == 3
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "vllm", "--repeats", "0"])
+
+
+def test_the_result_is_written_into_out_as_results_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out is "the folder for the checkpoint and results.json": the JSON went to stdout only."""
+    import json
+
+    from tierserve.bench import vllm_bench
+
+    monkeypatch.setattr(vllm_bench, "check_vllm_python", lambda python: None)
+    monkeypatch.setattr(vllm_bench, "bench", lambda args: {"runs": {}, "comparisons": {"x": 1.0}})
+    monkeypatch.setattr(vllm_bench, "render", lambda res: "table")
+    args = build_parser().parse_args(["bench", "vllm", "--out", str(tmp_path / "o")])
+    assert vllm_bench.run(args) == 0
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["comparisons"] == {"x": 1.0}
+    assert capsys.readouterr().out.strip() == "table"
+    (tmp_path / "afile").write_text("")
+    args = build_parser().parse_args(["bench", "vllm", "--out", str(tmp_path / "afile")])
+    with pytest.raises(ValueError, match=r"--out .*afile exists and is not a folder"):
+        vllm_bench.run(args)
