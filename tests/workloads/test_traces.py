@@ -188,6 +188,12 @@ def test_mooncake_rows_without_hash_ids_share_no_prefix(tmp_path: Path) -> None:
             '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": 4}',
             "hash_ids must be a list",
         ),
+        # A misspelt key was ignored: the trace replayed with no shared prefix, or it said only "missing"
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_id": [1]}',
+            "unknown key 'hash_id' .did you mean 'hash_ids'.",
+        ),
+        ('{"timestamp": 1, "input_lenght": 10, "output_length": 1}', "unknown key 'input_lenght' .did you"),
     ],
 )
 def test_mooncake_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
@@ -434,3 +440,14 @@ def test_gzip_data_under_a_plain_name_says_to_name_it_gz(tmp_path: Path) -> None
     path.write_bytes(gzip.compress((AZURE_HEADER + "2023-11-16 18:17:03,10,2\n").encode()))
     with pytest.raises(TraceFormatError, match=r"gzip data .* name it t\.csv\.gz"):
         load_trace(path)
+
+
+def test_mooncake_keys_that_are_not_read_are_warned_of_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `tier` key does not set the tier (--tier-mix draws it): it was ignored without a word."""
+    row = '{"timestamp": %d, "input_length": 10, "output_length": 1, "tier": "P0", "user": "u"}\n'
+    path = write(tmp_path, "m.jsonl", "".join(row % t for t in range(3)))
+    with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
+        assert len(load_mooncake_jsonl(path)) == 3
+    assert caplog.text.count("keys not read: 'tier', 'user' (read: timestamp,") == 1

@@ -19,6 +19,7 @@ bench that replay one trace parse it once.
 from __future__ import annotations
 
 import csv
+import difflib
 import gzip
 import json
 import logging
@@ -259,6 +260,7 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
     p = Path(path)
     records: list[TraceRecord] = []
     origin_ms: float | None = None
+    unread: set[str] = set()  # keys of the rows that are not MOONCAKE_KEYS
     with _open_text(p) as f:
         for line_no, line in enumerate(f, start=1):
             if len(records) == max_rows:
@@ -266,7 +268,7 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
             if not line.strip():
                 continue
             where = f"{p}:{line_no}"
-            stamp, num_prompt, num_output, hash_ids = _mooncake_row(where, line)
+            stamp, num_prompt, num_output, hash_ids = _mooncake_row(where, line, unread)
             if origin_ms is None:
                 origin_ms = stamp  # arrivals count from the first row (a trace may carry epoch ms)
             arrival_s = (stamp - origin_ms) / 1000.0
@@ -274,13 +276,36 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
             records.append(TraceRecord(arrival_s, num_prompt, num_output, hash_ids, line=line_no))
     if not records:
         raise TraceFormatError(f"{p}: no rows")
+    if unread:  # a `tier` column, say, that a user may think sets the tier (--tier-mix does)
+        shown = ", ".join(repr(k) for k in sorted(unread)[:8])
+        log.warning("%s: keys not read: %s (read: %s)", p, shown, ", ".join(MOONCAKE_KEYS))
     if origin_ms is not None:
         _warn_if_epoch(p, origin_ms, "milliseconds", (("seconds", _EPOCH_S), ("microseconds", _EPOCH_US)))
     _warn_if_seconds(p, records)
     return records
 
 
-def _mooncake_row(where: str, line: str) -> tuple[float, int, int, tuple[int, ...]]:
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _check_keys(where: str, row: dict[str, object], unread: set[str]) -> None:
+    """The three keys a row needs; a key that looks like a misspelt one of MOONCAKE_KEYS
+    (`hash_id`) is refused: read as an unknown key it was ignored, and with it every prefix
+    the trace shares. Other keys are added to `unread` (the loader warns of them once)."""
+    for key in row:
+        if key not in MOONCAKE_KEYS:
+            unread.add(key)
+            close = difflib.get_close_matches(
+                key, [k for k in MOONCAKE_KEYS if k not in row], n=1, cutoff=0.8
+            )
+            if close:
+                raise TraceFormatError(f"{where}: unknown key {key!r} (did you mean {close[0]!r}?)")
+    for key in MOONCAKE_KEYS[:3]:
+        if key not in row:
+            raise TraceFormatError(f"{where}: missing {key!r} (keys read: {', '.join(MOONCAKE_KEYS)})")
+
+
+def _mooncake_row(where: str, line: str, unread: set[str]) -> tuple[float, int, int, tuple[int, ...]]:
     """One JSON line's (timestamp in ms, input length, output length, hash ids), checked."""
     lines_hint = "the file must be JSON lines: one object per line"
     try:
@@ -292,9 +317,7 @@ def _mooncake_row(where: str, line: str) -> tuple[float, int, int, tuple[int, ..
     if not isinstance(row, dict):
         got = "an array" if isinstance(row, list) else type(row).__name__
         raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
-    for key in ("timestamp", "input_length", "output_length"):
-        if key not in row:
-            raise TraceFormatError(f"{where}: missing {key!r}")
+    _check_keys(where, row, unread)
     stamp = row["timestamp"]
     if (
         isinstance(stamp, bool)
