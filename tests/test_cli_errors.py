@@ -55,6 +55,13 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "serve", "--requests", "2", "--config", MISSING], 2, "no such config file"),
         (["bench", "serve", "--requests", "2", "--gpu", "tpu"], 2, "unknown GPU 'tpu'"),
         (["bench", "serve", "--tier-mix", "1/2"], 2, "--tier-mix"),
+        # Bounds past which virtual time stretches until TTFTs read 0.0 s, or a bursty cell
+        # does not offer the load it is labelled with; a mix whose total overflows crashed mid-run
+        (["bench", "reproduce", "--think-time", "1e20"], 2, "--think-time must be 0 to 86400 s"),
+        (["bench", "sim-speed", "--think-time", "1e20"], 2, "--think-time must be 0 to 86400 s"),
+        (["bench", "reproduce", "--loads", "1e-15"], 2, "--loads must be 0.001 to 1000 times capacity"),
+        (["bench", "reproduce", "--patterns", "bursty", "--burst-cv", "100"], 2, "at most 16, got 100"),
+        (["bench", "reproduce", "--tier-mix", "1e308/1e308/1/1"], 2, "add up past what a float holds"),
         (["bench", "serve", "--requests", "0"], 2, "--requests"),
         # An empty --out wrote into the current folder (reproduce, fleet) or nowhere (serve, gateway)
         *(([*cmd, "--out", ""], 2, "--out: expected a path, got ''") for cmd in EVERY_BENCH_WITH_OUT),

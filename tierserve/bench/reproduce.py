@@ -27,6 +27,9 @@ from tierserve.scheduling.registry import BENCH_POLICIES
 
 DEFAULT_POLICIES = BENCH_POLICIES  # the baselines and hybrid, from the policy registry
 LOAD_FRACTIONS = (0.5, 0.8, 1.0, 1.2, 1.5)
+MIN_LOAD, MAX_LOAD = 0.001, 1000.0  # --loads, times capacity
+MAX_THINK_TIME_S = 86_400.0
+MAX_BURST_CV = 16.0
 CLIENTS = (32, 64, 128, 256, 512)
 # The full matrix, sized to run in 30 minutes on two cores (docs/benchmark.md, "The matrix and
 # how it is sized").
@@ -92,14 +95,20 @@ def _add_cell_args(p: argparse.ArgumentParser) -> None:
         choices=("poisson", "bursty", "closed", "trace"),
         help="arrivals of the synthetic workloads (default: poisson closed)",
     )
-    p.add_argument("--loads", type=positive_float, nargs="+", help="open loop: fractions of capacity")
+    p.add_argument(
+        "--loads", type=positive_float, nargs="+", help="open loop: fractions of capacity (0.001 to 1000)"
+    )
     p.add_argument("--clients", type=positive_int, nargs="+", help="closed loop: clients")
     p.add_argument(
         "--trace-scale", type=positive_float, nargs="+", help="trace: speed-up factors (default: 1)"
     )
     p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
-    p.add_argument("--think-time", type=float, help="closed loop: mean think time, s (default: 2)")
-    p.add_argument("--burst-cv", type=float, help="bursty: CV of inter-arrival times (default: 4)")
+    p.add_argument(
+        "--think-time", type=float, help="closed loop: mean think time, s (default: 2; at most a day)"
+    )
+    p.add_argument(
+        "--burst-cv", type=float, help="bursty: CV of inter-arrival times (default: 4; at most 16)"
+    )
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -187,10 +196,16 @@ def matrix_from_args(args: argparse.Namespace) -> Matrix:
     # results.json (JSON has no inf).
     think_time = BenchSetup.think_time_s if args.think_time is None else args.think_time
     burst_cv = BenchSetup.burst_cv if args.burst_cv is None else args.burst_cv
-    if not 0 <= think_time < math.inf:
-        raise ValueError(f"--think-time must be a finite number >= 0, got {think_time:g}")
-    if not 0 < burst_cv < math.inf:
-        raise ValueError(f"--burst-cv must be a finite number > 0, got {burst_cv:g}")
+    # Past these bounds virtual time stretches until a step's seconds vanish beside the
+    # clock's (TTFTs of 0.0 s), or, for --burst-cv, the bench's few thousand arrivals no
+    # longer offer the load they are labelled with (at a CV of 100, 4x it at the median).
+    if not 0 <= think_time <= MAX_THINK_TIME_S:
+        raise ValueError(f"--think-time must be 0 to {MAX_THINK_TIME_S:g} s (a day), got {think_time:g}")
+    if not 0 < burst_cv <= MAX_BURST_CV:
+        raise ValueError(f"--burst-cv must be > 0 and at most {MAX_BURST_CV:g}, got {burst_cv:g}")
+    for load in args.loads or ():
+        if not MIN_LOAD <= load <= MAX_LOAD:
+            raise ValueError(f"--loads must be {MIN_LOAD:g} to {MAX_LOAD:g} times capacity, got {load:g}")
     setup = BenchSetup(
         limits=engine_limits(args.engine_limits, args.max_num_batched_tokens, args.max_num_seqs),
         tier_mix=args.tier_mix,

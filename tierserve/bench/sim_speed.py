@@ -23,6 +23,7 @@ from typing import Any
 from tierserve.bench import host
 from tierserve.bench.cell import BenchSetup, Cell, Driven, Pattern, cell_result, drive
 from tierserve.bench.output import emit, make_out_folder
+from tierserve.bench.reproduce import MAX_THINK_TIME_S
 from tierserve.bench.summary import summarize
 from tierserve.cli_args import non_negative_int, out_path, positive_int
 from tierserve.scheduling import POLICIES
@@ -210,8 +211,8 @@ def run(args: argparse.Namespace) -> int:
     # Each flag said alone: the message named both, whichever was wrong.
     if not 0 < args.load < math.inf:
         raise ValueError(f"--load must be > 0 and finite, got {args.load:g}")
-    if not 0 <= args.think_time < math.inf:
-        raise ValueError(f"--think-time must be >= 0 and finite, got {args.think_time:g}")
+    if not 0 <= args.think_time <= MAX_THINK_TIME_S:  # past a day a step's seconds vanish in the clock's
+        raise ValueError(f"--think-time must be 0 to {MAX_THINK_TIME_S:g} s (a day), got {args.think_time:g}")
     if pattern == "closed" and args.trace_rows is not None:  # it was ignored; bench reproduce refuses it
         raise ValueError(f"--trace-rows applies to a trace, and {args.workload} runs closed-loop clients")
     if pattern == "closed" and args.load != int(args.load):

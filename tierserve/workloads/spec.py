@@ -60,6 +60,8 @@ class TierMix:
         total = sum(self.shares.values())
         if total <= 0:
             raise ValueError("tier mix: shares add up to zero")
+        if total == math.inf:  # 1e308/1e308/1/1: every share normalised to 0
+            raise ValueError("tier mix: shares add up past what a float holds; scale them down")
         object.__setattr__(self, "shares", {t: self.shares[t] / total for t in ALL_TIERS})
 
     @classmethod
