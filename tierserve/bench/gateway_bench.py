@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import out_path, positive_float, positive_int
+from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.tiers import Tier
 
@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "(docs/gateway.md).",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--out", type=out_path, default=None, help="also write the JSON here")
+    p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument(
         "--streams", type=positive_int, default=200, help="concurrent streams for the overhead (default 200)"
     )

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from tierserve.bench.flood import FloodReport
 from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
 from tierserve.bench.output import emit, make_out_folder
-from tierserve.cli_args import out_path, positive_float, positive_int
+from tierserve.cli_args import positive_float, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.loadgen import CUT_OFF, TIERS, Outcome, Spec, drive_in_child, make_specs
 from tierserve.workloads.spec import TierMix
@@ -483,9 +483,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--out",
-        type=out_path,
         default="bench-out/serve-bench.json",
-        help="JSON result file (default: %(default)s)",
+        help="JSON result file (default: %(default)s); '': write none",
     )
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.set_defaults(func=run)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.output import emit, make_out_folder
-from tierserve.cli_args import cpu_threads, out_path, positive_int
+from tierserve.cli_args import cpu_threads, positive_int
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
 from tierserve.executors.sim.cost_model import DEFAULT_ACTIVATION_RESERVE_BYTES, CostModel, SeqChunk
 from tierserve.executors.sim.gpus import GiB, GpuProfile, get_gpu
@@ -434,9 +434,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--threads", type=cpu_threads, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument(
         "--out",
-        type=out_path,
         default="bench-out/sim-check.json",
-        help="JSON result file (default: %(default)s)",
+        help="JSON result file (default: %(default)s); '': write none",
     )
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.set_defaults(func=run)

@@ -25,7 +25,7 @@ from tierserve.bench.cell import BenchSetup, Cell, Driven, Pattern, cell_result,
 from tierserve.bench.output import emit, make_out_folder
 from tierserve.bench.reproduce import MAX_THINK_TIME_S
 from tierserve.bench.summary import summarize
-from tierserve.cli_args import non_negative_int, out_path, positive_int
+from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.workloads import get_preset
 from tierserve.workloads.traces import check_span
@@ -183,9 +183,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
     p.add_argument(
         "--out",
-        type=out_path,
         default="bench-out/sim-speed.json",
-        help="JSON result file (default: %(default)s)",
+        help="JSON result file (default: %(default)s); '': write none",
     )
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.set_defaults(func=run)
