@@ -64,3 +64,36 @@ def test_input_warnings_keeps_what_the_trace_loader_warns_of(tmp_path: Path) -> 
     assert len(warned) == 1 and "multiply them by 1000" in warned[0]
     load_trace(tmp_path / "s.jsonl")  # after the block: no longer kept
     assert len(warned) == 1
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_second_bench_writing_the_same_out_is_refused_while_the_first_runs(
+    tmp_path: Path, kind: str
+) -> None:
+    """Two `bench serve` runs on the default --out both said "wrote", and the file held only
+    the second's results; two `bench reproduce` runs into one folder mixed their files."""
+    import sys
+
+    from tierserve.bench.output import make_out_dir, make_out_folder, release_out
+
+    out = tmp_path / ("result.json" if kind == "file" else "results")
+    claim = f"make_out_folder({str(out)!r})" if kind == "file" else f"make_out_dir(Path({str(out)!r}))"
+    script = (
+        "import sys\nfrom pathlib import Path\n"
+        "from tierserve.bench.output import make_out_dir, make_out_folder\n"
+        f"{claim}\nprint('ready', flush=True)\nsys.stdin.read()\n"
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "ready"
+        with pytest.raises(ValueError, match=f"another tierserve bench is writing there .pid {first.pid}."):
+            make_out_folder(str(out)) if kind == "file" else make_out_dir(out)
+    finally:
+        first.communicate("", timeout=30)  # it reads to the end of its input, then exits
+    make_out_folder(str(out)) if kind == "file" else make_out_dir(out)  # free once it has ended
+    held = subprocess.run([sys.executable, "-c", script], input="", capture_output=True, text=True)
+    assert held.returncode != 0 and "another tierserve bench is writing there" in held.stderr
+    release_out(out)  # this process's results are written: free for the next
+    assert subprocess.run([sys.executable, "-c", script], input="", capture_output=True).returncode == 0

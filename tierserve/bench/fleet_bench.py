@@ -264,7 +264,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tierserve.bench.output import input_warnings, make_out_dir, source_commit
+    from tierserve.bench.output import input_warnings, make_out_dir, release_out, source_commit
     from tierserve.fleet.bench import FleetBench
 
     try:  # before the trace is looked for: a bad argument is said first
@@ -287,6 +287,7 @@ def main(args: argparse.Namespace) -> int:
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     plots = write_plots(args.out, runs)
     write_report(args.out / "report.md", meta, runs, plots)
+    release_out(args.out)
     print(f"wrote {args.out}/results.json, report.md and {len(plots)} plots", file=sys.stderr)
     if args.json:
         print(json.dumps([{k: r[k] for k in ("router", "scaling")} | _brief(r["summary"]) for r in runs]))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +47,7 @@ def make_out_folder(out: str | None) -> None:
         with _naming_out(out):
             Path(out).parent.mkdir(parents=True, exist_ok=True)
         _check_writable(Path(out).parent, out)
+        _claim(Path(out), out)
 
 
 def _check_writable(folder: Path, out: str | Path) -> None:
@@ -64,6 +68,40 @@ def make_out_dir(out: Path) -> None:
     with _naming_out(out):
         out.mkdir(parents=True, exist_ok=True)
     _check_writable(out, out)
+    _claim(out, out)
+
+
+_claimed: dict[Path, int] = {}  # the outputs this process writes: a locked file's descriptor each
+
+
+def _claim(path: Path, out: str | Path) -> None:
+    """Hold a lock on `path` (a file or folder to write) until `release_out` or the end of
+    this process, or refuse it: two benches writing one --out at once each said "wrote",
+    over the other's results. The lock file lives in the temporary folder, named by the
+    path, not beside the results."""
+    key = path.resolve()
+    if key in _claimed:
+        return
+    digest = hashlib.sha256(str(key).encode()).hexdigest()[:16]
+    lock = Path(tempfile.gettempdir()) / f"tierserve-out-{digest}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ValueError(f"--out {out}: another tierserve bench is writing there (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _claimed[key] = fd
+
+
+def release_out(path: str | Path) -> None:
+    """The results at `path` are written: another bench may write there now (the lock taken
+    by `make_out_folder` or `make_out_dir`; an in-process caller, a test, may run twice)."""
+    fd = _claimed.pop(Path(path).resolve(), None)
+    if fd is not None:
+        os.close(fd)
 
 
 @contextmanager
@@ -84,6 +122,7 @@ def emit(result: dict[str, Any], out: str | None, as_json: bool, print_table: Ca
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
+        release_out(path)
     if as_json:
         print(text)
         return

@@ -329,7 +329,7 @@ def engine_config_json(config: EngineConfig, policies: Sequence[str]) -> dict[st
 def run(args: argparse.Namespace) -> int:
     from tierserve.bench import report
     from tierserve.bench.matrix import run_matrix
-    from tierserve.bench.output import input_warnings, make_out_dir
+    from tierserve.bench.output import input_warnings, make_out_dir, release_out
 
     if args.out is None:
         args.out = "bench-out/reproduce-quick" if args.quick else "bench-out/reproduce"
@@ -352,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"setup": setup, **run_matrix(matrix, max(1, args.workers))}
     out = Path(args.out)
     written = report.write_all(out, results)
+    release_out(out)
     print(report.summary_text(results))
     print(
         f"wrote {', '.join(str(p) for p in written)} in {time.monotonic() - started:.0f} s", file=sys.stderr

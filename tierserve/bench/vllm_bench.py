@@ -411,13 +411,14 @@ def check_vllm_python(python: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierserve.bench.output import make_out_dir
+    from tierserve.bench.output import make_out_dir, release_out
 
     check_vllm_python(args.vllm_python)
     make_out_dir(Path(args.out))  # an --out that is a file, or cannot be written, is named now
     res = bench(args)
     result_file = Path(args.out) / "results.json"
     result_file.write_text(json.dumps(res, indent=2) + "\n")
+    release_out(args.out)
     print(json.dumps(res, indent=2) if args.json else render(res))
     print(f"wrote {result_file}", file=sys.stderr)
     return 0
