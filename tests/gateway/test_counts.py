@@ -219,3 +219,72 @@ def test_a_client_that_closes_on_done_read_the_whole_stream() -> None:
             _until(lambda: state.num_in_flight == 0)
             metrics = httpx.get(gw.url + "/metrics").text
     assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}
+
+
+def test_a_failure_after_the_reply_was_read_gives_the_seat_back_once() -> None:
+    """A reply whose Retry-After the gateway cannot pass on (not latin-1) failed after `_whole`
+    had given its seat back, and the catch-all gave it back again: the other request's seat
+    went with it (in flight 0 while it ran) and the request was counted twice."""
+    import asyncio
+    from typing import Any
+
+    from tests.gateway.fakes import serve_thread
+
+    posts = 0
+
+    def upstream(app: Any) -> Any:
+        async def asgi(scope: Any, receive: Any, send: Any) -> None:
+            nonlocal posts
+            if scope["type"] != "http" or scope["method"] != "POST":
+                return await app(scope, receive, send)
+            posts += 1
+            slow = posts == 1
+            if slow:
+                await asyncio.sleep(2)  # holds its seat meanwhile
+
+            async def bad_header(message: Any) -> None:
+                if message["type"] == "http.response.start" and not slow:
+                    message = {**message, "headers": [*message["headers"], (b"retry-after", "5€".encode())]}
+                await send(message)
+
+            await app(scope, receive, bad_header)
+
+        return asgi
+
+    with serve_thread(None, upstream(FakeUpstream("ok").app())) as up:
+        config = parse_gateway_config(
+            tomllib.loads(
+                "[gateway]\nscrape_interval_s = 0.2\n"
+                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{up.url}"\nmax_in_flight = 2\n'
+            )
+        )
+        with gateway_of(config) as (gw, state):
+            endpoint = gw.url + "/v1/chat/completions"
+            slow = threading.Thread(target=lambda: httpx.post(endpoint, json=CHAT, timeout=60))
+            slow.start()
+            _until(lambda: state.router.state("f0").num_in_flight == 1)
+            assert httpx.post(endpoint, json=CHAT, timeout=60).status_code == 500
+            assert state.router.state("f0").num_in_flight == 1  # the slow one's seat is still taken
+            slow.join(60)
+            _until(lambda: state.num_in_flight == 0)
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0, "error": 1.0}
+
+
+def test_an_upstream_that_lingers_after_done_does_not_hold_the_request() -> None:
+    """After `data: [DONE]` the stream is whole; an upstream whose end came 30 s later held the
+    request in flight until the read timeout and it was counted broken."""
+    with fake_upstream(FakeUpstream("ok", end_after_done_s=30.0)) as url:
+        config = parse_gateway_config(
+            tomllib.loads(
+                "[gateway]\nscrape_interval_s = 0.2\nread_timeout_s = 20.0\n"
+                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n'
+            )
+        )
+        with gateway_of(config) as (gw, state):
+            started = time.monotonic()
+            reply = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60)
+            assert reply.text.endswith("data: [DONE]\n\n") and time.monotonic() - started < 10
+            _until(lambda: state.num_in_flight == 0)
+            metrics = httpx.get(gw.url + "/metrics").text
+    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}

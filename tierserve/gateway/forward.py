@@ -63,6 +63,17 @@ class _Call:
     # Of the time since: waits in the gateway's queue and attempts on upstreams that failed,
     # which are not the gateway's own work (left out of `tierserve_gateway_added_seconds`).
     not_ours_s: float = 0.0
+    # The route of the attempt under way until its seat goes back (`_give_back`, once) or
+    # passes to the stream's Relay.
+    seat: RouteDecision | None = None
+
+
+def _give_back(gw: GatewayState, call: _Call) -> None:
+    """The attempt's upstream seat back to the router, once: a second time took another
+    request's seat (the router's count stops at 0)."""
+    if call.seat is not None:
+        gw.dispatcher.finished(call.seat)
+        call.seat = None
 
 
 async def _read_body(
@@ -216,16 +227,17 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             e.headers = {**call.headers, **e.headers}  # the tier and rate-limit headers, as the server sends
             raise
         call.not_ours_s += decision.waited_s
+        call.seat = decision
         tried_at = time.perf_counter()
         try:
             return await _try(gw, call, decision)
         except asyncio.CancelledError:  # the client left (or the gateway is shutting down)
-            gw.dispatcher.finished(decision)
+            _give_back(gw, call)
             gw.metrics.upstream_requests.labels(decision.upstream, "client_left").inc()
             raise
         except _Retry as e:
             call.not_ours_s += time.perf_counter() - tried_at
-            gw.dispatcher.finished(decision)
+            _give_back(gw, call)
             gw.metrics.retries.labels(decision.upstream).inc()
             gw.metrics.upstream_requests.labels(decision.upstream, "retried").inc()
             log.warning("upstream %s failed before the first byte (%s); retrying", decision.upstream, e)
@@ -236,12 +248,13 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             if not gw.router.candidates(str(call.body.get("model", "")), tried):
                 break
         except ApiError:
-            raise  # `_whole` gave the route back before the refusal
+            raise  # `_whole` gave the seat back and counted the outcome before the refusal
         except Exception:
-            # A failure no branch foresaw (a bug): the route goes back, or the upstream's
+            # A failure no branch foresaw (a bug): the seat goes back, or the upstream's
             # in-flight count kept it for good (two such requests filled max_in_flight = 2).
-            gw.dispatcher.finished(decision)
-            gw.metrics.upstream_requests.labels(decision.upstream, "error").inc()
+            if call.seat is not None:  # else `_whole` counted the outcome already
+                gw.metrics.upstream_requests.labels(decision.upstream, "error").inc()
+            _give_back(gw, call)
             raise
     log.warning("no upstream could serve a request; the last error: %s", last_error)
     raise _unserved(call, len(tried), busy)
@@ -330,12 +343,17 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         if isinstance(e, TimeoutError):  # headers, then silence: ejected as a silent upstream is
             gw.record_failure(decision.upstream, f"a forwarded request's {why}", eject_now=True)
         raise _Retry(why) from None
+    except BaseException:  # cancelled (the client left), or a failure no branch foresaw
+        reply.close()
+        raise
     # The gateway's own share of the first token: before the upstream call (less its queue
     # waits and failed attempts), and from the upstream's first event to the client's (the
     # relay adds that part once it is sent).
     before_s, first_in = sent - call.arrived - call.not_ours_s, time.perf_counter()
     relay = Relay(gw, decision, call.reservation, reply, chunks, tap, first_bytes=(before_s, first_in))
-    return SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
+    response = SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
+    call.seat = None  # the relay gives it back when the stream ends
+    return response
 
 
 async def _first_events(chunks: AsyncIterator[bytes], tap: SseUsageTap) -> bytes:
@@ -363,7 +381,7 @@ async def _whole(
             gw.record_failure(name, f"a forwarded request's {why}", eject_now=True)
         raise _Retry(why) from None
     except ReplyTooLarge as e:
-        gw.dispatcher.finished(decision)
+        _give_back(gw, call)
         gw.metrics.upstream_requests.labels(name, "too_large").inc()
         gw.spawn(gw.limiter.settle(call.reservation, call.reservation.num_tokens if call.reservation else 0))
         log.warning("upstream %s sent a reply over %s bytes; not passed on", name, f"{MAX_REPLY_BYTES:,}")
@@ -375,14 +393,21 @@ async def _whole(
     payload = _json_object(content)
     if reply.status == 200 and payload is None:
         raise _Retry("a 200 reply that is not a JSON object")
-    gw.dispatcher.finished(decision)
+    # The answer is built before the seat goes back and the outcome is counted: a header it
+    # cannot carry (a Retry-After that is not latin-1) fails here, and is counted once.
+    answer: Response | ApiError
+    if reply.status == 200 or (payload is not None and _is_error_envelope(payload)):
+        headers = {**call.headers, **_retry_after(reply)}
+        answer = Response(content, status_code=reply.status, headers=headers, media_type="application/json")
+    else:
+        answer = _upstream_refusal(name, reply, payload, content, call.headers)
+    _give_back(gw, call)
     usage = usage_of(payload) if reply.status == 200 else None
     gw.metrics.upstream_requests.labels(name, "ok" if reply.status == 200 else f"http_{reply.status}").inc()
     gw.spawn(gw.limiter.settle(call.reservation, usage.total if usage else 0))
-    if reply.status == 200 or (payload is not None and _is_error_envelope(payload)):
-        headers = {**call.headers, **_retry_after(reply)}
-        return Response(content, status_code=reply.status, headers=headers, media_type="application/json")
-    raise _upstream_refusal(name, reply, payload, content, call.headers)
+    if isinstance(answer, ApiError):
+        raise answer
+    return answer
 
 
 class ReplyTooLarge(Exception):

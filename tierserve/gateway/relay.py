@@ -10,6 +10,7 @@ reservation is settled with the usage the upstream reported (or kept whole when 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from tierserve.server.formatting import DONE, error_event
 from tierserve.server.ratelimit import Reservation
 
 log = logging.getLogger("tierserve.gateway")
+END_AFTER_DONE_S = 1.0  # how long the upstream's end is waited for after `data: [DONE]`
 
 
 class Relay:
@@ -45,18 +47,19 @@ class Relay:
         self._name = decision.upstream
         self._reply, self._chunks, self._tap = reply, chunks, tap
         self._outcome = "ok"
+        self._client_gone = False
         self._first_bytes = first_bytes
 
     def client_left(self) -> None:
-        if self._tap.done:
-            return  # the client had the whole stream: OpenAI's client closes on `data: [DONE]`
-        self._outcome = "client_left"
+        self._client_gone = True
+        if not self._tap.done:  # after it, the client had the whole stream (OpenAI's closes on it)
+            self._outcome = "client_left"
         self._reply.close()  # drops the upstream connection: the upstream sees the client go
 
     def cut(self) -> None:
         """The gateway is shutting down (its drain timed out): the stream ends now with an
         error event and `data: [DONE]`."""
-        if self._outcome == "ok":
+        if self._outcome == "ok" and not self._tap.done:  # after [DONE] the stream is whole
             self._outcome = "cut"
             self._reply.close()
 
@@ -74,8 +77,11 @@ class Relay:
                     out = tap.feed(chunk)
                     if out:
                         yield out
+                    if tap.done:
+                        await self._await_end()
+                        return
             except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
-                if self._outcome == "client_left":
+                if self._client_gone:
                     return
                 # An event cut short stays behind: the client gets whole events only.
                 too_large = isinstance(e, EventTooLarge)
@@ -83,7 +89,7 @@ class Relay:
                 yield tail + self._error_event(str(e) if too_large else type(e).__name__) + DONE
                 return
             rest = tap.flush()
-            if tap.done or self._outcome == "client_left":
+            if tap.done or self._client_gone:
                 if rest:
                     yield rest
                 return
@@ -92,6 +98,18 @@ class Relay:
             yield rest + self._error_event("the reply ended before data: [DONE]") + DONE
         finally:
             self._close()
+
+    async def _await_end(self) -> None:
+        """After `data: [DONE]` the stream is whole: the upstream's end is waited for a
+        moment, so that its connection goes back to the pool, but no longer (an upstream
+        that lingered after it held the request in flight until the read timeout, and the
+        stream was counted broken)."""
+        try:
+            async with asyncio.timeout(END_AFTER_DONE_S):
+                async for _ in self._chunks:
+                    pass  # nothing after [DONE] is for the client
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # `_close` releases the reply, closing a connection not read to its end
 
     def _error_event(self, error: str) -> bytes:
         """The last event of a stream that did not run to its end: cut by the gateway, or
