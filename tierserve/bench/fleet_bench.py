@@ -105,15 +105,16 @@ def check_args(args: argparse.Namespace, scalings: list[str]) -> None:
 
 
 def _scaling_defaults() -> dict[str, float]:
-    """The autoscaler's flags (as argparse names them) and their defaults."""
-    from tierserve.fleet.autoscaler import DEFAULT_STARTUP_DELAY_S
+    """The autoscaler's flags (as argparse names them) and their defaults, the autoscaler's own."""
+    from tierserve.fleet.autoscaler import AutoscaleConfig
 
+    c = AutoscaleConfig()
     return {
-        "min_replicas": 1,
-        "max_replicas": 32,
-        "startup_delay_s": DEFAULT_STARTUP_DELAY_S,
-        "scale_interval_s": 15.0,
-        "idle_s": 300.0,
+        "min_replicas": c.min_replicas,
+        "max_replicas": c.max_replicas,
+        "startup_delay_s": c.startup_delay_s,
+        "scale_interval_s": c.interval_s,
+        "idle_s": c.idle_s,
     }
 
 

@@ -260,7 +260,7 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
     p = Path(path)
     records: list[TraceRecord] = []
     origin_ms: float | None = None
-    unread: set[str] = set()  # keys of the rows that are not MOONCAKE_KEYS
+    unread: dict[str, str | None] = {}  # keys of the rows that are not MOONCAKE_KEYS
     with _open_text(p) as f:
         for line_no, line in enumerate(f, start=1):
             if len(records) == max_rows:
@@ -288,24 +288,29 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
-def _check_keys(where: str, row: dict[str, object], unread: set[str]) -> None:
-    """The three keys a row needs; a key that looks like a misspelt one of MOONCAKE_KEYS
-    (`hash_id`) is refused: read as an unknown key it was ignored, and with it every prefix
-    the trace shares. Other keys are added to `unread` (the loader warns of them once)."""
+def _check_keys(where: str, row: dict[str, object], unread: dict[str, str | None]) -> None:
+    """The three keys a row needs; a key that looks like a misspelt one of MOONCAKE_KEYS the
+    row lacks (`hash_id`, `input_lenght`) is refused: read as an unknown key it was ignored,
+    and with it every prefix the trace shares. Other keys go into `unread`, each with the key
+    it resembles (judged once a key, for the whole file; the loader warns of them once)."""
     for key in row:
-        if key not in MOONCAKE_KEYS:
-            unread.add(key)
-            close = difflib.get_close_matches(
-                key, [k for k in MOONCAKE_KEYS if k not in row], n=1, cutoff=0.8
-            )
-            if close:
-                raise TraceFormatError(f"{where}: unknown key {key!r} (did you mean {close[0]!r}?)")
+        if key in MOONCAKE_KEYS:
+            continue
+        if key not in unread:
+            close = difflib.get_close_matches(key, MOONCAKE_KEYS, n=1, cutoff=0.8)
+            # A key that extends one (`hash_ids_len`) is a field of its own, not a misspelling.
+            unread[key] = close[0] if close and not key.startswith(close[0] + "_") else None
+        resembles = unread[key]
+        if resembles is not None and resembles not in row:
+            raise TraceFormatError(f"{where}: unknown key {key!r} (did you mean {resembles!r}?)")
     for key in MOONCAKE_KEYS[:3]:
         if key not in row:
             raise TraceFormatError(f"{where}: missing {key!r} (keys read: {', '.join(MOONCAKE_KEYS)})")
 
 
-def _mooncake_row(where: str, line: str, unread: set[str]) -> tuple[float, int, int, tuple[int, ...]]:
+def _mooncake_row(
+    where: str, line: str, unread: dict[str, str | None]
+) -> tuple[float, int, int, tuple[int, ...]]:
     """One JSON line's (timestamp in ms, input length, output length, hash ids), checked."""
     lines_hint = "the file must be JSON lines: one object per line"
     try:
