@@ -49,6 +49,7 @@ class FakeUpstream:
     reply_after_s: float = 0.0
     first_event_after_s: float = 0.0  # a stream's headers go out at once, its first event after this
     end_after_done_s: float = 0.0  # a stream ends this long after its `data: [DONE]`
+    one_write: bool = False  # a stream's events and `data: [DONE]` in one write (they may come so)
     refusal_status: int = 429
     refusal_body: bytes = b'{"detail": "slow down"}'
     refusal_type: str = "application/json"
@@ -93,6 +94,13 @@ class FakeUpstream:
         return True
 
     async def _stream(self) -> AsyncIterator[bytes]:
+        if self.one_write and self.mode == "ok":
+            yield (
+                b"".join(_event(i, i == self.num_events - 1) for i in range(self.num_events))
+                + b"data: [DONE]\n\n"
+            )
+            await asyncio.sleep(self.end_after_done_s)
+            return
         await asyncio.sleep(self.first_event_after_s)
         if self.mode == "halfway":
             yield _event(0, False)[:20]

@@ -271,10 +271,12 @@ def test_a_failure_after_the_reply_was_read_gives_the_seat_back_once() -> None:
     assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0, "error": 1.0}
 
 
-def test_an_upstream_that_lingers_after_done_does_not_hold_the_request() -> None:
+@pytest.mark.parametrize("one_write", [False, True])
+def test_an_upstream_that_lingers_after_done_does_not_hold_the_request(one_write: bool) -> None:
     """After `data: [DONE]` the stream is whole; an upstream whose end came 30 s later held the
-    request in flight until the read timeout and it was counted broken."""
-    with fake_upstream(FakeUpstream("ok", end_after_done_s=30.0)) as url:
+    request in flight until the read timeout and it was counted broken (also when the whole
+    stream came with its first bytes, before the relay's loop)."""
+    with fake_upstream(FakeUpstream("ok", end_after_done_s=30.0, one_write=one_write)) as url:
         config = parse_gateway_config(
             tomllib.loads(
                 "[gateway]\nscrape_interval_s = 0.2\nread_timeout_s = 20.0\n"

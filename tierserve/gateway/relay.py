@@ -73,13 +73,16 @@ class Relay:
             before_s, first_in = self._first_bytes
             self._gw.metrics.added.observe(before_s + time.perf_counter() - first_in)
             try:
-                async for chunk in self._chunks:
+                while not tap.done:  # the first events may have held the whole stream
+                    chunk = await anext(self._chunks, None)
+                    if chunk is None:
+                        break
                     out = tap.feed(chunk)
                     if out:
                         yield out
-                    if tap.done:
-                        await self._await_end()
-                        return
+                if tap.done:
+                    await self._await_end()
+                    return
             except (aiohttp.ClientError, TimeoutError, EventTooLarge) as e:
                 if self._client_gone:
                     return
