@@ -142,7 +142,10 @@ def test_recomputed_requests_prefill_their_output_again() -> None:
     executor = eng.executor
     assert isinstance(executor, NullExecutor)
     chunks = [s.num_tokens for b in executor.batches for s in b.seqs if s.request is p3]
-    assert 16 * 70 - 1 + 4 in chunks, "the recompute prefilled prompt and output together"
+    again = next(c for c in chunks[1:] if c > 1)  # the recompute's chunk, after the decodes
+    # Prompt and output together, less the leading blocks the prefix cache kept (freed last
+    # block first, the P0's allocation evicted the tail): what is left is whole blocks.
+    assert again > 4 and (16 * 70 - 1 + 4 - again) % 16 == 0, chunks[:8]
 
 
 def test_swapped_requests_come_back_before_new_admissions_of_their_tier() -> None:

@@ -70,6 +70,24 @@ def test_freed_cached_blocks_stay_reusable_until_evicted_lowest_tier_first() -> 
     mem.check_integrity()
 
 
+def test_a_freed_request_loses_its_last_blocks_first_and_keeps_its_prefix() -> None:
+    """As vLLM frees them: last block first. Freed first block first, one eviction took the
+    first block, and with it every prefix hit on the request's prompt (a recomputed request
+    computed its whole prompt again)."""
+    mem = KVCacheManager(5, 4)
+    a = make_request(tokens=list(range(16)), tier=Tier.P3)
+    assert mem.admit(a) is Alloc.OK
+    a.num_computed_tokens = 16
+    mem.cache_computed_blocks(a)
+    mem.free(a)
+    taker = make_request(tokens=[7] * 8, tier=Tier.P3)  # one plain free block, then one eviction
+    assert mem.admit(taker) is Alloc.OK
+    mem.free(taker)
+    again = make_request(tokens=list(range(16)), tier=Tier.P3)
+    assert mem.admit(again) is Alloc.OK and again.num_cached_tokens == 12  # 3 of its 4 blocks
+    mem.check_integrity()
+
+
 def test_a_lower_tier_cannot_touch_an_unfilled_floor() -> None:
     mem = tiered()  # P0 floor 15 blocks
     p2 = make_request(num_prompt=4 * 85, tier=Tier.P2)
@@ -254,3 +272,40 @@ def test_admit_status_after_loses_a_hit_that_the_taking_evicts() -> None:
     status = mem.admit_status_after(head, taken)
     mem.pool.allocate_many(Tier.P2, 10)
     assert status is mem.admit(head) is Alloc.NO_SPACE
+
+
+def test_a_pool_without_tiers_evicts_in_one_lru_order_whatever_the_tier() -> None:
+    """fcfs and vllm-priority share one pool, as vLLM does, and vLLM's one free queue evicts
+    least recently used first; here P3's cached blocks went first under every policy, so a
+    prompt kept its prefix hits or lost them by its tier's label alone."""
+
+    def survivors(evict_by_tier: bool, mem: KVCacheManager | None = None) -> int:
+        mem = mem or KVCacheManager(4, 4, evict_by_tier=evict_by_tier)
+        first = make_request(tokens=list(range(8)), tier=Tier.P0)  # freed first: least recent
+        later = make_request(tokens=list(range(100, 108)), tier=Tier.P3)
+        for r in (first, later):
+            assert mem.admit(r) is Alloc.OK
+            r.num_computed_tokens = 8
+            mem.cache_computed_blocks(r)
+            mem.free(r)
+        taker = make_request(tokens=[7] * 8, tier=Tier.P1)  # evicts two cached blocks
+        assert mem.admit(taker) is Alloc.OK
+        mem.free(taker)
+        mem.check_integrity()
+        again = make_request(tokens=list(range(9)), tier=Tier.P0)
+        assert mem.admit(again) is Alloc.OK
+        return again.num_cached_tokens
+
+    assert survivors(evict_by_tier=True) == 8  # P3's went first
+    assert survivors(evict_by_tier=False) == 0  # the least recently used went first: P0's
+    # The engine gives the policies that share one pool the one LRU.
+    from tierserve.clock import VirtualClock
+    from tierserve.config import EngineConfig
+    from tierserve.engine import Engine
+    from tierserve.executors.null import NullExecutor
+
+    for policy in ("fcfs", "vllm-priority", "sglang-priority"):
+        engine = Engine(
+            EngineConfig(), policy, NullExecutor(num_device_blocks=4, block_size=4), VirtualClock()
+        )
+        assert survivors(False, engine.memory) == 0, policy

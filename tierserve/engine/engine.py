@@ -46,6 +46,7 @@ class Engine:
             spec.num_host_blocks,
             partition,
             config.scheduler.enable_prefix_caching,
+            evict_by_tier=self.policy.tiered_memory,  # one pool, one LRU: as vLLM and SGLang
         )
         self.stats = EngineStats()
         self.lifecycle = Lifecycle(self.policy, self.memory, clock, self.stats)

@@ -52,7 +52,10 @@ def hash_blocks(parent_key: BlockKey | None, token_ids: Sequence[int], block_siz
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, evict_by_tier: bool = True) -> None:
+        """`evict_by_tier`: cached blocks are evicted P3's first, then P2's...; without it, in
+        one least-recently-used order whatever their tier, as vLLM's pool does (the policies
+        that share one pool: a tier's label then changed which prefixes survived)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -68,9 +71,15 @@ class BlockPool:
         self.used_by_tier = [0] * len(ALL_TIERS)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields low ids first
         self._hash_to_block: dict[BlockKey, int] = {}
-        # Cached-free blocks per tier that last held them, least recently used first.
+        # Cached-free blocks per tier that last held them, least recently used first (all
+        # under the first list when not `evict_by_tier`: `_lru`).
         self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in ALL_TIERS]
         self._num_evictable = 0
+        self._by_tier = evict_by_tier
+
+    def _lru(self, tier: int) -> OrderedDict[int, None]:
+        """The list a cached-free block last held by `tier` waits in."""
+        return self._evictable[tier if self._by_tier else 0]
 
     @property
     def num_free(self) -> int:
@@ -105,7 +114,7 @@ class BlockPool:
     def take(self, block_id: int, tier: Tier) -> None:
         """Add a reference to a cached block (a prefix-cache hit)."""
         if self.ref_count[block_id] == 0:
-            self._evictable[self.charged_tier[block_id]].pop(block_id)
+            self._lru(self.charged_tier[block_id]).pop(block_id)
             self._num_evictable -= 1
             self.charged_tier[block_id] = tier
             self.used_by_tier[tier] += 1
@@ -141,8 +150,8 @@ class BlockPool:
         self.release_all((block_id,))
 
     def release_all(self, block_ids: Iterable[int]) -> None:
-        """`release` each block in turn (a request's blocks in its table's order: the
-        later ones become the more recently used)."""
+        """`release` each block in turn: the later ones become the more recently used (a
+        request's blocks come last first: `KVCacheManager.free`)."""
         ref_count, charged_tier, block_hash = self.ref_count, self.charged_tier, self.block_hash
         for block_id in block_ids:
             count = ref_count[block_id] - 1
@@ -157,7 +166,7 @@ class BlockPool:
                 charged_tier[block_id] = NO_TIER
                 self._free.append(block_id)
             else:
-                self._evictable[tier][block_id] = None  # most recently used at the end
+                self._lru(tier)[block_id] = None  # most recently used at the end
                 self._num_evictable += 1
 
     def register_run(
@@ -229,7 +238,7 @@ class BlockPool:
             for b in lru:
                 if b in evictable:
                     raise KVIntegrityError(f"block {b} is evictable twice")
-                if self.charged_tier[b] != tier:
+                if (self.charged_tier[b] if self._by_tier else 0) != tier:  # see `_lru`
                     raise KVIntegrityError(f"evictable block {b} filed under the wrong tier")
                 evictable.add(b)
         if len(evictable) != self._num_evictable:

@@ -33,9 +33,11 @@ class KVCacheManager:
         partition: TierPartition | None = None,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block,
+        evict_by_tier: bool = True,
     ) -> None:
-        """`hash_fn`: the prefix-cache key of a block (tests inject a weak one to force collisions)."""
-        self.pool = BlockPool(num_blocks, block_size)
+        """`hash_fn`: the prefix-cache key of a block (tests inject a weak one to force
+        collisions); `evict_by_tier`: as `BlockPool`'s."""
+        self.pool = BlockPool(num_blocks, block_size, evict_by_tier)
         self.host = HostPool(num_host_blocks)
         self.partition = partition or TierPartition.flat(num_blocks)
         if self.partition.num_blocks != num_blocks:
@@ -179,8 +181,11 @@ class KVCacheManager:
         return status
 
     def free(self, req: Request) -> None:
-        """Release every device and host block of the request and forget it."""
-        self.pool.release_all(req.block_ids)
+        """Release every device and host block of the request and forget it. Its blocks go
+        back last first, as vLLM frees them: the later ones are evicted first, and a prefix
+        hit, which starts at the first block, keeps as much of the prompt as it can (freed
+        first block first, one eviction took a recomputed request's whole prefix)."""
+        self.pool.release_all(reversed(req.block_ids))
         req.block_ids = []
         self._holders.pop(req.request_id, None)
         if req.host_block_ids:
@@ -217,7 +222,7 @@ class KVCacheManager:
         if host_ids is None:
             return None
         mapping = list(zip(req.block_ids, host_ids, strict=True))
-        self.pool.release_all(req.block_ids)
+        self.pool.release_all(reversed(req.block_ids))  # last first, as `free`
         req.block_ids = []
         req.host_block_ids = host_ids
         del self._holders[req.request_id]
