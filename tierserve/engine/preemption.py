@@ -3,6 +3,7 @@ or recompute, whichever the cost rule picks for it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from tierserve.config import EngineConfig
@@ -89,8 +90,24 @@ class Preemptor:
         candidates = self._admission_candidates(req, step, self.policy.seat_victim_ok)
         if not candidates:
             return False
+        # Only if `req` could then get its blocks, from the free ones, the seat's victim's
+        # and those `reclaim_for` may take: else the victim went for nothing (and waited
+        # behind `req` until a seat came free).
+        victims = [candidates[0]]
+        memory = self.memory
+        if self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
+            victims += self._admission_candidates(req, step, self.policy.admission_victim_ok)
+        if memory.num_free_blocks + self._num_freed(victims) < memory.blocks_for(req.num_tokens):
+            return False
         self.preempt(candidates[0], step, now)
         return True
+
+    def _num_freed(self, victims: list[Request]) -> int:
+        """Blocks that preempting all of `victims` would free: those no one else holds (a
+        prefix two victims share is one block, and one a request outside them holds stays)."""
+        holders = Counter(b for r in dict.fromkeys(victims) for b in r.block_ids)
+        ref_count = self.memory.pool.ref_count
+        return sum(1 for b, n in holders.items() if ref_count[b] == n)
 
     def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:
         """Preempt running requests, as the policy allows, until `req` can be admitted.
@@ -99,9 +116,8 @@ class Preemptor:
         if not self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
             return Alloc.NO_SPACE
         candidates = self._admission_candidates(req, step, self.policy.admission_victim_ok)
-        if memory.num_free_blocks + sum(len(r.block_ids) for r in candidates) < memory.blocks_for(
-            req.num_tokens
-        ):
+        # A prefix two victims share is freed once (counted once each, both went for nothing).
+        if memory.num_free_blocks + self._num_freed(candidates) < memory.blocks_for(req.num_tokens):
             return Alloc.NO_SPACE
         status = Alloc.NO_SPACE
         for victim in candidates:

@@ -14,11 +14,11 @@ What it does as vLLM does:
   prompt's chunk (vLLM's `long_prefill_token_threshold` is 0 by default).
 
 What still differs from vLLM: the prefix cache and its block accounting are tierserve's
-(freed last block first and evicted in one LRU order, as vLLM's); there is no speculative decoding, no structured-output or LoRA limits, no
-encoder budget and no async scheduling; preempted requests rejoin the waiting queue at
-the end of the pass rather than the moment they are preempted (no admission happens in
-that pass either way); a request that would exceed the model length is rejected at
-submission rather than truncated.
+(freed last block first and evicted in one LRU order, as vLLM's); there is no speculative
+decoding, no structured-output or LoRA limits, no encoder budget and no async scheduling;
+preempted requests rejoin the waiting queue at the end of the pass rather than the moment
+they are preempted (no admission happens in that pass either way); a request that would
+exceed the model length is rejected at submission rather than truncated.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""Nobody is preempted for a waiting request unless it can then get its blocks: not for a
+seat (sglang-priority took a running request's seat for a P0 that could not get the memory,
+and the victim waited behind it), and not by counting a prefix two victims share once per
+holder (both went, and the P0 still did not fit)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tierserve.clock import VirtualClock
+from tierserve.config import EngineConfig
+from tierserve.engine import Engine
+from tierserve.executors.sim.executor import build_sim_executor
+from tierserve.request import Request, RequestStatus, SamplingParams
+from tierserve.tiers import Tier
+
+
+def _engine(policy: str, blocks: int, **scheduler: int) -> Engine:
+    config = EngineConfig()
+    config = replace(config, scheduler=replace(config.scheduler, **scheduler))
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8, block_size=16, num_device_blocks=blocks)
+    return Engine(config, policy, executor, VirtualClock())
+
+
+def _request(
+    rid: str, first: int, num_prompt: int, tier: Tier, at: float, prefix: tuple[int, ...] = ()
+) -> Request:
+    prompt = prefix + tuple(range(first, first + num_prompt))
+    return Request(rid, prompt, SamplingParams(max_tokens=60, ignore_eos=True), tier=tier, arrival_time=at)
+
+
+def test_a_seat_is_not_taken_for_a_request_that_still_would_not_fit() -> None:
+    eng = _engine("sglang-priority", blocks=40, max_num_seqs=2)
+    p1, p3 = _request("p1", 1000, 400, Tier.P1, 0.0), _request("p3", 5000, 40, Tier.P3, 0.0)
+    eng.add_request(p1)
+    eng.add_request(p3)
+    for _ in range(3):
+        eng.step()
+    # 11 free + P3's 3 < the P0's 20 blocks, and P1 is within the preemption threshold of P0
+    p0 = _request("p0", 9000, 320, Tier.P0, eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p0.status is RequestStatus.WAITING
+    assert p3.status is RequestStatus.RUNNING and p3.num_preemptions == 0
+
+
+def test_a_prefix_two_victims_share_is_counted_once() -> None:
+    eng = _engine("sglang-priority", blocks=40)
+    shared = tuple(range(5000, 5160))  # 10 blocks
+    filler = _request("p1", 1000, 316, Tier.P1, 0.0)
+    a = _request("a", 7000, 16, Tier.P3, 0.0, shared)
+    for r in (filler, a):
+        eng.add_request(r)
+    eng.step()
+    eng.step()
+    b = _request("b", 8000, 16, Tier.P3, eng.clock.now(), shared)
+    eng.add_request(b)
+    eng.step()
+    eng.step()
+    assert b.num_cached_tokens == 160
+    # 6 free + the 14 blocks a and b hold between them < the P0's 25 (counted once each: 30)
+    p0 = _request("p0", 9000, 25 * 16 - 20, Tier.P0, eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p0.status is RequestStatus.WAITING
+    assert (a.num_preemptions, b.num_preemptions) == (0, 0)
