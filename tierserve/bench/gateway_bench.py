@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--upstream-policy",
         default="fcfs",
         choices=sorted(POLICIES),
-        help="the overload replicas' own scheduling: fcfs (vLLM's default, no tiers; the "
+        help="the overload replicas' own scheduling: fcfs (close to vLLM's default, no tiers; the "
         "default) shows what the gateway's tiers buy; hybrid, tierserve's engines",
     )
     p.add_argument(
