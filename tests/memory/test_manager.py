@@ -146,7 +146,26 @@ def test_swap_out_and_in_keep_progress_and_move_blocks() -> None:
     back = mem.swap_in(req)
     assert not isinstance(back, Alloc) and len(back) == 3
     assert [h for h, _ in back] == [h for _, h in out]
+    assert mem.host.num_free == 5  # the swap-in reads them when the step's copies run
+    mem.check_integrity()
+    mem.host.copies_done()
     assert mem.host.num_free == 8
+    mem.check_integrity()
+
+
+def test_a_swap_out_does_not_take_the_host_slots_a_swap_in_of_the_same_pass_reads() -> None:
+    """The engine copies swap-outs first (their device blocks may be a swap-in's
+    destination); a swap-out handed the slots a swap-in had just given up overwrote that
+    request's KV before it was read, and it resumed on another request's KV."""
+    mem = KVCacheManager(8, 4, num_host_blocks=3)
+    a, b = make_request(num_prompt=12), make_request(num_prompt=12)
+    assert mem.admit(a) is Alloc.OK
+    read = [h for _, h in mem.swap_out(a) or []]
+    assert mem.admit(b) is Alloc.OK
+    assert not isinstance(mem.swap_in(a), Alloc)
+    assert mem.swap_out(b) is None  # the slots a's copy-in reads are not free yet
+    mem.host.copies_done()
+    assert sorted(h for _, h in mem.swap_out(b) or []) == sorted(read)  # free after the copies
     mem.check_integrity()
 
 

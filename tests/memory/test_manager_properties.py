@@ -99,6 +99,7 @@ class MemoryMachine(RuleBasedStateMachine):
             assert len(req.host_block_ids) == num_blocks
             return
         assert [d for _, d in result] == req.block_ids
+        self.mem.host.copies_done()  # the engine's step copies the blocks in, then frees the slots
         self.swapped.remove(req)
         self.running.append(req)
         self._assert_floors(req.tier)

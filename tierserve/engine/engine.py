@@ -174,6 +174,7 @@ class Engine:
                 outputs.extend(self._execute(out))
         finally:
             self._in_step = False
+            self.memory.host.copies_done()  # a swap-in's host slots, read by now, are free
         for request_id, reason in self._deferred:
             req = self.lifecycle.get(request_id)
             if req is not None:

@@ -238,7 +238,7 @@ class KVCacheManager:
             return status
         device_ids = self.pool.allocate_many(req.tier, len(req.host_block_ids))
         mapping = list(zip(req.host_block_ids, device_ids, strict=True))
-        self.host.free(req.host_block_ids)
+        self.host.free_after_copies(req.host_block_ids)  # the engine copies after the pass
         req.host_block_ids = []
         req.block_ids = device_ids
         del self._swapped[req.request_id]
