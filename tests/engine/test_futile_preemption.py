@@ -64,3 +64,31 @@ def test_a_prefix_two_victims_share_is_counted_once() -> None:
     eng.step()
     assert p0.status is RequestStatus.WAITING
     assert (a.num_preemptions, b.num_preemptions) == (0, 0)
+
+
+def test_no_victim_goes_for_a_request_that_a_floor_still_keeps_out() -> None:
+    """Counting free blocks alone, strict preempted a P3 for a P2 request that P0's unfilled
+    floor still kept out: the P3 lost its work and the P2 still waited."""
+    from tierserve.config import DEFAULT_TIERS
+    from tierserve.executors.null import NullExecutor
+
+    floors = {Tier.P0: 0.3, Tier.P1: 0.0, Tier.P2: 0.0, Tier.P3: 0.0}
+    tiers = {t: replace(DEFAULT_TIERS[t], floor=floors[t], reserve=0.0, ceiling=1.0) for t in Tier}
+    engine = Engine(
+        EngineConfig(tiers=tiers), "strict", NullExecutor(num_device_blocks=10, block_size=4), VirtualClock()
+    )
+    p1 = Request(
+        "p1", tuple(range(17)), SamplingParams(max_tokens=3, ignore_eos=True), tier=Tier.P1
+    )  # 5 blocks
+    p3 = Request(
+        "p3", tuple(range(100, 105)), SamplingParams(max_tokens=3, ignore_eos=True), tier=Tier.P3
+    )  # 2
+    for r in (p1, p3):
+        engine.add_request(r)
+    engine.step()
+    assert p1.status is p3.status is RequestStatus.RUNNING
+    # 3 blocks free, all of them P0's unfilled floor; P3's 2 would leave the P2 request 2 of its 3
+    p2 = Request("p2", tuple(range(200, 210)), SamplingParams(max_tokens=3, ignore_eos=True), tier=Tier.P2)
+    engine.add_request(p2)
+    engine.step()
+    assert p2.status is RequestStatus.WAITING and p3.num_preemptions == 0

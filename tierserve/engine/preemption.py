@@ -13,6 +13,7 @@ from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
 from tierserve.scheduling.step import PreemptMode, StepBudget
+from tierserve.tiers import ALL_TIERS
 
 
 class Preemptor:
@@ -97,17 +98,25 @@ class Preemptor:
         memory = self.memory
         if self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
             victims += self._admission_candidates(req, step, self.policy.admission_victim_ok)
-        if memory.num_free_blocks + self._num_freed(victims) < memory.blocks_for(req.num_tokens):
+        if not self._fits_after(req, victims):
             return False
         self.preempt(candidates[0], step, now)
         return True
 
-    def _num_freed(self, victims: list[Request]) -> int:
-        """Blocks that preempting all of `victims` would free: those no one else holds (a
-        prefix two victims share is one block, and one a request outside them holds stays)."""
+    def _fits_after(self, req: Request, victims: list[Request]) -> bool:
+        """Whether `req`'s blocks would pass the memory check (its tier's ceiling, the
+        unfilled floors of more urgent tiers) once all of `victims` had freed theirs: those
+        no one else holds (a prefix two victims share is one block; one a request outside
+        them holds stays). Counting free blocks alone, a victim went for a request that a
+        floor or its ceiling still kept out."""
         holders = Counter(b for r in dict.fromkeys(victims) for b in r.block_ids)
-        ref_count = self.memory.pool.ref_count
-        return sum(1 for b, n in holders.items() if ref_count[b] == n)
+        pool = self.memory.pool
+        freed = [0] * len(ALL_TIERS)
+        for b, n in holders.items():
+            if pool.ref_count[b] == n:
+                freed[pool.charged_tier[b]] += 1
+        needed = self.memory.blocks_for(req.num_tokens)
+        return self.memory.check_after(req.tier, needed, [-n for n in freed]) is Alloc.OK
 
     def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:
         """Preempt running requests, as the policy allows, until `req` can be admitted.
@@ -116,8 +125,7 @@ class Preemptor:
         if not self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
             return Alloc.NO_SPACE
         candidates = self._admission_candidates(req, step, self.policy.admission_victim_ok)
-        # A prefix two victims share is freed once (counted once each, both went for nothing).
-        if memory.num_free_blocks + self._num_freed(candidates) < memory.blocks_for(req.num_tokens):
+        if not self._fits_after(req, candidates):
             return Alloc.NO_SPACE
         status = Alloc.NO_SPACE
         for victim in candidates:
