@@ -92,3 +92,29 @@ def test_no_victim_goes_for_a_request_that_a_floor_still_keeps_out() -> None:
     engine.add_request(p2)
     engine.step()
     assert p2.status is RequestStatus.WAITING and p3.num_preemptions == 0
+
+
+def test_a_p0_behind_a_prompt_someone_holds_is_charged_only_its_new_blocks() -> None:
+    """Charged its whole length (31 blocks beside the 33 P0 held, over its ceiling of 40), a
+    P0 whose prompt is a system prompt a running P0 holds was refused the P3's seat, and
+    waited until the holder ended; it needs one new block."""
+    from tierserve.executors.null import NullExecutor
+
+    config = EngineConfig()
+    config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=2))
+    engine = Engine(config, "hybrid", NullExecutor(num_device_blocks=100, block_size=4), VirtualClock())
+    shared = tuple(range(10_000, 10_120))  # 30 blocks
+    a = Request("a", (*shared, 1), SamplingParams(max_tokens=20, ignore_eos=True), tier=Tier.P0)
+    p3 = Request(
+        "p3", tuple(range(50_000, 50_080)), SamplingParams(max_tokens=60, ignore_eos=True), tier=Tier.P3
+    )
+    for r in (a, p3):
+        engine.add_request(r)
+    for _ in range(5):
+        engine.step()
+    b = Request("b", (*shared, 2, 3), SamplingParams(max_tokens=4, ignore_eos=True), tier=Tier.P0)
+    b.arrival_time = engine.clock.now()
+    engine.add_request(b)
+    engine.step()
+    assert b.status is RequestStatus.RUNNING and b.num_cached_tokens == 120
+    assert p3.num_preemptions == 1 and a.status is RequestStatus.RUNNING

@@ -108,14 +108,16 @@ class Preemptor:
         unfilled floors of more urgent tiers) once all of `victims` had freed theirs: those
         no one else holds (a prefix two victims share is one block; one a request outside
         them holds stays). Counting free blocks alone, a victim went for a request that a
-        floor or its ceiling still kept out."""
+        floor or its ceiling still kept out. Its prefix hits on blocks someone else keeps
+        cost it nothing (charged its whole length, a P0 behind a shared system prompt was
+        kept over its ceiling and waited for the prompt's holder to end)."""
         holders = Counter(b for r in dict.fromkeys(victims) for b in r.block_ids)
         pool = self.memory.pool
         freed = [0] * len(ALL_TIERS)
         for b, n in holders.items():
             if pool.ref_count[b] == n:
                 freed[pool.charged_tier[b]] += 1
-        needed = self.memory.blocks_for(req.num_tokens)
+        needed = self.memory.blocks_to_admit(req, holders)
         return self.memory.check_after(req.tier, needed, [-n for n in freed]) is Alloc.OK
 
     def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:

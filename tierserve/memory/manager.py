@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks
@@ -137,6 +137,13 @@ class KVCacheManager:
         num_revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
         num_new = self.blocks_for(req.num_tokens) - len(hits)
         return self.check_after(req.tier, num_new + num_revived, taken)
+
+    def blocks_to_admit(self, req: Request, released: Mapping[int, int]) -> int:
+        """The blocks `admit(req)` would charge once `released[b]` references to each block b
+        were dropped: its length in blocks less the prefix hits someone else still holds (a
+        hit on a block nobody holds is revived, and charged as a new one)."""
+        kept = sum(1 for b in self._match_prefix(req) if self.pool.ref_count[b] > released.get(b, 0))
+        return self.blocks_for(req.num_tokens) - kept
 
     def within_entitlement(self, tier: Tier, num_new_blocks: int) -> bool:
         """Whether the tier would still be inside its floor + reserve (so it may reclaim)."""
