@@ -89,6 +89,9 @@ class Relay:
                 # An event cut short stays behind: the client gets whole events only.
                 too_large = isinstance(e, EventTooLarge)
                 tail = b"" if too_large else tap.flush()
+                if tap.done:  # `data: [DONE]` was the last thing whole: the stream is
+                    yield tail
+                    return
                 yield tail + self._error_event(str(e) if too_large else type(e).__name__) + DONE
                 return
             rest = tap.flush()

@@ -107,6 +107,8 @@ class SseUsageTap:
             self.done = True
 
     def _event(self, event: bytes) -> bytes:
+        if self.done:
+            return b""  # nothing after `data: [DONE]` is for the client
         self._note_done(event)
         # With usage asked for, every chunk carries `"usage": null` (OpenAI's format, and
         # tierserve's and vLLM's): only one whose usage is not null is worth parsing.
