@@ -97,3 +97,21 @@ def test_a_second_bench_writing_the_same_out_is_refused_while_the_first_runs(
     assert held.returncode != 0 and "another tierserve bench is writing there" in held.stderr
     release_out(out)  # this process's results are written: free for the next
     assert subprocess.run([sys.executable, "-c", script], input="", capture_output=True).returncode == 0
+
+
+def test_a_lock_that_cannot_be_taken_for_another_reason_does_not_stop_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No locks on that file system (ENOLCK), or a lock file another user made: refusing
+    the run for it would stop every bench there; the run goes on unguarded."""
+    import errno
+    import fcntl
+
+    from tierserve.bench import output
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    output.make_out_folder(str(tmp_path / "r.json"))  # no refusal
+    output.make_out_dir(tmp_path / "results")

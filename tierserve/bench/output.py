@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -71,36 +72,47 @@ def make_out_dir(out: Path) -> None:
     _claim(out, out)
 
 
-_claimed: dict[Path, int] = {}  # the outputs this process writes: a locked file's descriptor each
+_claimed: dict[Path, tuple[int, Path]] = {}  # the outputs this process writes: (lock fd, lock file)
 
 
 def _claim(path: Path, out: str | Path) -> None:
     """Hold a lock on `path` (a file or folder to write) until `release_out` or the end of
     this process, or refuse it: two benches writing one --out at once each said "wrote",
     over the other's results. The lock file lives in the temporary folder, named by the
-    path, not beside the results."""
+    user and the path, not beside the results. A lock that cannot be taken for any other
+    reason (no locks on that file system) is not a refusal: the run goes on unguarded."""
     key = path.resolve()
     if key in _claimed:
         return
     digest = hashlib.sha256(str(key).encode()).hexdigest()[:16]
-    lock = Path(tempfile.gettempdir()) / f"tierserve-out-{digest}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = Path(tempfile.gettempdir()) / f"tierserve-out-{os.getuid()}-{digest}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+    except OSError as e:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        raise ValueError(f"--out {out}: another tierserve bench is writing there (pid {holder})") from None
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            whom = f"pid {holder}" if holder else "its pid not written yet"
+            raise ValueError(f"--out {out}: another tierserve bench is writing there ({whom})") from None
+        return
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
-    _claimed[key] = fd
+    _claimed[key] = (fd, lock)
 
 
 def release_out(path: str | Path) -> None:
     """The results at `path` are written: another bench may write there now (the lock taken
-    by `make_out_folder` or `make_out_dir`; an in-process caller, a test, may run twice)."""
-    fd = _claimed.pop(Path(path).resolve(), None)
-    if fd is not None:
+    by `make_out_folder` or `make_out_dir`; an in-process caller, a test, may run twice).
+    The lock file goes too (one a bench opened just before is then a file of its own: two
+    benches starting in that instant are not told of each other, a race this guard accepts)."""
+    claimed = _claimed.pop(Path(path).resolve(), None)
+    if claimed is not None:
+        fd, lock = claimed
+        lock.unlink(missing_ok=True)
         os.close(fd)
 
 
