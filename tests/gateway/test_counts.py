@@ -21,7 +21,7 @@ from tests.gateway.fakes import (
     gateway_over,
     spread_body,
 )
-from tierserve.gateway.config import parse_gateway_config
+from tierserve.gateway.config import GatewayConfig, parse_gateway_config
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -44,6 +44,17 @@ def _until(done: Callable[[], bool]) -> None:
         time.sleep(0.02)
 
 
+def _one_vllm(url: str, upstream: str = "", gateway: str = "", head: str = "") -> GatewayConfig:
+    """A gateway over one upstream of kind vllm, scraped every 0.2 s; `upstream` and
+    `gateway` add lines to their tables, `head` tables before them."""
+    return parse_gateway_config(
+        tomllib.loads(
+            f"{head}[gateway]\nscrape_interval_s = 0.2\n{gateway}"
+            f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n{upstream}'
+        )
+    )
+
+
 def test_a_mix_of_served_queued_gone_and_refused_requests_adds_up() -> None:
     """A request that waited in the gateway's queue was counted twice in the routing
     decisions (`queued`, then the reason it was sent by), and one whose client left the
@@ -52,12 +63,8 @@ def test_a_mix_of_served_queued_gone_and_refused_requests_adds_up() -> None:
     hold = threading.Event()
     upstream = FakeUpstream("ok", hold=hold)  # each reply waits for `hold`
     with fake_upstream(upstream) as url:
-        config = parse_gateway_config(
-            tomllib.loads(
-                "[limits.queue_cap]\nP0 = 2\nP1 = 2\nP2 = 2\nP3 = 2\n"
-                "[gateway]\nscrape_interval_s = 0.2\n"
-                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\nmax_in_flight = 1\n'
-            )
+        config = _one_vllm(
+            url, upstream="max_in_flight = 1\n", head="[limits.queue_cap]\nP0 = 2\nP1 = 2\nP2 = 2\nP3 = 2\n"
         )
         with gateway_of(config) as (gw, state):
             endpoint = gw.url + "/v1/chat/completions"
@@ -116,12 +123,7 @@ def test_a_wait_in_the_gateway_queue_is_not_counted_as_the_gateway_s_added_time(
     hold = threading.Event()
     upstream = FakeUpstream("ok", hold=hold)
     with fake_upstream(upstream) as url:
-        config = parse_gateway_config(
-            tomllib.loads(
-                "[gateway]\nscrape_interval_s = 0.2\n"
-                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\nmax_in_flight = 1\n'
-            )
-        )
+        config = _one_vllm(url, upstream="max_in_flight = 1\n")
         with gateway_of(config) as (gw, state):
             endpoint = gw.url + "/v1/chat/completions"
             statuses: list[int] = []
@@ -172,12 +174,7 @@ def test_a_malformed_vllm_xargs_is_a_400_and_a_failure_no_branch_foresaw_gives_i
     from tierserve.gateway import forward
 
     with fake_upstream(FakeUpstream("ok")) as url:
-        config = parse_gateway_config(
-            tomllib.loads(
-                "[gateway]\nscrape_interval_s = 0.2\n"
-                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\nmax_in_flight = 1\n'
-            )
-        )
+        config = _one_vllm(url, upstream="max_in_flight = 1\n")
         with gateway_of(config) as (gw, state):
             endpoint = gw.url + "/v1/chat/completions"
             for bad in ("oops", 5, [1, 2]):
@@ -203,12 +200,7 @@ def test_a_client_that_closes_on_done_read_the_whole_stream() -> None:
     the upstream's stream had not ended yet, the gateway counted the stream as client_left
     (3-15 % of streams) and dropped the upstream connection."""
     with fake_upstream(FakeUpstream("ok", end_after_done_s=1.0)) as url:
-        config = parse_gateway_config(
-            tomllib.loads(
-                "[gateway]\nscrape_interval_s = 0.2\n"
-                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n'
-            )
-        )
+        config = _one_vllm(url)
         with gateway_of(config) as (gw, state):
             with httpx.stream(
                 "POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}
@@ -252,12 +244,7 @@ def test_a_failure_after_the_reply_was_read_gives_the_seat_back_once() -> None:
         return asgi
 
     with serve_thread(None, upstream(FakeUpstream("ok").app())) as up:
-        config = parse_gateway_config(
-            tomllib.loads(
-                "[gateway]\nscrape_interval_s = 0.2\n"
-                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{up.url}"\nmax_in_flight = 2\n'
-            )
-        )
+        config = _one_vllm(up.url, upstream="max_in_flight = 2\n")
         with gateway_of(config) as (gw, state):
             endpoint = gw.url + "/v1/chat/completions"
             slow = threading.Thread(target=lambda: httpx.post(endpoint, json=CHAT, timeout=60))
@@ -277,12 +264,7 @@ def test_an_upstream_that_lingers_after_done_does_not_hold_the_request(one_write
     request in flight until the read timeout and it was counted broken (also when the whole
     stream came with its first bytes, before the relay's loop)."""
     with fake_upstream(FakeUpstream("ok", end_after_done_s=30.0, one_write=one_write)) as url:
-        config = parse_gateway_config(
-            tomllib.loads(
-                "[gateway]\nscrape_interval_s = 0.2\nread_timeout_s = 20.0\n"
-                f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n'
-            )
-        )
+        config = _one_vllm(url, gateway="read_timeout_s = 20.0\n")
         with gateway_of(config) as (gw, state):
             started = time.monotonic()
             reply = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60)

@@ -144,32 +144,8 @@ def test_drawn_runs_are_kept_for_a_bounded_number_of_requests() -> None:
     assert 0 < len(tokens._ahead) <= AHEAD_MEMO_SIZE
 
 
-def test_a_local_model_directory_builds_the_same_executor_as_its_built_in_name(tmp_path: Path) -> None:
-    """`serve --backend sim --model DIR` and `profile --model DIR` go through this: the config
-    of Llama-3.1-8B written out gives the built-in model's blocks and context."""
-    m = LLAMA_3_1_8B
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size,
-        "num_hidden_layers": m.num_hidden_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_key_value_heads,
-        "max_position_embeddings": m.max_position_embeddings,
-        "torch_dtype": "bfloat16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    local = build_sim_executor(str(tmp_path), "a100-80gb")
-    built_in = build_sim_executor("llama-3.1-8b", "a100-80gb")
-    assert local.spec.num_device_blocks == built_in.spec.num_device_blocks
-    assert local.spec.max_model_len == built_in.spec.max_model_len
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_a_float32_checkpoint_is_priced_in_the_16_bits_a_gpu_runs_it_in(tmp_path: Path, dtype: str) -> None:
-    """vLLM's dtype "auto" and the torch executor on a GPU both run a float32 checkpoint in
-    16 bits: at 4 bytes its K/V capacity was 2.6x too small and its decode steps 1.7x too long."""
+def _llama_8b_directory(folder: Path, dtype: str) -> str:
+    """Llama-3.1-8B's config.json written out, in `dtype`."""
     m = LLAMA_3_1_8B
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -182,8 +158,24 @@ def test_a_float32_checkpoint_is_priced_in_the_16_bits_a_gpu_runs_it_in(tmp_path
         "max_position_embeddings": m.max_position_embeddings,
         "torch_dtype": dtype,
     }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    local = build_sim_executor(str(tmp_path), "a100-80gb")
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_local_model_directory_builds_the_same_executor_as_its_built_in_name(tmp_path: Path) -> None:
+    """`serve --backend sim --model DIR` and `profile --model DIR` go through this: the config
+    of Llama-3.1-8B written out gives the built-in model's blocks and context."""
+    local = build_sim_executor(_llama_8b_directory(tmp_path, "bfloat16"), "a100-80gb")
+    built_in = build_sim_executor("llama-3.1-8b", "a100-80gb")
+    assert local.spec.num_device_blocks == built_in.spec.num_device_blocks
+    assert local.spec.max_model_len == built_in.spec.max_model_len
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_float32_checkpoint_is_priced_in_the_16_bits_a_gpu_runs_it_in(tmp_path: Path, dtype: str) -> None:
+    """vLLM's dtype "auto" and the torch executor on a GPU both run a float32 checkpoint in
+    16 bits: at 4 bytes its K/V capacity was 2.6x too small and its decode steps 1.7x too long."""
+    local = build_sim_executor(_llama_8b_directory(tmp_path, dtype), "a100-80gb")
     built_in = build_sim_executor("llama-3.1-8b", "a100-80gb")
     assert local.spec.num_device_blocks == built_in.spec.num_device_blocks
     assert local.cost.decode_step_cost(1, 1000) == built_in.cost.decode_step_cost(1, 1000)
