@@ -6,6 +6,7 @@ from tierserve.memory.block_pool import BlockPool
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.memory.partition import TierPartition
+from tierserve.request import Request
 from tierserve.tiers import Tier
 
 
@@ -49,15 +50,20 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     assert b.num_computed_tokens == 12
 
 
+def _computed_then_freed(mem: KVCacheManager, *requests: Request) -> None:
+    """Each request admitted, its prompt computed into the prefix cache, and freed, in turn."""
+    for r in requests:
+        assert mem.admit(r) is Alloc.OK
+        r.num_computed_tokens = r.num_tokens
+        mem.cache_computed_blocks(r)
+        mem.free(r)
+
+
 def test_freed_cached_blocks_stay_reusable_until_evicted_lowest_tier_first() -> None:
     mem = KVCacheManager(6, 4)
     low = make_request(tokens=list(range(8)), tier=Tier.P3)
     high = make_request(tokens=list(range(100, 108)), tier=Tier.P0)
-    for r in (low, high):
-        assert mem.admit(r) is Alloc.OK
-        r.num_computed_tokens = 8
-        mem.cache_computed_blocks(r)
-        mem.free(r)
+    _computed_then_freed(mem, low, high)
     assert mem.num_free_blocks == 6 and mem.pool.num_cached_free == 4
     # Four blocks are needed: two plain free ones, then P3's cached blocks are evicted.
     filler = make_request(tokens=[7] * 16, tier=Tier.P1)
@@ -302,11 +308,7 @@ def test_a_pool_without_tiers_evicts_in_one_lru_order_whatever_the_tier() -> Non
         mem = mem or KVCacheManager(4, 4, evict_by_tier=evict_by_tier)
         first = make_request(tokens=list(range(8)), tier=Tier.P0)  # freed first: least recent
         later = make_request(tokens=list(range(100, 108)), tier=Tier.P3)
-        for r in (first, later):
-            assert mem.admit(r) is Alloc.OK
-            r.num_computed_tokens = 8
-            mem.cache_computed_blocks(r)
-            mem.free(r)
+        _computed_then_freed(mem, first, later)
         taker = make_request(tokens=[7] * 8, tier=Tier.P1)  # evicts two cached blocks
         assert mem.admit(taker) is Alloc.OK
         mem.free(taker)
