@@ -118,3 +118,31 @@ def test_a_p0_behind_a_prompt_someone_holds_is_charged_only_its_new_blocks() -> 
     engine.step()
     assert b.status is RequestStatus.RUNNING and b.num_cached_tokens == 120
     assert p3.num_preemptions == 1 and a.status is RequestStatus.RUNNING
+
+
+def test_a_p1_behind_a_prompt_another_p1_holds_reclaims_within_its_entitlement() -> None:
+    """Hybrid's gate asked whether the whole prompt fit P1's floor and reserve (21 blocks
+    beside the 21 P1 held, over 30) though admission would charge it one: the P3 kept its
+    borrowed blocks and the P1 request waited for memory, step after step."""
+    from tierserve.executors.null import NullExecutor
+
+    engine = Engine(
+        EngineConfig(), "hybrid", NullExecutor(num_device_blocks=100, block_size=4), VirtualClock()
+    )
+    shared = tuple(range(10_000, 10_080))  # 20 blocks
+    a = Request("a", (*shared, 1), SamplingParams(max_tokens=30, ignore_eos=True), tier=Tier.P1)
+    p3 = Request(
+        "p3", tuple(range(50_000, 50_253)), SamplingParams(max_tokens=20, ignore_eos=True), tier=Tier.P3
+    )
+    for r in (a, p3):
+        engine.add_request(r)
+    for _ in range(12):
+        engine.step()
+        if engine.memory.pool.used_by_tier[Tier.P3] == 64:
+            break
+    assert engine.memory.borrowed_blocks(Tier.P3) > 0 and engine.memory.num_free_blocks < 2 + 15
+    b = Request("b", (*shared, 2, 3), SamplingParams(max_tokens=4, ignore_eos=True), tier=Tier.P1)
+    b.arrival_time = engine.clock.now()
+    engine.add_request(b)
+    engine.step()
+    assert b.status is RequestStatus.RUNNING and p3.num_preemptions == 1

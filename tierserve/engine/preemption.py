@@ -96,7 +96,7 @@ class Preemptor:
         # behind `req` until a seat came free).
         victims = [candidates[0]]
         memory = self.memory
-        if self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
+        if self.policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
             victims += self._admission_candidates(req, step, self.policy.admission_victim_ok)
         if not self._fits_after(req, victims):
             return False
@@ -124,7 +124,9 @@ class Preemptor:
         """Preempt running requests, as the policy allows, until `req` can be admitted.
         Nobody is preempted unless the victims allowed could free enough blocks."""
         memory = self.memory
-        if not self.policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
+        # What admission would charge: a prefix someone holds is free (charged its whole
+        # length, a P1 behind a shared prompt was kept from reclaiming its own entitlement).
+        if not self.policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
             return Alloc.NO_SPACE
         candidates = self._admission_candidates(req, step, self.policy.admission_victim_ok)
         if not self._fits_after(req, candidates):

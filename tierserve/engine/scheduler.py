@@ -336,7 +336,7 @@ class Scheduler:
         if status is Alloc.OK or (status is Alloc.OVER_CEILING and policy.holds_tiers):
             return False  # it, or (its tier held) a request of another tier, might be admitted
         if status is Alloc.NO_SPACE:
-            if policy.preempts_for_admission(req, memory, memory.blocks_for(req.num_tokens)):
+            if policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {}, taken)):
                 return False
             if any(memory.used_blocks(t) + taken[t] for t in ALL_TIERS[req.tier + 1 :]):
                 return req  # `_note_memory_wait`

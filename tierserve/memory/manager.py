@@ -138,11 +138,17 @@ class KVCacheManager:
         num_new = self.blocks_for(req.num_tokens) - len(hits)
         return self.check_after(req.tier, num_new + num_revived, taken)
 
-    def blocks_to_admit(self, req: Request, released: Mapping[int, int]) -> int:
+    def blocks_to_admit(
+        self, req: Request, released: Mapping[int, int], taken: Sequence[int] | None = None
+    ) -> int:
         """The blocks `admit(req)` would charge once `released[b]` references to each block b
-        were dropped: its length in blocks less the prefix hits someone else still holds (a
-        hit on a block nobody holds is revived, and charged as a new one)."""
-        kept = sum(1 for b in self._match_prefix(req) if self.pool.ref_count[b] > released.get(b, 0))
+        were dropped (and, with `taken`, once `taken[t]` more blocks had gone to each tier t,
+        evicting what they would): its length in blocks less the prefix hits someone else
+        still holds (a hit on a block nobody holds is revived, and charged as a new one)."""
+        num_taken = sum(taken) if taken is not None else 0
+        evicted = self.pool.next_evicted(num_taken) if num_taken > self.pool.num_free_uncached else set()
+        hits = self._match_prefix(req, evicted)
+        kept = sum(1 for b in hits if self.pool.ref_count[b] > released.get(b, 0))
         return self.blocks_for(req.num_tokens) - kept
 
     def within_entitlement(self, tier: Tier, num_new_blocks: int) -> bool:
