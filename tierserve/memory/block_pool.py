@@ -53,9 +53,11 @@ def hash_blocks(parent_key: BlockKey | None, token_ids: Sequence[int], block_siz
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, evict_by_tier: bool = True) -> None:
-        """`evict_by_tier`: cached blocks are evicted P3's first, then P2's...; without it, in
-        one least-recently-used order whatever their tier, as vLLM's pool does (the policies
-        that share one pool: a tier's label then changed which prefixes survived)."""
+        """`evict_by_tier`: P0's cached blocks are evicted last, the other tiers' before them
+        in one least-recently-used order; without it all in that one order, as vLLM's pool
+        (the policies that share one pool: a tier's label then changed which prefixes
+        survived). Evicting P3's, then P2's, then P1's first, as the tiers' order went,
+        cost the light loads' goodput 0.3 % in prefix misses and gave P0 nothing more."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -71,15 +73,20 @@ class BlockPool:
         self.used_by_tier = [0] * len(ALL_TIERS)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields low ids first
         self._hash_to_block: dict[BlockKey, int] = {}
-        # Cached-free blocks per tier that last held them, least recently used first (all
-        # under the first list when not `evict_by_tier`: `_lru`).
+        # Cached-free blocks, least recently used first, in the lists `_lru` files them under
+        # (by the tier that last held them); emptied from the last list to the first.
         self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in ALL_TIERS]
         self._num_evictable = 0
         self._by_tier = evict_by_tier
 
     def _lru(self, tier: int) -> OrderedDict[int, None]:
         """The list a cached-free block last held by `tier` waits in."""
-        return self._evictable[tier if self._by_tier else 0]
+        return self._evictable[self._lru_index(tier)]
+
+    def _lru_index(self, tier: int) -> int:
+        """P0's list is emptied last; every other tier's blocks share the last list (and
+        every tier's, the first, without `evict_by_tier`)."""
+        return 0 if not self._by_tier or tier == 0 else len(ALL_TIERS) - 1
 
     @property
     def num_free(self) -> int:
@@ -238,7 +245,7 @@ class BlockPool:
             for b in lru:
                 if b in evictable:
                     raise KVIntegrityError(f"block {b} is evictable twice")
-                if (self.charged_tier[b] if self._by_tier else 0) != tier:  # see `_lru`
+                if self._lru_index(self.charged_tier[b]) != tier:  # see `_lru`
                     raise KVIntegrityError(f"evictable block {b} filed under the wrong tier")
                 evictable.add(b)
         if len(evictable) != self._num_evictable:
