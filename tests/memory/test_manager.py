@@ -330,3 +330,25 @@ def test_a_pool_without_tiers_evicts_in_one_lru_order_whatever_the_tier() -> Non
             EngineConfig(), policy, NullExecutor(num_device_blocks=4, block_size=4), VirtualClock()
         )
         assert survivors(False, engine.memory) == 0, policy
+
+
+def test_tiered_eviction_keeps_p0_last_and_evicts_the_others_least_recently_used_first() -> None:
+    """P3's, then P2's, then P1's cached blocks went first whatever their age: a P1 prompt
+    used long ago outlived a P3 prompt used a moment ago. Only P0's are kept apart."""
+    mem = KVCacheManager(6, 4)  # tiered by default
+    p0, p1, p3 = (
+        make_request(tokens=list(range(k, k + 8)), tier=t)
+        for k, t in ((0, Tier.P0), (100, Tier.P1), (200, Tier.P3))
+    )
+    _computed_then_freed(mem, p0, p1, p3)  # p0 least recent, then p1, then p3
+    taker = make_request(tokens=[7] * 8, tier=Tier.P2)  # evicts two cached blocks
+    assert mem.admit(taker) is Alloc.OK
+    mem.free(taker)
+    hits = {}
+    for k, t in ((200, Tier.P3), (0, Tier.P0), (100, Tier.P1)):  # the hits first: none evicts
+        again = make_request(tokens=list(range(k, k + 9)), tier=t)
+        assert mem.admit(again) is Alloc.OK
+        hits[t] = again.num_cached_tokens
+        mem.free(again)
+    assert hits == {Tier.P0: 8, Tier.P1: 0, Tier.P3: 8}  # P1's went: the least recent after P0's
+    mem.check_integrity()
