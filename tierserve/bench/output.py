@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import hashlib
@@ -99,16 +100,32 @@ def _claim(path: Path, out: str | Path) -> None:
             whom = f"pid {holder}" if holder else "its pid not written yet"
             raise ValueError(f"--out {out}: another tierserve bench is writing there ({whom})") from None
         return
+    try:
+        current = os.stat(lock).st_ino
+    except OSError:
+        current = None
+    if current != os.fstat(fd).st_ino:  # released and removed meanwhile: lock the new file
+        os.close(fd)
+        _claim(path, out)
+        return
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    if not _claimed:
+        atexit.register(_release_all)
     _claimed[key] = (fd, lock)
+
+
+def _release_all() -> None:
+    """At exit, the locks of a run that stopped before its results were written."""
+    for path in list(_claimed):
+        release_out(path)
 
 
 def release_out(path: str | Path) -> None:
     """The results at `path` are written: another bench may write there now (the lock taken
     by `make_out_folder` or `make_out_dir`; an in-process caller, a test, may run twice).
-    The lock file goes too (one a bench opened just before is then a file of its own: two
-    benches starting in that instant are not told of each other, a race this guard accepts)."""
+    The lock file goes too: a bench that opened it just before finds, once it holds the
+    lock, that the file is no longer the one at that path, and locks the new one."""
     claimed = _claimed.pop(Path(path).resolve(), None)
     if claimed is not None:
         fd, lock = claimed
