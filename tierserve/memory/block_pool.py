@@ -3,7 +3,7 @@
 Invariant: every block is in exactly one of three states —
   * in use:      ref_count > 0, charged to exactly one tier;
   * cached-free: ref_count == 0, holds a full block whose hash is in the prefix cache,
-                 kept in its tier's LRU until evicted (lowest tier first);
+                 kept in an LRU list until evicted (P0's last: `_lru`);
   * free:        ref_count == 0, no hash, on the free list.
 `num_free` counts cached-free and free blocks: both can be handed out.
 
