@@ -94,6 +94,20 @@ def test_no_victim_goes_for_a_request_that_a_floor_still_keeps_out() -> None:
     assert p2.status is RequestStatus.WAITING and p3.num_preemptions == 0
 
 
+def _holder_beside_a_p3(
+    engine: Engine, tier: Tier, num_blocks: int, sizes: tuple[int, int, int]
+) -> tuple[tuple[int, ...], Request, Request]:
+    """A request of `tier` holding a prompt of `num_blocks` 4-token blocks (and a token),
+    beside a P3; `sizes`: its max_tokens, the P3's prompt tokens and max_tokens."""
+    shared = tuple(range(10_000, 10_000 + 4 * num_blocks))
+    a = Request("a", (*shared, 1), SamplingParams(max_tokens=sizes[0], ignore_eos=True), tier=tier)
+    p3_prompt = tuple(range(50_000, 50_000 + sizes[1]))
+    p3 = Request("p3", p3_prompt, SamplingParams(max_tokens=sizes[2], ignore_eos=True), tier=Tier.P3)
+    for r in (a, p3):
+        engine.add_request(r)
+    return shared, a, p3
+
+
 def test_a_p0_behind_a_prompt_someone_holds_is_charged_only_its_new_blocks() -> None:
     """Charged its whole length (31 blocks beside the 33 P0 held, over its ceiling of 40), a
     P0 whose prompt is a system prompt a running P0 holds was refused the P3's seat, and
@@ -103,13 +117,7 @@ def test_a_p0_behind_a_prompt_someone_holds_is_charged_only_its_new_blocks() -> 
     config = EngineConfig()
     config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=2))
     engine = Engine(config, "hybrid", NullExecutor(num_device_blocks=100, block_size=4), VirtualClock())
-    shared = tuple(range(10_000, 10_120))  # 30 blocks
-    a = Request("a", (*shared, 1), SamplingParams(max_tokens=20, ignore_eos=True), tier=Tier.P0)
-    p3 = Request(
-        "p3", tuple(range(50_000, 50_080)), SamplingParams(max_tokens=60, ignore_eos=True), tier=Tier.P3
-    )
-    for r in (a, p3):
-        engine.add_request(r)
+    shared, a, p3 = _holder_beside_a_p3(engine, Tier.P0, 30, (20, 80, 60))
     for _ in range(5):
         engine.step()
     b = Request("b", (*shared, 2, 3), SamplingParams(max_tokens=4, ignore_eos=True), tier=Tier.P0)
@@ -129,13 +137,7 @@ def test_a_p1_behind_a_prompt_another_p1_holds_reclaims_within_its_entitlement()
     engine = Engine(
         EngineConfig(), "hybrid", NullExecutor(num_device_blocks=100, block_size=4), VirtualClock()
     )
-    shared = tuple(range(10_000, 10_080))  # 20 blocks
-    a = Request("a", (*shared, 1), SamplingParams(max_tokens=30, ignore_eos=True), tier=Tier.P1)
-    p3 = Request(
-        "p3", tuple(range(50_000, 50_253)), SamplingParams(max_tokens=20, ignore_eos=True), tier=Tier.P3
-    )
-    for r in (a, p3):
-        engine.add_request(r)
+    shared, _, p3 = _holder_beside_a_p3(engine, Tier.P1, 20, (30, 253, 20))
     for _ in range(12):
         engine.step()
         if engine.memory.pool.used_by_tier[Tier.P3] == 64:
