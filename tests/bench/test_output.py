@@ -115,3 +115,34 @@ def test_a_lock_that_cannot_be_taken_for_another_reason_does_not_stop_the_run(
     monkeypatch.setattr(fcntl, "flock", no_locks)
     output.make_out_folder(str(tmp_path / "r.json"))  # no refusal
     output.make_out_dir(tmp_path / "results")
+
+
+def test_a_lock_file_removed_meanwhile_is_retaken_and_a_run_leaves_none_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bench that opened the lock file just before its holder released (and removed) it
+    held a lock on a file no longer at that path, beside a third bench on the new one; and a
+    run that stopped before writing left its lock file in /tmp."""
+    import sys
+
+    from tierserve.bench import output
+
+    out = tmp_path / "r.json"
+    real_stat, calls = output.os.stat, []
+
+    def removed_once(path: object, *args: object, **kwargs: object) -> object:
+        if str(path).endswith(".lock") and not calls:
+            calls.append(path)
+            Path(str(path)).unlink()  # its holder released and removed it after our open
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output.os, "stat", removed_once)
+    output.make_out_folder(str(out))
+    fd, lock = output._claimed[out.resolve()]
+    assert calls and real_stat(lock).st_ino == output.os.fstat(fd).st_ino  # the file at that path
+    output.release_out(out)
+    assert not lock.exists()
+    # A run that claims and stops without writing: its lock file goes at exit.
+    script = f"from tierserve.bench.output import make_out_folder\nmake_out_folder({str(out)!r})\n"
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 0
+    assert not lock.exists()

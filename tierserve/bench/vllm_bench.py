@@ -335,6 +335,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "throughput and preemptions, side by side (docs/vllm.md).",
     )
     p.add_argument("--json", action="store_true", help='print {"runs": {NAME: {...}}, ...} as JSON')
+    _add_workload_args(p)
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="run every contender this many times in turn and report each figure's median, "
+        "each repeat's figures under `repeats` (default: %(default)s)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=default_vllm_python(),
+        help="python of vLLM's venv (default: .venv-vllm beside the repository where it exists, "
+        "else this python)",
+    )
+    p.add_argument(
+        "--out",
+        type=out_path,
+        default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"),
+        help="folder for the checkpoint, the workload and results.json (a contender's log is "
+        "printed where it fails; default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout-s", type=positive_float, default=600.0, help="per contender (default: %(default)s)"
+    )
+    p.add_argument("--skip-engine", action="store_true", help="leave out tierserve's own engine")
+    p.set_defaults(func=run)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What each contender is sent: the mix's seed, the flood, the P0 requests, the rounds."""
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
     # Sized so that the flood outruns a 16-sequence engine even on an idle machine (32 over
     # 2 s did not: P0 was faster under it than alone, and nothing was preempted).
@@ -363,32 +394,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="run both phases this many times on each engine, new prompts each round, and pool "
         "the figures (default: %(default)s)",
     )
-    p.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=1,
-        help="run every contender this many times in turn and report each figure's median, "
-        "each repeat's figures under `repeats` (default: %(default)s)",
-    )
-    p.add_argument(
-        "--vllm-python",
-        type=Path,
-        default=default_vllm_python(),
-        help="python of vLLM's venv (default: .venv-vllm beside the repository where it exists, "
-        "else this python)",
-    )
-    p.add_argument(
-        "--out",
-        type=out_path,
-        default=str(Path(tempfile.gettempdir()) / "tierserve-bench-vllm"),
-        help="folder for the checkpoint, the workload and results.json (a contender's log is "
-        "printed where it fails; default: %(default)s)",
-    )
-    p.add_argument(
-        "--timeout-s", type=positive_float, default=600.0, help="per contender (default: %(default)s)"
-    )
-    p.add_argument("--skip-engine", action="store_true", help="leave out tierserve's own engine")
-    p.set_defaults(func=run)
 
 
 def check_vllm_python(python: Path) -> None:

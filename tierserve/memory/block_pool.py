@@ -73,9 +73,9 @@ class BlockPool:
         self.used_by_tier = [0] * len(ALL_TIERS)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields low ids first
         self._hash_to_block: dict[BlockKey, int] = {}
-        # Cached-free blocks, least recently used first, in the lists `_lru` files them under
-        # (by the tier that last held them); emptied from the last list to the first.
-        self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in ALL_TIERS]
+        # Cached-free blocks, least recently used first: P0's, then the other tiers' (all in
+        # the first list without `evict_by_tier`: `_lru_index`); emptied last list first.
+        self._evictable: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict()]
         self._num_evictable = 0
         self._by_tier = evict_by_tier
 
@@ -84,9 +84,9 @@ class BlockPool:
         return self._evictable[self._lru_index(tier)]
 
     def _lru_index(self, tier: int) -> int:
-        """P0's list is emptied last; every other tier's blocks share the last list (and
-        every tier's, the first, without `evict_by_tier`)."""
-        return 0 if not self._by_tier or tier == 0 else len(ALL_TIERS) - 1
+        """P0's list (the first) is emptied last; every other tier's blocks share the second
+        (and every tier's the first, without `evict_by_tier`)."""
+        return 1 if self._by_tier and tier != 0 else 0
 
     @property
     def num_free(self) -> int:
@@ -210,8 +210,8 @@ class BlockPool:
         return evicted
 
     def _evict(self, num_blocks: int) -> list[int]:
-        """Empty `num_blocks` cached-free blocks, least recently used first, P3's before
-        P2's and so on (a prompt's allocation evicts tens of blocks: one pass for them)."""
+        """Empty `num_blocks` cached-free blocks, least recently used first, P0's last (a
+        prompt's allocation evicts tens of blocks: one pass for them)."""
         if num_blocks > self._num_evictable:
             raise KVIntegrityError("allocate() called with no free block")
         block_hash, content, charged_tier = self.block_hash, self._content, self.charged_tier
@@ -241,12 +241,12 @@ class BlockPool:
         if len(free) != len(self._free):
             raise KVIntegrityError("a block is on the free list twice")
         evictable: set[int] = set()
-        for tier, lru in enumerate(self._evictable):
+        for index, lru in enumerate(self._evictable):
             for b in lru:
                 if b in evictable:
                     raise KVIntegrityError(f"block {b} is evictable twice")
-                if self._lru_index(self.charged_tier[b]) != tier:  # see `_lru`
-                    raise KVIntegrityError(f"evictable block {b} filed under the wrong tier")
+                if self._lru_index(self.charged_tier[b]) != index:
+                    raise KVIntegrityError(f"evictable block {b} filed under the wrong list")
                 evictable.add(b)
         if len(evictable) != self._num_evictable:
             raise KVIntegrityError("evictable count drifted")
