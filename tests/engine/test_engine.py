@@ -46,6 +46,25 @@ def test_a_request_runs_prefill_then_decodes_to_max_tokens() -> None:
     assert eng.memory.num_free_blocks == eng.memory.num_blocks
 
 
+def test_the_thread_clock_is_read_only_when_the_engine_is_asked_to_time_its_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread clock is a system call, slow on a busy host: a simulation never reads it."""
+    reads = []
+    monkeypatch.setattr("tierserve.engine.engine.time.thread_time", lambda: reads.append(1) or 0.0)
+    eng = engine()
+    eng.add_request(make_request(num_prompt=40, max_tokens=5))
+    run(eng)
+    assert reads == []
+    eng.time_schedule = True
+    eng.add_request(make_request(num_prompt=40, max_tokens=5))
+    passes = 0
+    while eng.has_unfinished():
+        eng.step()
+        passes += 1
+    assert passes > 0 and len(reads) == 2 * passes  # before the pass and after it
+
+
 def test_stop_tokens_and_eos_end_a_request_early() -> None:
     eng = engine()
     stopper = make_request(max_tokens=50, stop_token_ids=(7,))  # NullExecutor samples 7

@@ -49,6 +49,7 @@ def measure(
     )
     clock = VirtualClock()
     engine = Engine(config, policy, executor, clock)
+    engine.time_schedule = True
     serial = 0
 
     def submit(n: int) -> None:

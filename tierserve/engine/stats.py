@@ -27,7 +27,7 @@ class EngineStats:
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     last_step_s: float = 0.0
-    last_schedule_cpu_s: float = 0.0  # CPU time of the last scheduling pass
+    last_schedule_cpu_s: float = 0.0  # CPU time of the last scheduling pass, if Engine.time_schedule
 
     def num_preemptions(self, reason: str | None = None) -> int:
         return sum(n for (_, r), n in self.preemptions.items() if reason is None or r == reason)
