@@ -242,3 +242,24 @@ def test_a_queue_beside_nothing_running_teaches_no_capacity() -> None:
     assert router.state("u0").seats is None
     _load(router, clock, "u0", 3, 5)
     assert router.state("u0").seats == 5  # a queue beside running work: full at 5
+
+
+def test_an_upstream_never_seen_full_takes_the_seats_its_peers_have_shown() -> None:
+    """A replica added while the gateway held a queue counted everything sent to it since its
+    idle scrape as running: it took the whole queue in one instant (326 requests in a fleet
+    simulation) and replicas ready after it got none."""
+    router, clock = _router(3, max_waiting=4)
+    _load(router, clock, "u0", 5, 30)  # full at 30 seats
+    _load(router, clock, "u1", 5, 50)  # full at 50
+    new = router.state("u2")  # idle, never full: the median of its peers' seats, 40
+    assert router.seats(new) == 40
+    for _ in range(43):
+        router.started("u2", Tier.P1)
+    assert router.waiting_ahead(new, Tier.P3) == 3 and not router.saturated(new, Tier.P3)
+    router.started("u2", Tier.P1)
+    assert router.saturated(new, Tier.P3)  # 44 sent: 4 beyond its peers' seats wait
+    assert router.route(Tier.P3, "q", M) is None  # and its peers are full too
+    # Peers of another kind (or serving other models) teach nothing.
+    other, other_clock = _by_tier_router(("vllm", None), ("tierserve", None))
+    _load(other, other_clock, "u0", 5, 30)
+    assert other.seats(other.state("u1")) is None

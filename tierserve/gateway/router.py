@@ -16,16 +16,21 @@ Requests sent since the last scrape could not be seen by it. They count as waiti
 the upstream's free seats: its capacity is learned from its own metrics, as the number
 running in the latest scrape that also showed a queue beside running work (a full
 upstream), and the free
-seats are that less those running now. An upstream never yet seen full has shown no limit,
-so what was sent since the scrape counts as running. An idle fleet then takes a burst of
+seats are that less those running now. An upstream never yet seen full has shown no limit
+of its own: it is taken to have as many seats as its peers (upstreams of the same kind
+serving the same models) have shown, the median of those that have; where none has, what
+was sent since the scrape counts as running. An idle fleet then takes a burst of
 hundreds of streams at once (counted as waiting, 200 streams to an idle replica were
 released a few per scrape interval, and took seconds to reach their first token), while
-a saturated one is throttled as before.
+a saturated one is throttled as before, and a replica added while the gateway holds a
+queue takes its peers' share of it (it took the whole queue at once, 326 requests in one
+instant of a fleet simulation, and replicas ready after it got none).
 """
 
 from __future__ import annotations
 
 import hashlib
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -71,11 +76,13 @@ class UpstreamState:
         """Requests at tiers <= `upto` sent since the last scrape (it could not see them yet)."""
         return max(0, self.num_in_flight_upto(upto) - self.seen_upto[upto])
 
-    def num_unseated_since_sample(self, upto: Tier = Tier.P3) -> float:
-        """Of those, how many found no free seat: 0 while the upstream was never seen full."""
-        if self.seats is None or self.sample is None:
+    def num_unseated_since_sample(self, upto: Tier = Tier.P3, seats: float | None = None) -> float:
+        """Of those, how many found no free seat, for an upstream of `seats` (default: its
+        own, as learned); 0 while no limit is known."""
+        seats = self.seats if seats is None else seats
+        if seats is None or self.sample is None:
             return 0.0
-        free = max(0.0, self.seats - self.sample.num_running)
+        free = max(0.0, seats - self.sample.num_running)
         return max(0.0, self.num_sent_since_sample(upto) - free)
 
 
@@ -92,6 +99,7 @@ class Router:
         self._states = {u.name: UpstreamState(u) for u in upstreams}
         self._settings = settings
         self._clock = clock
+        self._peer_seats: dict[tuple[str, frozenset[str]], float] | None = None  # memo of `_peers_seats`
 
     def add_upstream(self, upstream: UpstreamConfig) -> None:
         """Learn of an upstream after start-up (a replica the fleet has just launched). Like
@@ -120,6 +128,8 @@ class Router:
             # A queue beside nothing running is a request caught between its arrival and
             # its admission, not a full upstream: read as 0 seats, a burst into an idle
             # fleet went almost all to the replicas not scraped in that instant.
+            if s.seats != sample.num_running:
+                self._peer_seats = None
             s.seats = sample.num_running
 
     def record_success(self, name: str, models: frozenset[str] | None = None) -> bool:
@@ -127,6 +137,8 @@ class Router:
         s = self.state(name)
         s.num_failures = 0
         if models is not None:
+            if s.models != models:
+                self._peer_seats = None
             s.models = models
         admitted = not s.healthy
         s.healthy = True
@@ -156,18 +168,38 @@ class Router:
             return float(s.num_in_flight)
         return s.sample.num_waiting + s.sample.num_running + s.num_sent_since_sample()
 
+    def seats(self, s: UpstreamState) -> float | None:
+        """How many requests the upstream runs at once: as it has shown (see the module's
+        docstring), else as its peers have, else not known."""
+        if s.seats is not None:
+            return s.seats
+        if self._peer_seats is None:
+            self._peer_seats = self._peers_seats()
+        return self._peer_seats.get((s.config.kind, s.models))
+
+    def _peers_seats(self) -> dict[tuple[str, frozenset[str]], float]:
+        """The median of the learned seats of each group of peers (kind, models served)."""
+        groups: dict[tuple[str, frozenset[str]], list[float]] = {}
+        for p in self._states.values():
+            if p.seats is not None:
+                groups.setdefault((p.config.kind, p.models), []).append(p.seats)
+        return {key: statistics.median(seats) for key, seats in groups.items()}
+
+    def _unseated(self, s: UpstreamState, upto: Tier = Tier.P3) -> float:
+        return s.num_unseated_since_sample(upto, self.seats(s))
+
     def waiting_ahead(self, s: UpstreamState, tier: Tier) -> float:
         """Requests the upstream will start before a request of `tier` sent to it now."""
         if s.sample is None or not s.has_metrics:
             return 0.0
         if not s.config.orders_by_priority:
-            return s.sample.num_waiting + s.num_unseated_since_sample()
+            return s.sample.num_waiting + self._unseated(s)
         by_tier = s.sample.waiting_by_tier
         if by_tier is not None:
             scraped = sum(by_tier[: tier + 1])
         else:
             scraped = s.sample.num_waiting * _share_upto(s, tier)
-        return scraped + s.num_unseated_since_sample(tier)
+        return scraped + self._unseated(s, tier)
 
     def starting_before(self, s: UpstreamState, tier: Tier) -> float:
         """Requests the upstream will start before, or in the same steps as, a request of
@@ -178,7 +210,7 @@ class Router:
         prefills ran one after another (a fleet of x16 Azure conversation copies, scaled out
         from 16 to 24 replicas: P0 attainment 91.5 % -> 86.9 %)."""
         upto = tier if s.config.orders_by_priority else Tier.P3
-        seated = s.num_sent_since_sample(upto) - s.num_unseated_since_sample(upto)
+        seated = s.num_sent_since_sample(upto) - self._unseated(s, upto)
         return self.waiting_ahead(s, tier) + seated
 
     def stale(self, s: UpstreamState) -> bool:
