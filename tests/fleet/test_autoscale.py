@@ -5,7 +5,7 @@ from __future__ import annotations
 from tierserve.bench.idle import IdleTtft
 from tierserve.clock import VirtualClock
 from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation, ScalingPolicy
-from tierserve.fleet.replica import ReplicaState
+from tierserve.fleet.replica import Exported, Replica, ReplicaState
 from tierserve.fleet.requests import FleetRequest
 from tierserve.fleet.sim import FleetConfig, FleetSim
 from tierserve.tiers import Tier
@@ -31,6 +31,26 @@ def test_a_new_replica_serves_only_after_its_startup_delay() -> None:
         result.gpu_seconds
         > sum((result.end_s - r.ready_s) * 8 for r in sim.replicas.values() if r.ready_s is not None) - 1e-6
     )
+
+
+def test_a_replica_ready_while_the_gateway_holds_a_queue_takes_a_share_of_it_not_all() -> None:
+    """The router read a replica never seen full as having no limit: the first added replica
+    took the whole queue in the instant it became ready (340 requests, twice what its peer
+    runs at once) and the one ready two seconds later got none."""
+    workload = specs(700, seed=11, gap_s=0.02, prompt=(500, 3000), output=(100, 300))
+    scaling = AutoscaleConfig(ScalingPolicy.TIER, max_replicas=4, startup_delay_s=DELAY_S, interval_s=2.0)
+    sim = FleetSim(FleetConfig(1, router="tier-aware", autoscale=scaling), build_engine)
+    result = sim.run(workload)
+    router = sim.dispatch.router
+    seats = max(s.seats for s in router.states if s.seats is not None)
+    added = [r for r in sim.replicas.values() if r.name != "replica-0" and r.ready_s is not None]
+    served = 0
+    for replica in added:
+        sends = _sends(result.requests, replica.name)
+        # A request of each tier may wait beside its peers' seats' worth of running work.
+        assert sum(t == replica.ready_s for t in sends) <= seats + len(Tier) * sim.config.settings.max_waiting
+        served += bool(sends)
+    assert served >= 2
 
 
 def _sends(reqs: list[FleetRequest], name: str) -> list[float]:
@@ -138,3 +158,28 @@ def test_the_longest_p0_prompt_within_the_target_alone_is_found_in_few_idle_runs
     assert 0 < counted < len(lengths)  # some fit alone, some do not
     assert observer.p0_attainment() == 0.0 and len(observer._p0) == counted
     assert len(calls) < 40
+
+
+def test_a_replica_busy_from_the_moment_it_is_ready_reads_fully_busy() -> None:
+    """The busy fraction was read from the replica's launch: one ready at 50 s and busy
+    through the next 15 s read 0.23, its model loading counted as idle time."""
+    replica = Replica("r", build_engine, launched_s=0.0)
+    replica.make_ready(50.0)
+    replica.exported = Exported(busy_s=15.0)
+    replica.observe_busy(65.0)
+    assert replica.utilization == 1.0
+
+
+def test_nothing_is_scaled_in_before_a_busy_fraction_has_been_read() -> None:
+    """At the first tick no interval had passed: every replica read 0 % busy, and with no
+    idle time asked for, the fleet drained one at t = 0 and launched it again later."""
+    calm_at_once = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION, min_replicas=1, idle_s=0.0))
+    assert calm_at_once.decide(_obs(num_serving=3, utilization=[], num_waiting=[0, 0, 0])) == 0
+    assert calm_at_once.decide(_obs(num_serving=3, utilization=[0.1, 0.1, 0.1], num_waiting=[0, 0, 0])) == -1
+    workload = specs(300, seed=3, gap_s=0.05, prompt=(200, 1000), output=(20, 100))
+    scaling = AutoscaleConfig(
+        ScalingPolicy.UTILIZATION, min_replicas=1, max_replicas=3, idle_s=0.0, startup_delay_s=DELAY_S
+    )
+    sim = FleetSim(FleetConfig(3, router="tier-aware", autoscale=scaling), build_engine)
+    sim.run(workload)
+    assert all(r.ended_s is None or r.ended_s > 0 for r in sim.replicas.values())

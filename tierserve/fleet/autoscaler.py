@@ -52,7 +52,9 @@ class Observation:
     now: float
     num_serving: int
     num_starting: int
-    utilization: Sequence[float]  # per serving replica, busy fraction over the last interval
+    # per serving replica read over an interval (not one ready since the last tick, nor any
+    # at the first tick): its busy fraction over the last interval
+    utilization: Sequence[float]
     num_waiting: Sequence[float]  # per serving replica, scraped waiting requests
     p0_queued: int  # P0 requests waiting in the gateway
     p0_attainment: float | None  # P0's SLO attainment over the recent window (None: no P0 ended)
@@ -80,7 +82,8 @@ class Autoscaler:
             if total < c.max_replicas and obs.num_starting < c.max_starting:
                 return 1
             return 0
-        if not self._calm(obs, util):
+        unread = obs.num_serving > 0 and not obs.utilization  # the first tick: no interval yet
+        if unread or not self._calm(obs, util):
             self._calm_since = None
             return 0
         if self._calm_since is None:

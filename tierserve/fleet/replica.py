@@ -59,7 +59,7 @@ class Replica:
         self.next_boundary: float | None = None  # None: idle, no step in flight or scheduled
         self.exported = Exported()
         self._leapt_step = (0, 0, 0.0)  # (running, blocks held, busy s) as the last leapt step began
-        self.utilization = 0.0  # busy fraction between the last two observations
+        self.utilization: float | None = None  # busy fraction between the last two readings
         self._busy_at_scrape = (launched_s, 0.0)  # (time, busy_s)
 
     @property
@@ -125,12 +125,20 @@ class Replica:
             sum(waiting), num_running, used_blocks / num_blocks, busy_s, tuple(map(float, waiting))
         )
 
+    def make_ready(self, now: float) -> None:
+        """The model is loaded: the replica takes requests, and its busy fraction is read
+        from now (the loading time counted as idle, a replica ready and fully busy read 0.16)."""
+        self.state = ReplicaState.READY
+        self.ready_s = now
+        self._busy_at_scrape = (now, self.exported.busy_s)
+
     def observe_busy(self, now: float) -> None:
-        """Read the busy counter: the busy fraction since the previous reading."""
+        """Read the busy counter: the busy fraction since the previous reading (None until
+        some time has passed since the replica became ready)."""
         then, busy = self._busy_at_scrape
         if now > then:
             self.utilization = min(1.0, (self.exported.busy_s - busy) / (now - then))
-        self._busy_at_scrape = (now, self.exported.busy_s)
+            self._busy_at_scrape = (now, self.exported.busy_s)
 
     def end(self, state: ReplicaState, now: float) -> None:
         self.state = state

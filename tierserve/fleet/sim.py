@@ -237,8 +237,7 @@ class FleetSim:
             self._make_ready(replica)
 
     def _make_ready(self, replica: Replica) -> None:
-        replica.state = ReplicaState.READY
-        replica.ready_s = self.clock.now()
+        replica.make_ready(self.clock.now())
         self._record_replicas()
         self._scrape(replica)
         self._handle(self.dispatch.pump())
@@ -355,7 +354,7 @@ class FleetSim:
             now,
             len(serving),
             len(starting),
-            [r.utilization for r in serving],
+            [r.utilization for r in serving if r.utilization is not None],
             [s.sample.num_waiting if (s := states[r.name]).sample else 0.0 for r in serving],
             self.dispatch.depth(Tier.P0),
             self.observer.p0_attainment(),
