@@ -120,6 +120,30 @@ def test_stop_string_ends_the_answer_before_it(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_keeps_the_cached_prompt_tokens_in_the_usage(client: openai.OpenAI) -> None:
+    """The cached count came only with the engine's final delta, which a request ended at a
+    stop string never reads: its usage said 0 cached tokens, streamed and not."""
+    prompt = "A shared prefix, long enough to fill several KV blocks of the cache. " * 4
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)  # now cached
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=200, stop="quick")
+    assert r.choices[0].finish_reason == "stop"
+    details = r.usage.prompt_tokens_details if r.usage else None
+    assert details is not None and details.cached_tokens and details.cached_tokens >= 200
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=200,
+            stop="quick",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == details.cached_tokens
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL

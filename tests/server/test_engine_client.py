@@ -355,7 +355,7 @@ def test_first_tokens_are_handled_and_answered_before_the_rest_of_the_step_is_re
         client._started.add("r0")  # r0 has had its first token already
         tasks = [asyncio.ensure_future(handler(h)) for h in (old, new)]
         await asyncio.sleep(0)
-        engine_end.send(StepOutputs(firsts=[("r1", (5,))], returned_at=2.0, returned=2.0))
+        engine_end.send(StepOutputs(firsts=[("r1", Delta((5,)))], returned_at=2.0, returned=2.0))
         engine_end.send(StepOutputs(tokens=[("r0", (6,))], returned_at=2.0, returned=2.0))
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
 

@@ -323,7 +323,7 @@ class EngineClient:
             dispatcher.post([(routes[rid], ACCEPTED) for rid in out.accepted if rid in routes])
         if out.firsts:
             self._note_firsts([rid for rid, _ in out.firsts], out)
-            dispatcher.post([], [(routes[rid], Delta(ids)) for rid, ids in out.firsts if rid in routes])
+            dispatcher.post([], [(routes[rid], delta) for rid, delta in out.firsts if rid in routes])
         items = [(routes[rid], Delta(ids)) for rid, ids in out.tokens if rid in routes]
         for rid, delta in out.ends:
             if rid not in routes:

@@ -247,19 +247,23 @@ class EngineCore:
         self._account(seen)
         self._send(self._state_message(rest))
 
-    def _firsts(self, outputs: list[RequestOutput]) -> list[tuple[str, tuple[int, ...]]]:
+    def _firsts(self, outputs: list[RequestOutput]) -> list[tuple[str, Delta]]:
         """The first tokens of requests that go on, urgent tiers first: only what they need is
-        done before they are sent (a request that ends with its first token ends with the rest)."""
+        done before they are sent (a request that ends with its first token ends with the rest).
+        They carry the prompt tokens found cached: a request the server ends at a stop string
+        reads no final delta."""
         live_by_id = self._live
-        firsts: list[tuple[Tier, str, tuple[int, ...]]] = []
+        firsts: list[tuple[Tier, str, Delta]] = []
         for out in outputs:
             if out.finished or not out.new_token_ids:
                 continue
-            live = live_by_id.get(out.request.request_id)
+            req = out.request
+            live = live_by_id.get(req.request_id)
             if live is not None and live.last_token_time is None:
-                firsts.append((live.request.tier, out.request.request_id, tuple(out.new_token_ids)))
+                delta = Delta(tuple(out.new_token_ids), num_cached_tokens=req.num_cached_tokens)
+                firsts.append((req.tier, req.request_id, delta))
         firsts.sort(key=_tier_key)
-        return [(rid, ids) for _, rid, ids in firsts]
+        return [(rid, delta) for _, rid, delta in firsts]
 
     def _state_message(self, out: StepOutputs) -> StepOutputs:
         out.snapshot = snapshot_of(self.engine)

@@ -121,14 +121,15 @@ class EngineFailed:
 class StepOutputs:
     """One batch of results, applied by the server in field order.
 
-    `firsts` and `tokens` hold (request id, new token ids), urgent tiers first; `ends` the
-    final delta of each request that ended (finished, aborted, refused). `returned_at`
+    `firsts` holds (request id, first tokens' delta), `tokens` (request id, new token ids),
+    urgent tiers first; `ends` the final delta of each request that ended (finished,
+    aborted, refused). `returned_at`
     (`time.monotonic()`) and `returned` (the engine clock) say when the step that made the
     tokens returned. `snapshot` and `applied` (adds taken off the pipe, by tier) come with
     the second message of a step and when the engine goes idle."""
 
     accepted: list[str] = field(default_factory=list)
-    firsts: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    firsts: list[tuple[str, Delta]] = field(default_factory=list)
     tokens: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     ends: list[tuple[str, Delta]] = field(default_factory=list)
     returned_at: float = 0.0

@@ -173,6 +173,7 @@ class GenerationRun:
             deltas = deltas[: deltas.index(end) + 1]  # nothing follows an end
         ids = [t for d in deltas for t in d.token_ids]
         self._num_received += len(ids)
+        self._cached = max(self._cached, max(d.num_cached_tokens for d in deltas) if deltas else 0)
         text = self._text.push(ids)
         if self._text.stopped:
             if end is None:
@@ -180,11 +181,11 @@ class GenerationRun:
             return text, "stop", None
         if end is None:
             return text, None, None
-        self._cached = end.num_cached_tokens
         if end.error or end.finish_reason in (FinishReason.ABORTED, FinishReason.REJECTED, FinishReason.SHED):
             return text, None, end
-        text += self._text.flush()
-        return text, ("length" if end.finish_reason is FinishReason.LENGTH else "stop"), None
+        text += self._text.flush()  # a stop string may complete only now
+        stopped = self._text.stopped or end.finish_reason is not FinishReason.LENGTH
+        return text, ("stop" if stopped else "length"), None
 
     def _close(self) -> None:
         if self._closed:
