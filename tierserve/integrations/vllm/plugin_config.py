@@ -20,10 +20,11 @@ error. Every value is checked here, before the engine starts; errors name the fi
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
@@ -50,6 +51,7 @@ class PluginConfig:
     policy: str = "hybrid"
     priority_tiers: Mapping[int, Tier] = field(default_factory=_default_priorities)
     default_tier: Tier = Tier.P1
+    source: str = "the plug-in's defaults"  # where it came from, for errors found later
 
     def tier_for_priority(self, priority: int) -> Tier:
         return self.priority_tiers.get(priority, self.default_tier)
@@ -70,8 +72,13 @@ def _parse_priorities(raw: Any) -> dict[int, Tier]:
     out: dict[int, Tier] = {}
     for key, value in raw.items():
         # int() alone would also take " 1 " and "1_0" (as 10); a priority is written plainly.
-        if not isinstance(key, str) or not _PRIORITY_KEY.fullmatch(key):
-            raise ConfigError(f"vllm.priority.{key}: the key must be an integer priority, such as 0 or -1")
+        # TOML and JSON keys are strings; a Python dict passed to LLM(...) may hold ints.
+        plain_int = isinstance(key, int) and not isinstance(key, bool)
+        if not plain_int and not (isinstance(key, str) and _PRIORITY_KEY.fullmatch(key)):
+            raise ConfigError(
+                f"vllm.priority.{key}: the key must be an integer priority, such as 0 or -1 "
+                '(or "0", "-1": TOML and JSON keys are strings)'
+            )
         priority = int(key)
         if priority in out:
             raise ConfigError(f"vllm.priority.{key}: priority {priority} is given twice")
@@ -98,7 +105,17 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
         raise ConfigError(f"vllm.policy: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     priorities = _parse_priorities(vllm["priority"]) if "priority" in vllm else _default_priorities()
     default_tier = _parse_tier("vllm.default_tier", vllm.get("default_tier", "P1"))
-    return PluginConfig(parse_config(body), policy, priorities, default_tier)
+    engine = parse_config(body)
+    for tier in ALL_TIERS if POLICIES[policy].tiered_memory else ():
+        if engine.tiers[tier].ceiling == 0:
+            # tierserve's engine refuses the requests of a tier turned off; vLLM's scheduler
+            # cannot refuse a request, and they would wait forever.
+            raise ConfigError(
+                f"tiers.{tier.name}.ceiling: 0 turns a tier off in tierserve's own engine, but the plug-in "
+                "cannot refuse a request (it would wait forever): give the tier a ceiling, lowering the "
+                "floors of the more urgent tiers to leave it room"
+            )
+    return PluginConfig(engine, policy, priorities, default_tier)
 
 
 # vLLM's additional config, as `vllm serve` and `LLM(...)` users each write it.
@@ -110,23 +127,48 @@ def load_plugin_config(
 ) -> PluginConfig:
     """The configuration from $TIERSERVE_CONFIG or vLLM's additional config, else the defaults."""
     path = environ.get(CONFIG_ENV)
-    inline = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    extra = additional_config or {}
+    _check_unwrapped(extra)
+    inline = extra.get(ADDITIONAL_CONFIG_KEY)
     if path and inline is not None:
         raise ConfigError(f"both ${CONFIG_ENV} ({path}) and {INLINE_SOURCE} are set; use one")
     if path:
-        raw = load_raw(path)  # its errors name the file already
+        try:
+            raw = load_raw(path)  # its errors name the file
+        except ConfigError as e:
+            raise ConfigError(f"${CONFIG_ENV}: {e}") from None
         return _parse_from(f"${CONFIG_ENV} ({path})", raw)
-    if inline is not None:
+    if ADDITIONAL_CONFIG_KEY in extra:
         if not isinstance(inline, Mapping):
-            raise ConfigError(f"additional_config.{ADDITIONAL_CONFIG_KEY}: expected a JSON object")
+            raise ConfigError(
+                f"additional_config.{ADDITIONAL_CONFIG_KEY}: expected a JSON object, got {inline!r}"
+            )
         return _parse_from(INLINE_SOURCE, inline)
     return PluginConfig()
+
+
+def _check_unwrapped(extra: Mapping[str, Any]) -> None:
+    """Refuse the plug-in's tables written beside its key instead of under it, and a key that
+    looks like a misspelling of it: either ran the defaults without a word."""
+    if ADDITIONAL_CONFIG_KEY in extra:
+        return
+    ours = [key for key in extra if key in _SECTIONS]
+    if ours:
+        raise ConfigError(
+            f"additional_config: {', '.join(ours)} at its top level; the plug-in reads its tables under "
+            f'"{ADDITIONAL_CONFIG_KEY}": {{"{ADDITIONAL_CONFIG_KEY}": {{"{ours[0]}": ...}}}}'
+        )
+    near = difflib.get_close_matches(ADDITIONAL_CONFIG_KEY, [str(k) for k in extra], n=1, cutoff=0.8)
+    if near:
+        raise ConfigError(
+            f"additional_config: {near[0]!r} is not read; did you mean {ADDITIONAL_CONFIG_KEY!r}?"
+        )
 
 
 def _parse_from(source: str, raw: Mapping[str, Any]) -> PluginConfig:
     """`parse_plugin_config`, its errors prefixed by where the config came from: the check
     runs in vLLM's engine core, whose log says nothing of which file or flag was read."""
     try:
-        return parse_plugin_config(raw)
+        return replace(parse_plugin_config(raw), source=source)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

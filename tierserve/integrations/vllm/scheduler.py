@@ -43,7 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from tierserve.config import EngineConfig
+from tierserve.config import ConfigError, EngineConfig
 from tierserve.integrations.vllm.book import RequestBook
 from tierserve.integrations.vllm.kv_guard import Freeing, TierGuardedKVCacheManager, holdings
 from tierserve.integrations.vllm.ledger import TierLedger, check_room_for_one_request
@@ -97,7 +97,10 @@ class TierScheduler(Scheduler):
             else TierPartition.flat(self.num_pool_blocks)
         )
         max_model_len = int(self.vllm_config.model_config.max_model_len)
-        check_room_for_one_request(partition, self._blocks_for(max_model_len), max_model_len)
+        try:
+            check_room_for_one_request(partition, self._blocks_for(max_model_len), max_model_len)
+        except ConfigError as e:
+            raise ConfigError(f"{self.tier_config.source}: {e}") from None
         self.ledger = TierLedger(partition)
         self.kv_cache_manager = TierGuardedKVCacheManager(inner, self.ledger, self.book)
         self.kv_cache_manager.on_ceiling = self._ceiling_reached

