@@ -189,3 +189,14 @@ def test_goodput_over_no_span_and_no_latency_says_why_it_is_not_measured() -> No
     assert short_span(0.0, []) is not None and "one instant" in (short_span(0.0, []) or "")
     assert short_span(5.0, []) is None  # a span and nothing finished: goodput is 0, measured
     assert short_span(1.0, [3.0, 4.0]) is not None and short_span(10.0, [3.0, 4.0]) is None
+
+
+def test_each_seeds_goodput_is_kept_beside_the_pooled_one() -> None:
+    """A pooled gap of 0.01 % says nothing of its sign seed by seed; the seeds' own goodputs
+    say whether it is noise (results.json: `goodput_rps_by_seed`)."""
+    one = [replace(record(i, Tier.P1, float(i), 0.05), finish_s=i + 0.5) for i in range(11)]  # 11 in 10 s
+    two = [replace(record(i, Tier.P1, 2.0 * i, 0.05), finish_s=2 * i + 0.5) for i in range(11)]  # in 20 s
+    two[3] = replace(two[3], first_token_s=two[3].arrival_s + 30.0)  # past P1's 5 s
+    pooled = summarize([result(one, {}), result(two, {}, seed=1)], EngineConfig())
+    assert pooled["goodput_rps_by_seed"] == [pytest.approx(1.1), pytest.approx(0.5)]
+    assert pooled["goodput_rps"] == pytest.approx(21 / 30)

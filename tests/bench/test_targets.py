@@ -46,6 +46,18 @@ def test_hybrid_is_judged_against_the_numbers_and_the_baselines() -> None:
     assert [met for target, met in got.items() if target.startswith("P1 SLO")] == [None]  # no cell <= 1.0x
 
 
+def test_the_goodput_detail_shows_the_gap_seed_by_seed() -> None:
+    """Pooled, hybrid was 0.01 % under vllm-priority; seed by seed the sign flips, which the
+    verdict's line now shows (the verdict itself stays on the pooled figures)."""
+    runs = [
+        run("hybrid", 0.995, 0.90, 7.0, goodput_rps_by_seed=[7.07, 6.93]),
+        run("vllm-priority", 0.9, 0.95, 7.5, goodput_rps_by_seed=[7.0, 7.0]),
+    ]
+    goodput = next(v for v in judge(runs) if v.target.startswith("goodput"))
+    assert goodput.met is False
+    assert goodput.detail.endswith("(vllm-priority, -6.67 %; seed by seed +1.00, -1.00 %)")
+
+
 def test_p0_prompts_too_long_for_the_slo_alone_are_judged_by_slowdown_the_others_by_the_slo() -> None:
     def verdict(fits: float | None, long_slowdown: float | None) -> bool | None:
         cell = run("hybrid", 0.5, 1.0, 1.0)

@@ -234,6 +234,17 @@ def _goodput_unmeasured(result: CellResult) -> str | None:
     )
 
 
+def _goodput_of(result: CellResult, config: EngineConfig) -> float | None:
+    """One seed's goodput, as the pooled figure counts it (all tiers within their targets
+    per second of arrivals): the seeds side by side say how far a pooled gap is noise."""
+    span = _arrival_span(result)
+    if span <= 0:
+        return None
+    targets = {t: config.tier(t).ttft_target_s for t in ALL_TIERS}
+    attained = sum(_attained(r, targets[r.tier]) for r in result.run.records if r.measured)
+    return _r(attained / span)
+
+
 def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, Any]:
     """The results.json entry of `results`: one cell, or the same cell over several seeds."""
     first = results[0].cell
@@ -266,6 +277,7 @@ def summarize(results: Sequence[CellResult], config: EngineConfig) -> dict[str, 
         "low_sample": tiers["P0"]["requests"] < MIN_P0_REQUESTS,
         **p0,
         "goodput_rps": None if unmeasured else _r(sum(t["goodput_rps"] or 0.0 for t in tiers.values())),
+        "goodput_rps_by_seed": None if unmeasured else [_goodput_of(res, config) for res in results],
         "goodput_unmeasured": unmeasured,
         "throughput_tokens_per_s": _r(tokens / span) if span > 0 else None,
         "throughput_vs_fcfs": None,  # filled in once fcfs's cell is known

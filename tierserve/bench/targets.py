@@ -145,9 +145,21 @@ def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) 
             return f"{mine} vs best baseline – rps"
         theirs = float(top["goodput_rps"])
         gap = f", {100 * (mine - theirs) / theirs:+.2f} %" if theirs > 0 else ""
-        return f"{mine} vs best baseline {theirs} rps ({top['policy']}{gap})"
+        return f"{mine} vs best baseline {theirs} rps ({top['policy']}{gap}{_by_seed(run, top)})"
 
     return _judge("goodput >= every baseline's at every load", cells, ok, show)
+
+
+def _by_seed(run: Run, other: Run) -> str:
+    """The gap seed by seed, where several were pooled: a pooled gap whose sign flips from
+    seed to seed is within the workload's noise (results.json: `goodput_rps_by_seed`)."""
+    mine, theirs = run.get("goodput_rps_by_seed"), other.get("goodput_rps_by_seed")
+    if not mine or not theirs or len(mine) < 2 or len(mine) != len(theirs):
+        return ""
+    gaps = [
+        f"{100 * (a - b) / b:+.2f}" if a is not None and b else "–" for a, b in zip(mine, theirs, strict=True)
+    ]
+    return f"; seed by seed {', '.join(gaps)} %"
 
 
 def _small(run: Run) -> bool:
