@@ -174,7 +174,7 @@ def test_nothing_is_scaled_in_before_a_busy_fraction_has_been_read() -> None:
     """At the first tick no interval had passed: every replica read 0 % busy, and with no
     idle time asked for, the fleet drained one at t = 0 and launched it again later."""
     calm_at_once = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION, min_replicas=1, idle_s=0.0))
-    assert calm_at_once.decide(_obs(num_serving=3, utilization=[], num_waiting=[0, 0, 0])) == 0
+    assert calm_at_once.decide(_obs(num_serving=3, utilization=[], num_waiting=[0, 0, 0], num_unread=3)) == 0
     assert calm_at_once.decide(_obs(num_serving=3, utilization=[0.1, 0.1, 0.1], num_waiting=[0, 0, 0])) == -1
     workload = specs(300, seed=3, gap_s=0.05, prompt=(200, 1000), output=(20, 100))
     scaling = AutoscaleConfig(
@@ -183,3 +183,14 @@ def test_nothing_is_scaled_in_before_a_busy_fraction_has_been_read() -> None:
     sim = FleetSim(FleetConfig(3, router="tier-aware", autoscale=scaling), build_engine)
     sim.run(workload)
     assert all(r.ended_s is None or r.ended_s > 0 for r in sim.replicas.values())
+
+
+def test_a_replica_ready_at_the_tick_counts_as_idle_for_scaling_out_and_busy_for_scaling_in() -> None:
+    """A replica that became ready at the very tick was left out of the mean: the two old,
+    fully busy replicas read 100 %, and a fourth was launched in the instant capacity came."""
+    util = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION, min_replicas=1, idle_s=0.0))
+    assert util.decide(_obs(num_serving=3, utilization=[1.0, 1.0], num_waiting=[0] * 3, num_unread=1)) == 0
+    assert util.decide(_obs(num_serving=3, utilization=[1.0, 1.0, 1.0], num_waiting=[0] * 3)) == 1
+    # Two replicas 30 % busy beside one just ready: not calm yet (0.53, over the 0.4 bar).
+    assert util.decide(_obs(num_serving=3, utilization=[0.3, 0.3], num_waiting=[0] * 3, num_unread=1)) == 0
+    assert util.decide(_obs(num_serving=3, utilization=[0.3, 0.3, 0.3], num_waiting=[0] * 3)) == -1

@@ -263,3 +263,28 @@ def test_an_upstream_never_seen_full_takes_the_seats_its_peers_have_shown() -> N
     other, other_clock = _by_tier_router(("vllm", None), ("tierserve", None))
     _load(other, other_clock, "u0", 5, 30)
     assert other.seats(other.state("u1")) is None
+
+
+def test_a_replica_running_more_than_its_peers_seats_without_a_queue_is_let_grow() -> None:
+    """Held to its peers' 16 seats, a bigger replica that ran all it was sent never showed a
+    queue, never learnt its own seats, and got 4 requests a scrape interval for good."""
+    router, clock = _router(3, max_waiting=4)
+    _load(router, clock, "u0", 10, 16)
+    _load(router, clock, "u1", 10, 16)
+    big = router.state("u2")
+    _load(router, clock, "u2", 0, 10)
+    assert router.seats(big) == 16  # below its peers' seats: as they are
+    _load(router, clock, "u2", 0, 20)
+    assert router.seats(big) == 40  # past them with no queue: twice what it runs
+    _load(router, clock, "u2", 3, 30)
+    assert router.seats(big) == 30  # a queue: its own
+
+
+def test_the_peers_seats_are_grouped_by_the_models_served_as_the_health_check_says() -> None:
+    router, clock = _router(2)
+    _load(router, clock, "u0", 5, 30)
+    assert router.seats(router.state("u1")) == 30
+    router.record_success("u1", frozenset({"other"}))  # it now serves another model
+    assert router.seats(router.state("u1")) is None
+    router.record_success("u0", frozenset({"other"}))
+    assert router.seats(router.state("u1")) == 30

@@ -52,12 +52,14 @@ class Observation:
     now: float
     num_serving: int
     num_starting: int
-    # per serving replica read over an interval (not one ready since the last tick, nor any
-    # at the first tick): its busy fraction over the last interval
-    utilization: Sequence[float]
+    utilization: Sequence[float]  # per serving replica read over an interval: its busy fraction
     num_waiting: Sequence[float]  # per serving replica, scraped waiting requests
     p0_queued: int  # P0 requests waiting in the gateway
     p0_attainment: float | None  # P0's SLO attainment over the recent window (None: no P0 ended)
+    # Serving replicas not yet read over any interval (ready at this very tick, or every one
+    # at the first tick): idle when deciding to scale out, busy when deciding to scale in,
+    # as Kubernetes' autoscaler counts pods without metrics.
+    num_unread: int = 0
 
 
 class Autoscaler:
@@ -76,14 +78,14 @@ class Autoscaler:
         if total < c.min_replicas:  # a replica died: replace it, whatever the load says
             self._calm_since = None
             return 1 if obs.num_starting < c.max_starting else 0
-        util = sum(obs.utilization) / len(obs.utilization) if obs.utilization else 0.0
-        if self._wants_more(obs, util):
+        read, unread = sum(obs.utilization), obs.num_unread
+        num = len(obs.utilization) + unread
+        if self._wants_more(obs, read / num if num else 0.0):
             self._calm_since = None
             if total < c.max_replicas and obs.num_starting < c.max_starting:
                 return 1
             return 0
-        unread = obs.num_serving > 0 and not obs.utilization  # the first tick: no interval yet
-        if unread or not self._calm(obs, util):
+        if not self._calm(obs, (read + unread) / num if num else 0.0):
             self._calm_since = None
             return 0
         if self._calm_since is None:

@@ -358,6 +358,7 @@ class FleetSim:
             [s.sample.num_waiting if (s := states[r.name]).sample else 0.0 for r in serving],
             self.dispatch.depth(Tier.P0),
             self.observer.p0_attainment(),
+            sum(r.utilization is None for r in serving),
         )
         change = self.autoscaler.decide(obs)
         if change > 0:

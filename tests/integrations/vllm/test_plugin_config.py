@@ -319,6 +319,17 @@ def test_an_additional_config_the_plug_in_would_not_read_is_refused(
     assert load_plugin_config({"another_plugin": {"x": 1}}, environ={}).policy == "hybrid"
 
 
+def test_other_consumers_keys_in_additional_config_are_left_alone(tmp_path: Path) -> None:
+    """vLLM and its other plug-ins share additional_config: a general key ("policy",
+    "scheduler") beside a config from the file or under "tierserve" was refused."""
+    path = tmp_path / "t.toml"
+    path.write_text('[vllm]\npolicy = "strict"\n')
+    assert load_plugin_config({"policy": "x"}, environ={CONFIG_ENV: str(path)}).policy == "strict"
+    inline = {"tierserve": {"vllm": {"policy": "wfq"}}, "scheduler": {"x": 1}, "tiers": 3}
+    assert load_plugin_config(inline, environ={}).policy == "wfq"
+    assert load_plugin_config({"policy": "x", "scheduler": 1}, environ={}).policy == "hybrid"
+
+
 def test_a_missing_config_file_says_it_was_named_by_the_environment(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     with pytest.raises(ConfigError, match=rf"^\$TIERSERVE_CONFIG: {missing}: no such config file"):

@@ -128,7 +128,6 @@ def load_plugin_config(
     """The configuration from $TIERSERVE_CONFIG or vLLM's additional config, else the defaults."""
     path = environ.get(CONFIG_ENV)
     extra = additional_config or {}
-    _check_unwrapped(extra)
     inline = extra.get(ADDITIONAL_CONFIG_KEY)
     if path and inline is not None:
         raise ConfigError(f"both ${CONFIG_ENV} ({path}) and {INLINE_SOURCE} are set; use one")
@@ -144,15 +143,20 @@ def load_plugin_config(
                 f"additional_config.{ADDITIONAL_CONFIG_KEY}: expected a JSON object, got {inline!r}"
             )
         return _parse_from(INLINE_SOURCE, inline)
+    _check_unwrapped(extra)
     return PluginConfig()
 
 
+# additional_config is shared with vLLM and its other plug-ins: only keys no one else would
+# use ("scheduler" and "policy" are too general) are taken for the plug-in's tables.
+_OWN_TABLES = ("tiers", "vllm")
+
+
 def _check_unwrapped(extra: Mapping[str, Any]) -> None:
-    """Refuse the plug-in's tables written beside its key instead of under it, and a key that
-    looks like a misspelling of it: either ran the defaults without a word."""
-    if ADDITIONAL_CONFIG_KEY in extra:
-        return
-    ours = [key for key in extra if key in _SECTIONS]
+    """With no config given (the defaults would run), refuse the plug-in's tables written
+    beside its key instead of under it, and a key that looks like a misspelling of it: either
+    ran the defaults without a word."""
+    ours = [key for key in extra if key in _OWN_TABLES]
     if ours:
         raise ConfigError(
             f"additional_config: {', '.join(ours)} at its top level; the plug-in reads its tables under "
