@@ -184,54 +184,6 @@ def test_with_a_wait_share_p3_still_yields_to_any_waiting_p0() -> None:
     assert not all(p3_decode), "P3 decodes yielded to the waiting P0 prompts some of the time"
 
 
-def test_p3_decodes_yield_only_to_a_backlog_and_its_prompt_chunks_to_any_queue() -> None:
-    """A P3 decode adds a fraction of a millisecond to a prefill step and, left out, waits a
-    whole step: it yielded to any P1 request that waited, even one that had just arrived,
-    and at 128 closed-loop clients P3's clients came back slower (hybrid's goodput 0.03 %
-    under vllm-priority's). Its prompt chunks, a large share of a step, still yield at once."""
-    from tierserve.scheduling.hybrid import HybridOptions
-    from tierserve.scheduling.hybrid_step import StepShaper
-    from tierserve.scheduling.step import StepBudget
-
-    shaper = StepShaper(HybridOptions(p0_solo_prefill=False), 2048, p0_target_s=0.5)
-
-    def shaped(queued: bool, backlog: bool) -> StepBudget:
-        decodes = {make_request(tier=Tier.P3): 1 for _ in range(4)}
-        prompts = {make_request(num_prompt=500, tier=t): 500 for t in (Tier.P1, Tier.P3)}
-        step = StepBudget(
-            2048, 256, decodes=decodes, prefills=prompts, estimate_s=lambda n, _: 0.05 + n / 1e4
-        )
-        shaper.end(step, queued=queued, now=0.0, backlog=backlog)
-        return step
-
-    fresh = shaped(queued=True, backlog=False)
-    assert [r.tier for r in fresh.prefills] == [Tier.P1] and len(fresh.decodes) == 4
-    waited = shaped(queued=True, backlog=True)
-    assert [r.tier for r in waited.prefills] == [Tier.P1] and not waited.decodes
-    calm = shaped(queued=False, backlog=False)
-    assert len(calm.prefills) == 2 and len(calm.decodes) == 4
-
-
-@pytest.mark.parametrize(("waited_s", "decodes_yield"), [(0.01, False), (0.2, True)])
-def test_a_p1_request_waiting_longer_than_the_step_is_a_backlog(waited_s: float, decodes_yield: bool) -> None:
-    """The policy's judgement: the step as built takes 0.15 s; a P1 request that arrived 0.01 s
-    ago is the moment's arrival (the next step admits it), one that has waited 0.2 s a backlog."""
-    from tierserve.scheduling import create_policy
-    from tierserve.scheduling.step import StepBudget
-
-    config = parse_config({"policy": {"hybrid": {"p0_solo_prefill": False}}})
-    policy = create_policy("hybrid", config)
-    now = 10.0
-    policy.add(make_request(num_prompt=500, tier=Tier.P1, arrival=now - waited_s), now)
-    decodes = {make_request(tier=Tier.P3): 1 for _ in range(4)}
-    prompts = {make_request(num_prompt=500, tier=t): 500 for t in (Tier.P1, Tier.P3)}
-    step = StepBudget(2048, 256, decodes=decodes, prefills=prompts, estimate_s=lambda n, _: 0.05 + n / 1e4)
-    policy.begin_step(step, [*decodes, *prompts], now)
-    policy.end_step(step, now)
-    assert [r.tier for r in step.prefills] == [Tier.P1], "P3's prompt chunk yields to any queue"
-    assert (not step.decodes) is decodes_yield
-
-
 @pytest.mark.parametrize(
     ("policy", "hybrid"),
     [
@@ -740,7 +692,7 @@ def test_a_p0_request_past_its_first_token_is_not_rescued() -> None:
         step = StepBudget(
             2048, 256, decodes=decodes, prefills={p0: 100}, estimate_s=lambda n, _: 0.05 + n / 1000
         )
-        shaper.end(step, queued=False, now=0.3, backlog=False)
+        shaper.end(step, queued=False, now=0.3)
         return step
 
     assert not end_step(None).decodes, "a P0 prompt still before its first token is rescued"

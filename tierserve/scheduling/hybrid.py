@@ -362,12 +362,7 @@ class HybridPolicy(FairQueuePolicy):
         return num_running >= self._p0_running_when_stuck
 
     def end_step(self, step: StepBudget, now: float) -> None:
-        queued = self._more_urgent_queued(now)
-        # P3's decodes yield only to a queue that outlasts a step (a P0, or a P1/P2 request
-        # that has already waited as long as this step will take): a decode adds a fraction
-        # of a millisecond to a prefill step, and left out it waits a whole step.
-        backlog = queued and self._more_urgent_queued(now, min_wait_s=self._shaper.built_s(step))
-        self._shaper.end(step, queued, now, backlog)
+        self._shaper.end(step, self._more_urgent_queued(now), now)
         p0_in = any(r.tier is Tier.P0 for r in step.fresh)  # admitted or swapped in
         if p0_in:
             self._p0_stuck = False
@@ -381,18 +376,17 @@ class HybridPolicy(FairQueuePolicy):
         self._step, self._p0_by_length = None, []
         self._held.clear()
 
-    def _more_urgent_queued(self, now: float, min_wait_s: float = 0.0) -> bool:
+    def _more_urgent_queued(self, now: float) -> bool:
         """Whether, after this pass, a P0 request still waits, or a P1 or P2 one that has
         waited `p3_yield_wait_share` of its TTFT target or more (0, the default: any P1/P2
         request waits; above 0, a queue rather than the moment's arrivals, which the next
-        step admits anyway), and at least `min_wait_s`."""
+        step admits anyway)."""
         if self.num_waiting(Tier.P0):
             return True
         share = self.options.p3_yield_wait_share
         for tier in RESCUED_TIERS:
             oldest = self._waiting.oldest(tier)
-            long_enough = max(share * self._target_s[tier], min_wait_s)
-            if oldest is not None and now - oldest.arrival_time >= long_enough:
+            if oldest is not None and now - oldest.arrival_time >= share * self._target_s[tier]:
                 return True
         return False
 

@@ -141,10 +141,9 @@ class StepShaper:
         self._solo.append(solo)
         return solo
 
-    def end(self, step: StepBudget, queued: bool, now: float, backlog: bool) -> None:
+    def end(self, step: StepBudget, queued: bool, now: float) -> None:
         """`queued`: whether more urgent work still queues after this pass (the policy's
-        judgement: P3's prompt chunks yield to it); `backlog`: whether that work has waited
-        a step already (P3's decodes yield to it only then)."""
+        judgement: P3 yields to it)."""
         rescued = self._rescued(step, now)
         if rescued:
             # Past the half-window budget: the step is P0's, and P0 prompts longer than
@@ -156,7 +155,7 @@ class StepShaper:
         elif self.solo(self.p0_at_risk(step, now)):
             step.drop_where(OTHER_TIERS, decodes=True, prefills=True)
         if self.options.p3_yields:
-            self._p3_yields(step, queued, backlog)
+            self._p3_yields(step, queued)
 
     def p0_at_risk(self, step: StepBudget, now: float) -> bool:
         """Whether a P0 prompt prefilling in `step` would, sharing the step with the other
@@ -212,23 +211,13 @@ class StepShaper:
             self._yield_prompts.append(False)
             self._yield_decodes.append(False)
 
-    def built_s(self, step: StepBudget) -> float:
-        """The predicted duration of `step` as built (0 without a cost model or work)."""
-        if step.estimate_s is None or not (step.decodes or step.prefills):
-            return 0.0
-        return _as_built_s(step, step.estimate_s)
-
-    def _p3_yields(self, step: StepBudget, queued: bool, backlog: bool) -> None:
-        """P3's prompt chunks yield to any queued urgent work: a chunk is a large share of
-        the step, so the step ends that much sooner. Its decodes yield only to a backlog:
-        one adds a fraction of a millisecond to a prefill step (about 4 ms for 31 of them
-        in a 230 ms step at 128 closed-loop clients) and, left out, waits a whole step."""
-        others = bool(step.tiers_prefilling() - {Tier.P3})
+    def _p3_yields(self, step: StepBudget, queued: bool) -> None:
+        urgent = queued and bool(step.tiers_prefilling() - {Tier.P3})
         for history, limit, decodes in (
             (self._yield_prompts, SHAPING_WINDOW // 2, False),
             (self._yield_decodes, SHAPING_WINDOW // 4, True),
         ):
-            yields = others and (backlog if decodes else queued) and sum(history) < limit
+            yields = urgent and sum(history) < limit
             yields = yields and step.has_work(Tier.P3, decodes=decodes, prefills=not decodes)
             history.append(yields)
             if yields:
