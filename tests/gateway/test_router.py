@@ -274,6 +274,8 @@ def test_a_replica_running_more_than_its_peers_seats_without_a_queue_is_let_grow
     big = router.state("u2")
     _load(router, clock, "u2", 0, 10)
     assert router.seats(big) == 16  # below its peers' seats: as they are
+    _load(router, clock, "u2", 0, 16)
+    assert router.seats(big) == 16  # exactly full, as a peer just filled up: still theirs
     _load(router, clock, "u2", 0, 20)
     assert router.seats(big) == 40  # past them with no queue: twice what it runs
     _load(router, clock, "u2", 3, 30)

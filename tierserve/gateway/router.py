@@ -19,7 +19,7 @@ upstream), and the free
 seats are that less those running now. An upstream never yet seen full has shown no limit
 of its own: it is taken to have as many seats as its peers (upstreams of the same kind
 serving the same models) have shown, the median of those that have (twice what it runs,
-once it runs that many without a queue: a bigger replica); where none has, what was sent
+once it runs more than that without a queue: a bigger replica); where none has, what was sent
 since the scrape counts as running. An idle fleet then takes a burst of
 hundreds of streams at once (counted as waiting, 200 streams to an idle replica were
 released a few per scrape interval, and took seconds to reach their first token), while
@@ -177,8 +177,8 @@ class Router:
         if self._peer_seats is None:
             self._peer_seats = self._peers_seats()
         borrowed = self._peer_seats.get((s.config.kind, s.models))
-        if borrowed is not None and s.sample is not None and s.sample.num_running >= borrowed:
-            # It runs as many as its peers can, with no queue: a bigger replica. Its share
+        if borrowed is not None and s.sample is not None and s.sample.num_running > borrowed:
+            # It runs more than its peers can, with no queue: a bigger replica. Its share
             # doubles each scrape until a queue shows its own seats (held to its peers',
             # a replica twice their size took 4 requests a scrape interval for good).
             return 2.0 * s.sample.num_running
