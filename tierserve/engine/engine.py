@@ -165,12 +165,11 @@ class Engine:
         self._in_step = True
         outputs: list[RequestOutput] = []
         try:
-            if self.time_schedule:
-                started = time.thread_time()
-                out = self.scheduler.schedule(leap if kept else None)
+            timed = self.time_schedule
+            started = time.thread_time() if timed else 0.0
+            out = self.scheduler.schedule(leap if kept else None)
+            if timed:
                 self.stats.last_schedule_cpu_s = time.thread_time() - started
-            else:
-                out = self.scheduler.schedule(leap if kept else None)
             for victim, mode in out.preempted:
                 self.stats.preemptions[(victim.tier, mode.value)] += 1
             outputs.extend(RequestOutput(r, [], True) for r in out.shed)

@@ -173,7 +173,7 @@ class GenerationRun:
             deltas = deltas[: deltas.index(end) + 1]  # nothing follows an end
         ids = [t for d in deltas for t in d.token_ids]
         self._num_received += len(ids)
-        self._cached = max(self._cached, max(d.num_cached_tokens for d in deltas) if deltas else 0)
+        self._cached = max(self._cached, *(d.num_cached_tokens for d in deltas))
         text = self._text.push(ids)
         if self._text.stopped:
             if end is None:

@@ -72,6 +72,16 @@ class TierLedger:
         return self.borrowed()[tier] > 0
 
 
+def tier_turned_off(tier: Tier) -> ConfigError:
+    """tierserve's engine refuses the requests of a tier whose ceiling is 0; vLLM's scheduler
+    cannot refuse a request, and they would wait forever."""
+    return ConfigError(
+        f"tiers.{tier.name}.ceiling: 0 turns a tier off in tierserve's own engine, but the plug-in "
+        "cannot refuse a request (it would wait forever): give the tier a ceiling, lowering the "
+        "floors of the more urgent tiers to leave it room"
+    )
+
+
 def check_room_for_one_request(partition: TierPartition, num_blocks_needed: int, max_model_len: int) -> None:
     """Raise `ConfigError` unless every tier may hold the `num_blocks_needed` blocks of one
     request of `max_model_len` tokens: a longer request of a tier that may hold fewer would
@@ -87,14 +97,8 @@ def check_room_for_one_request(partition: TierPartition, num_blocks_needed: int,
         most = partition.max_blocks(tier)
         if most >= num_blocks_needed:
             continue
-        if partition.ceiling[tier] == 0:
-            # tierserve's engine refuses the requests of a tier turned off; vLLM's scheduler
-            # cannot refuse a request, and they would wait forever.
-            raise ConfigError(
-                f"tiers.{tier.name}.ceiling: 0 turns a tier off in tierserve's own engine, but the plug-in "
-                "cannot refuse a request (it would wait forever): give the tier a ceiling, lowering the "
-                "floors of the more urgent tiers to leave it room"
-            )
+        if partition.ceiling[tier] == 0:  # a share that rounds to no block
+            raise tier_turned_off(tier)
         share = math.ceil(1000 * num_blocks_needed / partition.num_blocks) / 1000  # enough, rounded up
         if partition.ceiling[tier] == most:
             raise ConfigError(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierserve.config import ConfigError, EngineConfig, load_raw, parse_config
+from tierserve.integrations.vllm.ledger import tier_turned_off
 from tierserve.scheduling import POLICIES
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -108,13 +109,7 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
     engine = parse_config(body)
     for tier in ALL_TIERS if POLICIES[policy].tiered_memory else ():
         if engine.tiers[tier].ceiling == 0:
-            # tierserve's engine refuses the requests of a tier turned off; vLLM's scheduler
-            # cannot refuse a request, and they would wait forever.
-            raise ConfigError(
-                f"tiers.{tier.name}.ceiling: 0 turns a tier off in tierserve's own engine, but the plug-in "
-                "cannot refuse a request (it would wait forever): give the tier a ceiling, lowering the "
-                "floors of the more urgent tiers to leave it room"
-            )
+            raise tier_turned_off(tier)
     return PluginConfig(engine, policy, priorities, default_tier)
 
 

@@ -28,11 +28,6 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-def installed_vllm_version() -> str | None:
-    found = installed_vllm()
-    return found[1] if found else None
-
-
 def base_version(version: str) -> str:
     """'0.32.0+cpu' and '0.32.0.post1' -> '0.32.0': local builds keep the scheduler interface."""
     core = version.split("+", 1)[0]
