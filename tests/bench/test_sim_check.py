@@ -217,3 +217,37 @@ def test_weights_beyond_free_memory_ask_for_a_smaller_model_not_smaller_shapes(
         sim_check.measure(
             sim_check.checked_setup(model="llama-3.1-8b", shapes=[sim_check.parse_shape("p16")])
         )
+
+
+def test_a_model_directory_is_timed_with_its_own_biases_and_norms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3 directory was timed as a plain Llama: no q/k norms, which its steps compute."""
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    setup = sim_check.checked_setup(model=str(tmp_path), shapes=[sim_check.parse_shape("p16")], repeats=1)
+    built: list[Any] = []
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        built.append(executor := sim_check_build(*args, **kwargs))
+        return executor
+
+    sim_check_build = sim_check.build_executor
+    monkeypatch.setattr(sim_check, "build_executor", build)
+    torch.set_num_threads(1)
+    sim_check.measure(setup)
+    (executor,) = built
+    assert any(name.endswith("q_norm.weight") for name in executor.model.checkpoint_tensors())
+    assert sim_check.checked_setup(model="demo", shapes=[sim_check.parse_shape("p16")]).options is None

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierserve.executors.pytorch.executor import TorchExecutor
+    from tierserve.executors.pytorch.hf_config import DecoderOptions
 
 BLOCK_SIZE = 16
 DTYPES = ("float32", "bfloat16", "float16")
@@ -234,10 +235,13 @@ def build_executor(
     dtype: torch.dtype,
     num_blocks: int,
     block_size: int = BLOCK_SIZE,
+    options: DecoderOptions | None = None,
 ) -> TorchExecutor:
     """A `TorchExecutor` for `config` with random weights and `num_blocks` K/V blocks, no host
-    pool; ValueError when they would not fit in the device's free memory (`check_fits`)."""
+    pool; ValueError when they would not fit in the device's free memory (`check_fits`).
+    `options`: the checkpoint's biases and norms (none: plain Llama, as the built-in models)."""
     from tierserve.executors.pytorch.executor import TorchExecutor
+    from tierserve.executors.pytorch.hf_config import PLAIN_LLAMA
     from tierserve.executors.pytorch.kv_pool import KVLayout, KVPool
     from tierserve.executors.pytorch.loader import make_random_model
 
@@ -245,7 +249,7 @@ def build_executor(
     layout = KVLayout(
         config.num_hidden_layers, config.num_key_value_heads, config.head_size, block_size, dtype
     )
-    model = make_random_model(config, device, dtype)
+    model = make_random_model(config, device, dtype, options=options or PLAIN_LLAMA)
     pool = KVPool(layout, num_blocks, 0, device)
     return TorchExecutor(model, pool, max_model_len=config.max_position_embeddings)
 
@@ -260,6 +264,7 @@ class Setup:
     device: torch.device
     dtype: str
     repeats: int  # timed runs of each shape
+    options: DecoderOptions | None = None  # a model directory's biases and norms (Qwen's)
 
 
 def checked_setup(
@@ -281,7 +286,19 @@ def checked_setup(
     import torch
 
     check_fits(config, dev, getattr(torch, dtype), max(s.num_blocks(BLOCK_SIZE) for s in checked))
-    return Setup(config, profile, checked, dev, dtype, repeats)
+    return Setup(config, profile, checked, dev, dtype, repeats, _decoder_options(model))
+
+
+def _decoder_options(model: str) -> DecoderOptions | None:
+    """A model directory's biases and norms, which its steps compute (a Qwen3 directory was
+    timed as a plain Llama, without its q/k norms); None for a built-in model."""
+    from tierserve.executors.pytorch.hf_config import parse_hf_config
+    from tierserve.model_config import KNOWN_MODELS
+
+    path = Path(model)
+    if model.lower() in KNOWN_MODELS or not (path.is_dir() or path.is_file()):
+        return None
+    return parse_hf_config(path / "config.json" if path.is_dir() else path, simulated=True).options
 
 
 def measure(setup: Setup, seed: int = 0) -> dict[str, Any]:
@@ -294,7 +311,11 @@ def measure(setup: Setup, seed: int = 0) -> dict[str, Any]:
     run_config = replace(setup.config, dtype_bytes=torch.empty((), dtype=torch_dtype).element_size())
     begin = time.perf_counter()
     executor = build_executor(
-        run_config, setup.device, torch_dtype, max(s.num_blocks(BLOCK_SIZE) for s in setup.shapes)
+        run_config,
+        setup.device,
+        torch_dtype,
+        max(s.num_blocks(BLOCK_SIZE) for s in setup.shapes),
+        options=setup.options,
     )
     cost = CostModel(setup.gpu, run_config, tp=1)
     rows = check_shapes(executor, cost, setup.shapes, setup.repeats, seed)

@@ -179,3 +179,46 @@ def test_a_float32_checkpoint_is_priced_in_the_16_bits_a_gpu_runs_it_in(tmp_path
     built_in = build_sim_executor("llama-3.1-8b", "a100-80gb")
     assert local.spec.num_device_blocks == built_in.spec.num_device_blocks
     assert local.cost.decode_step_cost(1, 1000) == built_in.cost.decode_step_cost(1, 1000)
+
+
+@pytest.mark.parametrize(
+    ("rope", "context"),
+    [
+        # Qwen2.5's and Qwen3's model cards: YaRN, factor 4, over the 32,768 trained positions.
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),
+        ({"type": "dynamic", "factor": 2.0}, 65536),
+        ({"rope_type": "linear", "factor": 2.0}, 65536),
+        ({"rope_type": "longrope", "factor": 4.0}, 32768),  # already the scaled context
+    ],
+)
+def test_the_simulator_reads_any_rope_scaling_and_serves_vllms_context(
+    tmp_path: Path, rope: dict[str, object], context: int
+) -> None:
+    """No rotation changes a step's work or the K/V it keeps: a YaRN model was refused."""
+    folder = Path(_llama_8b_directory(tmp_path, "bfloat16"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": 32768, "rope_scaling": rope})
+    )
+    local = build_sim_executor(str(folder), "h100-80gb")
+    built_in = build_sim_executor("llama-3.1-8b", "h100-80gb")
+    assert local.spec.max_model_len == context
+    assert local.spec.num_device_blocks == built_in.spec.num_device_blocks
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),  # was read as tied: 0.13 B too few
+        ({"torch_dtype": "float8_e4m3fn"}, "float8_e4m3fn"),  # was priced as 16 bits
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0}}, "factor"),
+    ],
+)
+def test_a_config_the_simulator_would_misprice_is_refused(
+    tmp_path: Path, change: dict[str, object], says: str
+) -> None:
+    folder = Path(_llama_8b_directory(tmp_path, "bfloat16"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=says):
+        build_sim_executor(str(folder), "h100-80gb")

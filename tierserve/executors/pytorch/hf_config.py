@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,15 +133,22 @@ def _default(arch: str, key: str, fallback: Any) -> Any:
     return _ARCH_DEFAULTS.get(arch, {}).get(key, fallback)
 
 
-def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
-    """(rope_theta, Llama-3 scaling or None, the linear scaling factor: 1.0 when not linear)."""
+def _rope_params(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{path}: rope_scaling: expected an object, got {params!r}")
+    return params
+
+
+def _rope(path: Path, raw: dict[str, Any], any_kind: bool = False) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, Llama-3 scaling or None, the linear scaling factor: 1.0 when not linear).
+    `any_kind`: a rope type the torch executor cannot rotate by is read as none (the
+    simulator: no rotation changes a step's work or the K/V it keeps)."""
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files
     # have `rope_theta` and `rope_scaling` at the top level. transformers reads
     # `rope_scaling` first: one added beside `rope_parameters` (an edit, say) must agree.
     _check_one_rope(path, raw)
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ModelLoadError(f"{path}: rope_scaling: expected an object, got {params!r}")
+    params = _rope_params(path, raw)
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelLoadError(f"{path}: rope_theta: must be a positive number, got {theta!r}")
@@ -155,6 +163,8 @@ def _rope(path: Path, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, f
                 f"{path}: linear rope scaling: factor must be a positive number, got {factor!r}"
             )
         return theta, None, float(factor)
+    if kind != "llama3" and any_kind:
+        return theta, None, 1.0
     if kind != "llama3":
         raise ModelLoadError(
             f"{path}: rope_type {kind!r} is not supported (supported: default, linear, llama3)"
@@ -193,6 +203,39 @@ def _decoder_options(path: Path, raw: dict[str, Any], arch: str, linear_factor: 
         qk_norm=arch == "Qwen3ForCausalLM",
         rope_linear_factor=linear_factor,
     )
+
+
+def _scaled_context(path: Path, raw: dict[str, Any], max_positions: int) -> int:
+    """The context vLLM serves a model at, from its rope scaling: `max_position_embeddings`
+    times the scaling's factor (YaRN: its `original_max_position_embeddings` times it), but
+    for llama3, longrope and su, whose `max_position_embeddings` already is the scaled one
+    (vLLM's `_get_and_verify_max_len`). Qwen2.5's and Qwen3's model cards add YaRN with
+    factor 4 to a 32,768-position config for 131,072 tokens."""
+    params = _rope_params(path, raw)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default", "llama3", "longrope", "su"):
+        return max_positions
+    factor = params.get("factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+        raise ModelLoadError(f"{path}: {kind} rope scaling: factor must be a positive number, got {factor!r}")
+    base = params.get("original_max_position_embeddings", max_positions) if kind == "yarn" else max_positions
+    if isinstance(base, bool) or not isinstance(base, int) or base < 1:
+        raise ModelLoadError(
+            f"{path}: yarn rope scaling: original_max_position_embeddings must be a positive integer, "
+            f"got {base!r}"
+        )
+    return int(base * factor)
+
+
+def _dtype_bytes(path: Path, dtype: Any) -> int:
+    """Bytes of one weight in the checkpoint's declared dtype (none declared: 16 bits)."""
+    if dtype is None:
+        return 2
+    size = _DTYPES.get(str(dtype).removeprefix("torch."))
+    if size is None:  # an fp8 file without a quantization_config was priced as bfloat16
+        known = ", ".join(_DTYPES)
+        raise ModelLoadError(f"{path}: torch_dtype {dtype!r} is not supported (supported: {known})")
+    return size
 
 
 def _check_one_rope(path: Path, raw: dict[str, Any]) -> None:
@@ -245,8 +288,12 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
-def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None) -> HFModelSpec:
-    """Read `path` (config.json); EOS ids come from generation_config.json when it has them."""
+def parse_hf_config(
+    path: Path, generation_config: dict[str, Any] | None = None, *, simulated: bool = False
+) -> HFModelSpec:
+    """Read `path` (config.json); EOS ids come from generation_config.json when it has them.
+    `simulated`: for the simulator, which runs no rotation: any rope type is read, and the
+    context is the one vLLM serves the model at (`_scaled_context`)."""
     raw = read_json(path)
     arch = _architecture(path, raw)
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' one function, two names
@@ -268,7 +315,7 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         raise ModelLoadError(f"{path}: head_dim must be a positive even integer, got {head_dim!r}")
     if head_dim is None and hidden % heads:
         raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-    theta, scaling, linear_factor = _rope(path, raw)
+    theta, scaling, linear_factor = _rope(path, raw, any_kind=simulated)
     options = _decoder_options(path, raw, arch, linear_factor)
     dtype = raw.get("torch_dtype", raw.get("dtype"))
     gen = generation_config or {}
@@ -288,13 +335,15 @@ def parse_hf_config(path: Path, generation_config: dict[str, Any] | None = None)
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=_float(path, raw, "rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(path, raw, "tie_word_embeddings"),
         head_dim=head_dim,
         bos_token_id=bos if isinstance(bos, int) else None,
         eos_token_ids=eos,
-        dtype_bytes=_DTYPES.get(str(dtype), 2),
+        dtype_bytes=_dtype_bytes(path, dtype),
     )
     max_len = config.max_position_embeddings
+    if simulated:
+        max_len = _scaled_context(path, raw, max_len)
     window = raw.get("sliding_window", _default(arch, "sliding_window", None))
     if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
         max_len = min(max_len, window)  # within the window, sliding attention is full attention

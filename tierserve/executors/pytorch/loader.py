@@ -52,7 +52,11 @@ def make_demo_model(
 
 
 def make_random_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    options: DecoderOptions = PLAIN_LLAMA,
 ) -> CausalLM:
     """A model of `config`'s shape with random weights, for timing: never meant to make text.
 
@@ -60,7 +64,7 @@ def make_random_model(
     host): an 8 B model in bfloat16 on a GPU takes its 16 GB there and seconds to make.
     Not the demo's weights: `make_demo_model` draws those on the CPU, in its own order.
     """
-    model = _unfilled_model(config, device, dtype)
+    model = _unfilled_model(config, device, dtype, options)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.checkpoint_tensors().items()):

@@ -55,7 +55,7 @@ def get_model(name: str) -> ModelConfig:
 
         config = path / "config.json" if path.is_dir() else path
         try:
-            spec = parse_hf_config(config)
+            spec = parse_hf_config(config, simulated=True)
         except ModelLoadError as e:
             raise ValueError(str(e)) from None
         if spec.quantization is not None:
@@ -64,8 +64,9 @@ def get_model(name: str) -> ModelConfig:
                 "16-bit weights and K/V"
             )
         # A sliding window caps the context the model attends over (Mistral's 4,096), as the
-        # torch executor caps it: the simulator then admits no longer request either.
-        context = min(spec.config.max_position_embeddings, spec.max_model_len)
+        # torch executor caps it: the simulator then admits no longer request either. A rope
+        # scaling (YaRN, say) stretches it, as vLLM reads it.
+        context = spec.max_model_len
         # A float32 checkpoint runs in 16 bits on a GPU: vLLM's dtype "auto" casts it to
         # float16, tierserve's torch executor to bfloat16; the GPU profiles price 16-bit work.
         dtype_bytes = min(spec.config.dtype_bytes, 2)
