@@ -248,6 +248,10 @@ def test_a_trace_cell_reports_its_offered_load_against_the_measured_capacity(
         return
     assert doc["setup"]["trace_rows"] == rows  # what was replayed, in results.json and report.md
     assert doc["setup"]["trace_rows_cut_to_context"] == {"azure-code": 0}  # every row fits 128k
+    # What the trace gave, read (a trace in the wrong time unit shows in its span).
+    assert doc["setup"]["trace_rows_read"] == {"azure-code": rows}
+    read = setup.trace_rows("azure-code")
+    assert doc["setup"]["trace_span_s"] == {"azure-code": read[-1].arrival_s - read[0].arrival_s}
     capacity = doc["capacity"]["azure-code"]["requests_per_s"]
     trace = setup.trace_rows("azure-code")
     warmup = setup.num_measured // 10

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import importlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from tierserve.tiers import Tier
 from tierserve.workloads.spec import TierMix
+from tierserve.workloads.tokens import block_ids
 from tierserve.workloads.trace_stream import replay_count, trace_stream
 from tierserve.workloads.traces import TraceRecord, load_trace
 
@@ -135,3 +138,21 @@ def test_num_cut_to_fit_counts_the_rows_the_replay_shortens() -> None:
         for s, r in zip(specs, rows, strict=True)
     ]
     assert sum(cut) == 2
+
+
+def test_a_row_cut_to_the_context_makes_only_the_tokens_it_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 50M-token row cut to the context made all 50M ids first (1.6 GB); the ids kept are
+    the same."""
+    stream = importlib.import_module("tierserve.workloads.trace_stream")  # the package's name is the function
+
+    asked: list[int] = []
+
+    def counting(seed: int, hash_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+        asked.append(num_tokens)
+        return block_ids(seed, hash_ids, num_tokens)
+
+    monkeypatch.setattr(stream, "block_ids", counting)
+    row = TraceRecord(0.0, 512 * 40, 8, tuple(range(40)))
+    (spec,) = trace_stream([row], 0, 2048)
+    assert asked == [spec.num_prompt_tokens] and spec.num_prompt_tokens < 2048
+    assert spec.prompt_token_ids == block_ids(0, row.hash_ids, 512 * 40)[: spec.num_prompt_tokens]

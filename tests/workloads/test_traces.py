@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tierserve.workloads.traces import TraceFormatError, load_csv, load_mooncake_jsonl, load_trace
+from tierserve.workloads.traces import TraceFormatError, load_csv, load_mooncake_jsonl, load_trace, span_line
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -194,6 +194,10 @@ def test_mooncake_rows_without_hash_ids_share_no_prefix(tmp_path: Path) -> None:
             "unknown key 'hash_id' .did you mean 'hash_ids'.",
         ),
         ('{"timestamp": 1, "input_lenght": 10, "output_length": 1}', "unknown key 'input_lenght' .did you"),
+        # An int too large for a float raised OverflowError; past Python's digit limit a
+        # ValueError that named neither file nor line.
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1}', "timestamp must be"),
+        ('{"timestamp": 1, "input_length": 1' + "0" * 5000 + ', "output_length": 1}', "invalid JSON"),
     ],
 )
 def test_mooncake_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
@@ -452,3 +456,13 @@ def test_mooncake_keys_that_are_not_read_are_warned_of_once(
     with caplog.at_level(logging.WARNING, logger="tierserve.workloads.traces"):
         assert len(load_mooncake_jsonl(path)) == 3
     assert caplog.text.count("keys not read: 'hash_ids_len', 'tier' (read: timestamp,") == 1
+
+
+def test_the_span_line_says_what_a_replay_read(tmp_path: Path) -> None:
+    """Seconds read as Mooncake's milliseconds replay a sparse trace 1000 times too fast,
+    and nothing in the rows can tell: the commands print this line so that it shows."""
+    rows = "".join(f'{{"timestamp": {t}, "input_length": 10, "output_length": 1}}\n' for t in (0, 300, 600))
+    path = write(tmp_path, "seconds.jsonl", rows)
+    assert span_line(path, load_trace(path)) == f"{path}: 3 rows arriving over 0.6 s (3.333 requests/s at 1x)"
+    one = write(tmp_path, "one.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1}\n')
+    assert "1 rows arriving over 0 s (all at one instant" in span_line(one, load_trace(one))

@@ -18,6 +18,7 @@ from typing import Any
 
 from tierserve.cli_args import non_negative_float, non_negative_int, out_path, positive_float, positive_int
 from tierserve.workloads.trace_stream import SCALE_BY
+from tierserve.workloads.traces import span_line
 
 TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
 WORKLOAD = "default"  # the deployment each replica runs
@@ -280,6 +281,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.process_time()
     with input_warnings() as warned:
         bench = FleetBench(args, trace)
+        print(span_line(trace, bench.rows), file=sys.stderr)
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}

@@ -246,16 +246,22 @@ def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
 def check_traces(matrix: Matrix) -> None:
     """Read every trace the matrix replays (up to its row limit): a missing or malformed one
     fails before any cell runs, not after the cells before it."""
-    from tierserve.workloads.traces import check_span
+    from tierserve.workloads.traces import check_span, span_line
 
+    said: set[str] = set()
     for workload, _, scale in (g for g in matrix.groups if g[1] == "trace"):
-        check_span(Path(workload), matrix.setup.trace_rows(workload), scale)  # read once (cached)
+        rows = matrix.setup.trace_rows(workload)  # read once (cached)
+        check_span(Path(workload), rows, scale)
+        if workload not in said:
+            said.add(workload)
+            print(span_line(Path(workload), rows), file=sys.stderr)
 
 
 def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
     from tierserve.bench.output import source_commit
     from tierserve.workloads import get_preset
     from tierserve.workloads.trace_stream import num_cut_to_fit
+    from tierserve.workloads.traces import span_s
 
     s = matrix.setup
     config = s.engine_config()
@@ -280,6 +286,10 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
                 # A trace's first tenth warms up; the measured count is what rows are left.
                 "trace_measured": "each trace's rows after its first tenth, at most the count above",
                 "trace_rows": s.max_trace_rows or "all",
+                # What each trace gave: the rows read and their span at 1x (a trace read in the
+                # wrong time unit shows here).
+                "trace_rows_read": {w: len(s.trace_rows(w)) for w in traces},
+                "trace_span_s": {w: span_s(s.trace_rows(w)) for w in traces},
                 # Rows longer than the model's context run shortened: not the trace's requests.
                 "trace_rows_cut_to_context": {
                     w: num_cut_to_fit(s.trace_rows(w), s.executor(w).spec.max_model_len) for w in traces

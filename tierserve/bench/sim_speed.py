@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import enum
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -28,7 +29,7 @@ from tierserve.bench.summary import summarize
 from tierserve.cli_args import non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.workloads import get_preset
-from tierserve.workloads.traces import check_span
+from tierserve.workloads.traces import check_span, span_line
 
 DESCRIPTION = """\
 Simulate one benchmark cell twice, step by step and in the fast mode (which keeps the
@@ -220,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
         num_measured=args.requests, think_time_s=args.think_time, max_trace_rows=args.trace_rows
     )
     if pattern == "trace":
-        check_span(Path(args.workload), setup.trace_rows(args.workload), args.load)
+        rows = setup.trace_rows(args.workload)
+        check_span(Path(args.workload), rows, args.load)
+        print(span_line(Path(args.workload), rows), file=sys.stderr)
     make_out_folder(args.out)
     cell = Cell(args.workload, pattern, args.load, args.policy, args.seed)
     before = host.snapshot()  # through the module: tests replace it there

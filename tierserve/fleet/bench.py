@@ -65,7 +65,8 @@ class FleetBench:
             raise ValueError(
                 f"the trace at --rate-scale {a.rate_scale:g} spans {span_s / 86_400:.3g} days of virtual "
                 f"time; at most {MAX_SPAN_S / 86_400:g} (the gateway scrapes every replica every 0.5 s "
-                "of it): raise --rate-scale or cut the trace"
+                "of it): raise --rate-scale, cut the trace, or check its timestamps' unit (Mooncake's "
+                "are milliseconds, BurstGPT's seconds)"
             )
         num_bins = (span_s + FleetConfig.drain_timeout_s) / a.bin_s
         if num_bins > MAX_BINS:

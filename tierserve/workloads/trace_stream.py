@@ -67,7 +67,9 @@ def trace_stream(
         )
         if record.hash_ids:
             block_seed = seed if copy == 0 else _copy_block_seed(seed, copy)
-            prompt = block_ids(block_seed, record.hash_ids, record.num_prompt_tokens)[:num_prompt]
+            # The ids of the tokens kept only (a 50M-token row cut to the context made all
+            # 50M first: 1.6 GB); each block's ids depend on its hash id and position alone.
+            prompt = block_ids(block_seed, record.hash_ids, num_prompt)
         else:
             prompt = random_ids(token_rng, num_prompt)
         yield RequestSpec(

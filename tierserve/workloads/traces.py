@@ -319,17 +319,16 @@ def _mooncake_row(
         raise TraceFormatError(f"{where}: invalid JSON ({e.msg}; {lines_hint})") from None
     except RecursionError:
         raise TraceFormatError(f"{where}: JSON nested too deeply ({lines_hint})") from None
+    except ValueError as e:  # an integer past Python's digit limit
+        raise TraceFormatError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(row, dict):
         got = "an array" if isinstance(row, list) else type(row).__name__
         raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
     _check_keys(where, row, unread)
     stamp = row["timestamp"]
-    if (
-        isinstance(stamp, bool)
-        or not isinstance(stamp, (int, float))
-        or not math.isfinite(stamp)
-        or stamp < 0
-    ):
+    # An int too large for a float failed `math.isfinite` with an OverflowError; comparing
+    # an int with a float is exact, and NaN fails it too.
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < 1e300:
         raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
     num_prompt = _count(where, "input_length", row["input_length"], 1)
     hash_ids = row.get("hash_ids")
@@ -394,15 +393,29 @@ def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:
         )
 
 
+def span_s(records: Sequence[TraceRecord]) -> float:
+    """Seconds from the first row's arrival to the last's (0 for none)."""
+    return records[-1].arrival_s - records[0].arrival_s if records else 0.0
+
+
+def span_line(path: Path, records: Sequence[TraceRecord]) -> str:
+    """What a replay read, in one line: rows, their span and rate at 1x. The unit of a
+    trace's timestamps cannot always be told from them (seconds read as Mooncake's
+    milliseconds replay a sparse trace a thousand times too fast): this line shows it."""
+    span = span_s(records)
+    rate = f"{(len(records) - 1) / span:.4g} requests/s" if span > 0 else "all at one instant"
+    return f"{path}: {len(records):,} rows arriving over {span:,.6g} s ({rate} at 1x)"
+
+
 def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -> None:
     """Refuse a trace spanning more than MAX_SPAN_S at `scale` times its rate: one row a
     lifetime later (a timestamp of 1e308 s) ran, and its times lost all their digits (a
     request with a TTFT of 0 that never completed)."""
-    span_s = (records[-1].arrival_s if records else 0.0) / scale
-    if span_s > MAX_SPAN_S:
+    scaled_s = span_s(records) / scale
+    if scaled_s > MAX_SPAN_S:
         at = f" at {scale:g} times its rate" if scale != 1.0 else ""
         raise TraceFormatError(
-            f"{path}: its rows span {span_s / 86_400 / 365:.3g} years{at}; at most "
+            f"{path}: its rows span {scaled_s / 86_400 / 365:.3g} years{at}; at most "
             f"{MAX_SPAN_S / 86_400 / 365:g} (check the timestamps' unit, or the speed-up)"
         )
 
