@@ -58,6 +58,7 @@ class FakeUpstream:
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
     hold: threading.Event | None = None
+    healthy: bool = True  # False: its /metrics answers 500, and the gateway's checks fail
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     tiers: list[list[str]] = field(default_factory=list)  # each request's x-request-tier, every one sent
@@ -118,7 +119,7 @@ class FakeUpstream:
 
     def app(self) -> Any:
         async def metrics(_: Request) -> Response:
-            return PlainTextResponse(METRICS)
+            return PlainTextResponse(METRICS, status_code=200 if self.healthy else 500)
 
         async def models(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})

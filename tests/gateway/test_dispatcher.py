@@ -218,3 +218,18 @@ def test_a_more_urgent_request_goes_past_a_head_no_upstream_has_room_for() -> No
         p3.cancel()
 
     asyncio.run(run())
+
+
+def test_a_queue_cap_of_zero_closes_the_tier_as_serve_does() -> None:
+    """With room upstream, a tier whose cap is 0 was still routed: a server's config put in
+    front of a gateway opened the tier `serve` had closed."""
+
+    async def run() -> None:
+        d, router, _ = _dispatcher(cap=4, queue_cap=0)
+        with pytest.raises(ApiError) as refused:
+            await d.acquire(Tier.P3, "t", "m", "p")
+        assert refused.value.status == 503 and refused.value.code == "queue_full"
+        assert "retry after" in refused.value.message and "unknown" not in refused.value.message
+        assert router.state("only").num_in_flight == 0
+
+    asyncio.run(run())

@@ -357,3 +357,35 @@ def test_a_stream_broken_midway_does_not_tell_the_client_the_upstreams_address()
     ):
         text = r.read().decode()
     assert '"code": "upstream_failed"' in text and "f0" not in text and "127.0.0.1" not in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_awaiting_an_upstream_that_is_ejected_go_to_another(stream: bool) -> None:
+    """An upstream that stops (SIGSTOP, a hung engine) fails its checks and is ejected, but
+    the requests already sent to it waited for the read timeout (600 s by default), P0's
+    too. Nothing had reached their clients: they go to another upstream."""
+    stuck, good = FakeUpstream("ok", hold=threading.Event()), FakeUpstream("ok")
+    with gateway_over(stuck, good) as gw:
+        results: list[httpx.Response] = []
+
+        def send(i: int) -> None:
+            body = spread_body(CHAT, i, stream=stream)
+            results.append(httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while not stuck.bodies and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stuck.bodies, "no request reached the stuck upstream"
+        started = time.monotonic()
+        stuck.healthy = False  # the checks fail now: ejected within a few 0.2 s scrapes
+        for t in threads:
+            t.join(timeout=60)
+        waited = time.monotonic() - started
+        metrics = httpx.get(gw.url + "/metrics").text
+    assert [r.status_code for r in results] == [200] * 6
+    assert waited < 20  # not the stuck upstream's 60 s hold
+    assert len(good.bodies) == 6  # every request was answered by the good one in the end
+    assert 'tierserve_gateway_retries_total{upstream="f0"}' in metrics

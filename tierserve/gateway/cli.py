@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.gateway.state import build_gateway_state
     from tierserve.server.http_guard import uvicorn_options
     from tierserve.server.listen_check import cannot_listen
-    from tierserve.server.permissive import log_permissive_settings
+    from tierserve.server.permissive import closed_tiers, log_permissive_settings
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tierserve gateway: {problem}", file=sys.stderr)
         return 2
-    log_permissive_settings(config.serve, logging.getLogger("tierserve.gateway"), redis_fail_summary(config))
+    log = logging.getLogger("tierserve.gateway")
+    log_permissive_settings(config.serve, log, redis_fail_summary(config))
+    for line in closed_tiers(config.serve):
+        log.warning("%s", line)
     gw = build_gateway_state(config)
     app = create_gateway_app(gw)
     uv_config = uvicorn.Config(

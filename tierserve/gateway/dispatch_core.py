@@ -64,8 +64,10 @@ class DispatchCore(Generic[H]):
     def route_now(
         self, tier: Tier, prefix: str, model: str, exclude: Sequence[str] = ()
     ) -> RouteDecision | None:
-        """An upstream now (counted in flight), or None: the request must take a ticket."""
-        if self.flow.depth_upto(tier):
+        """An upstream now (counted in flight), or None: the request must take a ticket (a
+        closed tier's is refused: a queue cap of 0 closed it in `serve` and not here, so a
+        server's config put in front of a gateway opened the tier again)."""
+        if self.flow.depth_upto(tier) or self.flow.is_closed(tier):
             return None
         decision = self.router.route(tier, prefix, model, exclude)
         if decision is not None:

@@ -62,6 +62,10 @@ class FlowControl:
     def depth(self, tier: Tier | None = None) -> int:
         return self._policy.num_waiting(tier)
 
+    def is_closed(self, tier: Tier) -> bool:
+        """A queue cap of 0: every request of `tier` is refused, as `tierserve serve` refuses it."""
+        return self._caps[tier] == 0
+
     def depth_upto(self, tier: Tier) -> int:
         """Requests waiting at `tier` or more urgent: those a new request of `tier` queues behind."""
         return sum(self._policy.num_waiting(t) for t in ALL_TIERS if t <= tier)

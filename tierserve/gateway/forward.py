@@ -230,7 +230,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
         call.seat = decision
         tried_at = time.perf_counter()
         try:
-            return await _try(gw, call, decision)
+            return await _try_unless_ejected(gw, call, decision)
         except asyncio.CancelledError:  # the client left (or the gateway is shutting down)
             _give_back(gw, call)
             gw.metrics.upstream_requests.labels(decision.upstream, "client_left").inc()
@@ -293,6 +293,26 @@ class _Retry(Exception):
     def __init__(self, why: str, retry_after_s: float | None = None) -> None:
         super().__init__(why)
         self.retry_after_s = retry_after_s
+
+
+async def _try_unless_ejected(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
+    """`_try`, cut if the upstream is ejected before its reply comes (`GatewayState.cut_off`):
+    then a `_Retry`, unless the attempt was cancelled for another reason too (its client
+    left, or the gateway's drain timed out)."""
+    task = asyncio.current_task()
+    if task is None:  # not in a task: nothing could cut it
+        return await _try(gw, call, decision)
+    waiting = gw.awaiting_reply.setdefault(decision.upstream, set())
+    waiting.add(task)
+    try:
+        return await _try(gw, call, decision)
+    except asyncio.CancelledError:
+        if task in gw.cut_off and task.uncancel() == 0:
+            raise _Retry("ejected while its reply was awaited") from None
+        raise
+    finally:
+        waiting.discard(task)
+        gw.cut_off.discard(task)
 
 
 async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:

@@ -50,6 +50,10 @@ class GatewayState:
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)
+    # Attempts waiting for an upstream's reply (a stream's first events), by upstream: when
+    # it is ejected they are cut and go to another (`cut_off`), not held to the read timeout.
+    awaiting_reply: dict[str, set[asyncio.Task[Any]]] = field(default_factory=dict)
+    cut_off: set[asyncio.Task[Any]] = field(default_factory=set)
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix seconds: the models' "created"
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -84,7 +88,22 @@ class GatewayState:
         if ejected:
             self.metrics.ejections.labels(name).inc()
             log.warning("upstream %s ejected: %s", name, why)
+            self._cut_waiting(name)
         return ejected
+
+    def _cut_waiting(self, name: str) -> None:
+        """Cut the attempts still waiting for the ejected upstream's reply: nothing has reached
+        their clients, so they may go to another upstream (a stopped upstream held them, P0's
+        too, to the read timeout: 600 s by default). The attempt that ejected it goes on
+        by itself."""
+        waiting = self.awaiting_reply.get(name)
+        if not waiting:
+            return
+        current = asyncio.current_task()
+        for task in waiting - self.cut_off:
+            if task is not current:
+                self.cut_off.add(task)
+                task.cancel()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -62,10 +62,15 @@ def overloaded(
     """A 503 for a tier whose queue is full (or whose wait would miss its deadline)."""
     retry = round(retry_after_s, 3)
     headers = {**headers, "Retry-After": str(max(1, int(retry + 0.999)))}
-    wait = "unknown" if estimated_wait_s is None else f"{estimated_wait_s:.2f} s"
+    # The gateway has no estimate of its own: it says when to come back, as its header does
+    # ("estimated wait unknown" beside a Retry-After read as a contradiction).
+    if estimated_wait_s is None:
+        wait = f"retry after {retry:g} s"
+    else:
+        wait = f"estimated wait {estimated_wait_s:.2f} s"
     return ApiError(
         503,
-        f"Tier {tier.name} is overloaded ({reason}; estimated wait {wait}).",
+        f"Tier {tier.name} is overloaded ({reason}; {wait}).",
         type="server_error",
         code=reason,
         headers=headers,
