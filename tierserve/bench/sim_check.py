@@ -179,18 +179,9 @@ def check_shapes(
 
 def _available_bytes(device: torch.device) -> int | None:
     """Free device memory (CUDA) or MemAvailable (Linux CPU); None where unknown."""
-    import torch
+    from tierserve.executors.pytorch.loader import free_bytes
 
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return free_bytes(device)
 
 
 def check_fits(

@@ -178,3 +178,68 @@ def test_two_weight_files_with_the_same_tensor_and_no_index_are_refused(checkpoi
     (checkpoint.path / "old-a.safetensors").write_bytes(data)
     message = load_error(checkpoint.path)
     assert "old-a.safetensors" in message and "also in a.safetensors" in message and "ambiguous" in message
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_the_model_is_allocated(
+    checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An 8 B model's config beside tiny weights: the loader filled 24 GB (and was killed)
+    before its first check. The headers are read first now."""
+    from tierserve.executors.pytorch import loader
+
+    def not_allocated(*_args: object) -> None:
+        raise AssertionError("the model was allocated before its tensors were checked")
+
+    monkeypatch.setattr(loader, "_unfilled_model", not_allocated)
+    config_path = checkpoint.path / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32)
+    config_path.write_text(json.dumps(config))
+    message = load_error(checkpoint.path)
+    assert "not found in model.safetensors" in message
+
+
+def test_weights_larger_than_the_free_memory_are_refused_in_one_line(
+    checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierserve.executors.pytorch import loader
+
+    monkeypatch.setattr(loader, "free_bytes", lambda _device: 4096)
+    message = load_error(checkpoint.path)
+    assert "config.json" in message and "GiB in float32 on cpu, more than" in message
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_named(checkpoint: Checkpoint) -> None:
+    (checkpoint.path / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    message = load_error(checkpoint.path)
+    assert "chat_template.jinja" in message and "not UTF-8" in message
+
+
+def test_weights_saved_from_the_base_model_say_their_names_lack_the_prefix(checkpoint: Checkpoint) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = checkpoint.path / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()}, str(weights))
+    assert "lack the 'model.' prefix" in load_error(checkpoint.path)
+
+
+def test_llama3_original_positions_at_the_top_level_and_in_the_scaling_must_agree(
+    checkpoint: Checkpoint,
+) -> None:
+    """transformers reads a top-level original_max_position_embeddings first, vLLM the
+    scaling's: the rotation differed from transformers' from the first token."""
+    from tierserve.executors.pytorch.hf_config import parse_hf_config
+
+    path = checkpoint.path / "config.json"
+    config = json.loads(path.read_text())
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    base = config["rope_parameters"]  # transformers 5 writes rope_parameters (its rope_theta inside)
+    config.update(rope_parameters={**base, **scaling, "original_max_position_embeddings": 64})
+    config["original_max_position_embeddings"] = 128
+    path.write_text(json.dumps(config))
+    assert "original_max_position_embeddings is 128 at the top level and 64" in load_error(checkpoint.path)
+    config["rope_parameters"] = {**base, **scaling}  # only at the top level: read there, as transformers does
+    path.write_text(json.dumps(config))
+    rope = parse_hf_config(path).config.rope_scaling
+    assert rope is not None and rope.original_max_position_embeddings == 128

@@ -38,6 +38,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
 }
 _DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ORIGINAL = "original_max_position_embeddings"
 
 
 @dataclass(frozen=True)
@@ -169,12 +170,22 @@ def _rope(path: Path, raw: dict[str, Any], any_kind: bool = False) -> tuple[floa
         raise ModelLoadError(
             f"{path}: rope_type {kind!r} is not supported (supported: default, linear, llama3)"
         )
+    # transformers reads a top-level original_max_position_embeddings before the scaling's
+    # own (and where the scaling has none); vLLM reads the scaling's: two that differ rotate
+    # differently in the two, so neither is guessed.
+    top, inner = raw.get(ORIGINAL), params.get(ORIGINAL)
+    original = inner if inner is not None else top  # neither: KeyError, named below
+    if top is not None and inner is not None and top != inner:
+        raise ModelLoadError(
+            f"{path}: original_max_position_embeddings is {top!r} at the top level and {inner!r} in the "
+            "rope scaling (transformers reads the first, vLLM the second): keep one"
+        )
     try:
         scaling = RopeScaling(
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            original_max_position_embeddings=int(original if original is not None else params[ORIGINAL]),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid {e}") from None

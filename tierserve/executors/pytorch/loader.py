@@ -7,6 +7,8 @@ tokenizer_config.json (chat template, special tokens) and generation_config.json
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,18 +149,24 @@ def _unread_weights(directory: Path) -> str:
     return f" ({found[0]}{more} found, but only safetensors weights are read: convert them to safetensors)"
 
 
-def load_weights(model: CausalLM, directory: Path) -> None:
-    """Copy every parameter of `model` from the directory's safetensors, checking names and shapes;
-    a layer tensor that the model does not have is an error too."""
+def check_tensors(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+    """The file of each tensor, once the safetensors headers show every tensor of `shapes` at
+    its shape and no layer tensor besides: read before the model's memory is (a config of
+    an 8 B model beside a tiny checkpoint took 24 GB, and the process, before the first
+    check). A layer tensor that the model does not have is an error too."""
     from safetensors import SafetensorError, safe_open
 
     files = _weight_files(directory)
-    expected = model.checkpoint_tensors()
     where = ", ".join(sorted({p.name for p in files.values()}))
-    missing = [name for name in expected if name not in files]
+    missing = [name for name in shapes if name not in files]
     if missing:
+        hint = ""
+        if all(not name.startswith("model.") for name in files if name != "lm_head.weight"):
+            hint = (
+                "; the weights' names lack the 'model.' prefix (saved from the base model, not *ForCausalLM)"
+            )
         raise ModelLoadError(
-            f"{directory}: tensor {missing[0]!r} not found in {where} ({len(missing)} missing)"
+            f"{directory}: tensor {missing[0]!r} not found in {where} ({len(missing)} missing{hint})"
         )
     # A layer tensor the model has no place for means config.json does not describe these
     # weights (biases without attention_bias, more layers than num_hidden_layers): loading
@@ -166,29 +174,46 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     unused = sorted(
         name
         for name in files
-        if name.startswith("model.layers.") and name not in expected and not name.endswith(".inv_freq")
+        if name.startswith("model.layers.") and name not in shapes and not name.endswith(".inv_freq")
     )
     if unused:
         raise ModelLoadError(
             f"{files[unused[0]]}: tensor {unused[0]!r} has no place in the model config.json describes "
             f"({len(unused)} such tensors; check attention_bias, mlp_bias, num_hidden_layers, architectures)"
         )
+    for path, names in _by_file(files, shapes).items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != shapes[name]:
+                        raise ModelLoadError(
+                            f"{path}: tensor {name!r} has shape {shape}, config.json implies {shapes[name]}"
+                        )
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors: {e}") from None
+    return files
+
+
+def _by_file(files: dict[str, Path], names: Iterable[str]) -> dict[Path, list[str]]:
     by_file: dict[Path, list[str]] = {}
-    for name in expected:
+    for name in names:
         by_file.setdefault(files[name], []).append(name)
+    return by_file
+
+
+def load_weights(model: CausalLM, directory: Path) -> None:
+    """Copy every parameter of `model` from the directory's safetensors (`check_tensors` first)."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = model.checkpoint_tensors()
+    files = check_tensors(directory, {name: tuple(t.shape) for name, t in expected.items()})
     with torch.no_grad():
-        for path, names in by_file.items():
+        for path, names in _by_file(files, expected).items():
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for name in names:
-                        tensor = f.get_tensor(name)
-                        param = expected[name]
-                        if tuple(tensor.shape) != tuple(param.shape):
-                            raise ModelLoadError(
-                                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                f"config.json implies {tuple(param.shape)}"
-                            )
-                        param.copy_(tensor)
+                        expected[name].copy_(f.get_tensor(name))
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f"{path}: unreadable safetensors: {e}") from None
         if model.lm_head is None and "lm_head.weight" in files:
@@ -252,7 +277,10 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
         # As in transformers: a template file of its own wins over the entry in
         # tokenizer_config.json (an older template a checkpoint kept there built other prompts).
         template_file = directory / "chat_template.jinja"
-        template = template_file.read_text(encoding="utf-8")
+        try:
+            template = template_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{template_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     # The template's bos_token and eos_token are the tokenizer's own, as transformers renders
     # them: none declared, they are empty (they were filled from config.json's ids, and
     # --chat then built other prompt ids than apply_chat_template). As transformers 5 reads
@@ -314,8 +342,48 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
     tokenizer = load_tokenizer(directory, spec.config)
     if dtype is None:
         # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
-        half = _HALF_DTYPES.get(spec.checkpoint_dtype or "", torch.bfloat16)
+        half = _HALF_DTYPES.get((spec.checkpoint_dtype or "").removeprefix("torch."), torch.bfloat16)
         dtype = torch.float32 if device.type == "cpu" else half
+    # Names and shapes from the headers, and the room, before a byte of the model is allocated.
+    with torch.device("meta"):
+        shapes = {
+            n: tuple(t.shape) for n, t in CausalLM(spec.config, spec.options).checkpoint_tensors().items()
+        }
+    check_tensors(directory, shapes)
+    _check_room(directory / "config.json", shapes, device, dtype)
     model = _unfilled_model(spec.config, device, dtype, spec.options)
     load_weights(model, directory)
     return LoadedModel(model, tokenizer, spec.max_model_len)
+
+
+def _check_room(
+    config: Path, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype
+) -> None:
+    """Refuse weights larger than the memory free on `device` in one line, before allocating
+    them (an 8 B model runs float32 on a CPU: 32 GB, and the kernel killed the process
+    without a word)."""
+    size = sum(math.prod(shape) for shape in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+    free = free_bytes(device)
+    if free is not None and size > free:
+        on_cpu = " (a CPU runs float32; a GPU runs the checkpoint's 16 bits)" if device.type == "cpu" else ""
+        raise ModelLoadError(
+            f"{config}: the weights take {size / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} "
+            f"on {device}, more than the {free / 2**30:.1f} GiB free there{on_cpu}"
+        )
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on `device`: a GPU's free memory, the host's MemAvailable
+    for the CPU; None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
