@@ -48,3 +48,14 @@ def test_a_trace_file_is_a_workload_on_the_default_hardware(tmp_path: Path) -> N
         get_preset(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="unknown workload"):
         get_preset("nonesuch")
+
+
+def test_a_file_here_that_is_no_trace_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file in the working folder with another suffix was an "unknown workload", and
+    /dev/null "no such trace file": what `load_trace` says of them is said here too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trace.txt").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(ValueError, match="trace.txt: unknown trace format"):
+        get_preset("trace.txt")
+    with pytest.raises(ValueError, match="not a regular file"):
+        get_preset("/dev/null")

@@ -83,11 +83,18 @@ def get_preset(name: str) -> WorkloadPreset:
     if preset is not None:
         return preset
     path = Path(name)
-    if trace_suffix(path) is not None or path.parent != Path("."):
+    if path.exists() or trace_suffix(path) is not None or path.parent != Path("."):
+        # As `load_trace` says it (a file here of another suffix was an "unknown workload").
         if path.is_dir():
             raise ValueError(f"{name}: a folder, not a trace file")
-        if not path.is_file():
+        if not path.exists():
             raise ValueError(f"{name}: no such trace file")
+        if not path.is_file():
+            raise ValueError(f"{name}: not a regular file (a trace is read from a file)")
+        if trace_suffix(path) is None:
+            raise ValueError(
+                f"{name}: unknown trace format (expected .csv, or .jsonl / .json lines; either may be .gz)"
+            )
         base = PRESETS["default"]
         description = f"{path.name} at its own timestamps"
         return WorkloadPreset(
