@@ -55,7 +55,7 @@ def test_a_file_here_that_is_no_trace_says_why(tmp_path: Path, monkeypatch: pyte
     /dev/null "no such trace file": what `load_trace` says of them is said here too."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "trace.txt").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
-    with pytest.raises(ValueError, match="trace.txt: unknown trace format"):
+    with pytest.raises(ValueError, match=r"trace\.txt: unknown trace format"):
         get_preset("trace.txt")
     with pytest.raises(ValueError, match="not a regular file"):
         get_preset("/dev/null")
