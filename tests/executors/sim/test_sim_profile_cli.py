@@ -201,3 +201,15 @@ def test_a_sliding_window_caps_the_context_as_the_torch_executor_does(
     assert run(["profile", "--model", str(folder), "--gpu", "h100-80gb", "--context", "16000", "--json"]) == 0
     (note,) = json.loads(capsys.readouterr().out)["beyond_limits"]
     assert "exceeds the model's context (4,096)" in note
+
+
+def test_a_cache_smaller_than_one_full_context_request_is_a_caveat(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It "fits", and vLLM would refuse to start at the model's own context length."""
+    argv = ["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2", "--mem-util", "0.95"]
+    assert run([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (caveat,) = out["caveats"]
+    assert out["fits"] and out["kv_capacity_tokens"] < 131_072
+    assert f"holds {out['kv_capacity_tokens']:,} tokens, fewer than one request" in caveat

@@ -199,13 +199,22 @@ def beyond_limits(figures: Profile) -> list[str]:
 def caveats(figures: Profile) -> list[str]:
     """What the cost model leaves out for this setup, each in a line: unlike `beyond_limits`, an
     engine may well run it, but the figures flatter it."""
-    if figures.tp <= _GPUS_PER_NODE:
-        return []
-    nodes = -(-figures.tp // _GPUS_PER_NODE)
-    return [
-        f"--tp {figures.tp} spans {nodes} nodes of {_GPUS_PER_NODE} GPUs, but the all-reduces are "
-        "modelled over one node's NVLink (no network between nodes): the times are optimistic"
-    ]
+    out = []
+    context = get_model(figures.model).max_position_embeddings
+    if 0 < figures.kv_capacity_tokens < context:
+        # It "fits", yet no request at the model's full context does (Qwen2.5-72B on 2 x H100).
+        out.append(
+            f"the K/V cache holds {figures.kv_capacity_tokens:,} tokens, fewer than one request at the "
+            f"model's context ({context:,}): vLLM refuses to start unless --max-model-len is at most that, "
+            "and `tierserve serve --backend sim` serves that much context"
+        )
+    if figures.tp > _GPUS_PER_NODE:
+        nodes = -(-figures.tp // _GPUS_PER_NODE)
+        out.append(
+            f"--tp {figures.tp} spans {nodes} nodes of {_GPUS_PER_NODE} GPUs, but the all-reduces are "
+            "modelled over one node's NVLink (no network between nodes): the times are optimistic"
+        )
+    return out
 
 
 def _fits(figures: Profile, tp: int) -> bool:
