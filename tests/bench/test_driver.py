@@ -5,9 +5,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tierserve.bench.driver import DriverConfig, DriverResult, run_workload
+from tierserve.bench.driver import NEVER_STARTED, RUN_ENDED, DriverConfig, DriverResult, run_workload
 from tierserve.clock import VirtualClock
-from tierserve.config import EngineConfig
+from tierserve.config import EngineConfig, SchedulerConfig
 from tierserve.engine import Engine
 from tierserve.executors.null import NullExecutor
 from tierserve.executors.sim.executor import build_sim_executor
@@ -74,6 +74,22 @@ def test_every_submitted_request_is_accounted_for_even_when_the_run_is_cut_short
     assert not engine.has_unfinished()
     assert sorted(r.index for r in result.records if r.measured) == list(range(5, 35))
     assert result.end_s < 2.0 + max(r.arrival_s for r in result.records) + 1.0
+
+
+def test_a_request_cut_by_the_runs_end_says_whether_it_had_started() -> None:
+    """A request still waiting for its first token when the run ends is starved, not a long
+    answer in progress: the P3 target tells the two apart by this reason."""
+    clock = VirtualClock()
+    executor = NullExecutor(num_device_blocks=4096, num_host_blocks=4096, max_model_len=8192)
+    executor.record = False
+    engine = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=2)), "fcfs", executor, clock)
+    specs = [spec(i, max_tokens=2000) for i in range(12)]
+    result = run_workload(
+        engine, clock, specs, DriverConfig(num_measured=10, num_warmup=0, concurrency=8, drain_timeout_s=0.5)
+    )
+    cut = [r for r in result.records if r.status is RequestStatus.ABORTED]
+    assert {r.end_reason for r in cut} == {RUN_ENDED, NEVER_STARTED}
+    assert all((r.end_reason == RUN_ENDED) == (r.first_token_s is not None) for r in cut)
 
 
 def test_rejected_requests_are_recorded_and_the_client_moves_on() -> None:

@@ -38,6 +38,8 @@ from tierserve.workloads.spec import RequestSpec
 
 MAX_IDLE_STEPS = 1000  # steps in a row that neither take time nor end a request: the engine is stuck
 RUN_ENDED = "still unfinished when the run ended (drain timeout)"
+# The same, for a request that had not had its first token: starved, not a long answer.
+NEVER_STARTED = "not yet started when the run ended (drain timeout)"
 MAX_HELD = 1000  # turns held for a busy conversation at most; then the clients wait
 HARD_CAP_FACTOR = 2  # of `max_requests`: the traffic's bound while measured turns are held
 
@@ -344,8 +346,9 @@ class _Run:
                 break
         self._close_window()
         for request_id in list(self.live):
+            req = self.live[request_id][0]
             self.engine.abort(request_id)
-            self._end(self.live[request_id][0], RUN_ENDED)
+            self._end(req, RUN_ENDED if req.first_token_time is not None else NEVER_STARTED)
         unaccounted = [r.request_id for r in self.records if not r.status.is_final]
         if unaccounted or self.engine.has_unfinished() or len(self.records) != self.num_submitted:
             raise UnaccountedError(f"requests not accounted for: {unaccounted}")

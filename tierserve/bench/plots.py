@@ -55,13 +55,16 @@ def plot_against_load(
         ax.set_xlabel(
             "clients" if closed else ("trace speed-up" if pattern == "trace" else "load (x capacity)")
         )
-        ax.set_title(f"{workload}, {pattern}")
+        # A trace's file name, not its path: a full path ran off the panel.
+        ax.set_title(f"{Path(workload).name}, {pattern}")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         if fraction:
-            ax.set_ylim(-0.03, 1.03)
+            ax.set_ylim(-0.06, 1.06)  # room for the largest hollow marker at 0 and at 1
         else:
-            ax.set_ylim(bottom=0)  # differences in proportion to the whole
+            # From 0 (differences in proportion to the whole), with room above the highest
+            # marker: at the default 5 % its top was clipped.
+            ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.06)
     for ax in list(axes.flat)[len(sections) :]:
         ax.set_visible(False)
     legend_in = _legend_below(fig, *axes.flat[0].get_legend_handles_labels())

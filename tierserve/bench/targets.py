@@ -3,10 +3,12 @@ each with the numbers it rests on."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierserve.bench.driver import NEVER_STARTED
 from tierserve.bench.summary import MIN_P0_REQUESTS
 
 Run = Mapping[str, Any]
@@ -46,7 +48,8 @@ def _or_dash(x: float | None) -> str:
 
 
 def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.1f} %"
+    """To 0.01 %: at 0.1 % an attainment of 98.974 % printed "99.0 %" beside NOT MET."""
+    return "–" if x is None else f"{100 * x:.2f} %"
 
 
 def _same_cell(runs: Sequence[Run], run: Run, policy: str) -> Run | None:
@@ -82,25 +85,50 @@ def _judge(
     return Verdict(target, met, detail)
 
 
+def wilson_upper(successes: int, n: int, z: float = 1.645) -> float:
+    """The upper end of the one-sided 95 % Wilson score interval of a success rate."""
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z * z / n))
+
+
 def _p0(run: Run) -> tuple[bool | None, str]:
     """P0 prompts that alone meet the SLO must meet it (attainment); those that alone take
-    longer are judged by their slowdown against that idle TTFT instead."""
+    longer are judged by their slowdown against that idle TTFT instead. A cell with fewer
+    than MIN_P0_REQUESTS P0 requests is not judged MET (a P95 of a handful is its maximum),
+    but a clear miss there is NOT MET: the attainment's 95 % upper bound under the target,
+    or the slowdown P95's interval wholly over it (90.9 % of 121 read as NOT RUN)."""
     fits, long_ = run["p0_fits_alone"], run["p0_long_alone"]
+    few = bool(run.get("low_sample"))
     verdicts: list[bool | None] = []
     parts: list[str] = []
     if fits["requests"]:
-        a = fits["slo_attainment"]
-        verdicts.append(None if a is None else a >= P0_ATTAINMENT)
-        parts.append(f"{_pct(a)} of {fits['requests']}")
+        a, n = fits["slo_attainment"], fits["requests"]
+        if a is None:
+            verdicts.append(None)
+        elif few:
+            verdicts.append(False if wilson_upper(round(a * n), n) < P0_ATTAINMENT else None)
+        else:
+            verdicts.append(a >= P0_ATTAINMENT)
+        parts.append(f"{_pct(a)} of {n}")
     if long_["requests"]:
-        s = long_["slowdown_p95"]
-        verdicts.append(None if s is None else s <= P0_SLOWDOWN)
+        s, interval = long_["slowdown_p95"], long_.get("slowdown_p95_ci")
+        if s is None:
+            verdicts.append(None)
+        elif few:
+            verdicts.append(False if interval and interval[0] > P0_SLOWDOWN else None)
+        else:
+            verdicts.append(s <= P0_SLOWDOWN)
         parts.append(f"slowdown P95 {s}x for the {long_['requests']} that alone miss the SLO")
+    shown = ", ".join(parts) or "no P0 request"
+    if False in verdicts:
+        return False, shown + (
+            f": a clear miss, though on fewer than {MIN_P0_REQUESTS} P0 requests" if few else ""
+        )
     if not verdicts or None in verdicts:
-        return None, ", ".join(parts) or "no P0 request"
-    if run.get("low_sample"):  # a P95 of a handful is its maximum: not judged
-        return None, f"{', '.join(parts)}: too few P0 requests to judge (fewer than {MIN_P0_REQUESTS})"
-    return all(verdicts), ", ".join(parts)
+        return None, shown + (f": too few P0 requests to judge (fewer than {MIN_P0_REQUESTS})" if few else "")
+    return True, shown
 
 
 def _p1_never_below_vllm(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
@@ -121,11 +149,15 @@ def _p1_never_below_vllm(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
 
 
 def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
+    def missing(run: Run) -> list[str]:
+        return [b for b in BASELINES if _same_cell(runs, run, b) is None]
+
     def best_run(run: Run) -> Run | None:
         """The baseline with the most goodput in the run's cell; None where one is unmeasured
-        (summary.py: `_goodput_unmeasured`) or none ran."""
+        (summary.py: `_goodput_unmeasured`) or did not run ("every baseline" read MET
+        against fcfs alone in a matrix of fcfs and hybrid)."""
         cells = [o for b in BASELINES if (o := _same_cell(runs, run, b)) is not None]
-        if not cells or any(o["goodput_rps"] is None for o in cells):
+        if missing(run) or any(o["goodput_rps"] is None for o in cells):
             return None
         return max(cells, key=lambda o: float(o["goodput_rps"]))
 
@@ -141,6 +173,8 @@ def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) 
         mine, top = run["goodput_rps"], best_run(run)
         if mine is None:
             return "not measured (see the sample-size warnings)"
+        if missing(run):
+            return f"{mine} rps; not run: {', '.join(missing(run))}"
         if top is None:
             return f"{mine} vs best baseline – rps"
         theirs = float(top["goodput_rps"])
@@ -176,12 +210,30 @@ def _throughput_ok(run: Run) -> bool | None:
     return bool(ratio >= THROUGHPUT_FLOOR)
 
 
+def _p3_unfinished(run: Run) -> int:
+    """P3 requests neither completed nor shed nor started: still waiting for their first
+    token when the run ended (starved; the driver aborts them with `NEVER_STARTED`). One
+    still generating then is a long answer the run's window cut (`RUN_ENDED`), in progress."""
+    return int(run["p3_shed_reasons"].get(NEVER_STARTED, 0))
+
+
 def _p3_accounted(run: Run) -> bool | None:
+    """Each P3 request completed, was refused or shed by the engine with its reason, or was
+    still generating when the run ended. Every request ends with some reason, so "a reason
+    given" could not fail: one that never started before the run's end is the miss."""
     p3 = run["tiers"]["P3"]
     if not p3["requests"]:
         return None  # no P3 request was measured: nothing to account for
-    reasons_given = all(reason for reason in run["p3_shed_reasons"])
-    return p3["completed"] + p3["shed"] == p3["requests"] and reasons_given
+    return p3["completed"] + p3["shed"] == p3["requests"] and _p3_unfinished(run) == 0
+
+
+def _p3_shown(run: Run) -> str:
+    p3 = run["tiers"]["P3"]
+    share = f" ({100 * p3['shed'] / p3['requests']:.1f} %)" if p3["requests"] else ""
+    cut = _p3_unfinished(run)
+    unfinished = f", {cut} not yet started when the run ended" if cut else ""
+    reasons = run["p3_shed_reasons"] or ""
+    return f"{run['p3_completed']} completed, {run['p3_shed']} shed{share}{unfinished} {reasons}".rstrip()
 
 
 def judge(runs: Sequence[Run]) -> list[Verdict]:
@@ -221,9 +273,7 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
             "every P3 request completes or is shed with a reason",
             mine,
             _p3_accounted,
-            lambda r: (
-                f"{r['p3_completed']} completed, {r['p3_shed']} shed {r['p3_shed_reasons'] or ''}".rstrip()
-            ),
+            _p3_shown,
         ),
         _judge(
             "under memory pressure, P0 never waits for memory held by a lower tier",
