@@ -9,8 +9,11 @@ Invariant: every block is in exactly one of three states —
 
 Prefix-cache keys are SHA-256 digests chained through the parent's key (as vLLM's): equal
 keys mean equal prefixes unless SHA-256 is broken. A hit is also checked against the block's
-own tokens and its parent's key, so a key shared by blocks of different contents (a weak
-`hash_fn`, as tests inject) costs a miss, never those tokens' KV.
+own tokens and its parent's key, so a key shared by two blocks of different contents (a
+weak `hash_fn`, as tests inject) costs a miss. That check does not reach further back: with
+a weak hash, a block computed after one parent can be a hit for another parent of the same
+key (the first evicted, the second cached since), so only a collision-resistant key makes
+every hit the prefix's own KV.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 stateless and reproducible.
 
 The random draw for a request's k-th output token uses a generator seeded from
-(seed, k) alone, so a request preempted by recompute samples the same tokens again.
+(seed, k) alone, so a request preempted by recompute makes the same draws again: the
+same tokens while its logits agree, which batching, chunking and recompute change by
+rounding (half precision most: docs/torch-executor.md).
 A request without a seed gets one derived from its id and the sampler's salt.
 """
 
