@@ -58,7 +58,9 @@ class FakeUpstream:
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
     hold: threading.Event | None = None
-    healthy: bool = True  # False: its /metrics answers 500, and the gateway's checks fail
+    # "ok"; "error": its /metrics answers 500; "silent": it answers nothing for 30 s (a
+    # stopped process); "draining": its /ready answers 503 as a draining tierserve's does
+    checks: str = "ok"
     bodies: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     tiers: list[list[str]] = field(default_factory=list)  # each request's x-request-tier, every one sent
@@ -118,13 +120,20 @@ class FakeUpstream:
         await asyncio.sleep(self.end_after_done_s)
 
     def app(self) -> Any:
-        async def metrics(_: Request) -> Response:
-            return PlainTextResponse(METRICS, status_code=200 if self.healthy else 500)
+        async def metrics(request: Request) -> Response:
+            if self.checks == "silent":
+                for _ in range(1500):  # 30 s at most, unless the gateway gives up first
+                    if await request.is_disconnected():
+                        break
+                    await asyncio.sleep(0.02)
+            return PlainTextResponse(METRICS, status_code=500 if self.checks == "error" else 200)
 
         async def models(_: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
         async def ready(_: Request) -> Response:  # asked of an upstream of kind "tierserve"
+            if self.checks == "draining":
+                return JSONResponse({"status": "not ready", "reason": "draining"}, status_code=503)
             return JSONResponse({"status": "ready"})
 
         app = Starlette(
@@ -186,12 +195,12 @@ def fake_upstream(fake: FakeUpstream) -> Iterator[str]:
 
 @contextmanager
 def gateway(
-    upstream_urls: list[str], extra: str = "", drain_timeout_s: float = 10.0
+    upstream_urls: list[str], extra: str = "", drain_timeout_s: float = 10.0, kind: str = "vllm"
 ) -> Iterator[tuple[Running, GatewayState]]:
     import tomllib
 
     ups = "".join(
-        f'\n[[upstreams]]\nname = "f{i}"\nkind = "vllm"\nurl = "{u}"\n' for i, u in enumerate(upstream_urls)
+        f'\n[[upstreams]]\nname = "f{i}"\nkind = "{kind}"\nurl = "{u}"\n' for i, u in enumerate(upstream_urls)
     )
     config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{extra}\n{ups}"))
     with gateway_of(config, drain_timeout_s) as running:
@@ -210,11 +219,11 @@ def gateway_of(
 
 
 @contextmanager
-def gateway_over(*fakes: FakeUpstream, extra: str = "") -> Iterator[Running]:
+def gateway_over(*fakes: FakeUpstream, extra: str = "", kind: str = "vllm") -> Iterator[Running]:
     """A gateway in front of `fakes`, each served on its own port (upstreams f0, f1, ...)."""
     with ExitStack() as stack:
         urls = [stack.enter_context(fake_upstream(fake)) for fake in fakes]
-        running, _ = stack.enter_context(gateway(urls, extra))
+        running, _ = stack.enter_context(gateway(urls, extra, kind=kind))
         yield running
 
 

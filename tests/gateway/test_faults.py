@@ -359,13 +359,13 @@ def test_a_stream_broken_midway_does_not_tell_the_client_the_upstreams_address()
     assert '"code": "upstream_failed"' in text and "f0" not in text and "127.0.0.1" not in text
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_requests_awaiting_an_upstream_that_is_ejected_go_to_another(stream: bool) -> None:
-    """An upstream that stops (SIGSTOP, a hung engine) fails its checks and is ejected, but
-    the requests already sent to it waited for the read timeout (600 s by default), P0's
-    too. Nothing had reached their clients: they go to another upstream."""
-    stuck, good = FakeUpstream("ok", hold=threading.Event()), FakeUpstream("ok")
-    with gateway_over(stuck, good) as gw:
+def _send_while_checks_fail(
+    stuck: FakeUpstream, good: FakeUpstream | None, checks: str, stream: bool, kind: str = "vllm"
+) -> tuple[list[httpx.Response], float, str]:
+    """Six requests, some held by `stuck`; once one is there, its checks turn `checks`. The
+    replies, the seconds from then until the last, and the gateway's metrics."""
+    fakes = (stuck,) if good is None else (stuck, good)
+    with gateway_over(*fakes, kind=kind) as gw:
         results: list[httpx.Response] = []
 
         def send(i: int) -> None:
@@ -380,12 +380,37 @@ def test_requests_awaiting_an_upstream_that_is_ejected_go_to_another(stream: boo
             time.sleep(0.02)
         assert stuck.bodies, "no request reached the stuck upstream"
         started = time.monotonic()
-        stuck.healthy = False  # the checks fail now: ejected within a few 0.2 s scrapes
+        stuck.checks = checks
+        if stuck.hold is not None and checks != "silent":
+            time.sleep(3.0)  # ejected by now (checks every 0.2 s); then its replies come
+            stuck.hold.set()
         for t in threads:
             t.join(timeout=60)
-        waited = time.monotonic() - started
-        metrics = httpx.get(gw.url + "/metrics").text
+        return results, time.monotonic() - started, httpx.get(gw.url + "/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_awaiting_an_upstream_that_stopped_answering_go_to_another(stream: bool) -> None:
+    """An upstream that stops (SIGSTOP, a hung process) fails its checks by silence and is
+    ejected, but the requests already sent to it waited for the read timeout (600 s by
+    default), P0's too. Nothing had reached their clients: they go to another upstream."""
+    stuck, good = FakeUpstream("ok", hold=threading.Event()), FakeUpstream("ok")
+    results, waited, metrics = _send_while_checks_fail(stuck, good, "silent", stream)
     assert [r.status_code for r in results] == [200] * 6
     assert waited < 20  # not the stuck upstream's 60 s hold
     assert len(good.bodies) == 6  # every request was answered by the good one in the end
     assert 'tierserve_gateway_retries_total{upstream="f0"}' in metrics
+
+
+@pytest.mark.parametrize(("checks", "kind"), [("error", "vllm"), ("draining", "tierserve")])
+def test_an_upstream_ejected_while_it_still_answers_finishes_what_it_has(checks: str, kind: str) -> None:
+    """A draining tierserve (its /ready says 503) or one whose metrics fail is ejected, yet
+    still finishing its requests: cutting them gave a lone draining upstream's clients 502s."""
+    stuck = FakeUpstream("ok", hold=threading.Event())
+    results, _, metrics = _send_while_checks_fail(stuck, None, checks, stream=False, kind=kind)
+    # Each request sent to it is answered; those the gateway held after the ejection were
+    # refused (no upstream left), none cut and sent nowhere.
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200] * len(stuck.bodies) + [503] * (6 - len(stuck.bodies))
+    assert 'tierserve_gateway_upstream_ejections_total{upstream="f0"} 1.0' in metrics
+    assert 'tierserve_gateway_retries_total{upstream="f0"}' not in metrics

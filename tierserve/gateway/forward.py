@@ -339,7 +339,12 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         )
     except (aiohttp.ClientError, TimeoutError) as e:
         why = f"{type(e).__name__}: {e}"
-        gw.record_failure(decision.upstream, f"a forwarded request failed ({why})", eject_now=True)
+        gw.record_failure(
+            decision.upstream,
+            f"a forwarded request failed ({why})",
+            eject_now=True,
+            unresponsive=isinstance(e, (TimeoutError, aiohttp.ClientConnectorError)),
+        )
         raise _Retry(why) from None
     if reply.status in RETRYABLE_STATUS:
         reply.release()
@@ -361,7 +366,9 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         reply.close()
         why = f"stream ended before its first whole event: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # headers, then silence: ejected as a silent upstream is
-            gw.record_failure(decision.upstream, f"a forwarded request's {why}", eject_now=True)
+            gw.record_failure(
+                decision.upstream, f"a forwarded request's {why}", eject_now=True, unresponsive=True
+            )
         raise _Retry(why) from None
     except BaseException:  # cancelled (the client left), or a failure no branch foresaw
         reply.close()
@@ -398,7 +405,7 @@ async def _whole(
     except (aiohttp.ClientError, TimeoutError) as e:
         why = f"reply cut: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # part of a reply, then silence
-            gw.record_failure(name, f"a forwarded request's {why}", eject_now=True)
+            gw.record_failure(name, f"a forwarded request's {why}", eject_now=True, unresponsive=True)
         raise _Retry(why) from None
     except ReplyTooLarge as e:
         _give_back(gw, call)

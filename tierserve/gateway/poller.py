@@ -77,7 +77,12 @@ class UpstreamPoller:
                 why = f"its health check took over {self._timeout_s:g} s"
             else:  # one line: httpx's status errors add a second ("For more information check: ...")
                 why = (str(e).strip() or type(e).__name__).splitlines()[0]
-            ejected = gw.record_failure(s.name, why, eject_now=isinstance(e, NotReady))  # draining: now
+            ejected = gw.record_failure(
+                s.name,
+                why,
+                eject_now=isinstance(e, NotReady),  # draining: now
+                unresponsive=isinstance(e, (TimeoutError, httpx.TimeoutException, httpx.ConnectError)),
+            )
             if not ejected and s.name not in self._admitted and self._why_not.get(s.name) != why:
                 # One that was never admitted failed in silence: say why, once per reason.
                 log.warning("upstream %s (%s) not admitted: %s", s.name, s.config.url, why)

@@ -80,22 +80,29 @@ class GatewayState:
         if self.streams is not None:
             await self.streams.close()
 
-    def record_failure(self, name: str, why: str, *, eject_now: bool = False) -> bool:
+    def record_failure(
+        self, name: str, why: str, *, eject_now: bool = False, unresponsive: bool = False
+    ) -> bool:
         """A failed health check or forwarded call to upstream `name` (`why`: one line); returns
         True when it ejects the upstream, then counted and said in one WARNING line, however it
-        came (poller or forwarded request), and once: not again while it stays ejected."""
+        came (poller or forwarded request), and once: not again while it stays ejected.
+        `unresponsive`: it failed by not answering at all (a timeout, a refused connection),
+        and an ejection then cuts the requests waiting for its replies (`_cut_waiting`)."""
         ejected = self.router.record_failure(name, eject_now=eject_now)
         if ejected:
             self.metrics.ejections.labels(name).inc()
             log.warning("upstream %s ejected: %s", name, why)
-            self._cut_waiting(name)
+            if unresponsive:
+                self._cut_waiting(name)
         return ejected
 
     def _cut_waiting(self, name: str) -> None:
         """Cut the attempts still waiting for the ejected upstream's reply: nothing has reached
         their clients, so they may go to another upstream (a stopped upstream held them, P0's
-        too, to the read timeout: 600 s by default). The attempt that ejected it goes on
-        by itself."""
+        too, to the read timeout: 600 s by default). Only for an upstream that stopped
+        answering: one that answers its checks with an error, or a draining tierserve whose
+        /ready says 503, is still finishing what it has (cut, a lone draining upstream's
+        requests got 502s). The attempt that ejected it goes on by itself."""
         waiting = self.awaiting_reply.get(name)
         if not waiting:
             return
