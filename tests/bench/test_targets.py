@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tierserve.bench.driver import NEVER_STARTED, RUN_ENDED
 from tierserve.bench.report import _load_label
-from tierserve.bench.targets import Verdict, judge, wilson_upper
+from tierserve.bench.targets import Verdict, binomial_below, judge
 
 
 def run(
@@ -206,7 +208,9 @@ def test_a_clear_p0_miss_on_few_requests_is_not_met() -> None:
     assert verdict(119 / 121, 121) is None  # 98.3 %: within what 121 requests can tell from 99 %
     assert verdict(1.0, 121, long_ci=[1.6, 2.4]) is False  # the slowdown's interval wholly over 1.5
     assert verdict(1.0, 121, long_ci=[1.2, 2.4]) is None
-    assert 0.9 < wilson_upper(110, 121) < 0.99 < wilson_upper(119, 121) < 1.0
+    assert verdict(19 / 20, 20) is None  # one miss in 20: a 99 % rate does that 18 % of the time
+    assert binomial_below(19, 20, 0.99) == pytest.approx(1 - 0.99**20)
+    assert binomial_below(110, 121, 0.99) < 1e-6 and binomial_below(121, 121, 0.99) == 1.0
 
 
 def test_a_p0_miss_just_under_the_target_does_not_print_as_the_target() -> None:

@@ -19,6 +19,7 @@ P0_ATTAINMENT = 0.99
 P0_SLOWDOWN = 1.5
 P1_ATTAINMENT = 0.95
 THROUGHPUT_FLOOR = 0.97
+CLEAR_MISS_P = 0.05  # a small P0 sample's miss is clear when a 99 % rate gives it this rarely
 
 
 @dataclass(frozen=True)
@@ -85,20 +86,30 @@ def _judge(
     return Verdict(target, met, detail)
 
 
-def wilson_upper(successes: int, n: int, z: float = 1.645) -> float:
-    """The upper end of the one-sided 95 % Wilson score interval of a success rate."""
-    p = successes / n
-    centre = p + z * z / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return min(1.0, (centre + spread) / (1 + z * z / n))
+def binomial_below(successes: int, n: int, p: float) -> float:
+    """P(X <= successes) for X ~ Binomial(n, p): how likely a rate of `p` attains so few."""
+    if successes >= n:
+        return 1.0
+    logs = [
+        math.lgamma(n + 1)
+        - math.lgamma(k + 1)
+        - math.lgamma(n - k + 1)
+        + k * math.log(p)
+        + (n - k) * math.log1p(-p)
+        for k in range(successes + 1)
+    ]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
 
 
 def _p0(run: Run) -> tuple[bool | None, str]:
     """P0 prompts that alone meet the SLO must meet it (attainment); those that alone take
     longer are judged by their slowdown against that idle TTFT instead. A cell with fewer
     than MIN_P0_REQUESTS P0 requests is not judged MET (a P95 of a handful is its maximum),
-    but a clear miss there is NOT MET: the attainment's 95 % upper bound under the target,
-    or the slowdown P95's interval wholly over it (90.9 % of 121 read as NOT RUN)."""
+    but a clear miss there is NOT MET: so few attained that a 99 % rate would give as few
+    less than 5 % of the time (an exact binomial test, one-sided), or the slowdown P95's
+    95 % interval lies wholly over 1.5 (a one-sided 97.5 % bound). 90.9 % of 121 read as
+    NOT RUN; a one-sided Wilson bound in its place called one miss in 20 a clear miss."""
     fits, long_ = run["p0_fits_alone"], run["p0_long_alone"]
     few = bool(run.get("low_sample"))
     verdicts: list[bool | None] = []
@@ -108,7 +119,8 @@ def _p0(run: Run) -> tuple[bool | None, str]:
         if a is None:
             verdicts.append(None)
         elif few:
-            verdicts.append(False if wilson_upper(round(a * n), n) < P0_ATTAINMENT else None)
+            clear = binomial_below(round(a * n), n, P0_ATTAINMENT) < CLEAR_MISS_P
+            verdicts.append(False if clear else None)
         else:
             verdicts.append(a >= P0_ATTAINMENT)
         parts.append(f"{_pct(a)} of {n}")
