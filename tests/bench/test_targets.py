@@ -97,7 +97,7 @@ def test_a_p3_request_never_started_fails_the_p3_target_and_one_shed_or_generati
     cut = verdict(NEVER_STARTED)
     assert (
         cut.met is False
-        and "9 completed, 1 shed (10.0 %), 1 not yet started when the run ended" in cut.detail
+        and "9 completed, 1 shed (10.00 %), 1 not yet started when the run ended" in cut.detail
     )
     assert verdict("shed: P3 over its deadline").met is True
     assert verdict(RUN_ENDED).met is True  # a long answer still being generated: in progress

@@ -465,4 +465,4 @@ def test_the_span_line_says_what_a_replay_read(tmp_path: Path) -> None:
     path = write(tmp_path, "seconds.jsonl", rows)
     assert span_line(path, load_trace(path)) == f"{path}: 3 rows arriving over 0.6 s (3.333 requests/s at 1x)"
     one = write(tmp_path, "one.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1}\n')
-    assert "1 rows arriving over 0 s (all at one instant" in span_line(one, load_trace(one))
+    assert "1 row arriving over 0 s (all at one instant" in span_line(one, load_trace(one))

@@ -241,7 +241,7 @@ def _p3_accounted(run: Run) -> bool | None:
 
 def _p3_shown(run: Run) -> str:
     p3 = run["tiers"]["P3"]
-    share = f" ({100 * p3['shed'] / p3['requests']:.1f} %)" if p3["requests"] else ""
+    share = f" ({100 * p3['shed'] / p3['requests']:.2f} %)" if p3["requests"] else ""
     cut = _p3_unfinished(run)
     unfinished = f", {cut} not yet started when the run ended" if cut else ""
     reasons = run["p3_shed_reasons"] or ""

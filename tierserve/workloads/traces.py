@@ -404,7 +404,8 @@ def span_line(path: Path, records: Sequence[TraceRecord]) -> str:
     milliseconds replay a sparse trace a thousand times too fast): this line shows it."""
     span = span_s(records)
     rate = f"{(len(records) - 1) / span:.4g} requests/s" if span > 0 else "all at one instant"
-    return f"{path}: {len(records):,} rows arriving over {span:,.6g} s ({rate} at 1x)"
+    rows = f"{len(records):,} row{'' if len(records) == 1 else 's'}"
+    return f"{path}: {rows} arriving over {span:,.6g} s ({rate} at 1x)"
 
 
 def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -> None:

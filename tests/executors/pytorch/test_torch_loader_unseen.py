@@ -243,3 +243,23 @@ def test_llama3_original_positions_at_the_top_level_and_in_the_scaling_must_agre
     path.write_text(json.dumps(config))
     rope = parse_hf_config(path).config.rope_scaling
     assert rope is not None and rope.original_max_position_embeddings == 128
+
+
+def test_a_memory_cgroup_limit_is_the_room_a_container_has(tmp_path: Path) -> None:
+    """In a container /proc/meminfo shows the host's memory: the check let a model past the
+    container's limit through, to be killed without a word."""
+    from tierserve.executors.pytorch.loader import cgroup_room
+
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    (tmp_path / "memory.current").write_text("1073741824\n")
+    assert cgroup_room(tmp_path) == 7 << 30
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_room(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("100")
+    assert cgroup_room(v1) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(4 << 30))
+    assert cgroup_room(v1) == (4 << 30) - 100
+    assert cgroup_room(tmp_path / "none") is None

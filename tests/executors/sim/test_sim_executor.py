@@ -222,3 +222,19 @@ def test_a_config_the_simulator_would_misprice_is_refused(
     (folder / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=says):
         build_sim_executor(str(folder), "h100-80gb")
+
+
+def test_yarn_reads_a_top_level_original_context_and_refuses_two_that_differ(tmp_path: Path) -> None:
+    folder = Path(_llama_8b_directory(tmp_path, "bfloat16"))
+    config = json.loads((folder / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    (folder / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": yarn, "original_max_position_embeddings": 16384})
+    )
+    assert build_sim_executor(str(folder), "h100-80gb").spec.max_model_len == 65536
+    both = {**yarn, "original_max_position_embeddings": 32768}
+    (folder / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": both, "original_max_position_embeddings": 16384})
+    )
+    with pytest.raises(ValueError, match="16384 at the top level and 32768"):
+        build_sim_executor(str(folder), "h100-80gb")

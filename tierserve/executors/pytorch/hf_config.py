@@ -170,22 +170,15 @@ def _rope(path: Path, raw: dict[str, Any], any_kind: bool = False) -> tuple[floa
         raise ModelLoadError(
             f"{path}: rope_type {kind!r} is not supported (supported: default, linear, llama3)"
         )
-    # transformers reads a top-level original_max_position_embeddings before the scaling's
-    # own (and where the scaling has none); vLLM reads the scaling's: two that differ rotate
-    # differently in the two, so neither is guessed.
-    top, inner = raw.get(ORIGINAL), params.get(ORIGINAL)
-    original = inner if inner is not None else top  # neither: KeyError, named below
-    if top is not None and inner is not None and top != inner:
-        raise ModelLoadError(
-            f"{path}: original_max_position_embeddings is {top!r} at the top level and {inner!r} in the "
-            "rope scaling (transformers reads the first, vLLM the second): keep one"
-        )
+    original = _original_positions(path, raw, params)
+    if original is None:
+        raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid '{ORIGINAL}'")
     try:
         scaling = RopeScaling(
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(original if original is not None else params[ORIGINAL]),
+            original_max_position_embeddings=int(original),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid {e}") from None
@@ -216,6 +209,19 @@ def _decoder_options(path: Path, raw: dict[str, Any], arch: str, linear_factor: 
     )
 
 
+def _original_positions(path: Path, raw: dict[str, Any], params: dict[str, Any]) -> Any:
+    """The scaling's `original_max_position_embeddings`, else a top-level one (None if
+    neither). transformers reads a top-level one first, vLLM the scaling's: two that differ
+    scale differently in the two, so neither is guessed."""
+    top, inner = raw.get(ORIGINAL), params.get(ORIGINAL)
+    if top is not None and inner is not None and top != inner:
+        raise ModelLoadError(
+            f"{path}: {ORIGINAL} is {top!r} at the top level and {inner!r} in the rope scaling "
+            "(transformers reads the first, vLLM the second): keep one"
+        )
+    return inner if inner is not None else top
+
+
 def _scaled_context(path: Path, raw: dict[str, Any], max_positions: int) -> int:
     """The context vLLM serves a model at, from its rope scaling: `max_position_embeddings`
     times the scaling's factor (YaRN: its `original_max_position_embeddings` times it), but
@@ -229,11 +235,13 @@ def _scaled_context(path: Path, raw: dict[str, Any], max_positions: int) -> int:
     factor = params.get("factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
         raise ModelLoadError(f"{path}: {kind} rope scaling: factor must be a positive number, got {factor!r}")
-    base = params.get("original_max_position_embeddings", max_positions) if kind == "yarn" else max_positions
+    base = max_positions
+    if kind == "yarn":
+        original = _original_positions(path, raw, params)
+        base = max_positions if original is None else original
     if isinstance(base, bool) or not isinstance(base, int) or base < 1:
         raise ModelLoadError(
-            f"{path}: yarn rope scaling: original_max_position_embeddings must be a positive integer, "
-            f"got {base!r}"
+            f"{path}: yarn rope scaling: {ORIGINAL} must be a positive integer, got {base!r}"
         )
     return int(base * factor)
 

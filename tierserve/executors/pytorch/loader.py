@@ -373,12 +373,21 @@ def _check_room(
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on `device`: a GPU's free memory, the host's MemAvailable
-    for the CPU; None where it cannot be read."""
+    """Memory free for new tensors on `device`: a GPU's free memory; for the CPU the host's
+    MemAvailable, or the room left under the process's memory cgroup where that is less (in
+    a container /proc/meminfo shows the host's memory); None where it cannot be read."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
+    available = _mem_available()
+    room = cgroup_room()
+    if available is None or room is None:
+        return available if room is None else room
+    return min(available, room)
+
+
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -386,4 +395,24 @@ def free_bytes(device: torch.device) -> int | None:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory cgroup's limit less its use (v2: memory.max and memory.current; v1:
+    memory/memory.limit_in_bytes and memory/memory.usage_in_bytes); None without a limit."""
+    for limit_file, used_file in (
+        (root / "memory.max", root / "memory.current"),
+        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
+    ):
+        try:
+            limit, used = limit_file.read_text().strip(), int(used_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= _NO_LIMIT:
+            return None
+        return max(0, int(limit) - used)
     return None
