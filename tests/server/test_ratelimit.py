@@ -260,6 +260,36 @@ def test_redis_cuts_a_default_output_to_the_burst_and_keeps_the_debt_as_local_bu
     assert asyncio.run(scenario()) == (300, "tokens", "0")  # in debt: -200 left
 
 
+def test_a_debt_settled_after_the_bucket_refilled_is_charged_by_redis_as_by_local_buckets() -> None:
+    """A request that used 116 tokens past its reservation, settled once the bucket had
+    refilled past full: Redis capped refill and debt together and forgave it (400 left,
+    where the local buckets leave 284)."""
+    _redis_or_skip()
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    bucket = Bucket(f"debt-{uuid.uuid4().hex}", rate_per_s=800.0, capacity=400.0)
+
+    async def left(backend: RedisBuckets | LocalBuckets) -> float:
+        await backend.take([bucket], [400.0])  # all of it: 0 left
+        await asyncio.sleep(0.6)  # refills past full (480 tokens' worth), capped at 400
+        await backend.give(bucket, -116.0)
+        return (await backend.take([bucket], [0.0])).levels[0].remaining
+
+    async def both() -> tuple[float, float]:
+        redis_backend = RedisBuckets(
+            REDIS_URL, timeout_s=1.0, key_prefix=f"tierserve-test-{uuid.uuid4().hex}"
+        )
+        try:
+            return await left(redis_backend), await left(LocalBuckets())
+        finally:
+            await redis_backend.close()
+
+    remote, local = asyncio.run(both())
+    # 284, and what refills between the settle and the reading (0.8 a ms): the old 384 is far.
+    assert local == pytest.approx(284.0, abs=40.0)
+    assert remote == pytest.approx(284.0, abs=40.0)
+
+
 def test_unreachable_redis_fails_open_onto_local_buckets() -> None:
     pytest.importorskip("redis")
     from tierserve.server.redis_buckets import RedisBuckets
@@ -349,3 +379,27 @@ def test_a_take_that_timed_out_is_not_sent_again() -> None:
 
     asyncio.run(scenario())
     assert len(scripts) == 1
+
+
+def test_a_request_past_a_gateways_share_of_the_burst_still_runs_while_redis_is_down() -> None:
+    """Two gateway instances, Redis down: each falls back on half of every bucket. A request
+    of 300 tokens (the burst is 400) was refused with a Retry-After of 2 s, again and again,
+    for as long as Redis stayed away: half a bucket never holds 300."""
+
+    class DownRedis:
+        async def take(self, buckets: Sequence[Bucket], costs: Sequence[float]) -> TakeResult:
+            raise ConnectionError("refused")
+
+        async def give(self, bucket: Bucket, amount: float) -> None:
+            raise ConnectionError("refused")
+
+    async def scenario() -> tuple[bool, int | None, bool]:
+        limiter = RateLimiter(RateLimit(), remote=DownRedis(), fail_open=True, local_share=0.5)  # type: ignore[arg-type]
+        tenant = _tenant(tokens_per_s=100.0, token_burst=400.0)
+        first = await limiter.acquire(tenant, 300)
+        reserved = None if first.reservation is None else first.reservation.num_tokens
+        await limiter.settle(first.reservation, 300)  # the 100 past the share, as a debt
+        again = await limiter.acquire(tenant, 300)  # the share is in debt now: wait, then it fits
+        return first.allowed, reserved, again.allowed
+
+    assert asyncio.run(scenario()) == (True, 200, False)

@@ -154,16 +154,19 @@ class RateLimiter:
         self.redis_up = up
 
     async def _run_take(
-        self, buckets: list[Bucket], costs: list[float], tier: Tier | None
-    ) -> tuple[TakeResult, BucketBackend, Sequence[Bucket]] | None:
+        self, buckets: list[Bucket], costs: list[float], tier: Tier | None, num_request_buckets: int
+    ) -> tuple[TakeResult, BucketBackend, Sequence[Bucket], float] | None:
         """Take on Redis when configured and up; None when it is down and the rule is fail-closed.
-        Also returns the buckets actually debited (on fallback: the local share of each)."""
+        Also returns the buckets actually debited (on fallback: the local share of each) and
+        the tokens taken from each token bucket (on fallback, cut to the smallest share: a
+        request past a share's burst but within the whole one got 429s that never cleared)."""
+        num_tokens = costs[num_request_buckets] if len(costs) > num_request_buckets else 0.0
         remote = self._remote
         if remote is not None and self._now() >= self._remote_down_until:
             try:
                 result = await remote.take(buckets, costs)
                 self._mark_redis(True)
-                return result, remote, buckets
+                return result, remote, buckets, num_tokens
             except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
                 self._mark_redis(False, e)
         if remote is not None:
@@ -177,7 +180,12 @@ class RateLimiter:
                     replace(b, rate_per_s=b.rate_per_s * share, capacity=max(1.0, b.capacity * share))
                     for b in buckets
                 ]
-        return self._local.take_now(buckets, costs), self._local, buckets
+                if len(buckets) > num_request_buckets:  # the settle charges the rest, as a debt
+                    num_tokens = min(
+                        num_tokens, math.floor(min(b.capacity for b in buckets[num_request_buckets:]))
+                    )
+                    costs = costs[:num_request_buckets] + [num_tokens] * (len(buckets) - num_request_buckets)
+        return self._local.take_now(buckets, costs), self._local, buckets, num_tokens
 
     async def acquire(
         self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None, *, num_default: int = 0
@@ -204,7 +212,7 @@ class RateLimiter:
             num_tokens = math.floor(tightest.capacity)  # >= least, a whole number of tokens
         buckets = requests + tokens
         costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
-        outcome = await self._run_take(buckets, costs, tier)
+        outcome = await self._run_take(buckets, costs, tier, len(requests))
         if outcome is None:
             return RateDecision(
                 allowed=False,
@@ -212,10 +220,11 @@ class RateLimiter:
                 retry_after_s=REDIS_RETRY_S,
                 reason="unavailable",
             )
-        result, backend, taken = outcome
+        result, backend, taken, num_taken = outcome
         headers = _headers(list(taken), result, len(requests))
         if result.allowed:
-            reservation = Reservation(backend, tuple(taken[len(requests) :]), num_tokens) if tokens else None
+            held = tuple(taken[len(requests) :])
+            reservation = Reservation(backend, held, math.floor(num_taken)) if tokens else None
             return RateDecision(allowed=True, headers=headers, reservation=reservation)
         wait = result.wait_s
         headers["Retry-After"] = str(max(1, math.ceil(wait)))

@@ -60,7 +60,10 @@ end
 return out
 """
 
-# KEYS[1]: the bucket. ARGV: rate, capacity, amount. Refill, add, cap at capacity.
+# KEYS[1]: the bucket. ARGV: rate, capacity, amount. Refill (capped at capacity), then add
+# the amount (a debt when negative: what a request used past its reservation), capped again.
+# Capping the refill and the amount together forgave such a debt when the bucket had
+# refilled past full while the request ran (the in-process backend, `give_now`, charged it).
 GIVE_SCRIPT = """
 local MAX_TTL_S = 1000000000
 local t = redis.call('TIME')
@@ -75,7 +78,7 @@ if level == nil or ts == nil then
   level = cap
   ts = now
 end
-level = math.min(cap, level + math.max(0, now - ts) * rate + tonumber(ARGV[3]))
+level = math.min(cap, math.min(cap, level + math.max(0, now - ts) * rate) + tonumber(ARGV[3]))
 redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(now))
 redis.call('EXPIRE', KEYS[1], math.min(math.ceil((cap - math.min(level, 0)) / rate) + 60, MAX_TTL_S))
 return tostring(level)
