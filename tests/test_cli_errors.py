@@ -165,6 +165,18 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             2,
             "--out /proc/tierserve/x: cannot make its folder",
         ),
+        (
+            ["bench", "reproduce", "--trace", TINY_TRACE, "--out", "/proc/tierserve/x"],
+            2,
+            "--out /proc/tierserve/x: cannot make its folder",
+        ),
+        (
+            ["bench", "sim-speed", "--workload", TINY_TRACE, "--out", "/proc/tierserve/x.json"],
+            2,
+            "--out /proc/tierserve/x.json: cannot",
+        ),
+        # Abbreviations are not taken: --out was read as --output-tokens.
+        (["bench", "engine", "--out", "/proc/x"], 2, "unrecognized arguments: --out /proc/x"),
         (["bench", "sim-speed", "--out", "/"], 2, "--out / is a folder: name the JSON file"),
         # A folder not made yet: the result was written to a file named after it.
         (["bench", "sim-speed", "--out", MISSING + "/"], 2, "/ is a folder: name the JSON file"),

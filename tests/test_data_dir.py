@@ -91,3 +91,14 @@ def test_bench_fleet_takes_its_default_trace_from_the_folder_found(elsewhere: Pa
         default_trace()
     (elsewhere / TRACE_FILE).write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     assert default_trace() == elsewhere / TRACE_FILE
+
+
+def test_a_trace_file_given_by_path_needs_no_data_folder(beside: Path, tmp_path: Path) -> None:
+    """`bench reproduce --trace FILE` and `bench sim-speed --workload FILE` refused a user's
+    own trace when the data folder was absent (docs/data.md: a trace can be anywhere)."""
+    from tierserve.bench.cell import BenchSetup
+
+    assert not beside.exists() and data_dir.find_data_dir() is None
+    trace = tmp_path / "mine.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    assert len(BenchSetup().trace_rows(str(trace))) == 1

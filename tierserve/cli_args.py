@@ -9,14 +9,19 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_USAGE = 2
 
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line that points at --help (subcommands' parsers
-    are made by `add_subparsers`, which builds them with the parent's class)."""
+    are made by `add_subparsers`, which builds them with the parent's class), and which takes
+    no abbreviated flags: `bench engine --out X` was read as `--output-tokens X`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

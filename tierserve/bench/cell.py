@@ -65,7 +65,9 @@ class BenchSetup:
         preset = get_preset(workload)
         if preset.trace_file is None:
             raise ValueError(f"workload {workload} is not a trace")
-        path = Path(self.data_dir) / preset.trace_file if self.data_dir else data_path(preset.trace_file)
+        path = Path(preset.trace_file)
+        if not path.is_absolute():  # a named workload's trace, in the data folder; a file given is as given
+            path = Path(self.data_dir) / path if self.data_dir else data_path(preset.trace_file)
         return load_trace(path, self.max_trace_rows)
 
     def stream(self, workload: str, seed: int, max_model_len: int) -> Iterator[RequestSpec]:

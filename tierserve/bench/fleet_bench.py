@@ -281,8 +281,8 @@ def main(args: argparse.Namespace) -> int:
     started = time.process_time()
     with input_warnings() as warned:
         bench = FleetBench(args, trace)
-        print(span_line(trace, bench.rows), file=sys.stderr)
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
+        print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report

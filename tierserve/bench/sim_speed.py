@@ -223,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
     if pattern == "trace":
         rows = setup.trace_rows(args.workload)
         check_span(Path(args.workload), rows, args.load)
-        print(span_line(Path(args.workload), rows), file=sys.stderr)
     make_out_folder(args.out)
+    if pattern == "trace":  # once the folder is made: an error is its one line
+        print(span_line(Path(args.workload), rows), file=sys.stderr)
     cell = Cell(args.workload, pattern, args.load, args.policy, args.seed)
     before = host.snapshot()  # through the module: tests replace it there
     result = measure(setup, cell, args.repeats)
