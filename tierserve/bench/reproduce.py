@@ -57,7 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="a few cells, small samples (under a minute: 19 s on a 2-core machine)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few cells, small samples (under a minute: 19 s on a 2-core machine)",
+    )
     p.add_argument(
         "--out",
         type=out_path,
