@@ -128,3 +128,11 @@ def test_a_tier_turned_off_by_a_ceiling_of_zero_may_sit_under_floors_that_take_e
     off = {"ceiling": 0.0, "reserve": 0.0}
     config = parse_config({"tiers": {"P0": {"floor": 1.0, "ceiling": 1.0}, "P1": off, "P2": off, "P3": off}})
     assert config.tiers[Tier.P0].floor == 1.0 and config.tiers[Tier.P3].ceiling == 0.0
+
+
+def test_a_ceiling_equal_to_floor_plus_reserve_is_accepted_whatever_the_float_sum() -> None:
+    """0.1 + 0.2 is 0.30000000000000004: a ceiling of 0.3 read as below it and was refused."""
+    config = parse_config({"tiers": {"P1": {"floor": 0.1, "reserve": 0.2, "ceiling": 0.3}}})
+    assert config.tiers[Tier.P1].ceiling == 0.3
+    with pytest.raises(ConfigError, match=r"ceiling: 0\.29 is below floor"):
+        parse_config({"tiers": {"P1": {"floor": 0.1, "reserve": 0.2, "ceiling": 0.29}}})

@@ -156,7 +156,7 @@ def _check_tier(tier: Tier, t: TierConfig) -> None:
     for name in ("floor", "reserve", "ceiling"):
         if not 0 <= getattr(t, name) <= 1:
             raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
-    if t.ceiling < t.floor + t.reserve:
+    if t.ceiling < t.floor + t.reserve - 1e-9:  # 0.1 + 0.2 is 0.30000000000000004
         default = " (its default: set it too)" if t.ceiling == DEFAULT_TIERS[tier].ceiling else ""
         raise ConfigError(
             f"{p}.ceiling: {t.ceiling}{default} is below floor + reserve ({t.floor} + {t.reserve})"

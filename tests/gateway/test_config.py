@@ -93,6 +93,20 @@ def test_the_start_up_warning_on_redis_says_each_tiers_rule_and_the_share() -> N
         # shorter than the scrapes (every upstream saturated, P0 refused).
         ({"upstreams": [UP], "gateway": {"tier_limits": {"P3": {"rps": 3}}}}, "gateway.tier_limits.P3.rps"),
         ({"upstreams": [UP], "gateway": {"max_kv_usage": 1.5}}, "gateway.max_kv_usage"),
+        # One tier under two names: the last won, loosening P3's limit from 1 to 100 a second.
+        (
+            {
+                "upstreams": [UP],
+                "gateway": {
+                    "tier_limits": {"P3": {"requests_per_s": 1}, "background": {"requests_per_s": 100}}
+                },
+            },
+            "gateway.tier_limits: tier P3 is given twice",
+        ),
+        (
+            {"upstreams": [UP], "gateway": {"max_wait_s": {"P1": 5, "online": 9}}},
+            "gateway.max_wait_s: tier P1",
+        ),
         ({"upstreams": [UP], "gateway": {"read_timeout_s": 0}}, "gateway.read_timeout_s"),
         (
             {"upstreams": [UP], "gateway": {"stale_after_s": 0.1, "scrape_interval_s": 5}},

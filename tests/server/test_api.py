@@ -429,6 +429,22 @@ def test_a_prompt_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() 
     assert f"tier P0 may hold at most {tokens} tokens" in error["message"]
 
 
+def test_a_tier_turned_off_by_a_ceiling_of_0_is_closed_and_named_at_start_up() -> None:
+    """Its every request read "the prompt is N tokens; tier P3 may hold at most 0 tokens",
+    a context error for any prompt; and nothing said at start-up that the tier was off."""
+    from tierserve.server.permissive import closed_tiers
+
+    config = parse_serve_config({"tiers": {"P3": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.0}}})
+    assert closed_tiers(config) == ["tiers.P3.ceiling = 0: every P3 request is refused (400 tier_closed)"]
+    with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
+        r = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P3"})
+        ok = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P2"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "tier_closed", r.text
+    assert "Tier P3 is not served here" in r.json()["error"]["message"]
+    assert ok.status_code == 200, ok.text
+
+
 def test_an_output_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() -> None:
     """`prompt + max_tokens` past the tier's ceiling: the same code as past the model's context."""
     config = parse_serve_config({"tiers": {"P0": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.05}}})

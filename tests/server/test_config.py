@@ -118,3 +118,22 @@ def test_a_config_that_is_not_utf8_names_its_file(tmp_path: Path) -> None:
     path.write_bytes("[server]\nport = 1\n".encode("utf-16"))
     with pytest.raises(ConfigError, match=f"{path}: not UTF-8 text"):
         load_serve_config(path)
+
+
+@pytest.mark.parametrize(
+    "tenants",
+    [
+        {"a": {"api_keys": "sk-very-secret-key-abcdef"}},  # a string, not a list
+        [{"api_keys": ["sk-very-secret-key-abcdef"]}],  # [[tenants]]: an array of tables
+        {"a": "sk-very-secret-key-abcdef"},
+    ],
+)
+def test_a_malformed_tenant_does_not_print_its_api_keys(tenants: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_serve_config({"tenants": tenants})
+    assert "very-secret" not in str(e.value) and "tenants" in str(e.value)
+
+
+def test_a_key_given_twice_to_one_tenant_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"key sk-abc\.\.\. is given twice"):
+        parse_serve_config({"tenants": {"a": {"api_keys": ["sk-abcdef", "sk-abcdef"]}}})

@@ -157,9 +157,16 @@ def _same_replica_key(url: str) -> str:
 
 
 def _per_tier(raw: Mapping[str, Any], key: str) -> dict[Tier, Any]:
-    """`[gateway.<key>]`: a value per tier name."""
+    """`[gateway.<key>]`: a value per tier name; one tier under two names is refused, as in
+    `[tiers]` (the last one given won: `P3` and `background` loosened P3's limit)."""
     table = _table(f"gateway.{key}", raw.get(key, {}))
-    return {_tier(f"gateway.{key}.{name}", name): value for name, value in table.items()}
+    out: dict[Tier, Any] = {}
+    for name, value in table.items():
+        tier = _tier(f"gateway.{key}.{name}", name)
+        if tier in out:
+            raise ConfigError(f"gateway.{key}: tier {tier.name} is given twice (as {name!r} too)")
+        out[tier] = value
+    return out
 
 
 def _tier_limit(tier: Tier, value: Any) -> RateLimit:

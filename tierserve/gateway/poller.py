@@ -71,7 +71,10 @@ class UpstreamPoller:
     async def _check(self, s: UpstreamState) -> None:
         gw = self._gw
         try:
-            sample, models = await asyncio.wait_for(self._probe(s), self._timeout_s)
+            # Not `asyncio.wait_for`: on Python 3.11 it can swallow a cancel that arrives as
+            # the check ends, and the watch loop then never stopped (a SIGTERM hung 1 in 10).
+            async with asyncio.timeout(self._timeout_s):
+                sample, models = await self._probe(s)
         except (httpx.HTTPError, MetricsParseError, ValueError, KeyError, TimeoutError) as e:
             if isinstance(e, TimeoutError):
                 why = f"its health check took over {self._timeout_s:g} s"
@@ -142,7 +145,8 @@ class UpstreamPoller:
         finally:
             for task in watches.values():
                 task.cancel()
-            await asyncio.gather(*watches.values(), return_exceptions=True)
+            if watches:  # bounded: a check that did not stop must not hold the shutdown
+                await asyncio.wait(watches.values(), timeout=self._timeout_s + 1.0)
 
     async def _watch(self, s: UpstreamState) -> None:
         while True:

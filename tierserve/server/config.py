@@ -134,8 +134,20 @@ class ServeConfig:
 
 def _table(path: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{path}: expected a table, got {value!r}")
+        # Its type, not its value: a tenant written as an array of tables printed its API keys.
+        raise ConfigError(f"{path}: expected a table, got {_kind(value)}")
     return value
+
+
+def _kind(value: Any) -> str:
+    """A value's TOML kind in words, for messages that must not print it (it may hold keys)."""
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    return f"a {type(value).__name__}"
 
 
 def _reject_unknown(path: str, raw: Mapping[str, Any], known: tuple[str, ...]) -> None:
@@ -334,7 +346,8 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
     _reject_unknown(path, raw, ("api_keys", "max_tier", "default_tier", "weight", *_RATE_KEYS))
     keys = raw.get("api_keys", [])
     if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-        raise ConfigError(f"{path}.api_keys: expected a list of non-empty strings, got {keys!r}")
+        got = "a list with an empty or non-string key" if isinstance(keys, list) else _kind(keys)
+        raise ConfigError(f"{path}.api_keys: expected a list of non-empty strings, got {got}")
     for key in keys:
         if key != key.strip() or any(c != "\t" and unicodedata.category(c) == "Cc" for c in key):
             # No request could present it: the bearer token is read without the spaces
@@ -343,7 +356,8 @@ def _tenant(name: str, raw: Mapping[str, Any], seen_keys: dict[str, str]) -> Ten
                 f"{path}.api_keys: key {key[:6]!r}... has spaces at an end or a control character"
             )
         if key in seen_keys:
-            raise ConfigError(f"{path}.api_keys: key {key[:6]}... is also given to tenant {seen_keys[key]!r}")
+            where = "twice" if seen_keys[key] == name else f"also to tenant {seen_keys[key]!r}"
+            raise ConfigError(f"{path}.api_keys: key {key[:6]}... is given {where}")
         seen_keys[key] = name
     max_tier = _tier(f"{path}.max_tier", raw.get("max_tier", "P3"))
     default_tier = _tier(f"{path}.default_tier", raw.get("default_tier", "P1"))

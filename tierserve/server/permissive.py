@@ -8,6 +8,7 @@ import resource
 
 from tierserve.server.config import ServeConfig
 from tierserve.server.tenants import TenantResolver
+from tierserve.tiers import ALL_TIERS
 
 FD_HEADROOM = 64  # descriptors kept for the listening socket, logs, Redis, the model files
 
@@ -57,13 +58,19 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
 
 
 def closed_tiers(config: ServeConfig) -> list[str]:
-    """One line per tier that `tierserve serve` refuses every request of (a queue cap of 0):
-    a legitimate setting, but one that looks like an outage from outside."""
-    return [
+    """One line per tier that `tierserve serve` refuses every request of (a queue cap of 0, or
+    a KV ceiling of 0): a legitimate setting, but one that looks like an outage from outside."""
+    capped = [
         f"limits.queue_cap.{tier.name} = 0: every {tier.name} request is refused (503 queue_full)"
         for tier, cap in sorted(config.limits.queue_caps.items())
         if cap == 0
     ]
+    off = [
+        f"tiers.{tier.name}.ceiling = 0: every {tier.name} request is refused (400 tier_closed)"
+        for tier in ALL_TIERS
+        if config.engine.tier(tier).ceiling == 0
+    ]
+    return capped + off
 
 
 def log_permissive_settings(config: ServeConfig, log: logging.Logger, redis_fail: str | None = None) -> None:

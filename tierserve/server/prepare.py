@@ -259,6 +259,13 @@ def _max_tokens(
             code="context_length_exceeded",
         )
     tier_tokens = state.ceiling_blocks[tier] * state.block_size
+    if tier_tokens == 0:  # a ceiling of 0 turned it off: no prompt is too long, the tier is closed
+        raise ApiError(
+            400,
+            f"Tier {tier.name} is not served here: it may hold no block of the KV cache "
+            f"(tiers.{tier.name}.ceiling).",
+            code="tier_closed",
+        )
     if num_prompt >= tier_tokens:
         raise ApiError(
             400,
