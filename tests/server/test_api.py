@@ -436,6 +436,7 @@ def test_a_tier_turned_off_by_a_ceiling_of_0_is_closed_and_named_at_start_up() -
 
     config = parse_serve_config({"tiers": {"P3": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.0}}})
     assert closed_tiers(config) == ["tiers.P3.ceiling = 0: every P3 request is refused (400 tier_closed)"]
+    assert closed_tiers(config, kv=False) == []  # the gateway's: it holds no KV cache
     with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
         body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
         r = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P3"})

@@ -57,9 +57,10 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
     return lines
 
 
-def closed_tiers(config: ServeConfig) -> list[str]:
+def closed_tiers(config: ServeConfig, *, kv: bool = True) -> list[str]:
     """One line per tier that `tierserve serve` refuses every request of (a queue cap of 0, or
-    a KV ceiling of 0): a legitimate setting, but one that looks like an outage from outside."""
+    a KV ceiling of 0): a legitimate setting, but one that looks like an outage from outside.
+    `kv=False`: the queue caps only (the gateway holds no KV cache)."""
     capped = [
         f"limits.queue_cap.{tier.name} = 0: every {tier.name} request is refused (503 queue_full)"
         for tier, cap in sorted(config.limits.queue_caps.items())
@@ -68,7 +69,7 @@ def closed_tiers(config: ServeConfig) -> list[str]:
     off = [
         f"tiers.{tier.name}.ceiling = 0: every {tier.name} request is refused (400 tier_closed)"
         for tier in ALL_TIERS
-        if config.engine.tier(tier).ceiling == 0
+        if kv and config.engine.tier(tier).ceiling == 0
     ]
     return capped + off
 
