@@ -211,6 +211,8 @@ def test_a_clear_p0_miss_on_few_requests_is_not_met() -> None:
     assert verdict(19 / 20, 20) is None  # one miss in 20: a 99 % rate does that 18 % of the time
     assert binomial_below(19, 20, 0.99) == pytest.approx(1 - 0.99**20)
     assert binomial_below(110, 121, 0.99) < 1e-6 and binomial_below(121, 121, 0.99) == 1.0
+    assert binomial_below(0, 1, 0.99) == pytest.approx(0.01)
+    assert binomial_below(3, 4, 1.0) == 0.0 and binomial_below(0, 4, 0.0) == 1.0
 
 
 def test_a_p0_miss_just_under_the_target_does_not_print_as_the_target() -> None:

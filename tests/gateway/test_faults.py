@@ -402,6 +402,35 @@ def test_requests_awaiting_an_upstream_that_stopped_answering_go_to_another(stre
     assert 'tierserve_gateway_retries_total{upstream="f0"}' in metrics
 
 
+def test_an_upstream_ejected_while_answering_that_then_goes_silent_has_its_requests_cut() -> None:
+    """Ejected while its /metrics failed (its requests left to finish), then silent: no second
+    ejection came to cut them, and they waited for the read timeout."""
+    stuck, good = FakeUpstream("ok", hold=threading.Event()), FakeUpstream("ok")
+    with gateway_over(stuck, good) as gw:
+        results: list[httpx.Response] = []
+
+        def send(i: int) -> None:
+            results.append(httpx.post(gw.url + "/v1/chat/completions", json=spread_body(CHAT, i), timeout=90))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while not stuck.bodies and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stuck.bodies, "no request reached the stuck upstream"
+        stuck.checks = "error"  # ejected while it still answers: its requests are left to it
+        time.sleep(2.0)
+        stuck.checks = "silent"  # then it stops answering altogether (a hang, SIGSTOP)
+        started = time.monotonic()
+        for t in threads:
+            t.join(timeout=90)
+        waited = time.monotonic() - started
+    assert [r.status_code for r in results] == [200] * 6
+    assert waited < 20  # not the stuck upstream's 60 s hold
+    assert len(good.bodies) == 6
+
+
 @pytest.mark.parametrize(("checks", "kind"), [("error", "vllm"), ("draining", "tierserve")])
 def test_an_upstream_ejected_while_it_still_answers_finishes_what_it_has(checks: str, kind: str) -> None:
     """A draining tierserve (its /ready says 503) or one whose metrics fail is ejected, yet

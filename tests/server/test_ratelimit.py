@@ -393,13 +393,14 @@ def test_a_request_past_a_gateways_share_of_the_burst_still_runs_while_redis_is_
         async def give(self, bucket: Bucket, amount: float) -> None:
             raise ConnectionError("refused")
 
-    async def scenario() -> tuple[bool, int | None, bool]:
-        limiter = RateLimiter(RateLimit(), remote=DownRedis(), fail_open=True, local_share=0.5)  # type: ignore[arg-type]
+    async def scenario() -> tuple[bool, int | None, bool, str]:
+        now = FakeTime()
+        limiter = RateLimiter(RateLimit(), remote=DownRedis(), fail_open=True, local_share=0.5, now=now)  # type: ignore[arg-type]
         tenant = _tenant(tokens_per_s=100.0, token_burst=400.0)
         first = await limiter.acquire(tenant, 300)
         reserved = None if first.reservation is None else first.reservation.num_tokens
-        await limiter.settle(first.reservation, 300)  # the 100 past the share, as a debt
-        again = await limiter.acquire(tenant, 300)  # the share is in debt now: wait, then it fits
-        return first.allowed, reserved, again.allowed
+        await limiter.settle(first.reservation, 300)  # the 100 past the share, as a debt: -100 left
+        again = await limiter.acquire(tenant, 200)  # the share refills at 50 a second: 6 s
+        return first.allowed, reserved, again.allowed, again.headers["Retry-After"]
 
-    assert asyncio.run(scenario()) == (True, 200, False)
+    assert asyncio.run(scenario()) == (True, 200, False, "6")  # 4 s without the debt

@@ -88,8 +88,10 @@ def _judge(
 
 def binomial_below(successes: int, n: int, p: float) -> float:
     """P(X <= successes) for X ~ Binomial(n, p): how likely a rate of `p` attains so few."""
-    if successes >= n:
+    if successes >= n or p <= 0:
         return 1.0
+    if p >= 1:
+        return 0.0
     logs = [
         math.lgamma(n + 1)
         - math.lgamma(k + 1)

@@ -92,8 +92,10 @@ class GatewayState:
         if ejected:
             self.metrics.ejections.labels(name).inc()
             log.warning("upstream %s ejected: %s", name, why)
-            if unresponsive:
-                self._cut_waiting(name)
+        if unresponsive and not self.router.state(name).healthy:
+            # Out, and silent now: ejected by this failure, or earlier while it still
+            # answered (its /metrics failing), its requests would wait for the read timeout.
+            self._cut_waiting(name)
         return ejected
 
     def _cut_waiting(self, name: str) -> None:

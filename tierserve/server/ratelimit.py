@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 from tierserve.server.buckets import Bucket, BucketBackend, LocalBuckets, TakeResult
@@ -154,19 +155,21 @@ class RateLimiter:
         self.redis_up = up
 
     async def _run_take(
-        self, buckets: list[Bucket], costs: list[float], tier: Tier | None, num_request_buckets: int
-    ) -> tuple[TakeResult, BucketBackend, Sequence[Bucket], float] | None:
-        """Take on Redis when configured and up; None when it is down and the rule is fail-closed.
-        Also returns the buckets actually debited (on fallback: the local share of each) and
-        the tokens taken from each token bucket (on fallback, cut to the smallest share: a
-        request past a share's burst but within the whole one got 429s that never cleared)."""
-        num_tokens = costs[num_request_buckets] if len(costs) > num_request_buckets else 0.0
+        self, requests: list[Bucket], tokens: list[Bucket], num_tokens: int, tier: Tier | None
+    ) -> _Taken | None:
+        """One request from each of `requests` and `num_tokens` from each of `tokens`: on Redis
+        when configured and up; None when it is down and the rule is fail-closed. On fallback
+        the buckets are the local share of each, and the tokens are cut to the smallest share
+        (the settle charges the rest): a request past a share's burst but within the whole
+        one got 429s that never cleared."""
+        buckets = requests + tokens
+        costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
         remote = self._remote
         if remote is not None and self._now() >= self._remote_down_until:
             try:
                 result = await remote.take(buckets, costs)
                 self._mark_redis(True)
-                return result, remote, buckets, num_tokens
+                return _Taken(result, remote, buckets, num_tokens)
             except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
                 self._mark_redis(False, e)
         if remote is not None:
@@ -180,12 +183,12 @@ class RateLimiter:
                     replace(b, rate_per_s=b.rate_per_s * share, capacity=max(1.0, b.capacity * share))
                     for b in buckets
                 ]
-                if len(buckets) > num_request_buckets:  # the settle charges the rest, as a debt
+                if tokens:
                     num_tokens = min(
-                        num_tokens, math.floor(min(b.capacity for b in buckets[num_request_buckets:]))
+                        num_tokens, math.floor(min(b.capacity for b in buckets[len(requests) :]))
                     )
-                    costs = costs[:num_request_buckets] + [num_tokens] * (len(buckets) - num_request_buckets)
-        return self._local.take_now(buckets, costs), self._local, buckets, num_tokens
+                    costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
+        return _Taken(self._local.take_now(buckets, costs), self._local, buckets, num_tokens)
 
     async def acquire(
         self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None, *, num_default: int = 0
@@ -210,9 +213,7 @@ class RateLimiter:
                 )
                 return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
             num_tokens = math.floor(tightest.capacity)  # >= least, a whole number of tokens
-        buckets = requests + tokens
-        costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
-        outcome = await self._run_take(buckets, costs, tier, len(requests))
+        outcome = await self._run_take(requests, tokens, num_tokens, tier)
         if outcome is None:
             return RateDecision(
                 allowed=False,
@@ -223,8 +224,7 @@ class RateLimiter:
         result, backend, taken, num_taken = outcome
         headers = _headers(list(taken), result, len(requests))
         if result.allowed:
-            held = tuple(taken[len(requests) :])
-            reservation = Reservation(backend, held, math.floor(num_taken)) if tokens else None
+            reservation = Reservation(backend, tuple(taken[len(requests) :]), num_taken) if tokens else None
             return RateDecision(allowed=True, headers=headers, reservation=reservation)
         wait = result.wait_s
         headers["Retry-After"] = str(max(1, math.ceil(wait)))
@@ -251,6 +251,13 @@ class RateLimiter:
             except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
                 self.num_fallbacks += 1
                 self._mark_redis(False, e)
+
+
+class _Taken(NamedTuple):
+    result: TakeResult
+    backend: BucketBackend
+    buckets: Sequence[Bucket]  # those debited: on fallback, the local share of each
+    num_tokens: int  # taken from each token bucket
 
 
 def _scope(bucket_key: str) -> str:

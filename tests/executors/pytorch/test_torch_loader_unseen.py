@@ -247,19 +247,31 @@ def test_llama3_original_positions_at_the_top_level_and_in_the_scaling_must_agre
 
 def test_a_memory_cgroup_limit_is_the_room_a_container_has(tmp_path: Path) -> None:
     """In a container /proc/meminfo shows the host's memory: the check let a model past the
-    container's limit through, to be killed without a word."""
+    container's limit through, to be killed without a word. The room is the smallest limit
+    from the process's own cgroup up, less its use but the page cache it may take back."""
     from tierserve.executors.pytorch.loader import cgroup_room
 
-    (tmp_path / "memory.max").write_text("8589934592\n")
-    (tmp_path / "memory.current").write_text("1073741824\n")
-    assert cgroup_room(tmp_path) == 7 << 30
-    (tmp_path / "memory.max").write_text("max\n")
-    assert cgroup_room(tmp_path) is None
+    gib = 1 << 30
+    own = tmp_path / "self-cgroup"
+    v2 = tmp_path / "v2"
+    mine = v2 / "pods" / "me"
+    mine.mkdir(parents=True)
+    own.write_text("0::/pods/me\n")
+    (v2 / "pods" / "memory.max").write_text(f"{40 * gib}\n")  # the parent's binds
+    (mine / "memory.max").write_text("max\n")
+    (mine / "memory.current").write_text(f"{19 * gib}\n")
+    (mine / "memory.stat").write_text(f"anon {2 * gib}\ninactive_file {17 * gib}\n")
+    assert cgroup_room(v2, own) == 38 * gib  # 40 - 19 + 17: a checkpoint just read is cache
+    (v2 / "pods" / "memory.max").write_text("max\n")
+    assert cgroup_room(v2, own) is None
     v1 = tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
-    (v1 / "memory" / "memory.usage_in_bytes").write_text("100")
-    assert cgroup_room(v1) is None
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(4 << 30))
-    assert cgroup_room(v1) == (4 << 30) - 100
-    assert cgroup_room(tmp_path / "none") is None
+    (v1 / "memory" / "job").mkdir(parents=True)
+    own.write_text("12:memory:/job\n0::/\n")
+    (v1 / "memory" / "job" / "memory.stat").write_text(
+        f"hierarchical_memory_limit {4 * gib}\ntotal_inactive_file 100\n"
+    )
+    (v1 / "memory" / "job" / "memory.usage_in_bytes").write_text("300")
+    assert cgroup_room(v1, own) == 4 * gib - 200
+    (v1 / "memory" / "job" / "memory.stat").write_text(f"hierarchical_memory_limit {2**63 - 4096}\n")
+    assert cgroup_room(v1, own) is None
+    assert cgroup_room(tmp_path / "none", tmp_path / "no-such-file") is None

@@ -401,18 +401,77 @@ def _mem_available() -> int | None:
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
 
 
-def cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The memory cgroup's limit less its use (v2: memory.max and memory.current; v1:
-    memory/memory.limit_in_bytes and memory/memory.usage_in_bytes); None without a limit."""
-    for limit_file, used_file in (
-        (root / "memory.max", root / "memory.current"),
-        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
-    ):
-        try:
-            limit, used = limit_file.read_text().strip(), int(used_file.read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= _NO_LIMIT:
-            return None
-        return max(0, int(limit) - used)
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The room left under the process's memory cgroup: the smallest limit from its cgroup up
+    to the root, less what it uses but the page cache the kernel can take back (inactive
+    file pages, as kubelet counts it); None without a limit, or where it cannot be read.
+    cgroup v2 (memory.max, memory.current, memory.stat) or v1 (the `memory` controller's
+    memory.stat: hierarchical_memory_limit, and memory.usage_in_bytes)."""
+    v2, v1 = _own_cgroups(own)
+    for folder in ([root / v2.lstrip("/")] if v2 is not None else []) + [root]:
+        room = _v2_room(root, folder)
+        if room is not None:
+            return room
+    for folder in ([root / "memory" / v1.lstrip("/")] if v1 is not None else []) + [root / "memory"]:
+        room = _v1_room(folder)
+        if room is not None:
+            return room
     return None
+
+
+def _own_cgroups(own: Path) -> tuple[str | None, str | None]:
+    """The process's cgroup paths from /proc/self/cgroup: v2's ("0::PATH"), v1's memory one."""
+    v2 = v1 = None
+    try:
+        for line in own.read_text().splitlines():
+            parts = line.split(":", 2)
+            if len(parts) != 3:
+                continue
+            number, controllers, path = parts
+            if number == "0" and controllers == "":
+                v2 = path
+            elif "memory" in controllers.split(","):
+                v1 = path
+    except OSError:
+        pass
+    return v2, v1
+
+
+def _stat(folder: Path) -> dict[str, int]:
+    try:
+        pairs = (line.split() for line in (folder / "memory.stat").read_text().splitlines())
+        return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
+    except OSError:
+        return {}
+
+
+def _v2_room(root: Path, folder: Path) -> int | None:
+    try:
+        used = int((folder / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    limits = []
+    for level in [folder, *folder.parents]:  # a parent's limit binds its children too
+        try:
+            text = (level / "memory.max").read_text().strip()
+        except OSError:
+            text = "max"
+        if text.isdigit():
+            limits.append(int(text))
+        if level == root:
+            break
+    if not limits:
+        return None
+    return max(0, min(limits) - used + _stat(folder).get("inactive_file", 0))
+
+
+def _v1_room(folder: Path) -> int | None:
+    stat = _stat(folder)
+    try:
+        limit = stat.get("hierarchical_memory_limit") or int((folder / "memory.limit_in_bytes").read_text())
+        used = int((folder / "memory.usage_in_bytes").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit >= _NO_LIMIT:
+        return None
+    return max(0, limit - used + stat.get("total_inactive_file", stat.get("inactive_file", 0)))
