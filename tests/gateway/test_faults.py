@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import httpx
 import pytest
@@ -360,17 +361,22 @@ def test_a_stream_broken_midway_does_not_tell_the_client_the_upstreams_address()
 
 
 def _send_while_checks_fail(
-    stuck: FakeUpstream, good: FakeUpstream | None, checks: str, stream: bool, kind: str = "vllm"
+    stuck: FakeUpstream,
+    good: FakeUpstream | None,
+    checks: Sequence[str],
+    stream: bool,
+    kind: str = "vllm",
 ) -> tuple[list[httpx.Response], float, str]:
-    """Six requests, some held by `stuck`; once one is there, its checks turn `checks`. The
-    replies, the seconds from then until the last, and the gateway's metrics."""
+    """Six requests, some held by `stuck`; once one is there, its checks turn each of `checks`
+    in turn, 2 s apart. The replies, the seconds from the last turn until the last reply,
+    and the gateway's metrics."""
     fakes = (stuck,) if good is None else (stuck, good)
     with gateway_over(*fakes, kind=kind) as gw:
         results: list[httpx.Response] = []
 
         def send(i: int) -> None:
             body = spread_body(CHAT, i, stream=stream)
-            results.append(httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60))
+            results.append(httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=90))
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
         for t in threads:
@@ -379,13 +385,16 @@ def _send_while_checks_fail(
         while not stuck.bodies and time.monotonic() < deadline:
             time.sleep(0.02)
         assert stuck.bodies, "no request reached the stuck upstream"
+        for earlier in checks[:-1]:
+            stuck.checks = earlier
+            time.sleep(2.0)  # ejected by now (checks every 0.2 s)
         started = time.monotonic()
-        stuck.checks = checks
-        if stuck.hold is not None and checks != "silent":
-            time.sleep(3.0)  # ejected by now (checks every 0.2 s); then its replies come
+        stuck.checks = checks[-1]
+        if stuck.hold is not None and checks[-1] != "silent":
+            time.sleep(3.0)  # ejected by now; then its replies come
             stuck.hold.set()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=90)
         return results, time.monotonic() - started, httpx.get(gw.url + "/metrics").text
 
 
@@ -395,7 +404,7 @@ def test_requests_awaiting_an_upstream_that_stopped_answering_go_to_another(stre
     ejected, but the requests already sent to it waited for the read timeout (600 s by
     default), P0's too. Nothing had reached their clients: they go to another upstream."""
     stuck, good = FakeUpstream("ok", hold=threading.Event()), FakeUpstream("ok")
-    results, waited, metrics = _send_while_checks_fail(stuck, good, "silent", stream)
+    results, waited, metrics = _send_while_checks_fail(stuck, good, ["silent"], stream)
     assert [r.status_code for r in results] == [200] * 6
     assert waited < 20  # not the stuck upstream's 60 s hold
     assert len(good.bodies) == 6  # every request was answered by the good one in the end
@@ -406,26 +415,7 @@ def test_an_upstream_ejected_while_answering_that_then_goes_silent_has_its_reque
     """Ejected while its /metrics failed (its requests left to finish), then silent: no second
     ejection came to cut them, and they waited for the read timeout."""
     stuck, good = FakeUpstream("ok", hold=threading.Event()), FakeUpstream("ok")
-    with gateway_over(stuck, good) as gw:
-        results: list[httpx.Response] = []
-
-        def send(i: int) -> None:
-            results.append(httpx.post(gw.url + "/v1/chat/completions", json=spread_body(CHAT, i), timeout=90))
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 20
-        while not stuck.bodies and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert stuck.bodies, "no request reached the stuck upstream"
-        stuck.checks = "error"  # ejected while it still answers: its requests are left to it
-        time.sleep(2.0)
-        stuck.checks = "silent"  # then it stops answering altogether (a hang, SIGSTOP)
-        started = time.monotonic()
-        for t in threads:
-            t.join(timeout=90)
-        waited = time.monotonic() - started
+    results, waited, _ = _send_while_checks_fail(stuck, good, ["error", "silent"], stream=False)
     assert [r.status_code for r in results] == [200] * 6
     assert waited < 20  # not the stuck upstream's 60 s hold
     assert len(good.bodies) == 6
@@ -436,7 +426,7 @@ def test_an_upstream_ejected_while_it_still_answers_finishes_what_it_has(checks:
     """A draining tierserve (its /ready says 503) or one whose metrics fail is ejected, yet
     still finishing its requests: cutting them gave a lone draining upstream's clients 502s."""
     stuck = FakeUpstream("ok", hold=threading.Event())
-    results, _, metrics = _send_while_checks_fail(stuck, None, checks, stream=False, kind=kind)
+    results, _, metrics = _send_while_checks_fail(stuck, None, [checks], stream=False, kind=kind)
     # Each request sent to it is answered; those the gateway held after the ejection were
     # refused (no upstream left), none cut and sent nowhere.
     codes = sorted(r.status_code for r in results)
