@@ -101,11 +101,11 @@ def test_the_start_up_warning_on_redis_says_each_tiers_rule_and_the_share() -> N
                     "tier_limits": {"P3": {"requests_per_s": 1}, "background": {"requests_per_s": 100}}
                 },
             },
-            "gateway.tier_limits: tier P3 is given twice",
+            "gateway.tier_limits.background: tier P3 is given twice",
         ),
         (
             {"upstreams": [UP], "gateway": {"max_wait_s": {"P1": 5, "online": 9}}},
-            "gateway.max_wait_s: tier P1",
+            "gateway.max_wait_s.online: tier P1 is given twice",
         ),
         ({"upstreams": [UP], "gateway": {"read_timeout_s": 0}}, "gateway.read_timeout_s"),
         (

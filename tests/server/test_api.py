@@ -435,15 +435,38 @@ def test_a_tier_turned_off_by_a_ceiling_of_0_is_closed_and_named_at_start_up() -
     from tierserve.server.permissive import closed_tiers
 
     config = parse_serve_config({"tiers": {"P3": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.0}}})
-    assert closed_tiers(config) == ["tiers.P3.ceiling = 0: every P3 request is refused (400 tier_closed)"]
-    assert closed_tiers(config, kv=False) == []  # the gateway's: it holds no KV cache
+    assert closed_tiers(config) == []  # the gateway's: it holds no KV cache to close a tier by
     with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
-        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
+        said = closed_tiers(config, srv.state.ceiling_blocks)
+        body = {"model": MODEL, "prompt": [5] * (CONTEXT + 1), "max_tokens": 1}  # past the context too
         r = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P3"})
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
         ok = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P2"})
+    assert said == [
+        "tiers.P3.ceiling = 0 comes to no KV block: every P3 request is refused (400 tier_closed)"
+    ]
     assert r.status_code == 400 and r.json()["error"]["code"] == "tier_closed", r.text
     assert "Tier P3 is not served here" in r.json()["error"]["message"]
     assert ok.status_code == 200, ok.text
+
+
+def test_what_closes_a_tier_is_its_blocks_not_its_configured_ceiling() -> None:
+    """fcfs shares one pool: a ceiling of 0 closed nothing, yet start-up said P3 was refused;
+    a ceiling of 0.0005 came to 0 blocks and closed P3 without a word."""
+    from tierserve.server.permissive import closed_tiers
+
+    config = parse_serve_config({"tiers": {"P3": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.0}}})
+    with live_server(make_state(config, max_model_len=CONTEXT, policy="fcfs")) as srv:
+        said = closed_tiers(config, srv.state.ceiling_blocks)
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1}
+        r = httpx.post(srv.base_url + "/completions", json=body, headers={"x-request-tier": "P3"})
+    assert said == [] and r.status_code == 200, r.text
+    tiny = parse_serve_config({"tiers": {"P3": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.0005}}})
+    with live_server(make_state(tiny, max_model_len=CONTEXT)) as srv:
+        said = closed_tiers(tiny, srv.state.ceiling_blocks)
+    assert said == [
+        "tiers.P3.ceiling = 0.0005 comes to no KV block: every P3 request is refused (400 tier_closed)"
+    ]
 
 
 def test_an_output_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() -> None:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger("tierserve.gateway")
     log_permissive_settings(config.serve, log, redis_fail_summary(config))
-    for line in closed_tiers(config.serve, kv=False):
+    for line in closed_tiers(config.serve):
         log.warning("%s", line)
     gw = build_gateway_state(config)
     app = create_gateway_app(gw)

@@ -161,11 +161,14 @@ def _per_tier(raw: Mapping[str, Any], key: str) -> dict[Tier, Any]:
     `[tiers]` (the last one given won: `P3` and `background` loosened P3's limit)."""
     table = _table(f"gateway.{key}", raw.get(key, {}))
     out: dict[Tier, Any] = {}
+    given: dict[Tier, str] = {}
     for name, value in table.items():
         tier = _tier(f"gateway.{key}.{name}", name)
         if tier in out:
-            raise ConfigError(f"gateway.{key}: tier {tier.name} is given twice (as {name!r} too)")
-        out[tier] = value
+            raise ConfigError(
+                f"gateway.{key}.{name}: tier {tier.name} is given twice (also as {given[tier]})"
+            )
+        out[tier], given[tier] = value, name
     return out
 
 

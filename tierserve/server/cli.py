@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     # Said once the server will start: a start-up error is then its one line on stderr.
     log = logging.getLogger("tierserve.server")
     log_permissive_settings(config, log)
-    for line in closed_tiers(config):
+    for line in closed_tiers(config, state.ceiling_blocks):
         log.warning("%s", line)
     return _serve(args, config, state, host, port_number)
 

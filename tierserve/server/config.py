@@ -147,6 +147,10 @@ def _kind(value: Any) -> str:
         return "a string"
     if isinstance(value, bool):
         return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
     return f"a {type(value).__name__}"
 
 

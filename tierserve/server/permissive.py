@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import resource
+from collections.abc import Mapping
 
 from tierserve.server.config import ServeConfig
 from tierserve.server.tenants import TenantResolver
-from tierserve.tiers import ALL_TIERS
+from tierserve.tiers import ALL_TIERS, Tier
 
 FD_HEADROOM = 64  # descriptors kept for the listening socket, logs, Redis, the model files
 
@@ -57,19 +58,22 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
     return lines
 
 
-def closed_tiers(config: ServeConfig, *, kv: bool = True) -> list[str]:
-    """One line per tier that `tierserve serve` refuses every request of (a queue cap of 0, or
-    a KV ceiling of 0): a legitimate setting, but one that looks like an outage from outside.
-    `kv=False`: the queue caps only (the gateway holds no KV cache)."""
+def closed_tiers(config: ServeConfig, ceiling_blocks: Mapping[Tier, int] | None = None) -> list[str]:
+    """One line per tier that `tierserve serve` refuses every request of: a queue cap of 0, or
+    (given the engine's `ceiling_blocks`, what `prepare` refuses by) no KV block allowed: a
+    legitimate setting, but one that looks like an outage from outside. The blocks, not the
+    config's ceiling: a policy without tiered memory serves a tier of ceiling 0, and a small
+    ceiling may come to 0 blocks. The gateway, which holds no KV cache, gives none."""
     capped = [
         f"limits.queue_cap.{tier.name} = 0: every {tier.name} request is refused (503 queue_full)"
         for tier, cap in sorted(config.limits.queue_caps.items())
         if cap == 0
     ]
     off = [
-        f"tiers.{tier.name}.ceiling = 0: every {tier.name} request is refused (400 tier_closed)"
+        f"tiers.{tier.name}.ceiling = {config.engine.tier(tier).ceiling:g} comes to no KV block: every "
+        f"{tier.name} request is refused (400 tier_closed)"
         for tier in ALL_TIERS
-        if kv and config.engine.tier(tier).ceiling == 0
+        if ceiling_blocks is not None and ceiling_blocks[tier] == 0
     ]
     return capped + off
 

@@ -249,6 +249,14 @@ def _max_tokens(
 ) -> int:
     """The prompt and its output against the model's context and the tier's KV ceiling:
     the output's length (the server's default where the body names none), or the 400."""
+    tier_tokens = state.ceiling_blocks[tier] * state.block_size
+    if tier_tokens == 0:  # a ceiling of 0 turned it off: no prompt is too long, the tier is closed
+        raise ApiError(
+            400,
+            f"Tier {tier.name} is not served here: it may hold no block of the KV cache "
+            f"(tiers.{tier.name}.ceiling).",
+            code="tier_closed",
+        )
     context = state.model.max_model_len
     if num_prompt >= context:
         raise ApiError(
@@ -257,14 +265,6 @@ def _max_tokens(
             "(room is needed for at least one output token)",
             param=prompt_param,
             code="context_length_exceeded",
-        )
-    tier_tokens = state.ceiling_blocks[tier] * state.block_size
-    if tier_tokens == 0:  # a ceiling of 0 turned it off: no prompt is too long, the tier is closed
-        raise ApiError(
-            400,
-            f"Tier {tier.name} is not served here: it may hold no block of the KV cache "
-            f"(tiers.{tier.name}.ceiling).",
-            code="tier_closed",
         )
     if num_prompt >= tier_tokens:
         raise ApiError(

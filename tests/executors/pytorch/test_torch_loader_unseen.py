@@ -247,31 +247,41 @@ def test_llama3_original_positions_at_the_top_level_and_in_the_scaling_must_agre
 
 def test_a_memory_cgroup_limit_is_the_room_a_container_has(tmp_path: Path) -> None:
     """In a container /proc/meminfo shows the host's memory: the check let a model past the
-    container's limit through, to be killed without a word. The room is the smallest limit
-    from the process's own cgroup up, less its use but the page cache it may take back."""
+    container's limit through, to be killed without a word. The room is the least, over the
+    limited levels from the process's own cgroup up, of the limit less that level's use
+    (a sibling's too) but the page cache the kernel may take back."""
     from tierserve.executors.pytorch.loader import cgroup_room
 
     gib = 1 << 30
     own = tmp_path / "self-cgroup"
     v2 = tmp_path / "v2"
-    mine = v2 / "pods" / "me"
+    pod, mine = v2 / "pod", v2 / "pod" / "me"
     mine.mkdir(parents=True)
-    own.write_text("0::/pods/me\n")
-    (v2 / "pods" / "memory.max").write_text(f"{40 * gib}\n")  # the parent's binds
+    own.write_text("0::/pod/me\n")
+    (pod / "memory.max").write_text(f"{40 * gib}\n")  # the pod's limit binds its containers
+    (pod / "memory.current").write_text(f"{34 * gib}\n")  # 19 of them mine, 15 a sibling's
+    (pod / "memory.stat").write_text(f"inactive_file {17 * gib}\n")
     (mine / "memory.max").write_text("max\n")
     (mine / "memory.current").write_text(f"{19 * gib}\n")
     (mine / "memory.stat").write_text(f"anon {2 * gib}\ninactive_file {17 * gib}\n")
-    assert cgroup_room(v2, own) == 38 * gib  # 40 - 19 + 17: a checkpoint just read is cache
-    (v2 / "pods" / "memory.max").write_text("max\n")
+    assert cgroup_room(v2, own) == 23 * gib  # 40 - 34 + 17: a checkpoint just read is cache
+    (mine / "memory.max").write_text(f"{30 * gib}\n")
+    assert cgroup_room(v2, own) == 23 * gib  # 30 - 19 + 17 = 28 is not the least
+    (pod / "memory.stat").write_text("inactive_file 0\n")
+    assert cgroup_room(v2, own) == 6 * gib  # the sibling's use counts: 40 - 34
+    for level in (pod, mine):
+        (level / "memory.max").write_text("max\n")
     assert cgroup_room(v2, own) is None
     v1 = tmp_path / "v1"
-    (v1 / "memory" / "job").mkdir(parents=True)
-    own.write_text("12:memory:/job\n0::/\n")
-    (v1 / "memory" / "job" / "memory.stat").write_text(
-        f"hierarchical_memory_limit {4 * gib}\ntotal_inactive_file 100\n"
-    )
-    (v1 / "memory" / "job" / "memory.usage_in_bytes").write_text("300")
+    job = v1 / "memory" / "job"
+    job.mkdir(parents=True)
+    own.write_text("12:memory:/job\n0::/\n")  # a hybrid host: v1's memory controller
+    (job / "memory.limit_in_bytes").write_text(str(4 * gib))
+    (job / "memory.usage_in_bytes").write_text("300")
+    (job / "memory.stat").write_text("total_inactive_file 100\n")
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # the root: no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(8 * gib))
     assert cgroup_room(v1, own) == 4 * gib - 200
-    (v1 / "memory" / "job" / "memory.stat").write_text(f"hierarchical_memory_limit {2**63 - 4096}\n")
+    (job / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
     assert cgroup_room(v1, own) is None
     assert cgroup_room(tmp_path / "none", tmp_path / "no-such-file") is None

@@ -402,21 +402,44 @@ _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
 
 
 def cgroup_room(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int | None:
-    """The room left under the process's memory cgroup: the smallest limit from its cgroup up
-    to the root, less what it uses but the page cache the kernel can take back (inactive
-    file pages, as kubelet counts it); None without a limit, or where it cannot be read.
-    cgroup v2 (memory.max, memory.current, memory.stat) or v1 (the `memory` controller's
-    memory.stat: hierarchical_memory_limit, and memory.usage_in_bytes)."""
+    """The room left under the process's memory cgroups: at each level from its own cgroup up
+    to the root that has a limit, the limit less that level's use (its children's included:
+    a parent's limit binds its siblings too) but the page cache the kernel can take back
+    (inactive file pages, as kubelet counts it); the least of them. None without a limit,
+    or where it cannot be read. cgroup v2 (memory.max, memory.current, memory.stat) or v1
+    (the `memory` controller's memory.limit_in_bytes, memory.usage_in_bytes, memory.stat)."""
     v2, v1 = _own_cgroups(own)
-    for folder in ([root / v2.lstrip("/")] if v2 is not None else []) + [root]:
-        room = _v2_room(root, folder)
-        if room is not None:
-            return room
-    for folder in ([root / "memory" / v1.lstrip("/")] if v1 is not None else []) + [root / "memory"]:
-        room = _v1_room(folder)
-        if room is not None:
-            return room
-    return None
+    rooms = _rooms(root, root / (v2 or "/").lstrip("/"), "memory.max", "memory.current", "inactive_file")
+    if rooms is None:
+        v1_root = root / "memory"
+        folder = v1_root / (v1 or "/").lstrip("/")
+        rooms = _rooms(
+            v1_root, folder, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        )
+    return min(rooms) if rooms else None
+
+
+def _rooms(root: Path, folder: Path, limit_file: str, used_file: str, cache_key: str) -> list[int] | None:
+    """Each limited level's room from `folder` up to `root`; None where `folder` has no usage
+    to read (not this cgroup version, or not visible here)."""
+    if not (folder / used_file).is_file():
+        if folder == root:
+            return None
+        folder = root  # a cgroup path this namespace does not show: the mount's root is ours
+        if not (folder / used_file).is_file():
+            return None
+    rooms = []
+    for level in [folder, *folder.parents]:
+        try:
+            limit_text = (level / limit_file).read_text().strip()
+            used = int((level / used_file).read_text().strip())
+        except (OSError, ValueError):
+            limit_text, used = "max", 0
+        if limit_text.isdigit() and int(limit_text) < _NO_LIMIT:
+            rooms.append(max(0, int(limit_text) - used + _stat(level).get(cache_key, 0)))
+        if level == root:
+            break
+    return rooms
 
 
 def _own_cgroups(own: Path) -> tuple[str | None, str | None]:
@@ -443,35 +466,3 @@ def _stat(folder: Path) -> dict[str, int]:
         return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
     except OSError:
         return {}
-
-
-def _v2_room(root: Path, folder: Path) -> int | None:
-    try:
-        used = int((folder / "memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    limits = []
-    for level in [folder, *folder.parents]:  # a parent's limit binds its children too
-        try:
-            text = (level / "memory.max").read_text().strip()
-        except OSError:
-            text = "max"
-        if text.isdigit():
-            limits.append(int(text))
-        if level == root:
-            break
-    if not limits:
-        return None
-    return max(0, min(limits) - used + _stat(folder).get("inactive_file", 0))
-
-
-def _v1_room(folder: Path) -> int | None:
-    stat = _stat(folder)
-    try:
-        limit = stat.get("hierarchical_memory_limit") or int((folder / "memory.limit_in_bytes").read_text())
-        used = int((folder / "memory.usage_in_bytes").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if limit >= _NO_LIMIT:
-        return None
-    return max(0, limit - used + stat.get("total_inactive_file", stat.get("inactive_file", 0)))
