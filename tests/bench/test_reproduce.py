@@ -312,3 +312,21 @@ def test_results_say_which_config_the_engine_ran_with(tmp_path: Path) -> None:
     assert setup["policy_options"]["hybrid"]["step_bound_x_p0"] is None  # its default, inf
     default = setup_json(matrix_from_args(parse("--policies", "fcfs")), quick=False)
     assert default["config"] == "built-in defaults" and default["policy_options"] == {}
+    assert setup["config_sections_not_read"] == [] == default["config_sections_not_read"]
+
+
+def test_a_servers_config_given_to_the_bench_says_what_it_does_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """deploy/example-config.toml's [server], [limits] and [tenants] were dropped in silence."""
+    config = tmp_path / "server.toml"
+    config.write_text(
+        "[tiers.P0]\nfloor = 0.1\n[limits]\nrequests_per_s = 5\n[tenants.a]\napi_keys = ['k']\n"
+    )
+    out = tmp_path / "out"
+    argv = ["--config", str(config), "--policies", "fcfs", "--patterns", "closed", "--clients", "4"]
+    assert run(parse(*argv, "--requests", "20", "--out", str(out))) == 0
+    err = capsys.readouterr().err
+    assert f"note: {config}: [tenants], [limits] not read" in err
+    setup = json.loads((out / "results.json").read_text())["setup"]
+    assert setup["config_sections_not_read"] == ["tenants", "limits"]

@@ -247,6 +247,17 @@ def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
             raise ValueError(f"{flag} applies to {' and '.join(used_by)} cells, and none runs")
 
 
+def config_not_read(path: str | None) -> list[str]:
+    """The sections of a --config file that the bench does not read (a server's config given
+    to it: its [server], [limits] and [tenants] were left out without a word)."""
+    from tierserve.config import FOREIGN_SECTIONS, load_raw
+
+    if path is None:
+        return []
+    raw = load_raw(path)
+    return [section for section in FOREIGN_SECTIONS if section in raw]
+
+
 def check_traces(matrix: Matrix) -> list[str]:
     """Read every trace the matrix replays (up to its row limit): a missing or malformed one
     fails before any cell runs, not after the cells before it. Returns a line for each trace
@@ -312,6 +323,7 @@ def setup_json(matrix: Matrix, quick: bool) -> dict[str, Any]:
         # What else the engine ran with: a --config file's floors, weights or policy settings
         # changed the results and were written nowhere.
         "config": s.config_path or "built-in defaults",
+        "config_sections_not_read": config_not_read(s.config_path),
         **engine_config_json(config, matrix.policies),
         "quick": quick,
         "sim_mode": s.sim_mode,
@@ -357,6 +369,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for line in read:
         print(line, file=sys.stderr)
+    unread = config_not_read(args.config)
+    if unread:
+        print(
+            f"note: {args.config}: [{'], ['.join(unread)}] not read: the bench simulates the engine "
+            "alone (a file's [tiers], [scheduler] and [policy] are read)",
+            file=sys.stderr,
+        )
     started = time.monotonic()
     print(f"engine limits: {matrix.setup.limits.label()}", file=sys.stderr)
     if args.quick:
