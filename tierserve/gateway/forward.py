@@ -357,6 +357,14 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         raise _Retry(f"a 200 stream reply of type {reply.content_type!r}, not text/event-stream")
     if not call.stream or reply.status != 200:
         return await _whole(gw, call, decision, reply)
+    return await _stream(gw, call, decision, reply, sent)
+
+
+async def _stream(
+    gw: GatewayState, call: _Call, decision: RouteDecision, reply: aiohttp.ClientResponse, sent: float
+) -> Response:
+    """A stream's reply: its first whole events read (a failure before them is a `_Retry`),
+    then the rest passed on by a `Relay`. `sent`: when the upstream call went out."""
     chunks = reply.content.iter_any()
     forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
     tap = SseUsageTap(forward_usage)

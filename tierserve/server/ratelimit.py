@@ -163,11 +163,14 @@ class RateLimiter:
         (the settle charges the rest): a request past a share's burst but within the whole
         one got 429s that never cleared."""
         buckets = requests + tokens
-        costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
+
+        def costs(n: int) -> list[float]:
+            return [1.0] * len(requests) + [float(n)] * len(tokens)
+
         remote = self._remote
         if remote is not None and self._now() >= self._remote_down_until:
             try:
-                result = await remote.take(buckets, costs)
+                result = await remote.take(buckets, costs(num_tokens))
                 self._mark_redis(True)
                 return _Taken(result, remote, buckets, num_tokens)
             except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
@@ -187,8 +190,7 @@ class RateLimiter:
                     num_tokens = min(
                         num_tokens, math.floor(min(b.capacity for b in buckets[len(requests) :]))
                     )
-                    costs = [1.0] * len(requests) + [float(num_tokens)] * len(tokens)
-        return _Taken(self._local.take_now(buckets, costs), self._local, buckets, num_tokens)
+        return _Taken(self._local.take_now(buckets, costs(num_tokens)), self._local, buckets, num_tokens)
 
     async def acquire(
         self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None, *, num_default: int = 0

@@ -202,12 +202,14 @@ def _by_file(files: dict[str, Path], names: Iterable[str]) -> dict[Path, list[st
     return by_file
 
 
-def load_weights(model: CausalLM, directory: Path) -> None:
-    """Copy every parameter of `model` from the directory's safetensors (`check_tensors` first)."""
+def load_weights(model: CausalLM, directory: Path, files: dict[str, Path] | None = None) -> None:
+    """Copy every parameter of `model` from the directory's safetensors; `files`: what
+    `check_tensors` gave for this model, else it runs first."""
     from safetensors import SafetensorError, safe_open
 
     expected = model.checkpoint_tensors()
-    files = check_tensors(directory, {name: tuple(t.shape) for name, t in expected.items()})
+    if files is None:
+        files = check_tensors(directory, {name: tuple(t.shape) for name, t in expected.items()})
     with torch.no_grad():
         for path, names in _by_file(files, expected).items():
             try:
@@ -268,19 +270,7 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
     tok_config: dict[str, Any] = {}
     if (directory / "tokenizer_config.json").exists():
         tok_config = read_json(directory / "tokenizer_config.json")
-    template = tok_config.get("chat_template")
-    template_file = directory / "tokenizer_config.json"
-    if isinstance(template, list):  # named templates: take the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if (directory / "chat_template.jinja").is_file():
-        # As in transformers: a template file of its own wins over the entry in
-        # tokenizer_config.json (an older template a checkpoint kept there built other prompts).
-        template_file = directory / "chat_template.jinja"
-        try:
-            template = template_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ModelLoadError(f"{template_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    template, template_file = _chat_template(directory, tok_config)
     # The template's bos_token and eos_token are the tokenizer's own, as transformers renders
     # them: none declared, they are empty (they were filled from config.json's ids, and
     # --chat then built other prompt ids than apply_chat_template). As transformers 5 reads
@@ -310,6 +300,24 @@ def load_tokenizer(directory: Path, config: ModelConfig) -> HFTokenizer:
         )
     except TemplateError as e:
         raise ModelLoadError(f"{template_file}: chat_template: {type(e).__name__}: {e}") from None
+
+
+def _chat_template(directory: Path, tok_config: dict[str, Any]) -> tuple[Any, Path]:
+    """The chat template (a string where there is one) and the file it came from."""
+    template = tok_config.get("chat_template")
+    template_file = directory / "tokenizer_config.json"
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if (directory / "chat_template.jinja").is_file():
+        # As in transformers: a template file of its own wins over the entry in
+        # tokenizer_config.json (an older template a checkpoint kept there built other prompts).
+        template_file = directory / "chat_template.jinja"
+        try:
+            template = template_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{template_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return template, template_file
 
 
 def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> LoadedModel:
@@ -349,10 +357,10 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
         shapes = {
             n: tuple(t.shape) for n, t in CausalLM(spec.config, spec.options).checkpoint_tensors().items()
         }
-    check_tensors(directory, shapes)
+    files = check_tensors(directory, shapes)
     _check_room(directory / "config.json", shapes, device, dtype)
     model = _unfilled_model(spec.config, device, dtype, spec.options)
-    load_weights(model, directory)
+    load_weights(model, directory, files)
     return LoadedModel(model, tokenizer, spec.max_model_len)
 
 
@@ -380,11 +388,8 @@ def free_bytes(device: torch.device) -> int | None:
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
-    available = _mem_available()
-    room = cgroup_room()
-    if available is None or room is None:
-        return available if room is None else room
-    return min(available, room)
+    known = [b for b in (_mem_available(), cgroup_room()) if b is not None]
+    return min(known, default=None)
 
 
 def _mem_available() -> int | None:
