@@ -53,6 +53,14 @@ def test_a_trace_file_replays_at_its_own_timestamps(
     assert printed["num_requests"] == 60 and printed["num_measured"] > 0
 
 
+def test_a_trace_run_says_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Seconds read as milliseconds cannot be told from the rows: the span read is printed."""
+    trace = _trace(tmp_path, 11)  # 400 ms apart: 4 s in all
+    argv = ["bench", "sim-speed", "--workload", str(trace), "--repeats", "1", "--json"]
+    assert main([*argv, "--out", ""]) == 0
+    assert f"{trace}: 11 rows arriving over 4 s (2.5 requests/s at 1x)" in capsys.readouterr().err
+
+
 def test_a_trace_refuses_the_closed_loop_and_a_synthetic_workload_the_trace_pattern(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

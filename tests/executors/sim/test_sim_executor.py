@@ -238,3 +238,10 @@ def test_yarn_reads_a_top_level_original_context_and_refuses_two_that_differ(tmp
     )
     with pytest.raises(ValueError, match="16384 at the top level and 32768"):
         build_sim_executor(str(folder), "h100-80gb")
+
+
+def test_a_dtype_written_with_torchs_prefix_is_read_as_the_dtype(tmp_path: Path) -> None:
+    local = build_sim_executor(_llama_8b_directory(tmp_path, "torch.bfloat16"), "a100-80gb")
+    assert (
+        local.spec.num_device_blocks == build_sim_executor("llama-3.1-8b", "a100-80gb").spec.num_device_blocks
+    )
