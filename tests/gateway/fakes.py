@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -230,3 +231,15 @@ def gateway_over(*fakes: FakeUpstream, extra: str = "", kind: str = "vllm") -> I
 def spread_body(base: dict[str, Any], i: int, **fields: object) -> dict[str, Any]:
     """`base` with a prompt of its own (`prefix i`), so that prefix affinity spreads requests."""
     return {**base, "messages": [{"role": "user", "content": f"prefix {i}"}], **fields}
+
+
+def metric_counts(metrics: str, family: str, label: str) -> dict[str, float]:
+    """Counter `family`'s samples in a /metrics text, summed by `label` (over its other labels);
+    the labels counted 0 (series the gateway starts at 0) left out."""
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(metrics):
+        for sample in f.samples:
+            if sample.name == family + "_total" and sample.value:
+                key = sample.labels[label]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out

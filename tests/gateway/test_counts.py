@@ -19,22 +19,12 @@ from tests.gateway.fakes import (
     fake_upstream,
     gateway_of,
     gateway_over,
+    metric_counts,
     spread_body,
 )
 from tierserve.gateway.config import GatewayConfig, parse_gateway_config
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-def _counts(metrics: str, family: str, label: str) -> dict[str, float]:
-    """`family`'s samples summed by `label` (over its other labels)."""
-    out: dict[str, float] = {}
-    for f in text_string_to_metric_families(metrics):
-        for sample in f.samples:
-            if sample.name == family + "_total":
-                key = sample.labels[label]
-                out[key] = out.get(key, 0.0) + sample.value
-    return out
 
 
 def _until(done: Callable[[], bool]) -> None:
@@ -96,9 +86,9 @@ def test_a_mix_of_served_queued_gone_and_refused_requests_adds_up() -> None:
             metrics = httpx.get(gw.url + "/metrics").text
     assert served == [200, 200] and refused.status_code == 503
     assert refused.json()["error"]["code"] == "queue_full"
-    decisions = _counts(metrics, "tierserve_gateway_routing_decisions", "reason")
-    outcomes = _counts(metrics, "tierserve_gateway_upstream_requests", "outcome")
-    rejections = _counts(metrics, "tierserve_rejections", "reason")
+    decisions = metric_counts(metrics, "tierserve_gateway_routing_decisions", "reason")
+    outcomes = metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome")
+    rejections = metric_counts(metrics, "tierserve_rejections", "reason")
     assert outcomes == {"ok": 2.0}
     assert sum(decisions.values()) == 2.0 and "queued" not in decisions, decisions
     assert rejections == {"queue_full": 1.0, "client_left": 1.0}
@@ -192,7 +182,8 @@ def test_a_malformed_vllm_xargs_is_a_400_and_a_failure_no_branch_foresaw_gives_i
             monkeypatch.undo()
             assert httpx.post(endpoint, json=CHAT, timeout=60).status_code == 200
             metrics = httpx.get(gw.url + "/metrics").text
-    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 2.0, "error": 2.0}
+    outcomes = metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome")
+    assert outcomes == {"ok": 2.0, "error": 2.0}
 
 
 def test_a_client_that_closes_on_done_read_the_whole_stream() -> None:
@@ -210,7 +201,7 @@ def test_a_client_that_closes_on_done_read_the_whole_stream() -> None:
                         break  # and the connection closes, the upstream's stream still open
             _until(lambda: state.num_in_flight == 0)
             metrics = httpx.get(gw.url + "/metrics").text
-    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}
+    assert metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}
 
 
 def test_a_failure_after_the_reply_was_read_gives_the_seat_back_once() -> None:
@@ -255,7 +246,8 @@ def test_a_failure_after_the_reply_was_read_gives_the_seat_back_once() -> None:
             slow.join(60)
             _until(lambda: state.num_in_flight == 0)
             metrics = httpx.get(gw.url + "/metrics").text
-    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0, "error": 1.0}
+    outcomes = metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome")
+    assert outcomes == {"ok": 1.0, "error": 1.0}
 
 
 @pytest.mark.parametrize("one_write", [False, True])
@@ -271,4 +263,4 @@ def test_an_upstream_that_lingers_after_done_does_not_hold_the_request(one_write
             assert reply.text.endswith("data: [DONE]\n\n") and time.monotonic() - started < 10
             _until(lambda: state.num_in_flight == 0)
             metrics = httpx.get(gw.url + "/metrics").text
-    assert _counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}
+    assert metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome") == {"ok": 1.0}

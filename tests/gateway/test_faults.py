@@ -13,7 +13,15 @@ from collections.abc import Sequence
 import httpx
 import pytest
 
-from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway, gateway_over, spread_body
+from tests.gateway.fakes import (
+    FAKE_MODEL,
+    FakeUpstream,
+    fake_upstream,
+    gateway,
+    gateway_over,
+    metric_counts,
+    spread_body,
+)
 from tierserve.gateway import forward
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -333,9 +341,16 @@ def test_every_upstream_full_with_a_retry_after_gives_a_503_with_the_longest() -
         gateway([url0, url1]) as (gw, _),
     ):
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        metrics = httpx.get(gw.url + "/metrics").text
     assert r.status_code == 503 and r.headers["retry-after"] == "30"
     assert r.json()["error"]["code"] == "upstream_overloaded"
     assert all(len(f.bodies) == 1 for f in busy)
+    # One retry (off the first upstream), one final failure, and the refusal counted once.
+    # Every failed attempt counted as a retry, and the refusal nowhere.
+    assert sum(metric_counts(metrics, "tierserve_gateway_retries", "upstream").values()) == 1.0
+    outcomes = metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome")
+    assert outcomes == {"retried": 1.0, "failed": 1.0}
+    assert metric_counts(metrics, "tierserve_rejections", "reason") == {"upstream_overloaded": 1.0}
 
 
 def test_a_whole_reply_past_the_limit_is_a_502_not_the_gateways_memory(
@@ -408,7 +423,7 @@ def test_requests_awaiting_an_upstream_that_stopped_answering_go_to_another(stre
     assert [r.status_code for r in results] == [200] * 6
     assert waited < 20  # not the stuck upstream's 60 s hold
     assert len(good.bodies) == 6  # every request was answered by the good one in the end
-    assert 'tierserve_gateway_retries_total{upstream="f0"}' in metrics
+    assert metric_counts(metrics, "tierserve_gateway_retries", "upstream")["f0"] > 0
 
 
 def test_an_upstream_ejected_while_answering_that_then_goes_silent_has_its_requests_cut() -> None:
@@ -432,4 +447,4 @@ def test_an_upstream_ejected_while_it_still_answers_finishes_what_it_has(checks:
     codes = sorted(r.status_code for r in results)
     assert codes == [200] * len(stuck.bodies) + [503] * (6 - len(stuck.bodies))
     assert 'tierserve_gateway_upstream_ejections_total{upstream="f0"} 1.0' in metrics
-    assert 'tierserve_gateway_retries_total{upstream="f0"}' not in metrics
+    assert 'tierserve_gateway_retries_total{upstream="f0"} 0.0' in metrics

@@ -212,12 +212,13 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     tried: list[str] = []
     last_error = "no upstream tried"
     busy: list[float] = []  # the Retry-After of each attempt that said the upstream was full
-    for _ in range(settings.max_attempts):
+    model = str(call.body.get("model", ""))
+    for attempt in range(1, settings.max_attempts + 1):
         try:
             decision = await gw.dispatcher.acquire(
                 call.tier,
                 call.tenant.name,
-                str(call.body.get("model", "")),
+                model,
                 prefix,
                 num_tokens=call.reservation.num_tokens if call.reservation else 1,
                 tenant_weight=call.tenant.weight,
@@ -238,15 +239,19 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
         except _Retry as e:
             call.not_ours_s += time.perf_counter() - tried_at
             _give_back(gw, call)
-            gw.metrics.retries.labels(decision.upstream).inc()
-            gw.metrics.upstream_requests.labels(decision.upstream, "retried").inc()
-            log.warning("upstream %s failed before the first byte (%s); retrying", decision.upstream, e)
             tried.append(decision.upstream)
             last_error = str(e)
             if e.retry_after_s is not None:
                 busy.append(e.retry_after_s)
-            if not gw.router.candidates(str(call.body.get("model", "")), tried):
+            # A retry is counted only where one follows: the last attempt's failure is the
+            # request's refusal, counted below (each one counted as a retry hid them).
+            retrying = attempt < settings.max_attempts and bool(gw.router.candidates(model, tried))
+            gw.metrics.upstream_requests.labels(decision.upstream, "retried" if retrying else "failed").inc()
+            if not retrying:
+                log.warning("upstream %s failed before the first byte (%s)", decision.upstream, e)
                 break
+            gw.metrics.retries.labels(decision.upstream).inc()
+            log.warning("upstream %s failed before the first byte (%s); retrying", decision.upstream, e)
         except ApiError:
             raise  # `_whole` gave the seat back and counted the outcome before the refusal
         except Exception:
@@ -257,7 +262,9 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             _give_back(gw, call)
             raise
     log.warning("no upstream could serve a request; the last error: %s", last_error)
-    raise _unserved(call, len(tried), busy)
+    refusal = _unserved(call, len(tried), busy)
+    gw.metrics.reject(refusal.code or "upstream_unavailable", call.tier)
+    raise refusal
 
 
 def _unserved(call: _Call, num_tried: int, busy: list[float]) -> ApiError:

@@ -87,6 +87,25 @@ class _StateCollector(Collector):
             yield c
 
 
+# The labels the gateway's series start with, at 0 (see `server.metrics.REJECTION_REASONS`).
+REJECTION_REASONS = (
+    "draining",
+    "rate_limit_requests",
+    "rate_limit_tokens",
+    "rate_limit_too_large",
+    "rate_limit_unavailable",
+    "queue_full",
+    "queue_timeout",
+    "no_upstream",
+    "client_left",
+    "upstream_overloaded",
+    "upstream_unavailable",
+)
+ROUTING_REASONS = ("affinity", "least_loaded", "p0_soonest")
+# An upstream's outcomes but `http_<status>`, which only a reply names.
+UPSTREAM_OUTCOMES = ("ok", "retried", "failed", "broken", "client_left", "cut", "too_large", "error")
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -113,7 +132,7 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "tierserve_gateway_retries",
-            "Requests retried on another upstream (failed before the first byte)",
+            "Requests moved to another upstream (failed before the first byte)",
             ["upstream"],
             registry=r,
         )
@@ -125,8 +144,8 @@ class GatewayMetrics:
         )
         self.rejections = Counter(
             "tierserve_rejections",
-            "Requests sent to no upstream: refused by the gateway, or gone from its queue "
-            "(client_left), by reason",
+            "Requests the gateway refused (sent to no upstream, or every attempt failed before "
+            "the first byte) or that left its queue (client_left), by reason",
             ["reason", "priority"],
             registry=r,
         )
@@ -138,8 +157,20 @@ class GatewayMetrics:
             registry=r,
         )
 
+        for tier in ALL_TIERS:
+            self.queue_wait.labels(tier.name)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(reason, tier.name)
+        for reason in ROUTING_REASONS:
+            self.decisions.labels(reason)
+
     def bind(self, router: Router, flow: FlowControl, limiter: Callable[[], RateLimiter]) -> None:
         self.registry.register(_StateCollector(router, flow, limiter))
+        for s in router.states:  # each upstream's counts start at 0 too
+            self.retries.labels(s.name)
+            self.ejections.labels(s.name)
+            for outcome in UPSTREAM_OUTCOMES:
+                self.upstream_requests.labels(s.name, outcome)
 
     def count_http_error(self, reason: str) -> None:
         self.http_errors.labels(reason).inc()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, Metric, generate_latest
 
 from tierserve.server.state_metrics import EngineSnapshot, LimiterState, StateCollector
-from tierserve.tiers import Tier
+from tierserve.tiers import ALL_TIERS, Tier
 
 # Fine around the default targets (P0 0.5 s, P1 5 s) and the ones a deployment sets near
 # them: with nothing between 0.1 and 0.5 s a P95 near P0's target was a guess across the gap.
@@ -43,6 +43,21 @@ def http_errors_counter(registry: CollectorRegistry) -> Counter:
         ["reason"],
         registry=registry,
     )
+
+
+# The labels each tier's series start with, at 0: a series that appears only with its first
+# event is missed by rate() and increase(), so an alert on a tier's first refusal never fired.
+REJECTION_REASONS = (
+    "queue_full",
+    "deadline",
+    "draining",
+    "rate_limit_requests",
+    "rate_limit_tokens",
+    "rate_limit_too_large",
+    "rate_limit_unavailable",
+    "engine_refused",
+)
+FINISH_REASONS = ("length", "stop", "abort", "shed")
 
 
 class ServerMetrics:
@@ -97,6 +112,12 @@ class ServerMetrics:
             ["priority", "finish_reason"],
             registry=r,
         )
+        for tier in ALL_TIERS:
+            self.wait.labels(tier.name)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(reason, tier.name)
+            for reason in FINISH_REASONS:
+                self.outcomes.labels(tier.name, reason)
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )

@@ -112,7 +112,8 @@ def _sla(
 ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Attainment since start-up, and the same as counts: attainment over a window (rate of
     met over rate of all) and summed over replicas."""
-    judged = sorted(counts.items())
+    # Each tier's own pair starts at 0 (a series born with its first miss escaped increase()).
+    judged = sorted({**{(t, t): (0, 0) for t in ALL_TIERS}, **counts}.items())
     sla = GaugeMetricFamily(
         "llm_sla_attainment",
         "Fraction of started requests whose TTFT met the target "
