@@ -34,9 +34,9 @@ from tierserve.workloads.traces import check_span, span_line
 DESCRIPTION = """\
 Simulate one benchmark cell twice, step by step and in the fast mode (which keeps the
 running decodes in aggregate and leaps over runs of steps in which every running request
-decodes and nothing arrives), and
-report the simulated requests per CPU-second of each, the speed-up, and the largest
-relative difference in any figure the two runs report (0 when they agree to the bit).
+decodes and nothing arrives), and report the simulated requests per CPU-second of each,
+the speed-up, and the largest relative difference in any figure the two runs report (0
+when they agree to the bit).
 Default: the `default` workload, 256 closed-loop clients, policy hybrid."""
 
 
