@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -290,3 +292,33 @@ def test_text_holding_a_token_past_the_models_vocabulary_is_refused(checkpoint: 
     assert tok.encode(f"hello <x{VOCAB_SIZE - 301}>")  # the model's last id still encodes
     with pytest.raises(ValueError, match=rf"'{past}' \(id {VOCAB_SIZE}\), past the model's vocabulary"):
         tok.encode(f"hello {past}")
+
+
+def test_encoding_a_long_text_lets_other_threads_run(checkpoint: Checkpoint) -> None:
+    """The server tokenizes a large body on a thread of its own, but `Tokenizer.encode` held the
+    GIL throughout: a 1 MiB prompt froze every token stream for about half a second."""
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    text = "hello world, " * 60_000
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        started = time.perf_counter()
+        ids = tok.encode(text)
+        ended = time.perf_counter()
+    finally:
+        done.set()
+        ticker.join()
+    assert ids == list(tok._tok.encode(text).ids)  # the same ids as `encode` gives
+    # Stamps well inside the call: none where it holds the GIL (the margins take in a
+    # thread switch just before or after it).
+    margin = 0.02
+    assert ended - started > 4 * margin, "the text encoded too fast to tell"
+    assert any(started + margin < t < ended - margin for t in stamps)

@@ -124,7 +124,11 @@ class HFTokenizer:
         return self._template is not None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # `encode_batch` gives the same ids and lets go of the GIL while it works; `encode` holds
+        # it, and a long prompt (a 1 MiB body: 0.5 s) froze every stream of the server meanwhile,
+        # though large bodies are prepared on a thread of their own (server/body_gate.py).
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = list(encoding.ids)
         limit = self._vocab_limit
         if limit is not None and ids and (top := max(ids)) >= limit:
             raise ValueError(
