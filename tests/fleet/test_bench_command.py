@@ -144,15 +144,23 @@ def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
     from tierserve.fleet.report import table
 
     tiers = {t: {"slo_attainment": 1.0, "goodput_rps": 0.000694} for t in ("P0", "P1", "P2", "P3")}
-    summary = {"gpu_hours": 1.0, "tiers": tiers, "outcomes": {}, "num_retried": 0, "num_lost": 0}
+    summary = {
+        "gpu_hours_common": 1.0,
+        "duration_s": 60.0,
+        "tiers": tiers,
+        "outcomes": {},
+        "num_retried": 0,
+        "num_lost": 0,
+    }
     run = {"router": "tier-aware", "scaling": "fixed", "summary": summary}
     row = next(line for line in table([run]) if line.startswith("| tier-aware"))  # type: ignore[list-item]
     assert row.count("| 0.000694 ") == 4
     # The terminal's table too (it printed 0.003, and 0.000 for sparser ones).
     from tierserve.bench.fleet_bench import summary_table
 
-    tiers = {t: {**tiers[t], "num_refused": 0} for t in tiers}
-    summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, "gpu_hours": 0.0012}
+    counts = {"num_refused": 0, "num_shed": 0, "num_rejected": 0, "num_unfinished": 0}
+    tiers = {t: {**tiers[t], **counts} for t in tiers}
+    summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, "gpu_hours_common": 0.0012}
     line = summary_table([{**run, "summary": summary}]).splitlines()[1]
     assert "0.00278" in line and "0.0012" in line
 

@@ -268,6 +268,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tierserve.bench.output import input_warnings, make_out_dir, release_out, source_commit
     from tierserve.fleet.bench import FleetBench
+    from tierserve.fleet.summary import align
 
     try:  # before the trace is looked for: a bad argument is said first
         routers = _choices(args.router, ROUTER_CHOICES, "router")
@@ -284,6 +285,7 @@ def main(args: argparse.Namespace) -> int:
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
+    align(runs, bench.preset.tp)
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report
 
@@ -304,7 +306,7 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
     not serve (report.md has the rest)."""
     from tierserve.fleet.report import rate_text
 
-    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "launched", "refused", "lost"]
+    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "launched", "refused", "lost", "other"]
     rows = [head]
     for run in runs:
         s = run["summary"]
@@ -315,10 +317,14 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
                 f"{run['router']} / {run['scaling']}",
                 *(_share(tiers[name]["slo_attainment"]) for name in ("P0", "P1", "P2", "P3")),
                 "-" if None in goodput else rate_text(sum(goodput)),  # a sparse trace's 0.0417, not 0.042
-                rate_text(s["gpu_hours"]),
+                rate_text(s["gpu_hours_common"]),
                 str(s["num_replicas_launched"]),
                 str(sum(t["num_refused"] for t in tiers.values())),
                 str(s["num_lost"]),
+                # shed or rejected by an engine, or unfinished at the end: none left out unseen
+                str(
+                    sum(t[k] for t in tiers.values() for k in ("num_shed", "num_rejected", "num_unfinished"))
+                ),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -32,13 +32,14 @@ def rate_text(x: float | None) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     tiers = [t.name for t in ALL_TIERS]
-    head = ["router", "scaling", "GPU-h", *(f"{t} SLO" for t in tiers), *(f"{t} goodput/s" for t in tiers)]
+    head = ["router", "scaling", "GPU-h", "ended at", *(f"{t} SLO" for t in tiers)]
+    head += [f"{t} goodput/s" for t in tiers]
     head += ["retried", "lost", "refused"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         s = r["summary"]
         refused = sum(v for k, v in s["outcomes"].items() if k.startswith("refused:"))
-        cells = [r["router"], r["scaling"], rate_text(s["gpu_hours"])]
+        cells = [r["router"], r["scaling"], rate_text(s["gpu_hours_common"]), _s(s["duration_s"])]
         cells += [_pct(s["tiers"][t]["slo_attainment"]) for t in tiers]
         cells += [rate_text(s["tiers"][t]["goodput_rps"]) for t in tiers]
         cells += [str(s["num_retried"]), str(s["num_lost"]), str(refused)]
@@ -102,9 +103,12 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         *_cut_lines(meta),
         *_warning_lines(meta),
         "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
-        "Goodput: attaining requests per second. GPU-hours include model loading. TTFT percentiles "
-        "are over the requests that got a first token (refused and lost ones are counted in the "
-        "outcomes and in the SLO attainment, not in them).",
+        "Goodput: attaining requests per second. GPU-hours include model loading, and are taken "
+        f"to the latest run's end ({_s(runs[0]['summary']['common_end_s']) if runs else '-'}) for "
+        "every run: a run that ended sooner (its last request served or refused sooner) keeps "
+        "the replicas it had at its end on until then. TTFT percentiles are over the requests "
+        "that got a first token (lost ones included: they had one; refused ones are counted in "
+        "the outcomes and in the SLO attainment, not in them).",
         "",
         *table(runs),
         "",
@@ -197,10 +201,10 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
     ax1.legend(fontsize=7)
     # Horizontal bars: one label a row stays readable for all twelve router x scaling runs.
     labels = [f"{r['router']} / {r['scaling']}" for r in runs]
-    ax2.barh(range(len(runs)), [r["summary"]["gpu_hours"] for r in runs])
+    ax2.barh(range(len(runs)), [r["summary"]["gpu_hours_common"] for r in runs])
     ax2.set_yticks(range(len(runs)), labels, fontsize=7)
     ax2.invert_yaxis()  # the first run on top, as in the tables
-    ax2.set_title("GPU-hours")
+    ax2.set_title("GPU-hours (to the latest run's end)")
     fig.tight_layout()
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
     plt.close(fig)

@@ -10,6 +10,9 @@ arrived within less than their median latency (a burst, a rate scaled far past t
 fleet's capacity), whose attained requests over that span would claim a rate no fleet
 served. GPU-hours count every replica from its launch (model loading
 included) to its stop, death or the end of the run, times its GPUs.
+
+Runs compared side by side (`align`) are taken over the same window and by the same rule:
+GPU-hours to the latest end among them, and goodput measured in all of them or in none.
 """
 
 from __future__ import annotations
@@ -114,6 +117,10 @@ def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[s
         "num_requests": len(reqs),
         "duration_s": result.end_s,
         "gpu_hours": result.gpu_seconds / 3600.0,
+        "gpu_hours_common": result.gpu_seconds / 3600.0,  # `align` takes it to a common end
+        "common_end_s": result.end_s,
+        # Serving (draining included) and starting when the run ended: what `align` keeps on.
+        "replicas_at_end": sum(result.replicas_over_time[-1][1:]) if result.replicas_over_time else 0,
         "num_replicas_launched": result.num_launched,
         "outcomes": outcomes,
         "num_retried": sum(fr.num_retries > 0 for fr in reqs),
@@ -130,3 +137,41 @@ def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[s
 def p0_attainment(summary: dict[str, Any]) -> float | None:
     value: float | None = summary["tiers"][Tier.P0.name]["slo_attainment"]
     return value
+
+
+def align(runs: Sequence[dict[str, Any]], num_gpus_per_replica: int) -> None:
+    """Make the runs of one comparison (`{"router", "scaling", "summary"}` each) comparable, in
+    place:
+
+    - GPU-hours to the latest end among them (`gpu_hours_common`): a run keeps the replicas
+      it had at its end on to that end. A run ends when its last request does, so a router
+      that refused requests ended sooner and read as the cheaper fleet (a fixed fleet of
+      the same replicas: 1.53 against 1.63 GPU-h). For an autoscaling fleet, which would
+      scale in once idle, this is an upper bound.
+    - Goodput measured in every run or in none: whether it is depends on the run's latencies
+      (`short_span`), and a router that refused many requests at once (their latency is
+      the wait before the refusal) was the only one measured."""
+    if not runs:
+        return
+    end = max(r["summary"]["duration_s"] for r in runs)
+    for r in runs:
+        s = r["summary"]
+        extra_s = (end - s["duration_s"]) * s["replicas_at_end"] * num_gpus_per_replica
+        s["gpu_hours_common"] = s["gpu_hours"] + extra_s / 3600.0
+        s["common_end_s"] = end
+    first = next((r for r in runs if r["summary"]["goodput_unmeasured"]), None)
+    if first is None:
+        return
+    why = f"not measured in {first['router']} / {first['scaling']}: {first['summary']['goodput_unmeasured']}"
+    for r in runs:
+        if not r["summary"]["goodput_unmeasured"]:
+            unmeasure(r["summary"], why)
+
+
+def unmeasure(summary: dict[str, Any], why: str) -> None:
+    """Take a run's goodput figures out (None), with the reason."""
+    summary["goodput_unmeasured"] = why
+    for figures in summary["tiers"].values():
+        figures["goodput_rps"] = None
+    for series in summary["over_time"]["tiers"].values():
+        series["goodput_rps"] = [None] * len(series["goodput_rps"])

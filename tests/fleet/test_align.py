@@ -1,0 +1,78 @@
+"""Runs side by side in one `bench fleet` report are taken over the same window and by the
+same rule: GPU-hours to the latest end, goodput measured in every run or in none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierserve.cli import main
+from tierserve.fleet.summary import align
+
+
+def _run(router: str, end_s: float, replicas_at_end: int, unmeasured: str | None = None) -> dict[str, Any]:
+    gpus = 8
+    tiers = {t: {"goodput_rps": None if unmeasured else 1.5} for t in ("P0", "P1", "P2", "P3")}
+    over_time = {t: {"goodput_rps": [None if unmeasured else 1.0] * 2} for t in tiers}
+    summary = {
+        "duration_s": end_s,
+        "gpu_hours": replicas_at_end * gpus * end_s / 3600,
+        "replicas_at_end": replicas_at_end,
+        "goodput_unmeasured": unmeasured,
+        "tiers": tiers,
+        "over_time": {"tiers": over_time},
+    }
+    return {"router": router, "scaling": "fixed", "summary": summary}
+
+
+def test_a_fixed_fleet_costs_the_same_gpu_hours_whichever_router_ended_first() -> None:
+    """A router that refused requests ended its run sooner, and its fixed fleet of the same
+    two replicas read as 0.410 GPU-h against round-robin's 1.02."""
+    runs = [_run("round-robin", 439.4, 2), _run("tier-aware", 164.5, 2)]
+    align(runs, 8)
+    hours = [r["summary"]["gpu_hours_common"] for r in runs]
+    assert hours[0] == pytest.approx(hours[1]) == pytest.approx(2 * 8 * 439.4 / 3600)
+    assert all(r["summary"]["common_end_s"] == 439.4 for r in runs)
+    assert runs[1]["summary"]["gpu_hours"] == pytest.approx(2 * 8 * 164.5 / 3600)  # its own, kept
+
+
+def test_goodput_is_measured_in_every_run_of_a_report_or_in_none() -> None:
+    runs = [_run("round-robin", 60.0, 2, unmeasured="a burst"), _run("tier-aware", 50.0, 2)]
+    align(runs, 8)
+    aware = runs[1]["summary"]
+    assert aware["goodput_unmeasured"] == "not measured in round-robin / fixed: a burst"
+    assert all(t["goodput_rps"] is None for t in aware["tiers"].values())
+    assert all(v is None for t in aware["over_time"]["tiers"].values() for v in t["goodput_rps"])
+    measured = [_run("round-robin", 60.0, 2), _run("tier-aware", 50.0, 2)]
+    align(measured, 8)
+    assert all(r["summary"]["goodput_unmeasured"] is None for r in measured)
+    assert all(r["summary"]["tiers"]["P0"]["goodput_rps"] == 1.5 for r in measured)
+
+
+def test_the_bench_writes_gpu_hours_to_a_common_end_and_says_lost_requests_have_a_ttft(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A burst two replicas cannot keep up with: the gateway refuses part of it, so the runs end
+    # at different times.
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:00:{i * 0.05:010.7f},2000,300" for i in range(120)]
+    trace = tmp_path / "burst.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), "--router", "round-robin,tier-aware"]
+    assert main([*argv, "--out", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    ends = [r["summary"]["duration_s"] for r in runs]
+    assert ends[0] != ends[1]
+    for r in runs:
+        s = r["summary"]
+        assert s["common_end_s"] == max(ends) and s["replicas_at_end"] == 2
+        assert s["gpu_hours_common"] == pytest.approx(2 * 8 * max(ends) / 3600)
+    assert len({bool(r["summary"]["goodput_unmeasured"]) for r in runs}) == 1
+    report = (out / "report.md").read_text()
+    assert "lost ones included" in report and "refused and lost ones are counted" not in report
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[-1] == "other"
