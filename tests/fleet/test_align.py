@@ -13,7 +13,9 @@ from tierserve.cli import main
 from tierserve.fleet.summary import align
 
 
-def _run(router: str, end_s: float, replicas_at_end: int, unmeasured: str | None = None) -> dict[str, Any]:
+def _run(
+    router: str, end_s: float, replicas_at_end: int, unmeasured: str | None = None, scaling: str = "fixed"
+) -> dict[str, Any]:
     gpus = 8
     tiers = {t: {"goodput_rps": None if unmeasured else 1.5} for t in ("P0", "P1", "P2", "P3")}
     over_time = {t: {"goodput_rps": [None if unmeasured else 1.0] * 2} for t in tiers}
@@ -25,29 +27,40 @@ def _run(router: str, end_s: float, replicas_at_end: int, unmeasured: str | None
         "tiers": tiers,
         "over_time": {"tiers": over_time},
     }
-    return {"router": router, "scaling": "fixed", "summary": summary}
+    return {"router": router, "scaling": scaling, "summary": summary}
 
 
 def test_a_fixed_fleet_costs_the_same_gpu_hours_whichever_router_ended_first() -> None:
     """A router that refused requests ended its run sooner, and its fixed fleet of the same
     two replicas read as 0.410 GPU-h against round-robin's 1.02."""
     runs = [_run("round-robin", 439.4, 2), _run("tier-aware", 164.5, 2)]
-    align(runs, 8)
+    align(runs, 8, 1, 60.0)
     hours = [r["summary"]["gpu_hours_common"] for r in runs]
     assert hours[0] == pytest.approx(hours[1]) == pytest.approx(2 * 8 * 439.4 / 3600)
     assert all(r["summary"]["common_end_s"] == 439.4 for r in runs)
     assert runs[1]["summary"]["gpu_hours"] == pytest.approx(2 * 8 * 164.5 / 3600)  # its own, kept
 
 
+def test_an_autoscaling_fleet_scales_in_after_its_end_as_its_autoscaler_would() -> None:
+    """Kept whole to the common end, an autoscaled fleet of 4 read as costing 4 replicas
+    for every idle second after its last request."""
+    runs = [_run("tier-aware", 1000.0, 2), _run("tier-aware", 500.0, 4, scaling="tier")]
+    align(runs, 8, 1, 60.0)
+    idle_replica_s = 4 * 60 + 3 * 60 + 2 * 60 + 1 * (500 - 180)  # one out each 60 s, down to 1
+    expected = (4 * 500 + idle_replica_s) * 8 / 3600
+    assert runs[1]["summary"]["gpu_hours_common"] == pytest.approx(expected)
+    assert runs[0]["summary"]["gpu_hours_common"] == pytest.approx(2 * 8 * 1000 / 3600)
+
+
 def test_goodput_is_measured_in_every_run_of_a_report_or_in_none() -> None:
     runs = [_run("round-robin", 60.0, 2, unmeasured="a burst"), _run("tier-aware", 50.0, 2)]
-    align(runs, 8)
+    align(runs, 8, 1, 60.0)
     aware = runs[1]["summary"]
     assert aware["goodput_unmeasured"] == "not measured in round-robin / fixed: a burst"
     assert all(t["goodput_rps"] is None for t in aware["tiers"].values())
     assert all(v is None for t in aware["over_time"]["tiers"].values() for v in t["goodput_rps"])
     measured = [_run("round-robin", 60.0, 2), _run("tier-aware", 50.0, 2)]
-    align(measured, 8)
+    align(measured, 8, 1, 60.0)
     assert all(r["summary"]["goodput_unmeasured"] is None for r in measured)
     assert all(r["summary"]["tiers"]["P0"]["goodput_rps"] == 1.5 for r in measured)
 

@@ -285,7 +285,7 @@ def main(args: argparse.Namespace) -> int:
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
-    align(runs, bench.preset.tp)
+    align(runs, bench.preset.tp, args.min_replicas, args.idle_s)
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report
 

@@ -139,15 +139,18 @@ def p0_attainment(summary: dict[str, Any]) -> float | None:
     return value
 
 
-def align(runs: Sequence[dict[str, Any]], num_gpus_per_replica: int) -> None:
+def align(
+    runs: Sequence[dict[str, Any]], num_gpus_per_replica: int, min_replicas: int, idle_s: float
+) -> None:
     """Make the runs of one comparison (`{"router", "scaling", "summary"}` each) comparable, in
     place:
 
-    - GPU-hours to the latest end among them (`gpu_hours_common`): a run keeps the replicas
-      it had at its end on to that end. A run ends when its last request does, so a router
-      that refused requests ended sooner and read as the cheaper fleet (a fixed fleet of
-      the same replicas: 1.53 against 1.63 GPU-h). For an autoscaling fleet, which would
-      scale in once idle, this is an upper bound.
+    - GPU-hours to the latest end among them (`gpu_hours_common`). A run ends when its last
+      request does, so a router that refused requests ended sooner and read as the cheaper
+      fleet (the same fixed two replicas: 0.410 against 1.02 GPU-h). After its end a run's
+      replicas stand on as its fleet would keep them, idle: a fixed fleet all of them; an
+      autoscaling one scales in one replica per `idle_s`, down to `min_replicas` (at most
+      what it would spend: it may have been calm before its end already).
     - Goodput measured in every run or in none: whether it is depends on the run's latencies
       (`short_span`), and a router that refused many requests at once (their latency is
       the wait before the refusal) was the only one measured."""
@@ -156,8 +159,9 @@ def align(runs: Sequence[dict[str, Any]], num_gpus_per_replica: int) -> None:
     end = max(r["summary"]["duration_s"] for r in runs)
     for r in runs:
         s = r["summary"]
-        extra_s = (end - s["duration_s"]) * s["replicas_at_end"] * num_gpus_per_replica
-        s["gpu_hours_common"] = s["gpu_hours"] + extra_s / 3600.0
+        floor = s["replicas_at_end"] if r["scaling"] == "fixed" else min_replicas
+        idle_gpu_s = _idle_replica_seconds(s["replicas_at_end"], floor, idle_s, end - s["duration_s"])
+        s["gpu_hours_common"] = s["gpu_hours"] + idle_gpu_s * num_gpus_per_replica / 3600.0
         s["common_end_s"] = end
     first = next((r for r in runs if r["summary"]["goodput_unmeasured"]), None)
     if first is None:
@@ -166,6 +170,18 @@ def align(runs: Sequence[dict[str, Any]], num_gpus_per_replica: int) -> None:
     for r in runs:
         if not r["summary"]["goodput_unmeasured"]:
             unmeasure(r["summary"], why)
+
+
+def _idle_replica_seconds(num_replicas: int, floor: int, idle_s: float, span_s: float) -> float:
+    """Replica-seconds over `span_s` of an idle fleet of `num_replicas` that removes one each
+    `idle_s` while it has more than `floor`."""
+    total, t = 0.0, 0.0
+    while num_replicas > floor and t < span_s:
+        step = min(idle_s, span_s - t)
+        total += num_replicas * step
+        t += step
+        num_replicas -= 1
+    return total + num_replicas * max(0.0, span_s - t)
 
 
 def unmeasure(summary: dict[str, Any], why: str) -> None:
