@@ -89,3 +89,19 @@ def test_the_bench_writes_gpu_hours_to_a_common_end_and_says_lost_requests_have_
     assert "lost ones included" in report and "refused and lost ones are counted" not in report
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[-1] == "other"
+
+
+def test_the_drain_timeout_is_a_flag_and_what_it_cuts_is_unfinished(tmp_path: Path) -> None:
+    """It was 600 s, fixed: a user could not give a long answer the time to end."""
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:00:{i * 0.5:010.7f},500,2000" for i in range(10)]
+    trace = tmp_path / "long_answers.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", "fleet", "--trace", str(trace), "--drain-timeout-s", "5", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["drain_timeout_s"] == 5.0
+    summary = results["runs"][0]["summary"]
+    assert summary["outcomes"].get("unfinished", 0) == 10  # 2,000 tokens take far longer than 5 s
+    assert summary["duration_s"] == pytest.approx(4.5 + 5.0)
+    assert "(5 s after the last arrival)" in (out / "report.md").read_text()

@@ -250,6 +250,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="width of the over-time bins, s (default: %(default)s)",
     )
     p.add_argument(
+        "--drain-timeout-s",
+        type=positive_float,
+        default=600.0,
+        help="virtual s after the last arrival before what is left counts as unfinished "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--sim-mode",
         choices=("fast", "step"),
         default="fast",
@@ -285,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
-    align(runs, bench.preset.tp, args.min_replicas, args.idle_s)
+    align(runs, bench.preset.tp, min(args.min_replicas, args.replicas), args.idle_s)
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report
 

@@ -68,10 +68,12 @@ class FleetBench:
                 "of it): raise --rate-scale, cut the trace, or check its timestamps' unit (Mooncake's "
                 "are milliseconds, BurstGPT's seconds)"
             )
-        num_bins = (span_s + FleetConfig.drain_timeout_s) / a.bin_s
+        if a.drain_timeout_s > MAX_SPAN_S:
+            raise ValueError(f"--drain-timeout-s must be at most {MAX_SPAN_S:g} s, got {a.drain_timeout_s:g}")
+        num_bins = (span_s + a.drain_timeout_s) / a.bin_s
         if num_bins > MAX_BINS:
             raise ValueError(
-                f"--bin-s {a.bin_s:g} cuts the run (up to {span_s + FleetConfig.drain_timeout_s:.3g} s) into "
+                f"--bin-s {a.bin_s:g} cuts the run (up to {span_s + a.drain_timeout_s:.3g} s) into "
                 f"{num_bins:.3g} bins; at most {MAX_BINS:,}: use a wider --bin-s"
             )
 
@@ -100,7 +102,12 @@ class FleetBench:
             idle_s=a.idle_s,
         )
         return FleetConfig(
-            a.replicas, router, autoscale, num_gpus_per_replica=self.preset.tp, kills=_kills(a)
+            a.replicas,
+            router,
+            autoscale,
+            num_gpus_per_replica=self.preset.tp,
+            kills=_kills(a),
+            drain_timeout_s=a.drain_timeout_s,
         )
 
     def run(self, router: str, scaling: str) -> dict[str, Any]:
@@ -152,6 +159,7 @@ class FleetBench:
             "scale_interval_s": self.args.scale_interval_s,
             "idle_s": self.args.idle_s,
             "bin_s": self.args.bin_s,
+            "drain_timeout_s": self.args.drain_timeout_s,
             "kills": [list(k) for k in _kills(self.args)],
             "commit": commit,
             "cpu_s": cpu_s,

@@ -114,7 +114,8 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         "",
         "Every request sent is in the outcomes: completed, refused by the gateway (with its reason), "
         "shed or rejected by an engine, lost with its replica after its first token, or unfinished "
-        f"when the run ended ({FleetConfig.drain_timeout_s:g} s after the last arrival).",
+        f"when the run ended ({meta.get('drain_timeout_s', FleetConfig.drain_timeout_s):g} s after the "
+        "last arrival).",
         "",
         *outcomes_table(runs),
         "",
