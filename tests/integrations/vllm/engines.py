@@ -36,6 +36,7 @@ def make_llm(
     policy: str = "fcfs",
     prefix_caching: bool = True,
     max_model_len: int = 512,
+    max_num_batched_tokens: int = 512,
 ) -> LLM:
     kw: dict[str, Any] = {}
     if scheduler_cls is not None:
@@ -47,7 +48,7 @@ def make_llm(
         max_model_len=max_model_len,
         kv_cache_memory_bytes=NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN,
         max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=max_num_batched_tokens,
         scheduling_policy=policy,
         enable_prefix_caching=prefix_caching,
         enforce_eager=True,

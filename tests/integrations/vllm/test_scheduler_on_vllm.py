@@ -305,6 +305,44 @@ def test_a_tier_at_its_ceiling_gives_up_its_own_latest_request_not_a_lower_tiers
     assert all(r.priority <= Tier.P3 for r in sched.running)
 
 
+def test_a_prompt_past_its_tiers_ceiling_waits_instead_of_being_preempted_chunk_after_chunk(
+    model: Path,
+) -> None:
+    """vLLM checks that a waiting prompt fits whole against the free blocks alone, not less
+    the blocks the guard reserves: with chunked prefill (and no prefix cache to make the
+    retries cheap) a P0 prompt that P0's ceiling could not hold beside another P0 was
+    admitted chunk by chunk and preempted by that ceiling, again and again."""
+    llm = make_llm(model, scheduler_cls=PLUGIN, prefix_caching=False, max_num_batched_tokens=128)
+    d = Driver(llm, plugin=True)
+    sched = scheduler_of(llm)
+    ceiling = sched.ledger.partition.ceiling[Tier.P0]
+    d.submit("a", prompt(700, 400), 100, Tier.P0)  # 13 blocks, 16 by its end
+    d.run(100, until=lambda: "a" in d.first_token_step)
+    d.submit("b", prompt(701, 400), 4, Tier.P0)  # 13 more: past P0's ceiling beside a
+    assert 13 + 13 > ceiling >= 16
+    d.run(2000)
+    assert d.finished["a"] == 1 and d.finished["b"] == 1
+    assert _preempted(sched, Tier.P0) == 0, "b was admitted past P0's ceiling and preempted"
+    assert d.first_token_step["b"] > d.step_no - 10  # it waited for a to end, then ran
+
+
+def test_a_step_with_p0_waiting_does_not_walk_the_queue(
+    plugin: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiting P0 requests were found by a walk over the whole queue, at every step
+    while one waited: 9 ms a step with 20,000 requests queued."""
+    from tierserve.integrations.vllm.queue import PolicyRequestQueue
+
+    for i in range(60):
+        plugin.submit(f"walk-p2-{i}", prompt(800 + i, 40), 30, Tier.P2)
+    plugin.steps(2)
+    for i in range(3):
+        plugin.submit(f"walk-p0-{i}", prompt(900 + i, 40), 4, Tier.P0)
+    monkeypatch.setattr(PolicyRequestQueue, "__iter__", lambda self: pytest.fail("a step walked the queue"))
+    plugin.run(100, until=lambda: all(f"walk-p0-{i}" in plugin.first_token_step for i in range(3)))
+    assert len(scheduler_of(plugin.llm).waiting) > 40
+
+
 def _state_gauges(sched: Any) -> list[float]:
     registry = sched.tier_metrics.registry
     names = ("llm_scheduler_queue_depth", "tierserve_kv_blocks_used", "tierserve_kv_blocks_borrowed")

@@ -10,11 +10,19 @@ A running request held back by its own tier's ceiling is the exception: no other
 blocks would make room for it, so the guard tells the scheduler (`on_ceiling`), which
 points vLLM's victim choice at that tier's own latest request instead.
 Everything else is vLLM's manager, unchanged.
+
+One check of vLLM's does not read `reserved_blocks`: before it admits a waiting request it
+checks that the whole prompt fits (`full_sequence_must_fit`), against the free blocks
+alone. With chunked prefill a prompt that fits the pool but not the blocks its tier may
+take was admitted on its first chunk, then preempted at a later one, again and again
+(54 times, 12,327 prompt tokens computed for one 440-token prompt). For that call the
+guard shows vLLM the pool less the reserve, so both of its checks leave the reserve alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -85,7 +93,15 @@ class TierGuardedKVCacheManager:
         pool = self.inner.block_pool
         num_free = pool.get_num_free_blocks()
         reserve = max(reserved_blocks, self._ledger.reserved_blocks(tier, num_free))
-        blocks = self.inner.allocate_slots(request, num_new_tokens, *args, reserved_blocks=reserve, **kwargs)
+        if reserve and kwargs.get("full_sequence_must_fit"):
+            with _free_blocks_less(pool, reserve):
+                blocks = self.inner.allocate_slots(
+                    request, num_new_tokens, *args, reserved_blocks=0, **kwargs
+                )
+        else:
+            blocks = self.inner.allocate_slots(
+                request, num_new_tokens, *args, reserved_blocks=reserve, **kwargs
+            )
         if blocks is not None:
             # What the pool gave: new blocks and cached ones revived. A prefix hit on blocks
             # other requests hold takes none (the tier that holds them counts them). With a
@@ -106,3 +122,15 @@ class TierGuardedKVCacheManager:
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes the guard does not define: vLLM's manager answers.
         return getattr(self.inner, name)
+
+
+@contextmanager
+def _free_blocks_less(pool: Any, reserve: int) -> Iterator[None]:
+    """The pool counts `reserve` fewer free blocks inside the block: each check vLLM makes
+    against `get_num_free_blocks` leaves them alone (the step is single-threaded)."""
+    count = pool.get_num_free_blocks
+    pool.get_num_free_blocks = lambda: count() - reserve
+    try:
+        yield
+    finally:
+        del pool.get_num_free_blocks  # the class's method again

@@ -7,6 +7,9 @@ follows it always agree. Removing a request that is not queued here is a no-op, 
 vLLM's own queues (vLLM removes finished requests from every waiting queue at once).
 For a step that carries one tier's work only, `show_only(tier)` hides every request
 behind the last of that tier at the head: vLLM's admission loop then sees an empty queue.
+`waiting_in(tier)` gives one tier's queued requests without a walk over the others (the
+scheduler asks for the waiting P0 requests at every step while one waits: walking a queue
+of 20,000 for them took 9 ms a step).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class PolicyRequestQueue(RequestQueue):
         self.policy = policy
         self._book = book
         self._now = time.time()
-        self._queued: set[str] = set()
+        self._queued: list[dict[str, Request]] = [{} for _ in Tier]  # by tier, in the order queued
         self._only: Tier | None = None
 
     def show_only(self, tier: Tier | None) -> None:
@@ -44,16 +47,20 @@ class PolicyRequestQueue(RequestQueue):
         """Set the time the policy sees until the next tick (aging is evaluated against it)."""
         self._now = now
 
+    def waiting_in(self, tier: Tier) -> list[Request]:
+        """The tier's queued requests, in the order they were queued (not the policy's)."""
+        return list(self._queued[tier].values())
+
     def add_request(self, request: Request) -> None:
-        self.policy.add(self._book.get(request.request_id).shadow, self._now)
-        self._queued.add(request.request_id)
+        shadow = self._book.get(request.request_id).shadow
+        self.policy.add(shadow, self._now)
+        self._queued[shadow.tier][request.request_id] = request
 
     def pop_request(self) -> Request:
         if self._head() is None:
             raise IndexError("pop from an empty queue")
-        rid = self.policy.pop(self._now).request_id
-        self._queued.discard(rid)
-        return self._book.get(rid).vllm
+        shadow = self.policy.pop(self._now)
+        return self._queued[shadow.tier].pop(shadow.request_id)
 
     def peek_request(self) -> Request:
         head = self._head()
@@ -62,8 +69,9 @@ class PolicyRequestQueue(RequestQueue):
         return head
 
     def prepend_request(self, request: Request) -> None:
-        self.policy.prepend(self._book.get(request.request_id).shadow, self._now)
-        self._queued.add(request.request_id)
+        shadow = self._book.get(request.request_id).shadow
+        self.policy.prepend(shadow, self._now)
+        self._queued[shadow.tier][request.request_id] = request
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         # Each goes to the head of its tier: the last of `requests` ends up first, as with
@@ -72,9 +80,9 @@ class PolicyRequestQueue(RequestQueue):
             self.prepend_request(request)
 
     def remove_request(self, request: Request) -> None:
-        if request.request_id in self._queued:
-            self.policy.remove(self._book.get(request.request_id).shadow)
-            self._queued.discard(request.request_id)
+        entry = self._book.find(request.request_id)
+        if entry is not None and self._queued[entry.shadow.tier].pop(request.request_id, None) is not None:
+            self.policy.remove(entry.shadow)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:

@@ -292,7 +292,7 @@ class TierScheduler(Scheduler):
             return None  # an uncapped step: `schedule` forgets what was held back
         waiting_p0 = 0
         if p0_admissible and self.tier_policy.num_waiting(p0):
-            waiting_p0 = sum(r.num_tokens for r in self.waiting if book.tier(r.request_id) is p0)
+            waiting_p0 = sum(r.num_tokens for r in self.waiting.waiting_in(p0))
         if self._hold_back_for_p0(others_prefilling, waiting_p0 > 0):
             budget = min(budget + waiting_p0, self.max_num_scheduled_tokens)
         return budget
@@ -395,11 +395,10 @@ class TierScheduler(Scheduler):
     def _p0_burst(self, head: Request) -> list[Request]:
         """The head, then the other waiting P0 requests by arrival, as many as one step's
         tokens and seats take (vLLM admits them in the same pass)."""
-        book, tokens = self.book, int(head.num_tokens)
+        tokens = int(head.num_tokens)
         burst = [head]
         others = sorted(
-            (r for r in self.waiting if r is not head and book.tier(r.request_id) is Tier.P0),
-            key=lambda r: r.arrival_time,
+            (r for r in self.waiting.waiting_in(Tier.P0) if r is not head), key=lambda r: r.arrival_time
         )
         for r in others:
             tokens += int(r.num_tokens)
