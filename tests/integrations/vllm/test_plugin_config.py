@@ -50,7 +50,9 @@ def test_defaults_are_hybrid_and_an_untagged_request_gets_the_default_tier() -> 
     assert config.policy == "hybrid"
     assert [config.tier_for_priority(p) for p in (-1, 0, 1, 2)] == list(Tier)
     assert config.tier_for_priority(0) == config.default_tier == Tier.P1
-    assert config.tier_for_priority(17) == Tier.P1
+    # Past the mapped ends, the end's tier: vLLM runs lower values first, and 17 ran as P1,
+    # ahead of 1's P2 and 2's P3.
+    assert config.tier_for_priority(17) == Tier.P3 and config.tier_for_priority(-9) == Tier.P0
     moved = parse_plugin_config({"vllm": {"default_tier": "P2"}})
     assert moved.tier_for_priority(0) == Tier.P2 and moved.tier_for_priority(-1) == Tier.P0
 
@@ -102,6 +104,8 @@ def test_bad_config_names_the_field(raw: dict[str, object], field: str) -> None:
 def test_negative_priorities_map() -> None:
     config = parse_plugin_config({"vllm": {"priority": {"-5": "P0", "0": "P3"}}})
     assert config.tier_for_priority(-5) == Tier.P0 and config.tier_for_priority(0) == Tier.P3
+    assert config.tier_for_priority(-3) == Tier.P1  # between them: default_tier
+    assert config.tier_for_priority(-6) == Tier.P0 and config.tier_for_priority(4) == Tier.P3
 
 
 def test_both_sources_is_an_error(tmp_path: Path) -> None:

@@ -55,7 +55,18 @@ class PluginConfig:
     source: str = "the plug-in's defaults"  # where it came from, for errors found later
 
     def tier_for_priority(self, priority: int) -> Tier:
-        return self.priority_tiers.get(priority, self.default_tier)
+        """The mapped tier; past the least or greatest mapped priority, that end's tier (vLLM
+        runs lower values first: a background job's priority 10 ran as P1, ahead of 1's P2
+        and 2's P3); between mapped ones, `default_tier` (vLLM's default 0)."""
+        tiers = self.priority_tiers
+        if priority in tiers or not tiers:
+            return tiers.get(priority, self.default_tier)
+        least, greatest = min(tiers), max(tiers)
+        if priority < least:
+            return tiers[least]
+        if priority > greatest:
+            return tiers[greatest]
+        return self.default_tier
 
 
 def _parse_tier(path: str, value: Any) -> Tier:
