@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 from tierserve.cli import main
+from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
 from tierserve.fleet.summary import align
+
+
+def _scaling(idle_s: float = 60.0) -> Any:
+    """The runs' autoscaler settings: 1 to 32 replicas, a tick every 15 s, 60 s start-up."""
+    return lambda scaling: AutoscaleConfig(
+        ScalingPolicy(scaling), min_replicas=1, max_replicas=32, startup_delay_s=60.0, idle_s=idle_s
+    )
 
 
 def _run(
@@ -22,7 +30,7 @@ def _run(
     summary = {
         "duration_s": end_s,
         "gpu_hours": replicas_at_end * gpus * end_s / 3600,
-        "replicas_at_end": replicas_at_end,
+        "replicas_at_end": [replicas_at_end, 0],
         "goodput_unmeasured": unmeasured,
         "tiers": tiers,
         "over_time": {"tiers": over_time},
@@ -34,33 +42,45 @@ def test_a_fixed_fleet_costs_the_same_gpu_hours_whichever_router_ended_first() -
     """A router that refused requests ended its run sooner, and its fixed fleet of the same
     two replicas read as 0.410 GPU-h against round-robin's 1.02."""
     runs = [_run("round-robin", 439.4, 2), _run("tier-aware", 164.5, 2)]
-    align(runs, 8, 1, 60.0)
+    align(runs, 8, _scaling())
     hours = [r["summary"]["gpu_hours_common"] for r in runs]
     assert hours[0] == pytest.approx(hours[1]) == pytest.approx(2 * 8 * 439.4 / 3600)
     assert all(r["summary"]["common_end_s"] == 439.4 for r in runs)
     assert runs[1]["summary"]["gpu_hours"] == pytest.approx(2 * 8 * 164.5 / 3600)  # its own, kept
 
 
-def test_an_autoscaling_fleet_scales_in_after_its_end_as_its_autoscaler_would() -> None:
-    """Kept whole to the common end, an autoscaled fleet of 4 read as costing 4 replicas
-    for every idle second after its last request."""
-    runs = [_run("tier-aware", 1000.0, 2), _run("tier-aware", 500.0, 4, scaling="tier")]
-    align(runs, 8, 1, 60.0)
-    idle_replica_s = 4 * 60 + 3 * 60 + 2 * 60 + 1 * (500 - 180)  # one out each 60 s, down to 1
-    expected = (4 * 500 + idle_replica_s) * 8 / 3600
-    assert runs[1]["summary"]["gpu_hours_common"] == pytest.approx(expected)
+@pytest.mark.parametrize(
+    ("serving", "idle_s", "replica_s"),
+    [
+        # Ticks at 510, 525, ...: calm from 510, one out at 570, 630 and 690, down to 1.
+        (4, 60.0, 4 * 70 + 3 * 60 + 2 * 60 + 1 * 310),
+        # No idle time: one out at each tick (not all at once).
+        (4, 0.0, 4 * 10 + 3 * 15 + 2 * 15 + 1 * 460),
+        # Under its minimum (a replica died): one is launched at the first tick.
+        (0, 60.0, 1 * 490),
+    ],
+)
+def test_an_autoscaling_fleet_idles_after_its_end_as_its_autoscaler_scales_it(
+    serving: int, idle_s: float, replica_s: float
+) -> None:
+    """Kept whole to the common end, an autoscaled fleet was charged for every replica it had
+    at its end; scaled in at once (no ticks), for less than its autoscaler would spend."""
+    runs = [_run("tier-aware", 1000.0, 2), _run("tier-aware", 500.0, serving, scaling="tier")]
+    align(runs, 8, _scaling(idle_s))
+    own = runs[1]["summary"]["gpu_hours"]
+    assert runs[1]["summary"]["gpu_hours_common"] == pytest.approx(own + replica_s * 8 / 3600)
     assert runs[0]["summary"]["gpu_hours_common"] == pytest.approx(2 * 8 * 1000 / 3600)
 
 
 def test_goodput_is_measured_in_every_run_of_a_report_or_in_none() -> None:
     runs = [_run("round-robin", 60.0, 2, unmeasured="a burst"), _run("tier-aware", 50.0, 2)]
-    align(runs, 8, 1, 60.0)
+    align(runs, 8, _scaling())
     aware = runs[1]["summary"]
     assert aware["goodput_unmeasured"] == "not measured in round-robin / fixed: a burst"
     assert all(t["goodput_rps"] is None for t in aware["tiers"].values())
     assert all(v is None for t in aware["over_time"]["tiers"].values() for v in t["goodput_rps"])
     measured = [_run("round-robin", 60.0, 2), _run("tier-aware", 50.0, 2)]
-    align(measured, 8, 1, 60.0)
+    align(measured, 8, _scaling())
     assert all(r["summary"]["goodput_unmeasured"] is None for r in measured)
     assert all(r["summary"]["tiers"]["P0"]["goodput_rps"] == 1.5 for r in measured)
 
@@ -82,11 +102,12 @@ def test_the_bench_writes_gpu_hours_to_a_common_end_and_says_lost_requests_have_
     assert ends[0] != ends[1]
     for r in runs:
         s = r["summary"]
-        assert s["common_end_s"] == max(ends) and s["replicas_at_end"] == 2
+        assert s["common_end_s"] == max(ends) and s["replicas_at_end"] == [2, 0]
         assert s["gpu_hours_common"] == pytest.approx(2 * 8 * max(ends) / 3600)
     assert len({bool(r["summary"]["goodput_unmeasured"]) for r in runs}) == 1
     report = (out / "report.md").read_text()
     assert "lost ones included" in report and "refused and lost ones are counted" not in report
+    assert "as its autoscaler would keep it" in report
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[-1] == "other"
 

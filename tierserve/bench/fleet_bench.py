@@ -292,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
-    align(runs, bench.preset.tp, min(args.min_replicas, args.replicas), args.idle_s)
+    align(runs, bench.preset.tp, bench.autoscale_config)
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report
 

@@ -92,7 +92,18 @@ class FleetBench:
 
     def config(self, router: str, scaling: str) -> FleetConfig:
         a = self.args
-        autoscale = AutoscaleConfig(
+        return FleetConfig(
+            a.replicas,
+            router,
+            self.autoscale_config(scaling),
+            num_gpus_per_replica=self.preset.tp,
+            kills=_kills(a),
+            drain_timeout_s=a.drain_timeout_s,
+        )
+
+    def autoscale_config(self, scaling: str) -> AutoscaleConfig:
+        a = self.args
+        return AutoscaleConfig(
             ScalingPolicy(scaling),
             min_replicas=min(a.min_replicas, a.replicas),
             # A fixed fleet never grows: --max-replicas is the autoscalers' bound only.
@@ -100,14 +111,6 @@ class FleetBench:
             startup_delay_s=a.startup_delay_s,
             interval_s=a.scale_interval_s,
             idle_s=a.idle_s,
-        )
-        return FleetConfig(
-            a.replicas,
-            router,
-            autoscale,
-            num_gpus_per_replica=self.preset.tp,
-            kills=_kills(a),
-            drain_timeout_s=a.drain_timeout_s,
         )
 
     def run(self, router: str, scaling: str) -> dict[str, Any]:

@@ -105,8 +105,9 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
         "Goodput: attaining requests per second. GPU-hours include model loading, and are taken "
         f"to the latest run's end ({_s(runs[0]['summary']['common_end_s']) if runs else '-'}) for "
-        "every run: a run that ended sooner (its last request served or refused sooner) keeps "
-        "the replicas it had at its end on until then. TTFT percentiles are over the requests "
+        "every run: after a run that ended sooner (its last request served or refused sooner) "
+        "its fleet stands on idle until then, as its autoscaler would keep it (a fixed fleet "
+        "whole, an autoscaling one scaling in). TTFT percentiles are over the requests "
         "that got a first token (lost ones included: they had one; refused ones are counted in "
         "the outcomes and in the SLO attainment, not in them).",
         "",

@@ -18,13 +18,14 @@ GPU-hours to the latest end among them, and goodput measured in all of them or i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from tierserve.bench.summary import short_span
 from tierserve.config import EngineConfig
+from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation, ScalingPolicy
 from tierserve.fleet.requests import (
     COMPLETED,
     LOST,
@@ -119,8 +120,8 @@ def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[s
         "gpu_hours": result.gpu_seconds / 3600.0,
         "gpu_hours_common": result.gpu_seconds / 3600.0,  # `align` takes it to a common end
         "common_end_s": result.end_s,
-        # Serving (draining included) and starting when the run ended: what `align` keeps on.
-        "replicas_at_end": sum(result.replicas_over_time[-1][1:]) if result.replicas_over_time else 0,
+        # [serving (draining included), starting] when the run ended: what `align` keeps on.
+        "replicas_at_end": list(result.replicas_over_time[-1][1:]) if result.replicas_over_time else [0, 0],
         "num_replicas_launched": result.num_launched,
         "outcomes": outcomes,
         "num_retried": sum(fr.num_retries > 0 for fr in reqs),
@@ -140,7 +141,9 @@ def p0_attainment(summary: dict[str, Any]) -> float | None:
 
 
 def align(
-    runs: Sequence[dict[str, Any]], num_gpus_per_replica: int, min_replicas: int, idle_s: float
+    runs: Sequence[dict[str, Any]],
+    num_gpus_per_replica: int,
+    autoscale_config: Callable[[str], AutoscaleConfig],
 ) -> None:
     """Make the runs of one comparison (`{"router", "scaling", "summary"}` each) comparable, in
     place:
@@ -148,9 +151,8 @@ def align(
     - GPU-hours to the latest end among them (`gpu_hours_common`). A run ends when its last
       request does, so a router that refused requests ended sooner and read as the cheaper
       fleet (the same fixed two replicas: 0.410 against 1.02 GPU-h). After its end a run's
-      replicas stand on as its fleet would keep them, idle: a fixed fleet all of them; an
-      autoscaling one scales in one replica per `idle_s`, down to `min_replicas` (at most
-      what it would spend: it may have been calm before its end already).
+      fleet stands on idle, as its autoscaler (`autoscale_config(scaling)`) keeps it: a
+      fixed fleet whole, an autoscaling one as `_idle_replica_seconds` ticks it.
     - Goodput measured in every run or in none: whether it is depends on the run's latencies
       (`short_span`), and a router that refused many requests at once (their latency is
       the wait before the refusal) was the only one measured."""
@@ -159,9 +161,10 @@ def align(
     end = max(r["summary"]["duration_s"] for r in runs)
     for r in runs:
         s = r["summary"]
-        floor = s["replicas_at_end"] if r["scaling"] == "fixed" else min_replicas
-        idle_gpu_s = _idle_replica_seconds(s["replicas_at_end"], floor, idle_s, end - s["duration_s"])
-        s["gpu_hours_common"] = s["gpu_hours"] + idle_gpu_s * num_gpus_per_replica / 3600.0
+        serving, starting = s["replicas_at_end"]
+        config = autoscale_config(r["scaling"])
+        idle_s = _idle_replica_seconds(serving, starting, config, s["duration_s"], end)
+        s["gpu_hours_common"] = s["gpu_hours"] + idle_s * num_gpus_per_replica / 3600.0
         s["common_end_s"] = end
     first = next((r for r in runs if r["summary"]["goodput_unmeasured"]), None)
     if first is None:
@@ -172,16 +175,39 @@ def align(
             unmeasure(r["summary"], why)
 
 
-def _idle_replica_seconds(num_replicas: int, floor: int, idle_s: float, span_s: float) -> float:
-    """Replica-seconds over `span_s` of an idle fleet of `num_replicas` that removes one each
-    `idle_s` while it has more than `floor`."""
-    total, t = 0.0, 0.0
-    while num_replicas > floor and t < span_s:
-        step = min(idle_s, span_s - t)
-        total += num_replicas * step
-        t += step
-        num_replicas -= 1
-    return total + num_replicas * max(0.0, span_s - t)
+def _idle_replica_seconds(
+    serving: int, starting: int, config: AutoscaleConfig, end_s: float, until_s: float
+) -> float:
+    """Replica-seconds from `end_s` to `until_s` of a fleet left idle, as its autoscaler scales
+    it: the real `Autoscaler`, at the fleet's ticks (every `interval_s` from 0), seeing no
+    load, no queue and no P0 at risk. At most what the fleet would spend: the autoscaler
+    starts calm at the first tick after the end (the fleet may have been calm before), and
+    a replica starting at the end is taken to be ready a whole start-up delay later (when it
+    was launched is not kept)."""
+    if config.policy is ScalingPolicy.FIXED:
+        return (serving + starting) * max(0.0, until_s - end_s)
+    scaler = Autoscaler(config)
+    ready_at = [end_s + config.startup_delay_s] * starting
+    total, t = 0.0, end_s
+    tick = math.floor(end_s / config.interval_s) * config.interval_s + config.interval_s
+    while t < until_s:
+        if not ready_at and serving == config.min_replicas:  # nothing will change
+            return total + serving * (until_s - t)
+        step_end = min(tick, until_s)
+        total += (serving + len(ready_at)) * (step_end - t)
+        t = step_end
+        if t >= until_s:
+            break
+        serving += sum(at <= t for at in ready_at)
+        ready_at = [at for at in ready_at if at > t]
+        idle = [0.0] * serving
+        change = scaler.decide(Observation(t, serving, len(ready_at), idle, idle, 0, None))
+        if change > 0:
+            ready_at.append(t + config.startup_delay_s)
+        elif change < 0:
+            serving -= 1
+        tick += config.interval_s
+    return total
 
 
 def unmeasure(summary: dict[str, Any], why: str) -> None:
