@@ -51,6 +51,9 @@ def test_a_fresh_server_exports_each_tiers_refusals_outcomes_waits_and_sla_count
         assert _at_zero(samples, "llm_scheduler_wait_seconds_count", priority=tier)
         for outcome in ("met", "missed"):
             assert _at_zero(samples, "llm_sla_requests_total", priority=tier, tier=tier, outcome=outcome)
+    assert _at_zero(samples, "tierserve_rejections_total", reason="draining", priority="none")
+    for reason in server_metrics.HTTP_ERROR_REASONS:
+        assert _at_zero(samples, "tierserve_http_errors_total", reason=reason)
     # No attainment is made up for a tier nothing was judged in.
     assert not any(name == "llm_sla_attainment" for name, _ in samples)
 
@@ -58,6 +61,8 @@ def test_a_fresh_server_exports_each_tiers_refusals_outcomes_waits_and_sla_count
 def test_the_servers_reasons_are_the_ones_its_docs_list() -> None:
     row = _doc_row(DOCS / "serving.md", "tierserve_rejections_total")
     assert re.findall(r"`(\w+)`", row.split("|")[4]) == list(server_metrics.REJECTION_REASONS)
+    row = _doc_row(DOCS / "serving.md", "tierserve_http_errors_total")
+    assert set(re.findall(r"`(\w+)`", row.split("|")[4])) == set(server_metrics.HTTP_ERROR_REASONS)
     row = _doc_row(DOCS / "serving.md", "tierserve_requests_total")
     assert re.findall(r"`(\w+)`", row.split("(")[0].split("|")[4]) == list(server_metrics.FINISH_REASONS)
 
@@ -83,6 +88,9 @@ def test_a_fresh_gateway_exports_each_tiers_refusals_and_each_upstreams_counts_a
             )
     for reason in gateway_metrics.ROUTING_REASONS:
         assert _at_zero(samples, "tierserve_gateway_routing_decisions_total", reason=reason)
+    assert _at_zero(samples, "tierserve_rejections_total", reason="draining", priority="none")
+    for reason in server_metrics.HTTP_ERROR_REASONS:
+        assert _at_zero(samples, "tierserve_http_errors_total", reason=reason)
 
 
 def test_the_gateways_reasons_and_outcomes_are_the_ones_its_docs_name() -> None:
@@ -90,8 +98,8 @@ def test_the_gateways_reasons_and_outcomes_are_the_ones_its_docs_name() -> None:
     for reason in gateway_metrics.REJECTION_REASONS:
         assert re.search(rf"\b{reason}\b", rejections), reason
     outcomes = _doc_row(DOCS / "gateway.md", "tierserve_gateway_upstream_requests_total{upstream,outcome}")
-    for outcome in gateway_metrics.UPSTREAM_OUTCOMES:
-        assert re.search(rf"\b{outcome}\b", outcomes), outcome
+    for outcome in gateway_metrics.UPSTREAM_OUTCOMES:  # each named as an item of the list
+        assert re.search(rf"(: |, ){outcome}( \(|,)", outcomes), outcome
     decisions = _doc_row(DOCS / "gateway.md", "tierserve_gateway_routing_decisions_total{reason}")
     for reason in gateway_metrics.ROUTING_REASONS:
         assert re.search(rf"\b{reason}\b", decisions), reason

@@ -161,6 +161,7 @@ class GatewayMetrics:
             self.queue_wait.labels(tier.name)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(reason, tier.name)
+        self.rejections.labels("draining", "none")  # refused before its tier was read
         for reason in ROUTING_REASONS:
             self.decisions.labels(reason)
 

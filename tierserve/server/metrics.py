@@ -34,15 +34,39 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 SWAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+# Every reason `tierserve_http_errors_total` counts, server and gateway alike.
+HTTP_ERROR_REASONS = (
+    "header_too_large",
+    "too_many_headers",
+    "header_timeout",
+    "body_timeout",
+    "connection_limit",
+    "aborted_upload",
+    "malformed_http",
+    "unsupported_transfer_encoding",
+    "invalid_api_key",
+    "bad_header",
+    "unsupported_content_encoding",
+    "request_too_large",
+    "busy",
+    "not_found",
+    "method_not_allowed",
+)
+
+
 def http_errors_counter(registry: CollectorRegistry) -> Counter:
-    """`tierserve_http_errors_total{reason}`, as the server and the gateway both count it."""
-    return Counter(
+    """`tierserve_http_errors_total{reason}`, as the server and the gateway both count it,
+    every reason at 0 from the start."""
+    counter = Counter(
         "tierserve_http_errors",
         "Requests ended at the HTTP layer before the application answered (limits, timeouts, "
         "uploads the client aborted), by reason",
         ["reason"],
         registry=registry,
     )
+    for reason in HTTP_ERROR_REASONS:
+        counter.labels(reason)
+    return counter
 
 
 # The labels each tier's series start with, at 0: a series that appears only with its first
@@ -118,6 +142,7 @@ class ServerMetrics:
                 self.rejections.labels(reason, tier.name)
             for reason in FINISH_REASONS:
                 self.outcomes.labels(tier.name, reason)
+        self.rejections.labels("draining", "none")  # refused before its tier was read
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )
