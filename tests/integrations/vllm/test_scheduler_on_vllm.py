@@ -46,6 +46,14 @@ def vanilla_llm(model: Path) -> Iterator[Any]:
     yield make_llm(model, scheduler_cls=None, policy="priority")
 
 
+@pytest.fixture(scope="module")
+def chunking_llm(model: Path) -> Iterator[Any]:
+    """The plug-in with no prefix cache and 128-token steps: prompts prefill in chunks. Built
+    for the module (an engine torn down in a test tears down vLLM's parallel state, which the
+    module's other engines still use)."""
+    yield make_llm(model, scheduler_cls=PLUGIN, prefix_caching=False, max_num_batched_tokens=128)
+
+
 @pytest.fixture
 def plugin(plugin_llm: Any) -> Iterator[Driver]:
     driver = Driver(plugin_llm, plugin=True)
@@ -306,15 +314,14 @@ def test_a_tier_at_its_ceiling_gives_up_its_own_latest_request_not_a_lower_tiers
 
 
 def test_a_prompt_past_its_tiers_ceiling_waits_instead_of_being_preempted_chunk_after_chunk(
-    model: Path,
+    chunking_llm: Any,
 ) -> None:
     """vLLM checks that a waiting prompt fits whole against the free blocks alone, not less
     the blocks the guard reserves: with chunked prefill (and no prefix cache to make the
     retries cheap) a P0 prompt that P0's ceiling could not hold beside another P0 was
     admitted chunk by chunk and preempted by that ceiling, again and again."""
-    llm = make_llm(model, scheduler_cls=PLUGIN, prefix_caching=False, max_num_batched_tokens=128)
-    d = Driver(llm, plugin=True)
-    sched = scheduler_of(llm)
+    d = Driver(chunking_llm, plugin=True)
+    sched = scheduler_of(chunking_llm)
     ceiling = sched.ledger.partition.ceiling[Tier.P0]
     d.submit("a", prompt(700, 400), 100, Tier.P0)  # 13 blocks, 16 by its end
     d.run(100, until=lambda: "a" in d.first_token_step)
