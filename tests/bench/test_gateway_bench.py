@@ -37,6 +37,7 @@ def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
     assert 0.0 <= result["gateway_added_within_2ms"] <= 1.0
     assert result["upstream_policy"] == "fcfs"
     assert result["capacity_rps"] > 0
+    assert result["commit"]  # which code gave the figures
     # offered = 1.2 x capacity, with a floor of 0.5 req/s for a very slow host
     assert result["offered_rps"] == pytest.approx(max(0.5, 1.2 * result["capacity_rps"]), abs=0.01)
     for arm in ("flow_control", "least_loaded"):
@@ -80,6 +81,28 @@ def test_arguments_are_bounded_before_any_process_starts(
     with pytest.raises(SystemExit) as exited:
         main(["bench", "gateway", *bad])
     assert exited.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (["--replicas", "5000"], "--replicas <= 16"),
+        (["--streams", "1000000"], "--streams <= 2000"),
+        (["--duration", "1e12"], "--duration <= 3600"),
+        (["--load", "1e9"], "--load <= 100"),
+        (["--max-seqs", "100000"], "--max-seqs <= 1024"),
+        # Past the model's context: it failed only after the overhead run, 35 s in.
+        (["--overhead-tokens", "200000"], "context is"),
+        (["--max-tokens", "200000"], "context is"),
+    ],
+)
+def test_arguments_past_the_benchs_bounds_fail_before_any_process_starts(
+    bad: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_run(monkeypatch)
+    assert main(["bench", "gateway", *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierserve bench gateway: ") and said in err and err.count("\n") == 1
 
 
 def test_an_out_path_that_cannot_be_written_fails_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,3 +248,19 @@ def test_probes_whose_every_request_fails_say_what_the_requests_got(monkeypatch:
         asyncio.run(gateway_bench._capacity("http://127.0.0.1:1", 2, 0.1, 10**8))
     with pytest.raises(RuntimeError, match=r"every request of the overhead run failed \(answers 400: \d+\)"):
         asyncio.run(gateway_bench._streams("http://127.0.0.1:1", 2, 1.2, 10**8, seed=0))  # starts within 1 s
+
+
+def test_a_stream_is_bounded_by_its_silence_not_by_a_total_that_cut_long_answers() -> None:
+    """A 30 s cap on the whole stream made a request whose first token met its target a
+    miss once its answer took longer: P2's 60 s target could never be met past 30 s."""
+    import asyncio
+
+    from tierserve.bench import gateway_bench
+
+    async def timeout() -> object:
+        async with gateway_bench._session(1) as session:
+            return session.timeout
+
+    t = asyncio.run(timeout())
+    assert t.sock_read == gateway_bench.REQUEST_TIMEOUT_S
+    assert t.total == gateway_bench.STREAM_LIMIT_S >= 10 * gateway_bench.REQUEST_TIMEOUT_S

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,7 +194,9 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
     assert sum(t["ttft_samples"] for t in printed["tiers"].values()) == 16 - 4
     assert printed["output_tokens_per_s"] > 0
     # The same requests again beside a flood of large bodies, every one of them refused.
-    assert printed["flood"] is None
+    assert printed["flood"] is None and printed["commit"]
+    judged = printed["flood_p0"]  # the verdict's figures, for a reader to check
+    assert set(judged) == {"ttft_p95_change_pct", "server_added_change_pct", "samples"}
     flooded = printed["with_flood"]
     assert flooded["num_sent"] == 16 and flooded["api_overhead_p99_ms"] is not None
     flood = flooded["flood"]
@@ -315,3 +318,24 @@ def test_a_config_whose_tenants_need_keys_is_loaded_with_the_key_from_the_enviro
     assert json.loads(capsys.readouterr().out)["rejections"] == {"401:invalid_api_key": 8}
     with pytest.raises(ValueError, match="--api-key-env TIERSERVE_TEST_UNSET_KEY: that environment"):
         serve_bench.run(_parse([*argv, "--api-key-env", "TIERSERVE_TEST_UNSET_KEY"]))
+
+
+def test_the_flood_verdict_leaves_out_the_engines_own_change_and_names_its_sample() -> None:
+    """The P0 requests of the two runs land in different simulated steps: the client's P95
+    moved -13 to +18 % between identical runs, the engine's P95 with it, and the verdict
+    flipped. What the server adds is what a flood of bodies can touch."""
+    from types import SimpleNamespace
+
+    def run(http: float | None, engine: float | None, samples: int) -> Any:
+        p0 = {"ttft_p95_ms": http, "engine_ttft_p95_ms": engine, "ttft_samples": samples}
+        return SimpleNamespace(tiers={"P0": p0})
+
+    judged = serve_bench.flood_p0_change(run(355.0, 353.0, 24), run(420.0, 417.0, 30))
+    assert judged is not None
+    change, added, samples = judged
+    assert change == pytest.approx(100 * 65 / 355) and added == pytest.approx(100 * 1 / 355)
+    assert samples == 24
+    # The server's own share growing by a tenth of the TTFT is what the target reads.
+    judged = serve_bench.flood_p0_change(run(300.0, 290.0, 200), run(345.0, 290.0, 200))
+    assert judged is not None and judged[1] == pytest.approx(15.0)
+    assert serve_bench.flood_p0_change(run(300.0, 290.0, 200), run(None, None, 0)) is None

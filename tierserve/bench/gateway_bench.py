@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import math
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +44,12 @@ OVERHEAD_WARMUP_S = 3.0
 # (3 s gave 0.63 requests/s for two replicas, and an overload arm of 7 requests).
 CAPACITY_PROBE_MIN_S, CAPACITY_PROBE_MAX_S = 3.0, 10.0
 MIN_OFFERED_RPS = 0.5  # the open loop's least rate, whatever --load x capacity is
+# A stream may take this long in all (its tokens keep coming); REQUEST_TIMEOUT_S is the most
+# it may stay silent. A 30 s cap on the whole stream made a request whose first token met
+# its target a miss once its answer took longer (P2's 60 s target could never be met).
+STREAM_LIMIT_S = 600.0
+MAX_OPEN_LOOP_REQUESTS = 50_000  # one arm's requests: --load x capacity x --duration
+PROMPT_TOKENS_MARGIN = 64  # the requests' short chat prompts, with the template's tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +119,7 @@ def _session(max_connections: int) -> Any:
 
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections),
-        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+        timeout=aiohttp.ClientTimeout(total=STREAM_LIMIT_S, sock_read=REQUEST_TIMEOUT_S),
     )
 
 
@@ -374,6 +381,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         probe_s = min(CAPACITY_PROBE_MAX_S, max(CAPACITY_PROBE_MIN_S, args.duration / 3))
         capacity = asyncio.run(_capacity(urls["least_loaded"], clients, probe_s, args.max_tokens))
         rate = max(MIN_OFFERED_RPS, args.load * capacity)
+        if rate * args.duration > MAX_OPEN_LOOP_REQUESTS:
+            raise ValueError(
+                f"--load {args.load:g} x the probed {capacity:.3g} req/s for --duration {args.duration:g} s "
+                f"is {rate * args.duration:,.0f} requests an arm; at most {MAX_OPEN_LOOP_REQUESTS:,}"
+            )
         if rate > args.load * capacity:
             result["offered_note"] = (
                 f"offered {MIN_OFFERED_RPS:g} req/s, the least this bench offers, not --load "
@@ -387,13 +399,44 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run(args: argparse.Namespace) -> int:
-    from tierserve.bench.output import emit, make_out_folder
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, before anything starts (None: nothing): the bench
+    is bounded in replicas, streams, requests and time, and asks for no answer longer than
+    the model's context (that failed after the overhead run, 35 s in)."""
+    from tierserve.server.backends import build_backend
 
+    for wrong, message in (
+        (args.replicas > 16, f"need --replicas <= 16 (local processes), got {args.replicas}"),
+        (args.streams > 2000, f"need --streams <= 2000, got {args.streams}"),
+        (args.max_seqs > 1024, f"need --max-seqs <= 1024, got {args.max_seqs}"),
+        (args.load > 100, f"need --load <= 100 (x the capacity), got {args.load:g}"),
+        (args.duration > 3600, f"need --duration <= 3600 s, got {args.duration:g}"),
+        (args.overhead_seconds > 3600, f"need --overhead-seconds <= 3600, got {args.overhead_seconds:g}"),
+    ):
+        if wrong:
+            return message
+    context = build_backend("sim", MODEL).executor.spec.max_model_len
+    longest = max(3 * args.overhead_tokens // 2, args.max_tokens)  # overhead lengths: 0.5-1.5x
+    if longest + PROMPT_TOKENS_MARGIN > context:
+        return (
+            f"--overhead-tokens (up to 1.5x) or --max-tokens asks for {longest} output tokens; "
+            f"{MODEL}'s context is {context}"
+        )
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierserve.bench.output import emit, make_out_folder, source_commit
+
+    if (wrong := check_args(args)) is not None:
+        print(f"tierserve bench gateway: {wrong}", file=sys.stderr)
+        return 2
     make_out_folder(args.out)  # a path that cannot be written fails now, not after the run
+    commit = source_commit()  # the code that runs (a commit made during the run is not it)
     started = time.perf_counter()
     monitor = HostMonitor()
     result = measure(args)
+    result["commit"] = commit
     result["wall_s"] = round(time.perf_counter() - started, 1)
     # The replicas, gateways and load share the host's cores with whatever else runs there.
     host = monitor.finish()
