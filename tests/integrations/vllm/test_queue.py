@@ -110,3 +110,17 @@ def test_a_tiers_waiting_requests_are_known_without_walking_the_queue(
     while q:
         q.pop_request()
     assert all(q.waiting_in(t) == [] for t in Tier)
+
+
+def test_a_request_the_book_has_forgotten_still_leaves_the_queue() -> None:
+    """vLLM frees a preempted request that its last step's output stops (the plug-in ends
+    its book entry then) before it takes the request out of the waiting queue: the queue
+    kept it, and the next step's peek raised BookError in the engine core."""
+    q, book = _queue()
+    a, b = _req("a", 1.0), _req("b", 2.0)
+    for r, tier in ((a, Tier.P1), (b, Tier.P2)):
+        book.add(r, tier, "default")
+        q.add_request(r)
+    book.end("a")
+    q.remove_request(a)
+    assert len(q) == 1 and q.waiting_in(Tier.P1) == [] and q.peek_request() is b

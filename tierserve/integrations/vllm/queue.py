@@ -21,6 +21,7 @@ from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
 
 from tierserve.integrations.vllm.book import RequestBook
+from tierserve.request import Request as ShadowRequest
 from tierserve.scheduling import Policy
 from tierserve.tiers import Tier
 
@@ -31,6 +32,10 @@ class PolicyRequestQueue(RequestQueue):
         self._book = book
         self._now = time.time()
         self._queued: list[dict[str, Request]] = [{} for _ in Tier]  # by tier, in the order queued
+        # What each queued request is queued as, kept here: vLLM may end a request (and the
+        # book forget it) before it takes the request out of the queue (a preempted request
+        # that its last step's output stops, under async scheduling).
+        self._shadows: dict[str, ShadowRequest] = {}
         self._only: Tier | None = None
 
     def show_only(self, tier: Tier | None) -> None:
@@ -55,11 +60,13 @@ class PolicyRequestQueue(RequestQueue):
         shadow = self._book.get(request.request_id).shadow
         self.policy.add(shadow, self._now)
         self._queued[shadow.tier][request.request_id] = request
+        self._shadows[request.request_id] = shadow
 
     def pop_request(self) -> Request:
         if self._head() is None:
             raise IndexError("pop from an empty queue")
         shadow = self.policy.pop(self._now)
+        del self._shadows[shadow.request_id]
         return self._queued[shadow.tier].pop(shadow.request_id)
 
     def peek_request(self) -> Request:
@@ -72,6 +79,7 @@ class PolicyRequestQueue(RequestQueue):
         shadow = self._book.get(request.request_id).shadow
         self.policy.prepend(shadow, self._now)
         self._queued[shadow.tier][request.request_id] = request
+        self._shadows[request.request_id] = shadow
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         # Each goes to the head of its tier: the last of `requests` ends up first, as with
@@ -80,9 +88,10 @@ class PolicyRequestQueue(RequestQueue):
             self.prepend_request(request)
 
     def remove_request(self, request: Request) -> None:
-        entry = self._book.find(request.request_id)
-        if entry is not None and self._queued[entry.shadow.tier].pop(request.request_id, None) is not None:
-            self.policy.remove(entry.shadow)
+        shadow = self._shadows.pop(request.request_id, None)
+        if shadow is not None:  # whatever the book still holds
+            del self._queued[shadow.tier][request.request_id]
+            self.policy.remove(shadow)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:
