@@ -108,6 +108,24 @@ def test_negative_priorities_map() -> None:
     assert config.tier_for_priority(-6) == Tier.P0 and config.tier_for_priority(4) == Tier.P3
 
 
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        # vLLM's default 0 stays default_tier (P1) whatever the table leaves unmapped: clamped
+        # to the table's ends alone, `-1 = "P0"` ran all untagged traffic as realtime.
+        ({"-1": "P0"}, {-5: Tier.P0, -1: Tier.P0, 0: Tier.P1, 7: Tier.P1}),
+        ({"10": "P3"}, {-5: Tier.P1, 0: Tier.P1, 5: Tier.P1, 10: Tier.P3, 20: Tier.P3}),
+        ({"1": "P2", "2": "P3"}, {-1: Tier.P1, 0: Tier.P1, 1: Tier.P2, 9: Tier.P3}),
+        ({"0": "P2", "3": "P3"}, {-4: Tier.P2, 0: Tier.P2, 2: Tier.P1, 4: Tier.P3}),
+    ],
+)
+def test_an_unmapped_priority_past_the_ends_takes_the_nearer_ends_tier_and_0_stays_default(
+    table: dict[str, str], expected: dict[int, Tier]
+) -> None:
+    config = parse_plugin_config({"vllm": {"priority": table}})
+    assert {p: config.tier_for_priority(p) for p in expected} == expected
+
+
 def test_both_sources_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "t.toml"
     path.write_text("")

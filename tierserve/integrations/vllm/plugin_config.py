@@ -55,17 +55,19 @@ class PluginConfig:
     source: str = "the plug-in's defaults"  # where it came from, for errors found later
 
     def tier_for_priority(self, priority: int) -> Tier:
-        """The mapped tier; past the least or greatest mapped priority, that end's tier (vLLM
-        runs lower values first: a background job's priority 10 ran as P1, ahead of 1's P2
-        and 2's P3); between mapped ones, `default_tier` (vLLM's default 0)."""
+        """The mapped tier; an unmapped priority past every mapped one and vLLM's default 0
+        takes the tier of the nearest such end (vLLM runs lower values first: a background
+        job's priority 10 ran as P1, ahead of 1's P2 and 2's P3), where 0, unless mapped,
+        stands for `default_tier` (an untagged request's: a table of `-1 = "P0"` alone must
+        not run untagged traffic as realtime); between them, `default_tier`."""
         tiers = self.priority_tiers
-        if priority in tiers or not tiers:
-            return tiers.get(priority, self.default_tier)
-        least, greatest = min(tiers), max(tiers)
+        if priority in tiers:
+            return tiers[priority]
+        least, greatest = min((*tiers, 0)), max((*tiers, 0))
         if priority < least:
-            return tiers[least]
+            return tiers.get(least, self.default_tier)
         if priority > greatest:
-            return tiers[greatest]
+            return tiers.get(greatest, self.default_tier)
         return self.default_tier
 
 
