@@ -261,6 +261,10 @@ def test_a_stream_is_bounded_by_its_silence_not_by_a_total_that_cut_long_answers
         async with gateway_bench._session(1) as session:
             return session.timeout
 
+    from tierserve.gateway.config import DEFAULT_MAX_WAIT_S
+
     t = asyncio.run(timeout())
-    assert t.sock_read == gateway_bench.REQUEST_TIMEOUT_S
-    assert t.total == gateway_bench.STREAM_LIMIT_S >= 10 * gateway_bench.REQUEST_TIMEOUT_S
+    # Silence is allowed past the longest a request may wait in the gateway's queue, which
+    # answers nothing meanwhile (30 s cut a P2 request whose first token came at 35 s).
+    assert t.sock_read == gateway_bench.REQUEST_TIMEOUT_S > max(DEFAULT_MAX_WAIT_S.values())
+    assert t.total == gateway_bench.STREAM_LIMIT_S > gateway_bench.REQUEST_TIMEOUT_S

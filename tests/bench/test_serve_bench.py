@@ -320,22 +320,34 @@ def test_a_config_whose_tenants_need_keys_is_loaded_with_the_key_from_the_enviro
         serve_bench.run(_parse([*argv, "--api-key-env", "TIERSERVE_TEST_UNSET_KEY"]))
 
 
-def test_the_flood_verdict_leaves_out_the_engines_own_change_and_names_its_sample() -> None:
+def test_the_flood_verdict_reads_what_the_server_added_request_by_request() -> None:
     """The P0 requests of the two runs land in different simulated steps: the client's P95
     moved -13 to +18 % between identical runs, the engine's P95 with it, and the verdict
-    flipped. What the server adds is what a flood of bodies can touch."""
+    flipped. What the server adds to each request's engine TTFT is what a flood of bodies
+    can touch (a difference of two P95s, taken over different requests, was not it)."""
     from types import SimpleNamespace
 
-    def run(http: float | None, engine: float | None, samples: int) -> Any:
-        p0 = {"ttft_p95_ms": http, "engine_ttft_p95_ms": engine, "ttft_samples": samples}
+    def run(http: float | None, added: float | None, samples: int) -> Any:
+        p0 = {"ttft_p95_ms": http, "added_p95_ms": added, "added_samples": samples}
         return SimpleNamespace(tiers={"P0": p0})
 
-    judged = serve_bench.flood_p0_change(run(355.0, 353.0, 24), run(420.0, 417.0, 30))
+    judged = serve_bench.flood_p0_change(run(355.0, 2.0, 24), run(420.0, 3.0, 30))
     assert judged is not None
     change, added, samples = judged
     assert change == pytest.approx(100 * 65 / 355) and added == pytest.approx(100 * 1 / 355)
     assert samples == 24
-    # The server's own share growing by a tenth of the TTFT is what the target reads.
-    judged = serve_bench.flood_p0_change(run(300.0, 290.0, 200), run(345.0, 290.0, 200))
+    judged = serve_bench.flood_p0_change(run(300.0, 5.0, 200), run(345.0, 50.0, 200))
     assert judged is not None and judged[1] == pytest.approx(15.0)
-    assert serve_bench.flood_p0_change(run(300.0, 290.0, 200), run(None, None, 0)) is None
+    assert serve_bench.flood_p0_change(run(300.0, 5.0, 200), run(None, None, 0)) is None
+
+
+def test_what_the_server_added_is_taken_request_by_request() -> None:
+    from tierserve.bench.serve_bench import _tier_summary
+
+    outcomes = [
+        Outcome("P0", "ok", ttft_s=t, request_id=f"r{i}", index=i)
+        for i, t in enumerate((0.100, 0.300, 0.500))
+    ]
+    engine = {"r0": (0.090, 0.0), "r1": (0.100, 0.0), "r2": (0.495, 0.0)}  # added: 10, 200, 5 ms
+    row = _tier_summary(outcomes, engine, lambda i: True)
+    assert row["added_samples"] == 3 and row["added_p95_ms"] == pytest.approx(181.0, abs=0.5)
