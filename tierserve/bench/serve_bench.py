@@ -423,7 +423,8 @@ def print_flood_comparison(quiet: BenchResult, flooded: BenchResult) -> None:
         few = " (a P95 over so few is their largest few)" if samples < 100 else ""
         print(
             f"P0 TTFT P95 with the flood: {change:+.1f} %; the P95 of what the server added to each "
-            f"request's engine TTFT moved by {added:+.1f} % of it ({verdict} the 10 % target; "
+            f"request's engine TTFT moved by {added:+.1f} % of P0's TTFT P95 without the flood ({verdict} "
+            "the 10 % target; "
             f"{samples} P0 requests a run{few})"
         )
     for name, r in (("without", quiet), ("with", flooded)):

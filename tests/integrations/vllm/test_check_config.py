@@ -22,6 +22,7 @@ def test_a_good_file_says_what_the_plugin_runs(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     assert "policy wfq" in out and "5 -> P0" in out and "P0 floor 0.2" in out
+    assert "(beyond the ends, the end's tier)" in out  # a priority past them is not the default tier
 
 
 @pytest.mark.parametrize(

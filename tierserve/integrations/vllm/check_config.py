@@ -24,6 +24,8 @@ from tierserve.tiers import ALL_TIERS
 def describe(config: PluginConfig) -> str:
     """What the plug-in runs with `config`, in one line."""
     priorities = ", ".join(f"{p} -> {t.name}" for p, t in sorted(config.priority_tiers.items()))
+    if priorities:
+        priorities += " (beyond the ends, the end's tier)"  # PluginConfig.tier_for_priority
     tiers = "; ".join(
         f"{t.name} floor {c.floor:g} reserve {c.reserve:g} ceiling {c.ceiling:g}"
         for t in ALL_TIERS
