@@ -282,11 +282,9 @@ def test_hybrid_judges_a_tier_at_risk_by_its_oldest_request_not_its_fair_head() 
         policy.add(r, r.arrival_time)
     assert drain(policy, 1, now=0.0) == [a1]
     policy.add(b1, b1.arrival_time)
-    # P1's oldest is at risk, so P1 goes before P2 (at risk too); inside P1 the tenants'
-    # order decides: b, not yet served, before a, served once (rescuing a's oldest first
-    # let a tenant flooding the tier take it whatever the weights).
-    assert policy.peek(40.0) is b1
-    assert drain(policy, 3, now=40.0) == [b1, a2, p2]
+    assert policy.peek(40.0) is a2, "P1's oldest is at risk: it goes before P2 and before b's fresh head"
+    # Then b's request: P1 goes before P2, even a P2 request at risk.
+    assert drain(policy, 3, now=40.0) == [a2, b1, p2]
 
 
 def test_hybrid_rescues_requests_that_can_still_meet_their_target_before_late_ones() -> None:

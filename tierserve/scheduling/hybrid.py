@@ -175,32 +175,17 @@ class HybridPolicy(FairQueuePolicy):
             return Choice(Tier.P0, None, in_order=False)
         for urgent in (self._rescue(Tier.P1, now), self._aged(now)):
             if urgent is not None:
-                return self._urgent(urgent)
+                return Choice(urgent.tier, urgent, in_order=False)
         # Under overload the loss falls on P3, then P2: P1 goes first, in its fair order.
         if sfq.count(Tier.P1) and Tier.P1 not in held:
             return Choice(Tier.P1, None, in_order=True)
         rescued = self._rescue(Tier.P2, now)
         if rescued is not None:
-            return self._urgent(rescued)
+            return Choice(Tier.P2, rescued, in_order=False)
         if self._deferred and sfq.count(Tier.P2) and Tier.P2 not in held:
             return Choice(Tier.P2, None, in_order=True)
         fair = sfq.best([t for t in (Tier.P2, Tier.P3) if t not in held] if held else (Tier.P2, Tier.P3))
         return None if fair is None else Choice(fair, None, in_order=True)
-
-    def _urgent(self, req: Request) -> Choice:
-        """Serve `req`, rescued or aged, if its tenant's turn in its tier's tenant-fair order
-        has come (its start tag no later than the tenant's the order serves next); else the
-        tier now, in its fair order. Rescue and aging pick the tier's oldest request across
-        tenants, and under a queue that stays long there always is one: the tier ran in
-        arrival order, and a tenant flooding it took it whatever the weights (B, at a tenth
-        of A's requests and well under its half, got 0-12 % of the admissions, not all it
-        asked for). A rescued request's tenant is charged out of order (its tag moves, the
-        tier's virtual time does not), so a lighter tenant's turn comes next."""
-        tenants = self._sfq.tenants(req.tier)
-        first = tenants.next_flow()
-        if first is None or first == req.tenant or tenants.start_tag(req.tenant) <= tenants.start_tag(first):
-            return Choice(req.tier, req, in_order=False)
-        return Choice(req.tier, None, in_order=True)
 
     def hold_tier(self, tier: Tier) -> None:
         self._held.add(tier)

@@ -5,7 +5,6 @@ both levels."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 from tierserve.request import Request
 from tierserve.scheduling.fair_queue import StartTimeFairQueue
@@ -24,10 +23,6 @@ class TierFairQueues(StartTimeFairQueue[Tier]):
 
     def _tier_weight(self, tier: Tier, req: Request) -> float:
         return self.weights[tier]
-
-    def tenants(self, tier: Tier) -> TenantFairQueue:
-        """The tier's queue, fair between its tenants (a backlogged tier's)."""
-        return cast("TenantFairQueue", self.flows[tier])
 
     def count(self, tier: Tier) -> int:
         flow = self.flows.get(tier)
