@@ -156,7 +156,11 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+        self._start_at_zero()
 
+    def _start_at_zero(self) -> None:
+        """Each tier's waits and refusals, and each routing reason, exported at 0 from the
+        start (each upstream's counts once the router is known: `bind`)."""
         for tier in ALL_TIERS:
             self.queue_wait.labels(tier.name)
             for reason in REJECTION_REASONS:

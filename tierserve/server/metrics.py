@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Metric, generate_latest
 
+from tierserve.request import FinishReason
 from tierserve.server.state_metrics import EngineSnapshot, LimiterState, StateCollector
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -81,7 +82,8 @@ REJECTION_REASONS = (
     "rate_limit_unavailable",
     "engine_refused",
 )
-FINISH_REASONS = ("length", "stop", "abort", "shed")
+# How a request that reached the engine ends (one refused there is `engine_refused` above).
+FINISH_REASONS = tuple(r.value for r in FinishReason if r is not FinishReason.REJECTED)
 
 
 class ServerMetrics:
@@ -136,13 +138,7 @@ class ServerMetrics:
             ["priority", "finish_reason"],
             registry=r,
         )
-        for tier in ALL_TIERS:
-            self.wait.labels(tier.name)
-            for reason in REJECTION_REASONS:
-                self.rejections.labels(reason, tier.name)
-            for reason in FINISH_REASONS:
-                self.outcomes.labels(tier.name, reason)
-        self.rejections.labels("draining", "none")  # refused before its tier was read
+        self._start_at_zero()
         self.disconnects = Counter(
             "tierserve_client_disconnects", "Clients gone before their request ended", registry=r
         )
@@ -152,6 +148,16 @@ class ServerMetrics:
         self._engine_families: Sequence[Metric] = ()  # the engine process's, as it answered last
         self._state = StateCollector(model_name, self.sla_counts)
         r.register(self._state)
+
+    def _start_at_zero(self) -> None:
+        """Each tier's waits, refusals and outcomes exported at 0 from the start."""
+        for tier in ALL_TIERS:
+            self.wait.labels(tier.name)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(reason, tier.name)
+            for reason in FINISH_REASONS:
+                self.outcomes.labels(tier.name, reason)
+        self.rejections.labels("draining", "none")  # refused before its tier was read
 
     def bind(
         self, snapshot: Callable[[], EngineSnapshot] | None, limiter: Callable[[], LimiterState] | None

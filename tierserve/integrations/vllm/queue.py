@@ -57,10 +57,7 @@ class PolicyRequestQueue(RequestQueue):
         return list(self._queued[tier].values())
 
     def add_request(self, request: Request) -> None:
-        shadow = self._book.get(request.request_id).shadow
-        self.policy.add(shadow, self._now)
-        self._queued[shadow.tier][request.request_id] = request
-        self._shadows[request.request_id] = shadow
+        self.policy.add(self._file(request), self._now)
 
     def pop_request(self) -> Request:
         if self._head() is None:
@@ -76,10 +73,14 @@ class PolicyRequestQueue(RequestQueue):
         return head
 
     def prepend_request(self, request: Request) -> None:
+        self.policy.prepend(self._file(request), self._now)
+
+    def _file(self, request: Request) -> ShadowRequest:
+        """Note `request` as queued, under its tier; returns its shadow, for the policy."""
         shadow = self._book.get(request.request_id).shadow
-        self.policy.prepend(shadow, self._now)
         self._queued[shadow.tier][request.request_id] = request
         self._shadows[request.request_id] = shadow
+        return shadow
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         # Each goes to the head of its tier: the last of `requests` ends up first, as with
