@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -268,3 +270,46 @@ def test_a_stream_is_bounded_by_its_silence_not_by_a_total_that_cut_long_answers
     # answers nothing meanwhile (30 s cut a P2 request whose first token came at 35 s).
     assert t.sock_read == gateway_bench.REQUEST_TIMEOUT_S > max(DEFAULT_MAX_WAIT_S.values())
     assert t.total == gateway_bench.STREAM_LIMIT_S > gateway_bench.REQUEST_TIMEOUT_S
+
+
+def test_an_overload_arm_past_its_request_cap_is_refused_before_it_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--load x the probed capacity x --duration is only known once the capacity is probed:
+    200,000 requests a second for a second made ~200k requests and 1.6 GB."""
+    from contextlib import contextmanager
+
+    from tierserve.bench import gateway_bench
+    from tierserve.gateway import local_fleet
+
+    @contextmanager
+    def fleet(num: int, engine: str, arms: dict[str, str], policy: str = "hybrid") -> Any:
+        yield {name: "http://127.0.0.1:1" for name in ("u0", "gw", *arms)}
+
+    async def overhead(*args: object) -> dict[str, float]:
+        return {}
+
+    async def capacity(*args: object) -> float:
+        return 1_000.0
+
+    async def open_loop(*args: object) -> dict[str, object]:
+        raise AssertionError("the overload arm was sent")
+
+    monkeypatch.setattr(local_fleet, "local_fleet", fleet)
+    monkeypatch.setattr(gateway_bench, "_overhead", overhead)
+    monkeypatch.setattr(gateway_bench, "_capacity", capacity)
+    monkeypatch.setattr(gateway_bench, "_open_loop", open_loop)
+    args = argparse.Namespace(
+        streams=4,
+        overhead_seconds=1.0,
+        overhead_tokens=4,
+        seed=0,
+        max_seqs=2,
+        replicas=1,
+        duration=100.0,
+        load=1.0,
+        max_tokens=4,
+        upstream_policy="fcfs",
+    )
+    with pytest.raises(ValueError, match=r"100,000 requests an arm; at most 50,000"):
+        gateway_bench.measure(args)

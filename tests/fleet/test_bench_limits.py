@@ -34,6 +34,7 @@ def never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--autoscale", "tier", "--scale-interval-s", "0.000001"], "decide at most that often"),
         (["--rate-scale", "1e-9"], "days of virtual time; at most 31"),
         (["--bin-s", "0.000001"], "bins; at most 100,000: use a wider --bin-s"),
+        (["--drain-timeout-s", "1e9"], "--drain-timeout-s must be at most"),
         (["--rate-scale", "1e12", "--scale-by", "copies"], "requests from 40 rows; at most 10,000,000"),
     ],
 )
