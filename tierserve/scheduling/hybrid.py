@@ -14,16 +14,22 @@ arrivals P1's P95 TTFT was 244 s (P2's 200 s). Served ahead of P2, P1's P95 ther
 comes first, so does the goodput of all tiers; P2 keeps its aging threshold, so it is
 delayed, never starved.
 
-The rescue of a tier serves, oldest first, its requests that have waited over a quarter
-of their TTFT target but can still meet it (they have waited less than the whole
-target). Three choices decide what happens beyond capacity (issue 13):
+The rescue of a tier serves its requests that have waited over a quarter of their TTFT
+target but can still meet it (they have waited less than the whole target): in the
+tier's tenant-fair order, the oldest such request of the first tenant (by start tag) that
+has one (`overdue.py`; with one tenant, the tier's oldest such request). Four choices
+decide what happens beyond capacity (issue 13):
 - a tier is judged by its oldest waiting request, not by its fair head: inside a tier the
   tenant-fair order puts a returning tenant's fresh request first, and judged by that head
   a backlogged tier looked in no danger while its other requests waited a minute;
+- the request rescued is picked in the tenant-fair order among those that can be saved:
+  the tier's oldest across tenants handed a tier under a queue that stays long to the
+  tenant sending the most, whatever the weights, and the tier's fair head is often a
+  request past saving;
 - a request that has already missed its target gains nothing from going first, while
   every request served ahead of it that can still make its target counts. So under
-  sustained overload the requests that can still make it are served first (oldest first
-  among them), and the late ones follow in the tier's fair order. P1 then meets its
+  sustained overload the requests that can still make it are served first, and the late
+  ones follow in the tier's fair order. P1 then meets its
   target for as many requests as the GPUs can serve in time, instead of every request of
   a growing queue missing it a little (first come, first served);
 - the scheduler admits no prompt that a capped step leaves without a token
@@ -60,12 +66,16 @@ tiers are backlogged (with the reason on the request), and preempts each victim 
 whichever of swap and recompute costs less (the engine's cost rule, `swap_factor`).
 Its settings are `[policy.hybrid]`.
 
-Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): the
-oldest request of a tier that has waited longer than the tier's `aging_s` is served ahead
-of the fair order, oldest first, right after P1's rescue — unless a more urgent tier's
-oldest request has waited longer still, so aging never lets a request overtake an
-older, more urgent one (under overload every tier ages, and the lower tiers' shorter
-thresholds would otherwise invert the priorities). It changes the order only — memory is
+Aging is evaluated on every scheduling pass (not at enqueue, when the wait is ~0): a tier
+whose oldest request has waited longer than the tier's `aging_s` is served ahead of the
+fair order, right after P1's rescue — unless a more urgent tier's oldest request has
+waited longer still, so aging never lets a request overtake an older, more urgent one
+(under overload every tier ages, and the lower tiers' shorter thresholds would otherwise
+invert the priorities). The aged request served is picked as the rescue's is, in the
+tenant-fair order, except that a tenant with an aged request not served for another
+`aging_s` goes first (new tenants, each starting at the fair queue's virtual time, would
+otherwise hold back a tenant served before for good), and a pick that would overtake an
+older, more urgent request gives way to the tier's oldest. It changes the order only — memory is
 always accounted to the tier the tenant is entitled to, so an aged P1 never holds P0's
 floor.
 """
@@ -84,6 +94,7 @@ from tierserve.request import prefilling as prefilling_of
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper, tokens_left
 from tierserve.scheduling.oldest import OldestWaiting
+from tierserve.scheduling.overdue import OverdueByTenant
 from tierserve.scheduling.sfq import TierFairQueues
 from tierserve.scheduling.step import StepBudget, StepEstimate, tokens_at_context_within
 from tierserve.scheduling.wfq import FairQueuePolicy, expected_cost
@@ -153,6 +164,17 @@ class HybridPolicy(FairQueuePolicy):
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
         self._waiting = OldestWaiting()  # every waiting request: aging
         self._savable = OldestWaiting()  # those that can still meet their target: rescue
+        # The rescue's and aging's requests, by tenant: each is served in its tier's tenant-fair order.
+        self._rescuable = {
+            t: OverdueByTenant(RESCUE_FRACTION * self._target_s[t], self._target_s[t]) for t in RESCUED_TIERS
+        }
+        # A tenant with an aged request that has not been served for another `aging_s` goes
+        # first: fair queuing alone lets new tenants hold an old one back for good.
+        self._aged_by_tenant = {
+            t: OverdueByTenant(self._aging_s[t], starve_s=self._aging_s[t])
+            for t in AGED_TIERS
+            if math.isfinite(self._aging_s[t])
+        }
         self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
         self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
         # Waiting P3 requests, longest in the queue first (since arrival or since `_requeued_at`).
@@ -193,20 +215,31 @@ class HybridPolicy(FairQueuePolicy):
     def release_held(self) -> None:
         self._held.clear()
 
-    def _rescue(self, tier: Tier, now: float, fraction: float = RESCUE_FRACTION) -> Request | None:
-        """The oldest request of `tier` that can still meet its TTFT target, if it has
+    def _rescue(self, tier: Tier, now: float) -> Request | None:
+        """The request of `tier` to rescue: one that has waited over RESCUE_FRACTION of its
+        TTFT target and can still meet it, the oldest such request of the first tenant in
+        the tier's tenant-fair order that has one (the tier's oldest would hand the tier to
+        the tenant sending the most, whatever the weights, under a queue that stays long)."""
+        if tier in self._held or not self._sfq.count(tier):
+            return None
+        return self._rescuable[tier].pick(now, self._sfq.tenants(tier).start_tag)
+
+    def _at_risk(self, tier: Tier, now: float, fraction: float) -> bool:
+        """Whether a waiting request of `tier` that can still meet its TTFT target has
         waited over `fraction` of it."""
         if tier in self._held:
-            return None
+            return False
         target = self._target_s[tier]
         req = self._savable.oldest(tier, arrived_after=now - target)
-        if req is None or now - req.arrival_time <= fraction * target:
-            return None
-        return req
+        return req is not None and now - req.arrival_time > fraction * target
 
     def _aged(self, now: float) -> Request | None:
-        """The oldest request past its tier's aging threshold, unless a more urgent tier's
-        oldest is older still (aging never overtakes an older, more urgent request)."""
+        """A request past its tier's aging threshold: in the tier whose oldest such request
+        is the oldest, unless a more urgent tier's oldest is older still (aging never
+        overtakes an older, more urgent request); in that tier, the oldest aged request of
+        the first tenant in its tenant-fair order that has one (or of a tenant held back
+        for another `aging_s`), if that overtakes no older, more urgent request either,
+        else the tier's oldest."""
         aged: Request | None = None
         for tier in AGED_TIERS:
             if (tier is Tier.P3 and self._deferred) or tier in self._held:
@@ -216,13 +249,18 @@ class HybridPolicy(FairQueuePolicy):
                 continue
             if aged is None or oldest.arrival_time < aged.arrival_time:
                 aged = oldest
-        if aged is None:
+        if aged is None or self._overtakes(aged):
             return None
-        for tier in RESCUED_TIERS[: aged.tier - 1]:
+        picked = self._aged_by_tenant[aged.tier].pick(now, self._sfq.tenants(aged.tier).start_tag)
+        return aged if picked is None or self._overtakes(picked) else picked
+
+    def _overtakes(self, req: Request) -> bool:
+        """Whether a more urgent tier (P1-P2) has a waiting request no younger than `req`."""
+        for tier in RESCUED_TIERS[: req.tier - 1]:
             oldest = self._waiting.oldest(tier)
-            if oldest is not None and oldest.arrival_time <= aged.arrival_time:
-                return None
-        return aged
+            if oldest is not None and oldest.arrival_time <= req.arrival_time:
+                return True
+        return False
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)
@@ -240,6 +278,9 @@ class HybridPolicy(FairQueuePolicy):
         else:
             self._sfq.take(req)
         self._untrack(req)
+        aged = self._aged_by_tenant.get(req.tier)
+        if aged is not None:
+            aged.served(req, now)
         if req.tier == Tier.P0:  # popped once admitted: its cached prefix is known
             self._shaper.p0_admitted(tokens_left(req))
         return req
@@ -270,6 +311,10 @@ class HybridPolicy(FairQueuePolicy):
             self._queued.add(req)
         if req.tier in RESCUED_TIERS:
             self._savable.add(req)
+            self._rescuable[req.tier].add(req)
+        aged = self._aged_by_tenant.get(req.tier)
+        if aged is not None:
+            aged.add(req)
 
     def _untrack(self, req: Request) -> None:
         self._p0_waiting.discard(req)
@@ -277,6 +322,11 @@ class HybridPolicy(FairQueuePolicy):
         self._requeued_at.pop(req, None)
         self._waiting.discard(req)
         self._savable.discard(req)
+        if req.tier in RESCUED_TIERS:
+            self._rescuable[req.tier].discard(req)
+        aged = self._aged_by_tenant.get(req.tier)
+        if aged is not None:
+            aged.discard(req)
 
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         # P0 may always reclaim; other tiers only to take back their own floor and reserve.
@@ -304,7 +354,7 @@ class HybridPolicy(FairQueuePolicy):
     def _p1_p2_in_danger(self, now: float) -> bool:
         """Whether a waiting P1 or P2 request that can still meet its target has waited
         over DEFER_FRACTION of it."""
-        return any(self._rescue(tier, now, DEFER_FRACTION) is not None for tier in RESCUED_TIERS)
+        return any(self._at_risk(tier, now, DEFER_FRACTION) for tier in RESCUED_TIERS)
 
     # ---- the step ------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ both levels."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from tierserve.request import Request
 from tierserve.scheduling.fair_queue import StartTimeFairQueue
@@ -23,6 +24,10 @@ class TierFairQueues(StartTimeFairQueue[Tier]):
 
     def _tier_weight(self, tier: Tier, req: Request) -> float:
         return self.weights[tier]
+
+    def tenants(self, tier: Tier) -> TenantFairQueue:
+        """The queue of a tier with waiting requests, fair between its tenants."""
+        return cast("TenantFairQueue", self.flows[tier])
 
     def count(self, tier: Tier) -> int:
         flow = self.flows.get(tier)
