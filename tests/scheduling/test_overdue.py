@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -184,3 +185,44 @@ def test_hybrid_aging_lets_no_stream_of_new_tenants_hold_a_tenant_back_for_good(
         elif policy.pop(t) is a2:
             served_at = t
     assert served_at is not None and served_at < 120.0, served_at
+
+
+def _release(policy_name: str, tenants: list[tuple[str, Tier, float, float]], rate: float) -> Counter[str]:
+    """Open-loop Poisson arrivals (tenant, tier, requests/s, weight) for 600 s, the queue
+    released at `rate` (peek and pop, as the gateway does, with no engine pass): the
+    releases of each tenant after 200 s."""
+    policy = create_policy(policy_name, EngineConfig())
+    rng = random.Random(0)
+    events: list[tuple[float, int, int]] = []
+    for k, (_, _, per_s, _) in enumerate(tenants):
+        t = rng.expovariate(per_s)
+        while t < 600.0:
+            events.append((t, 0, k))
+            t += rng.expovariate(per_s)
+    events += [((i + 1) / rate, 1, -1) for i in range(int(600.0 * rate) - 1)]
+    released: Counter[str] = Counter()
+    for n, (t, kind, k) in enumerate(sorted(events)):
+        if kind == 0:
+            tenant, tier, _, weight = tenants[k]
+            req = Request(f"r{n}", [1] * 1000, SamplingParams(max_tokens=200), tier=tier, tenant=tenant)
+            req.tenant_weight = weight
+            policy.add(req, t)
+        elif len(policy):
+            peeked = policy.peek(t)
+            req = policy.pop(t)
+            assert peeked is req
+            if t >= 200.0:
+                released[req.tenant] += 1
+    return released
+
+
+def test_weights_decide_between_many_tenants_of_an_aged_tier() -> None:
+    # 20 P3 tenants, weights 1-4 (five of each), twice what is released: the held-back
+    # backstop stays a backstop (at 5 s, P3's aging, it served each tenant in turn: 25 %
+    # a weight).
+    tenants = [(f"w{w}-{k}", Tier.P3, 0.2, float(w)) for w in range(1, 5) for k in range(5)]
+    released = _release("hybrid", tenants, rate=2.0)
+    total = released.total()
+    for w in range(1, 5):
+        share = sum(n for tenant, n in released.items() if tenant.startswith(f"w{w}-")) / total
+        assert abs(share - w / 10) < 0.04, (w, share, dict(released))

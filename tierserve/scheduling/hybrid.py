@@ -72,10 +72,12 @@ fair order, right after P1's rescue — unless a more urgent tier's oldest reque
 waited longer still, so aging never lets a request overtake an older, more urgent one
 (under overload every tier ages, and the lower tiers' shorter thresholds would otherwise
 invert the priorities). The aged request served is picked as the rescue's is, in the
-tenant-fair order, except that a tenant with an aged request not served for another
-`aging_s` goes first (new tenants, each starting at the fair queue's virtual time, would
-otherwise hold back a tenant served before for good), and a pick that would overtake an
-older, more urgent request gives way to the tier's oldest. It changes the order only — memory is
+tenant-fair order, except that a tenant with an aged request not served for
+HELD_BACK_AGINGS x `aging_s` goes first (new tenants, each starting at the fair queue's
+virtual time, would otherwise hold back a tenant served before for good), and a pick that
+would overtake an older, more urgent request gives way to the tier's oldest (so while a
+more urgent tier's queue is as old as this one's, aging serves near arrival order and the
+tenants' weights count for little). It changes the order only — memory is
 always accounted to the tier the tenant is entitled to, so an aged P1 never holds P0's
 floor.
 """
@@ -106,6 +108,7 @@ if TYPE_CHECKING:
 RESCUE_FRACTION = 0.25  # of the TTFT target a P1-P2 request may wait before it is rescued
 DEFER_FRACTION = 1 / 3  # ... and before P3 steps aside for it
 P0_FLOOR_SHARE = 1 / 8  # of a step's tokens a P0 prompt keeps while shorter P0 prompts go first
+HELD_BACK_AGINGS = 10  # a tenant with an aged request not served for this many `aging_s` goes first
 RESCUED_TIERS = (Tier.P1, Tier.P2)  # rescued when at risk
 AGED_TIERS = (Tier.P1, Tier.P2, Tier.P3)  # aged
 
@@ -168,10 +171,10 @@ class HybridPolicy(FairQueuePolicy):
         self._rescuable = {
             t: OverdueByTenant(RESCUE_FRACTION * self._target_s[t], self._target_s[t]) for t in RESCUED_TIERS
         }
-        # A tenant with an aged request that has not been served for another `aging_s` goes
-        # first: fair queuing alone lets new tenants hold an old one back for good.
+        # A tenant with an aged request that has not been served for HELD_BACK_AGINGS x
+        # `aging_s` goes first: fair queuing alone lets new tenants hold one back for good.
         self._aged_by_tenant = {
-            t: OverdueByTenant(self._aging_s[t], starve_s=self._aging_s[t])
+            t: OverdueByTenant(self._aging_s[t], starve_s=HELD_BACK_AGINGS * self._aging_s[t])
             for t in AGED_TIERS
             if math.isfinite(self._aging_s[t])
         }
@@ -237,9 +240,9 @@ class HybridPolicy(FairQueuePolicy):
         """A request past its tier's aging threshold: in the tier whose oldest such request
         is the oldest, unless a more urgent tier's oldest is older still (aging never
         overtakes an older, more urgent request); in that tier, the oldest aged request of
-        the first tenant in its tenant-fair order that has one (or of a tenant held back
-        for another `aging_s`), if that overtakes no older, more urgent request either,
-        else the tier's oldest."""
+        the first tenant in the tier's tenant-fair order that has one (or of a tenant held
+        back HELD_BACK_AGINGS x `aging_s`), unless that overtakes an older, more urgent
+        request: then the tier's oldest."""
         aged: Request | None = None
         for tier in AGED_TIERS:
             if (tier is Tier.P3 and self._deferred) or tier in self._held:
@@ -249,18 +252,23 @@ class HybridPolicy(FairQueuePolicy):
                 continue
             if aged is None or oldest.arrival_time < aged.arrival_time:
                 aged = oldest
-        if aged is None or self._overtakes(aged):
+        if aged is None:
+            return None
+        before = self._oldest_more_urgent(aged.tier)
+        if aged.arrival_time >= before:
             return None
         picked = self._aged_by_tenant[aged.tier].pick(now, self._sfq.tenants(aged.tier).start_tag)
-        return aged if picked is None or self._overtakes(picked) else picked
+        return aged if picked is None or picked.arrival_time >= before else picked
 
-    def _overtakes(self, req: Request) -> bool:
-        """Whether a more urgent tier (P1-P2) has a waiting request no younger than `req`."""
-        for tier in RESCUED_TIERS[: req.tier - 1]:
-            oldest = self._waiting.oldest(tier)
-            if oldest is not None and oldest.arrival_time <= req.arrival_time:
-                return True
-        return False
+    def _oldest_more_urgent(self, tier: Tier) -> float:
+        """The arrival time of the oldest waiting request of the tiers P1-P2 more urgent
+        than `tier` (inf: none waits)."""
+        oldest_s = math.inf
+        for urgent in RESCUED_TIERS[: tier - 1]:
+            oldest = self._waiting.oldest(urgent)
+            if oldest is not None and oldest.arrival_time < oldest_s:
+                oldest_s = oldest.arrival_time
+        return oldest_s
 
     def peek(self, now: float) -> Request | None:
         choice = self._choose(now)

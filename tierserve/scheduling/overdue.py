@@ -14,9 +14,11 @@ Fair queuing alone lets a tenant wait forever while new tenants keep coming: eac
 at the virtual time, below a tenant served before, and one-shot tenant ids arriving
 faster than the tier is served would hold it back for good. Aging must not: with
 `starve_s`, a tenant with an overdue request that has not been served for `starve_s`
-(since it had one, or since its last serve, `served`) goes first, the longest held back
-first, so every tenant's oldest overdue request moves. A tenant served its share meets the
-bound only if its share is under one request per `starve_s`.
+(since a pick first found it with one, or since its last serve, `served`) goes first, the
+longest held back first, so every tenant's oldest overdue request moves. The bound is a
+backstop, not a share: a tenant whose fair share is under one request per `starve_s`
+gets that one request, so with more tenants than the tier serves in `starve_s` the
+weights count for less (all of them held back: one request each in turn).
 
 State and cost: the requests not overdue yet sit in one heap on arrival time and move,
 as time passes them, into their tenant's heap (a tenant is listed while it has one);
@@ -40,6 +42,7 @@ from tierserve.request import Request
 STALE_FLOOR = 64  # stale entries a heap may hold before it is rebuilt
 
 Entry = tuple[float, int, Request]  # (arrival time, token, request)
+TenantEntry = tuple[float, float, int, str]  # (start tag, oldest overdue arrival, version, tenant)
 
 
 class OverdueByTenant:
@@ -53,7 +56,7 @@ class OverdueByTenant:
         self._expiring: list[Entry] = []  # overdue, by arrival: to leave at `until_s`
         self._by_tenant: dict[str, list[Entry]] = {}  # overdue, per tenant (a listed tenant's)
         self._count: dict[str, int] = {}  # overdue requests per listed tenant
-        self._tenants: list[tuple[float, float, int, str]] = []  # (start, oldest, version, tenant)
+        self._tenants: list[TenantEntry] = []  # listed tenants
         self._version: dict[str, int] = {}  # listed tenant -> its live entry
         self._held_back: list[tuple[float, int, str]] = []  # (listed or last served, version, tenant)
         self._since: dict[str, int] = {}  # listed tenant -> its live entry there (with `starve_s`)
@@ -82,18 +85,19 @@ class OverdueByTenant:
 
     def pick(self, now: float, start_tag: Callable[[str], float]) -> Request | None:
         """The oldest overdue request of the tenant with the smallest start tag (ties: the
-        older request) among those with one, at `now`; `start_tag` gives a waiting
-        tenant's tag in the tier's fair queue."""
+        older request) among those with one, at `now`, unless a tenant has been held back
+        over `starve_s` (its oldest overdue request, the longest held back first);
+        `start_tag` gives a waiting tenant's tag in the tier's fair queue."""
         self._advance(now, start_tag)
         held_back = self._held_back
         while held_back:
             since, version, tenant = held_back[0]
             if self._since.get(tenant) != version:
                 heapq.heappop(held_back)
-            elif now - since > self.starve_s:
+                continue
+            if now - since > self.starve_s:
                 return self._oldest_of(tenant)
-            else:
-                break
+            break
         tenants = self._tenants
         while tenants:
             start, oldest, version, tenant = tenants[0]
@@ -172,17 +176,19 @@ class OverdueByTenant:
         version = next(self._serial)
         self._version[tenant] = version
         heapq.heappush(self._tenants, (key[0], key[1], version, tenant))
-        if len(self._tenants) > 2 * len(self._version) + STALE_FLOOR:
-            self._tenants = [e for e in self._tenants if self._version.get(e[3]) == e[2]]
-            heapq.heapify(self._tenants)
+        tenants = self._tenants
+        if len(tenants) > 2 * len(self._version) + STALE_FLOOR:  # in place: `pick` holds the list
+            tenants[:] = [e for e in tenants if self._version.get(e[3]) == e[2]]
+            heapq.heapify(tenants)
 
     def _hold_back(self, tenant: str, since: float) -> None:
         version = next(self._serial)
         self._since[tenant] = version
         heapq.heappush(self._held_back, (since, version, tenant))
-        if len(self._held_back) > 2 * len(self._since) + STALE_FLOOR:
-            self._held_back = [e for e in self._held_back if self._since.get(e[2]) == e[1]]
-            heapq.heapify(self._held_back)
+        held_back = self._held_back
+        if len(held_back) > 2 * len(self._since) + STALE_FLOOR:
+            held_back[:] = [e for e in held_back if self._since.get(e[2]) == e[1]]
+            heapq.heapify(held_back)
 
     def _push(self, heap: list[Entry], entry: Entry) -> None:
         heapq.heappush(heap, entry)
