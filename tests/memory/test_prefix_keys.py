@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from tests.conftest import make_request
 from tierserve.memory.block_pool import BlockKey, hash_block, hash_blocks
 from tierserve.memory.manager import KVCacheManager
@@ -72,3 +74,12 @@ def test_hash_blocks_chains_hash_block_over_full_blocks() -> None:
     assert hash_blocks(None, tokens, BLOCK) == expected
     assert hash_blocks(first, tokens[4:8], BLOCK) == expected[1:]
     assert hash_blocks(None, tokens[:3], BLOCK) == []
+
+
+def test_hash_blocks_keys_any_64_bit_id_as_hash_block_does() -> None:
+    # `hash_blocks` packs the ids with struct, `hash_block` with array: the same bytes.
+    tokens = [0, -1, 2**63 - 1, -(2**63), 128_000, 5, 2**31, -(2**31) - 1]
+    first = hash_block(None, tokens[:4])
+    assert hash_blocks(None, tokens, BLOCK) == [first, hash_block(first, tokens[4:])]
+    with pytest.raises(OverflowError):  # an id past 64 bits: array's error, as before
+        hash_blocks(None, [2**63, 0, 0, 0], BLOCK)

@@ -213,19 +213,20 @@ class KVCacheManager:
         """Enter the request's newly completed full blocks into the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_computed_blocks = req.num_computed_tokens // self.block_size
+        request_id, size = req.request_id, self.block_size
+        num_computed_blocks = req.num_computed_tokens // size
         num_full = min(num_computed_blocks, len(req.block_ids))
         if num_full < num_computed_blocks:
-            self.caching_behind.add(req.request_id)
+            self.caching_behind.add(request_id)
         else:
-            self.caching_behind.discard(req.request_id)
-        start = self._num_registered.get(req.request_id, 0)
+            self.caching_behind.discard(request_id)
+        start = self._num_registered.get(request_id, 0)
         if num_full <= start:
             return
-        hashes = self._block_hashes(req, num_full)
-        tokens = _tokens_upto(req, num_full * self.block_size)
+        tokens = _tokens_upto(req, num_full * size)
+        hashes = self._block_hashes(req, num_full, tokens)
         self.pool.register_run(req.block_ids, hashes, tokens, start, num_full)
-        self._num_registered[req.request_id] = num_full
+        self._num_registered[request_id] = num_full
 
     # ---- swap ----------------------------------------------------------------------------
 
@@ -261,9 +262,13 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def _block_hashes(self, req: Request, num_blocks: int) -> list[BlockKey]:
+    def _block_hashes(self, req: Request, num_blocks: int, tokens: Sequence[int]) -> list[BlockKey]:
+        """The keys of the request's first `num_blocks` blocks (`tokens`: its ids, as
+        `_tokens_upto` gives them), worked out once each."""
         hashes = self._hashes.setdefault(req.request_id, [])
-        tokens, size = _tokens_upto(req, num_blocks * self.block_size), self.block_size
+        if len(hashes) >= num_blocks:
+            return hashes
+        size = self.block_size
         parent = hashes[-1] if hashes else None
         if self._hash_fn is hash_block:  # the same keys, from one conversion of the ids
             hashes.extend(hash_blocks(parent, tokens[len(hashes) * size : num_blocks * size], size))
@@ -282,8 +287,9 @@ class KVCacheManager:
         hits: list[int] = []
         tokens, size = _tokens_upto(req, max_blocks * self.block_size), self.block_size
         parent: BlockKey | None = None
-        for i, key in enumerate(self._block_hashes(req, max_blocks)):
-            block = self.pool.lookup(key, parent, tokens[i * size : (i + 1) * size], evicted)
+        lookup = self.pool.lookup
+        for i, key in enumerate(self._block_hashes(req, max_blocks, tokens)):
+            block = lookup(key, parent, tokens[i * size : (i + 1) * size], evicted)
             if block is None:
                 break
             hits.append(block)

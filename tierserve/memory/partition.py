@@ -61,7 +61,11 @@ class TierPartition:
 
     def protected_free(self, tier: Tier, used: list[int]) -> int:
         """Free blocks `tier` must leave alone: unfilled floors of more urgent tiers."""
-        return sum(max(0, self.floor[u] - used[u]) for u in range(tier))
+        protected, floor = 0, self.floor
+        for u in range(tier):  # a loop, not sum(max(...)): asked for every allocation
+            if floor[u] > used[u]:
+                protected += floor[u] - used[u]
+        return protected
 
     def borrowed(self, used: list[int]) -> list[int]:
         """Blocks each tier holds beyond its floor, reserve and the shared pool."""

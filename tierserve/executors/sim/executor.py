@@ -149,10 +149,14 @@ class PlaceholderTokens:
         with np.errstate(over="ignore"):
             x = np.uint64(seed) + np.arange(start, stop, dtype=np.uint64) * np.uint64(_GOLDEN64)
             x = (x ^ (x >> np.uint64(31))) * np.uint64(_MIX64)
-            tokens: list[int] = ((x ^ (x >> np.uint64(29))) % np.uint64(self.limit)).tolist()
+            drawn = (x ^ (x >> np.uint64(29))) % np.uint64(self.limit)
+        tokens: list[int] = drawn.tolist()
         special, vocab_size = self.special, self.vocab_size
-        if special:
-            for i in [i for i, token in enumerate(tokens) if token in special]:
+        # Only a special id below the limit can be drawn (Llama-3's all lie above it):
+        # the others need no search, and the search is numpy's.
+        reachable = [token for token in special if 0 <= token < self.limit]
+        if reachable:
+            for i in np.flatnonzero(np.isin(drawn, np.array(reachable, dtype=np.uint64))).tolist():
                 token = tokens[i]
                 while token in special:
                     token = (token + 1) % vocab_size
