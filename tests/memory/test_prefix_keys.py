@@ -8,9 +8,10 @@ from collections.abc import Sequence
 import pytest
 
 from tests.conftest import make_request
-from tierserve.memory.block_pool import BlockKey, hash_block, hash_blocks
+from tierserve.memory.block_pool import BlockKey, BlockPool, hash_block, hash_blocks
 from tierserve.memory.manager import KVCacheManager
 from tierserve.request import Request
+from tierserve.tiers import Tier
 
 BLOCK = 4
 
@@ -83,3 +84,15 @@ def test_hash_blocks_keys_any_64_bit_id_as_hash_block_does() -> None:
     assert hash_blocks(None, tokens, BLOCK) == [first, hash_block(first, tokens[4:])]
     with pytest.raises(OverflowError):  # an id past 64 bits: array's error, as before
         hash_blocks(None, [2**63, 0, 0, 0], BLOCK)
+
+
+@pytest.mark.parametrize("bad", [99, None], ids=["id past the pool", "not an id"])
+def test_a_release_stopped_midway_keeps_the_pool_consistent(bad: object) -> None:
+    # The cached blocks released before the error stay counted as free.
+    pool = BlockPool(4, 1)
+    block = pool.allocate(Tier.P1)
+    pool.register_run([block], [hash_block(None, [5])], [5], 0, 1)
+    with pytest.raises((IndexError, TypeError)):
+        pool.release_all([block, bad])  # type: ignore[list-item]
+    assert pool.num_free == 4
+    pool.check_integrity()

@@ -184,24 +184,25 @@ class BlockPool:
         request's blocks come last first: `KVCacheManager.free`)."""
         ref_count, charged_tier, block_hash = self.ref_count, self.charged_tier, self.block_hash
         used, free, lru_of_tier = self.used_by_tier, self._free, self._lru_of_tier
-        num_cached = 0  # added to `_num_evictable` once, at the end
-        for block_id in block_ids:
-            count = ref_count[block_id] - 1
-            if count < 0:
-                self._num_evictable += num_cached
-                raise KVIntegrityError(f"block {block_id} released more often than taken")
-            ref_count[block_id] = count
-            if count:
-                continue
-            tier = charged_tier[block_id]
-            used[tier] -= 1
-            if block_hash[block_id] is None:
-                charged_tier[block_id] = NO_TIER
-                free.append(block_id)
-            else:
-                lru_of_tier[tier][block_id] = None  # most recently used at the end
-                num_cached += 1
-        self._num_evictable += num_cached
+        num_cached = 0  # added to `_num_evictable` once, at the end (or where it stops)
+        try:
+            for block_id in block_ids:
+                count = ref_count[block_id] - 1
+                if count < 0:
+                    raise KVIntegrityError(f"block {block_id} released more often than taken")
+                ref_count[block_id] = count
+                if count:
+                    continue
+                tier = charged_tier[block_id]
+                used[tier] -= 1
+                if block_hash[block_id] is None:
+                    charged_tier[block_id] = NO_TIER
+                    free.append(block_id)
+                else:
+                    lru_of_tier[tier][block_id] = None  # most recently used at the end
+                    num_cached += 1
+        finally:
+            self._num_evictable += num_cached
 
     def register_run(
         self,
