@@ -106,7 +106,7 @@ if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
 RESCUE_FRACTION = 0.25  # of the TTFT target a P1-P2 request may wait before it is rescued
-DEFER_FRACTION = 1 / 3  # ... and before P3 steps aside for it
+DEFER_FRACTION = 1 / 3  # ... and before P3 steps aside for it (>= RESCUE_FRACTION: `_at_risk`)
 P0_FLOOR_SHARE = 1 / 8  # of a step's tokens a P0 prompt keeps while shorter P0 prompts go first
 HELD_BACK_AGINGS = 10  # a tenant with an aged request not served for this many `aging_s` goes first
 RESCUED_TIERS = (Tier.P1, Tier.P2)  # rescued when at risk
@@ -166,7 +166,6 @@ class HybridPolicy(FairQueuePolicy):
         self._aging_s = [config.tiers[t].aging_s for t in ALL_TIERS]
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
         self._waiting = OldestWaiting()  # every waiting request: aging
-        self._savable = OldestWaiting()  # those that can still meet their target: rescue
         # The rescue's and aging's requests, by tenant: each is served in its tier's tenant-fair order.
         self._rescuable = {
             t: OverdueByTenant(RESCUE_FRACTION * self._target_s[t], self._target_s[t]) for t in RESCUED_TIERS
@@ -229,12 +228,12 @@ class HybridPolicy(FairQueuePolicy):
 
     def _at_risk(self, tier: Tier, now: float, fraction: float) -> bool:
         """Whether a waiting request of `tier` that can still meet its TTFT target has
-        waited over `fraction` of it."""
-        if tier in self._held:
+        waited over `fraction` of it (at least RESCUE_FRACTION: such a request is among
+        the rescue's)."""
+        if tier in self._held or not self._sfq.count(tier):
             return False
-        target = self._target_s[tier]
-        req = self._savable.oldest(tier, arrived_after=now - target)
-        return req is not None and now - req.arrival_time > fraction * target
+        req = self._rescuable[tier].oldest(now, self._sfq.tenants(tier).start_tag)
+        return req is not None and now - req.arrival_time > fraction * self._target_s[tier]
 
     def _aged(self, now: float) -> Request | None:
         """A request past its tier's aging threshold: in the tier whose oldest such request
@@ -318,7 +317,6 @@ class HybridPolicy(FairQueuePolicy):
         if req.tier is Tier.P3:
             self._queued.add(req)
         if req.tier in RESCUED_TIERS:
-            self._savable.add(req)
             self._rescuable[req.tier].add(req)
         aged = self._aged_by_tenant.get(req.tier)
         if aged is not None:
@@ -329,7 +327,6 @@ class HybridPolicy(FairQueuePolicy):
         self._queued.discard(req)
         self._requeued_at.pop(req, None)
         self._waiting.discard(req)
-        self._savable.discard(req)
         if req.tier in RESCUED_TIERS:
             self._rescuable[req.tier].discard(req)
         aged = self._aged_by_tenant.get(req.tier)

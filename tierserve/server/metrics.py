@@ -92,7 +92,6 @@ class ServerMetrics:
         self._model = model_name
         self._targets = dict(ttft_targets)
         r = self.registry
-        m = ["model_name"]
         self.wait = Histogram(
             "llm_scheduler_wait_seconds",
             "Time from enqueue to first token, by tier",
@@ -107,25 +106,7 @@ class ServerMetrics:
             buckets=SWAP_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
-        ).labels(model_name)
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between consecutive output tokens",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish", m, buckets=E2E_BUCKETS, registry=r
-        ).labels(model_name)
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens of started requests", m, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=r).labels(
-            model_name
-        )
+        self._declare_model_series()
         self.rejections = Counter(
             "tierserve_rejections",
             "Requests refused before the engine, by reason",
@@ -148,6 +129,29 @@ class ServerMetrics:
         self._engine_families: Sequence[Metric] = ()  # the engine process's, as it answered last
         self._state = StateCollector(model_name, self.sla_counts)
         r.register(self._state)
+
+    def _declare_model_series(self) -> None:
+        """The series vLLM exports under the same names, labelled with the model."""
+        r, m, model = self.registry, ["model_name"], self._model
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
+        ).labels(model)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish", m, buckets=E2E_BUCKETS, registry=r
+        ).labels(model)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of started requests", m, registry=r
+        ).labels(model)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", m, registry=r).labels(
+            model
+        )
 
     def _start_at_zero(self) -> None:
         """Each tier's waits, refusals and outcomes exported at 0 from the start."""
