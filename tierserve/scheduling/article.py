@@ -108,6 +108,10 @@ class ArticlePolicy(FairQueuePolicy):
         tier, level, in_order = choice
         return self._sfq.serve(tier, in_order=in_order, weight=self._weights[level])
 
+    def _put_back(self, req: Request, now: float) -> None:
+        # Refunded at the weight it was served at: its level then (the same `now` in a pass).
+        self._sfq.put_back(req, weight=self._weights[self.level(req, now)])
+
     def preempts_for_admission(self, req: Request, memory: KVCacheManager, num_blocks: int) -> bool:
         return req.tier == Tier.P0
 

@@ -64,6 +64,14 @@ class Policy(ABC):
         self._num_waiting[req.tier] += 1
         self._push_front(req, now)
 
+    def put_back(self, req: Request, now: float) -> None:
+        """Return a request popped a moment ago that the engine did not run (vLLM skips a
+        waiting request whose grammar is not compiled, whose KV is still in transfer, or
+        whose LoRA has no slot): it waits again as if it had not been popped, and whatever
+        popping it charged its tier or tenant is given back."""
+        self._num_waiting[req.tier] += 1
+        self._put_back(req, now)
+
     @abstractmethod
     def peek(self, now: float) -> Request | None:
         """The request `pop` would return now; aging is evaluated here, on every pass."""
@@ -100,6 +108,10 @@ class Policy(ABC):
 
     @abstractmethod
     def _pop(self, now: float) -> Request: ...
+
+    def _put_back(self, req: Request, now: float) -> None:
+        # A policy that charges nothing for a pop: the head of its tier is where it was.
+        self._push_front(req, now)
 
     @abstractmethod
     def _remove(self, req: Request) -> None: ...

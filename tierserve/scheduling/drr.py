@@ -8,11 +8,13 @@ request uses up its tier's turn as it should.
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import ClassVar
 
 from tierserve.config import EngineConfig
 from tierserve.request import Request
 from tierserve.scheduling.errors import EmptyQueueError
+from tierserve.scheduling.fair_queue import SERVES_KEPT
 from tierserve.scheduling.tier_queues import TierQueuesPolicy
 from tierserve.tiers import ALL_TIERS, Tier
 
@@ -29,6 +31,8 @@ class DrrPolicy(TierQueuesPolicy):
         self._quantum = [config.tiers[t].drr_weight * unit for t in ALL_TIERS]
         self._deficit = [0.0] * len(ALL_TIERS)
         self._current = Tier.P3  # the first turn goes to P0
+        # The latest pops, each with the round before it (deficits, turn), for `put_back`.
+        self._served: deque[tuple[Request, list[float], Tier]] = deque(maxlen=SERVES_KEPT)
 
     def _cost(self, req: Request) -> float:
         return float(req.expected_cost_tokens) if self.counts_tokens else 1.0
@@ -74,14 +78,25 @@ class DrrPolicy(TierQueuesPolicy):
         return None if tier is None else self._queues.head(tier)
 
     def _pop(self, now: float) -> Request:
+        before = (list(self._deficit), self._current)
         tier = self._select()
         if tier is None:
             raise EmptyQueueError("pop from an empty queue")
         req = self._queues.popleft(tier)
+        self._served.append((req, *before))
         self._deficit[tier] -= self._cost(req)
         if not self._queues.queues[tier]:
             self._deficit[tier] = 0.0
         return req
+
+    def _put_back(self, req: Request, now: float) -> None:
+        super()._put_back(req, now)
+        served = self._served
+        if served and served[-1][0] is req:  # the latest pop: the round as it was before it
+            _, deficit, current = served.pop()
+            self._deficit, self._current = deficit, current
+        else:  # its cost back to its tier (all of it if the tier emptied: enough for it)
+            self._deficit[req.tier] += self._cost(req)
 
 
 class TokenDrrPolicy(DrrPolicy):

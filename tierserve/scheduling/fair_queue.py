@@ -25,7 +25,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from tierserve.request import Request
 from tierserve.scheduling.errors import EmptyQueueError
@@ -33,6 +33,7 @@ from tierserve.scheduling.errors import EmptyQueueError
 K = TypeVar("K", bound=Hashable)
 IDLE_TAGS_FLOOR = 64
 IDLE_TAGS_PER_FLOW = 4
+SERVES_KEPT = 256  # serves `put_back` can undo exactly (in reverse order): more than a pass pops
 
 
 class Flow(Protocol):
@@ -46,6 +47,7 @@ class Flow(Protocol):
     def popleft(self) -> Request: ...
     def remove(self, req: Request) -> None: ...
     def take(self, req: Request) -> None: ...
+    def put_back(self, req: Request) -> None: ...
 
 
 class FifoFlow:
@@ -53,6 +55,7 @@ class FifoFlow:
 
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
+        self._taken: deque[tuple[Request, int]] = deque(maxlen=SERVES_KEPT)  # (served, where it was)
 
     def __len__(self) -> int:
         return len(self._q)
@@ -70,7 +73,9 @@ class FifoFlow:
         self._q.appendleft(req)
 
     def popleft(self) -> Request:
-        return self._q.popleft()
+        req = self._q.popleft()
+        self._taken.append((req, 0))
+        return req
 
     def remove(self, req: Request) -> None:
         if self._q[0] is req:
@@ -78,7 +83,36 @@ class FifoFlow:
         else:
             self._q.remove(req)
 
-    take = remove  # a FIFO charges nothing: serving a request is removing it
+    def take(self, req: Request) -> None:
+        """Serve `req` from wherever it waits (a FIFO charges nothing: it is removed)."""
+        q = self._q
+        where = 0 if q[0] is req else q.index(req)
+        del q[where]
+        self._taken.append((req, where))
+
+    def put_back(self, req: Request) -> None:
+        """Return a request served a moment ago where it was (undone in the reverse order of
+        the serves; otherwise ahead of the first request that arrived after it)."""
+        q, taken = self._q, self._taken
+        if taken and taken[-1][0] is req:
+            q.insert(taken.pop()[1], req)
+            return
+        for i, queued in enumerate(q):
+            if queued.arrival_time > req.arrival_time:
+                q.insert(i, req)
+                return
+        q.append(req)
+
+
+class Served(NamedTuple, Generic[K]):
+    """A serve, as `put_back` undoes it: what it changed, as it was before."""
+
+    req: Request
+    flow: Flow  # the flow it was served from
+    virtual_time: float
+    finish: float  # the flow's finish tag
+    start: float  # the flow's start tag
+    dropped: list[tuple[K, float]]  # idle flows' finish tags the serve forgot (V passed them)
 
 
 class StartTimeFairQueue(Generic[K]):
@@ -104,6 +138,8 @@ class StartTimeFairQueue(Generic[K]):
         self._serial = itertools.count()
         self._len = 0
         self.ops = 0
+        self._served: deque[Served[K]] = deque(maxlen=SERVES_KEPT)  # the latest serves, for `put_back`
+        self._dropping: list[tuple[K, float]] | None = None  # the serve under way's dropped idle tags
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -205,6 +241,9 @@ class StartTimeFairQueue(Generic[K]):
         flow = self.flows[key]
         start = self._start[key]
         self._len -= 1
+        dropped: list[tuple[K, float]] = []  # idle tags this serve drops, for `put_back`
+        self._served.append(Served(req, flow, self.virtual_time, self._finish[key], start, dropped))
+        self._dropping = dropped
         w = weight if weight is not None else self._weight(key, req)
         self._finish[key] = start + self._cost(req) / w
         if in_order and start > self.virtual_time:
@@ -215,6 +254,40 @@ class StartTimeFairQueue(Generic[K]):
         else:
             self._went_idle(key)
         self._forget_behind()
+        self._dropping = None
+
+    def put_back(self, req: Request, *, weight: float | None = None) -> None:
+        """Return `req`, served a moment ago but never run (the engine skipped it), to its
+        flow, as if it had not been served. Put back in the reverse order of their serves
+        (as vLLM does with the requests it skips in a pass), requests leave V, every tag and
+        every flow's order as they were. Otherwise the flow's finish tag goes back by the
+        request's cost (at `weight`, if it was served at another weight than its flow's),
+        V stays where later serves took it, and the flow starts no earlier than V, as a flow
+        newly backlogged would."""
+        key = self._flow_of(req)
+        served = self._served
+        undo = served.pop() if served and served[-1].req is req else None  # the latest serve
+        self._len += 1
+        flow = self.flows.get(key)
+        if flow is None:  # the flow it left, if it is the latest serve's (a fair queue keeps state)
+            self.flows[key] = flow = undo.flow if undo is not None else self._new_flow()
+            self._idle_version.pop(key, None)  # its idle-heap entry, if any, is now stale
+        flow.put_back(req)
+        if undo is not None:
+            self.virtual_time = undo.virtual_time
+            for idle_key, idle_finish in undo.dropped:
+                if idle_key not in self.flows:
+                    self._idle_tag(idle_key, idle_finish)
+            self._finish[key], self._start[key] = undo.finish, undo.start
+        else:
+            finish = self._finish.get(key)
+            if finish is None:  # forgotten: it starts at V, which costs it nothing
+                finish = self.virtual_time
+            else:
+                finish -= self._cost(req) / (weight if weight is not None else self._weight(key, req))
+            self._finish[key] = finish
+            self._start[key] = max(self.virtual_time, finish)
+        self._push_head(key)
 
     def popleft(self) -> Request:
         key = self.next_flow()
@@ -262,6 +335,12 @@ class StartTimeFairQueue(Generic[K]):
         if finish <= self.virtual_time:
             del self._finish[key]
             return
+        self._idle_tag(key, finish)
+        self._cap_idle()
+
+    def _idle_tag(self, key: K, finish: float) -> None:
+        """Keep idle flow `key`'s finish tag (ahead of V)."""
+        self._finish[key] = finish
         version = next(self._serial)
         self._idle_version[key] = version
         heapq.heappush(self._idle, (finish, version, key))
@@ -270,7 +349,6 @@ class StartTimeFairQueue(Generic[K]):
             self._idle = [e for e in self._idle if self._idle_version.get(e[2]) == e[1]]
             heapq.heapify(self._idle)
             self.ops += len(self._idle)
-        self._cap_idle()
 
     def _forget_behind(self) -> None:
         """Drop idle tags at or behind V: the flow would start at V anyway."""
@@ -288,4 +366,6 @@ class StartTimeFairQueue(Generic[K]):
         self.ops += 1
         if self._idle_version.get(key) == version:
             del self._idle_version[key]
-            del self._finish[key]
+            finish = self._finish.pop(key)
+            if self._dropping is not None:
+                self._dropping.append((key, finish))

@@ -179,6 +179,9 @@ class HybridPolicy(FairQueuePolicy):
         }
         self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
         self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
+        # ... of the requests popped at `_popped_at` (one pass): `put_back` restores it.
+        self._popped_requeued_at: dict[Request, float] = {}
+        self._popped_at = -math.inf
         # Waiting P3 requests, longest in the queue first (since arrival or since `_requeued_at`).
         self._queued = OldestWaiting(key=self._queued_since)
         self._step: StepBudget | None = None  # the step being built, between the hooks
@@ -284,6 +287,12 @@ class HybridPolicy(FairQueuePolicy):
             req = self._sfq.serve(choice.tier, in_order=choice.in_order)
         else:
             self._sfq.take(req)
+        if now != self._popped_at:
+            self._popped_at = now
+            self._popped_requeued_at.clear()
+        requeued_at = self._requeued_at.get(req)
+        if requeued_at is not None:
+            self._popped_requeued_at[req] = requeued_at
         self._untrack(req)
         aged = self._aged_by_tenant.get(req.tier)
         if aged is not None:
@@ -302,6 +311,16 @@ class HybridPolicy(FairQueuePolicy):
         self._requeued_at[req] = now  # before `_track`, which files it by it
         super()._push_front(req, now)
         self._track(req)
+
+    def _put_back(self, req: Request, now: float) -> None:
+        super()._put_back(req, now)
+        requeued_at = self._popped_requeued_at.pop(req, None) if now == self._popped_at else None
+        if requeued_at is not None:
+            self._requeued_at[req] = requeued_at  # before `_track`, which files it by it
+        self._track(req)
+        aged = self._aged_by_tenant.get(req.tier)
+        if aged is not None:
+            aged.unserve(req)
 
     def _remove(self, req: Request) -> None:
         super()._remove(req)

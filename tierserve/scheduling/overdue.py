@@ -60,6 +60,8 @@ class OverdueByTenant:
         self._version: dict[str, int] = {}  # listed tenant -> its live entry
         self._held_back: list[tuple[float, int, str]] = []  # (listed or last served, version, tenant)
         self._since: dict[str, int] = {}  # listed tenant -> its live entry there (with `starve_s`)
+        self._held_since: dict[str, float] = {}  # ... and the time it holds
+        self._before_served: dict[str, list[float]] = {}  # ... and the times it held before its serves
         self._serial = itertools.count()
 
     def __len__(self) -> int:
@@ -126,8 +128,19 @@ class OverdueByTenant:
     def served(self, req: Request, now: float) -> None:
         """`req` was served (taken from the queue to run, by any rule): its tenant, if it
         still has an overdue request, is held back from `now` on."""
-        if self.starve_s < math.inf and req.tenant in self._count:
-            self._hold_back(req.tenant, now)
+        tenant = req.tenant
+        if self.starve_s < math.inf and tenant in self._count:
+            self._before_served.setdefault(tenant, []).append(self._held_since[tenant])
+            self._hold_back(tenant, now)
+
+    def unserve(self, req: Request) -> None:
+        """`req`, served a moment ago, was not run after all (undone in the reverse order of
+        the serves): its tenant is held back from when it was before. A tenant that `req`'s
+        serve left with no overdue request is listed again from when it is next found
+        with one, as a tenant new to the list."""
+        before = self._before_served.get(req.tenant)
+        if before and req.tenant in self._count:
+            self._hold_back(req.tenant, before.pop())
 
     # ---- moving requests in and out ------------------------------------------------------
 
@@ -181,6 +194,8 @@ class OverdueByTenant:
             return
         del self._count[tenant], self._by_tenant[tenant], self._version[tenant]
         self._since.pop(tenant, None)
+        self._held_since.pop(tenant, None)
+        self._before_served.pop(tenant, None)
 
     def _list(self, tenant: str, key: tuple[float, float]) -> None:
         """(Re)list `tenant` at `key`: its start tag and its oldest overdue arrival."""
@@ -195,6 +210,7 @@ class OverdueByTenant:
     def _hold_back(self, tenant: str, since: float) -> None:
         version = next(self._serial)
         self._since[tenant] = version
+        self._held_since[tenant] = since
         heapq.heappush(self._held_back, (since, version, tenant))
         held_back = self._held_back
         if len(held_back) > 2 * len(self._since) + STALE_FLOOR:

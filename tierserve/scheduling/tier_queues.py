@@ -64,6 +64,9 @@ class TierQueues:
     def remove(self, req: Request) -> None:
         self.queues[req.tier].remove(req)
 
+    def put_back(self, req: Request) -> None:
+        self.queues[req.tier].put_back(req)
+
     def __iter__(self) -> Iterator[Request]:
         for q in self.queues:
             yield from q
@@ -82,6 +85,9 @@ class TierQueuesPolicy(Policy):
 
     def _push_front(self, req: Request, now: float) -> None:
         self._queues.appendleft(req)
+
+    def _put_back(self, req: Request, now: float) -> None:
+        self._queues.put_back(req)
 
     def _remove(self, req: Request) -> None:
         self._queues.remove(req)

@@ -28,6 +28,9 @@ class FairQueuePolicy(Policy):
     def _push_front(self, req: Request, now: float) -> None:
         self._sfq.appendleft(req)
 
+    def _put_back(self, req: Request, now: float) -> None:
+        self._sfq.put_back(req)
+
     def _remove(self, req: Request) -> None:
         self._sfq.remove(req)
 

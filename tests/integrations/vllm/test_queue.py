@@ -124,3 +124,55 @@ def test_a_request_the_book_has_forgotten_still_leaves_the_queue() -> None:
     book.end("a")
     q.remove_request(a)
     assert len(q) == 1 and q.waiting_in(Tier.P1) == [] and q.peek_request() is b
+
+
+def test_a_request_vllm_skips_pass_after_pass_costs_its_tenant_nothing() -> None:
+    """vLLM skips a waiting request it cannot run yet (grammar compiling, KV in transfer,
+    LoRA without a slot) by popping it and putting it back at the end of the pass. Charged as
+    served at every such pass, its tenant fell behind: here b, its first request skipped for
+    30 passes while one request a pass was admitted, got 1 of the 30 against a's 29."""
+    q, book = _queue()
+    for i in range(40):
+        for tenant, offset in (("a", 0.0), ("b", 0.0005)):
+            req = _req(f"{tenant}{i}", 0.001 * i + offset)
+            book.add(req, Tier.P2, tenant)
+            q.add_request(req)
+    now, admitted = 1.0, []
+    for _ in range(30):
+        now += 0.01
+        q.tick(now)
+        skipped = []
+        while True:
+            req = q.pop_request()
+            if req.request_id != "b0":
+                admitted.append(req.request_id[0])
+                break
+            skipped.append(req)
+        q.prepend_requests(reversed(skipped))  # as vLLM: the last skipped first
+        q.end_pass()
+    assert abs(admitted.count("a") - admitted.count("b")) <= 2, f"not half each: {admitted}"
+    q.tick(now + 0.01)
+    first = [q.pop_request().request_id for _ in range(2)]
+    assert "b0" in first, f"b0, runnable again, waited behind {first}"
+
+
+@pytest.mark.parametrize("skipped", [True, False])
+def test_only_a_request_put_back_in_the_pass_that_popped_it_is_refunded(skipped: bool) -> None:
+    """Tenants a and b, one P1 request each; a's goes first (it arrived first). Put back in the
+    same pass, it was skipped: it goes first again. Put back after the pass, it ran and was
+    preempted: its tenant was served, so b's request goes first."""
+    q, book = _queue()
+    a, b = _req("a", 1.0), _req("b", 2.0)
+    for r, tenant in ((a, "ta"), (b, "tb")):
+        book.add(r, Tier.P1, tenant)
+        q.add_request(r)
+    q.tick(10.0)
+    assert q.pop_request() is a
+    if not skipped:
+        q.end_pass()
+        q.tick(10.1)
+    q.prepend_request(a)
+    q.end_pass()
+    q.tick(10.2)
+    order = [q.pop_request() for _ in range(2)]
+    assert order == ([a, b] if skipped else [b, a])

@@ -509,3 +509,38 @@ def test_a_ceilings_marks_do_not_make_a_lower_tiers_allocation_preempt_p0(
     assert (Tier.P0, Tier.P0) in preempted_for, "P0's ceiling bound"
     assert any(requester is Tier.P3 for requester, _ in preempted_for), "a P3 allocation failed"
     assert (Tier.P3, Tier.P0) not in preempted_for
+
+
+def test_a_request_vllm_skips_for_many_steps_costs_its_tenant_nothing(plugin: Driver) -> None:
+    """vLLM skips a waiting request it cannot run yet (here: its grammar still compiling) by
+    popping it from the queue and putting it back at the end of the pass. The plug-in charged
+    each such pop to the request's tenant as a serve: with one seat free, tenants a and b
+    sharing P2 and b's first request skipped, a got 11 of the 12 admissions."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler_of(plugin.llm)
+    long = [f"skip-seat-{i}" for i in range(MAX_NUM_SEQS - 1)]  # all seats but one, for the test
+    for i, rid in enumerate(long):
+        plugin.submit(rid, prompt(1100 + i, 20), 150, Tier.P1)
+    plugin.run(20, until=lambda: all(rid in plugin.first_token_step for rid in long))
+    for i in range(16):
+        for tenant in ("a", "b"):
+            plugin.submit(
+                f"skip-{tenant}{i}", prompt(1000 + 2 * i + (tenant == "b"), 40), 3, Tier.P2, tenant=tenant
+            )
+    (blocked,) = (r for rid, r in sched.requests.items() if rid.startswith("skip-b0-"))
+    blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    blocked.structured_output_request = SimpleNamespace(grammar=None)  # not compiled yet
+
+    def p2_started() -> list[str]:
+        return [rid for rid in plugin.first_token_step if rid[len("skip-")] in "ab"]
+
+    plugin.run(120, until=lambda: len(p2_started()) >= 12)
+    started = "".join(rid[len("skip-")] for rid in p2_started())
+    assert "skip-b0" not in plugin.first_token_step
+    assert abs(started.count("a") - started.count("b")) <= 2, f"not half each: {started}"
+    blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None  # compiled
+    plugin.run(20, until=lambda: "skip-b0" in plugin.first_token_step)
+    assert p2_started()[len(started) :].index("skip-b0") <= 1, f"b0 waited behind {p2_started()}"

@@ -10,6 +10,13 @@ behind the last of that tier at the head: vLLM's admission loop then sees an emp
 `waiting_in(tier)` gives one tier's queued requests without a walk over the others (the
 scheduler asks for the waiting P0 requests at every step while one waits: walking a queue
 of 20,000 for them took 9 ms a step).
+
+vLLM skips a waiting request it cannot run yet (its grammar still compiling, its KV still
+in transfer, its LoRA without a slot) by popping it and putting it back at the end of the
+pass. Popping charges the request's tenant and tier in the policy's fair order; a request
+put back in the pass that popped it (between `tick` and `end_pass`) was skipped, so the
+policy gives the charge back (`Policy.put_back`). Charged instead, a request skipped for
+many steps (a LoRA waiting for a slot) cost its tenant a request's share at every step.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class PolicyRequestQueue(RequestQueue):
         # that its last step's output stops, under async scheduling).
         self._shadows: dict[str, ShadowRequest] = {}
         self._only: Tier | None = None
+        self._popped: set[str] = set()  # popped in this pass (since `tick`)
 
     def show_only(self, tier: Tier | None) -> None:
         """Until the next call, show only `tier`'s requests at the head (None: show all)."""
@@ -49,8 +57,14 @@ class PolicyRequestQueue(RequestQueue):
         return self._book.get(shadow.request_id).vllm
 
     def tick(self, now: float) -> None:
-        """Set the time the policy sees until the next tick (aging is evaluated against it)."""
+        """A scheduling pass begins: set the time the policy sees until the next tick (aging
+        is evaluated against it)."""
         self._now = now
+        self._popped.clear()
+
+    def end_pass(self) -> None:
+        """The pass is over: a request put back from now on was run (or preempted), not skipped."""
+        self._popped.clear()
 
     def waiting_in(self, tier: Tier) -> list[Request]:
         """The tier's queued requests, in the order they were queued (not the policy's)."""
@@ -64,6 +78,7 @@ class PolicyRequestQueue(RequestQueue):
             raise IndexError("pop from an empty queue")
         shadow = self.policy.pop(self._now)
         del self._shadows[shadow.request_id]
+        self._popped.add(shadow.request_id)
         return self._queued[shadow.tier].pop(shadow.request_id)
 
     def peek_request(self) -> Request:
@@ -73,7 +88,11 @@ class PolicyRequestQueue(RequestQueue):
         return head
 
     def prepend_request(self, request: Request) -> None:
-        self.policy.prepend(self._file(request), self._now)
+        if request.request_id in self._popped:  # skipped in this pass: as if never popped
+            self._popped.discard(request.request_id)
+            self.policy.put_back(self._file(request), self._now)
+        else:  # preempted
+            self.policy.prepend(self._file(request), self._now)
 
     def _file(self, request: Request) -> ShadowRequest:
         """Note `request` as queued, under its tier; returns its shadow, for the policy."""

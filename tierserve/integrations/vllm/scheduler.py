@@ -201,6 +201,7 @@ class TierScheduler(Scheduler):
                 output = super().schedule(*args, **kwargs)
         finally:
             self._unmark_ceiling_victims()
+            self.waiting.end_pass()
         self.step_times.scheduled(output, output.total_num_scheduled_tokens, time.monotonic())
         self._publish_state()
         return output
