@@ -166,10 +166,9 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(_said_as_flag(str(e), sampling)) from None
     limit = _context_limit(args.model)
-    if limit is not None and args.max_tokens >= limit:
+    if limit is not None and args.max_tokens >= limit[0]:
         raise ValueError(
-            f"--max-tokens must be below the model's context of {limit} tokens (the prompt takes at "
-            f"least one), got {args.max_tokens}"
+            f"--max-tokens must be below {limit[1]} (the prompt takes at least one), got {args.max_tokens}"
         )
     return sampling
 
@@ -187,19 +186,21 @@ def _said_as_flag(message: str, sampling: dict[str, Any]) -> str:
     return f"{flag} {rule}, got {shown}" if got else f"{flag} {rest}"
 
 
-def _context_limit(model: str) -> int | None:
-    """The model's context in tokens, read without loading the model; None where the directory
-    has no config.json (loading it then says what is wrong)."""
+def _context_limit(model: str) -> tuple[int, str] | None:
+    """The model's context in tokens and how to say it, read without loading the model; None
+    where the directory has no config.json (loading it then says what is wrong)."""
     if model == "demo":
         from tierserve.model_config import DEMO_MODEL
 
-        return DEMO_MODEL.max_position_embeddings
+        limit = DEMO_MODEL.max_position_embeddings
+        return limit, f"the model's context of {limit} tokens"
     config = Path(model) / "config.json"
     if not config.is_file():
         return None
     from tierserve.executors.pytorch.hf_config import parse_hf_config
 
-    return parse_hf_config(config).max_model_len
+    spec = parse_hf_config(config)
+    return spec.max_model_len, spec.context_said()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from torch_checkpoints import Checkpoint, edit_json
 from torch_paged_runner import prompt_logits
 
 from tierserve.executors.pytorch.executor import build_torch_executor
-from tierserve.executors.pytorch.hf_config import ModelLoadError
+from tierserve.executors.pytorch.hf_config import ModelLoadError, parse_hf_config
 from tierserve.executors.pytorch.loader import load_model
 
 CPU = torch.device("cpu")
@@ -64,7 +64,8 @@ def test_a_bias_key_that_is_not_a_boolean_is_refused(checkpoint: Checkpoint) -> 
 @pytest.mark.parametrize(
     "change",
     [
-        {"use_sliding_window": True, "sliding_window": 16},
+        # Without layer_types, transformers slides the window from max_window_layers on.
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1, "layer_types": None},
         {"layer_types": ["full_attention", "sliding_attention"]},
     ],
     ids=["use_sliding_window", "layer_types"],
@@ -177,3 +178,110 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(checkpoint: Checkpo
     """It failed the tensor checks with a message about biases and shapes."""
     edit_config(checkpoint, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
     assert "quantized weights (fp8) are not supported" in load_error(checkpoint)
+
+
+# ---- configs as other tools wrote them (a review with checkpoints the tests never wrote) ----
+
+
+def _parse_error(tmp_path: Path, config: dict[str, object]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as info:
+        parse_hf_config(path)
+    return str(info.value)
+
+
+def _base_config(**changes: object) -> dict[str, object]:
+    config: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    config.update(changes)
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def test_an_unsupported_model_type_is_named(tmp_path: Path) -> None:
+    message = _parse_error(tmp_path, _base_config(architectures=None, model_type="gemma"))
+    assert "model_type 'gemma' is not supported" in message and "llama" in message
+
+
+def test_a_model_type_that_is_not_a_string_is_named(tmp_path: Path) -> None:
+    message = _parse_error(tmp_path, _base_config(architectures=None, model_type=["llama"]))
+    assert "config.json: model_type: expected a string" in message
+
+
+def test_an_early_llama_conversions_architecture_name_is_llama(checkpoint: Checkpoint) -> None:
+    """Llama-1 conversions say "LLaMAForCausalLM"; transformers builds by model_type."""
+    edit_config(checkpoint, architectures=["LLaMAForCausalLM"])
+    executor, _ = build_torch_executor(checkpoint.path, dtype=torch.float64, num_device_blocks=8)
+    torch.testing.assert_close(
+        prompt_logits(executor, PROMPT), checkpoint.logits(PROMPT), atol=1e-9, rtol=1e-9
+    )
+
+
+def test_llama3_original_positions_that_are_not_an_integer_are_refused(tmp_path: Path) -> None:
+    """32.7 was read as 32: the rotation then differed from transformers' from token 11 on."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32.7,
+    }
+    message = _parse_error(tmp_path, _base_config(rope_scaling=scaling))
+    assert "original_max_position_embeddings: must be a positive integer, got 32.7" in message
+
+
+@pytest.mark.parametrize("window", ["32", 0, 1.5, True])
+def test_a_mistral_sliding_window_that_is_not_a_positive_integer_is_refused(
+    tmp_path: Path, window: object
+) -> None:
+    """Such a window was ignored: full attention over 512 tokens, where transformers refuses
+    the config (or slides a window)."""
+    config = _base_config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    assert "sliding_window: must be a positive integer" in _parse_error(tmp_path, config)
+
+
+def test_a_context_capped_by_mistrals_window_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            _base_config(
+                architectures=["MistralForCausalLM"],
+                model_type="mistral",
+                sliding_window=32,
+                max_position_embeddings=512,
+            )
+        )
+    )
+    spec = parse_hf_config(path)
+    assert spec.max_model_len == 32 and "sliding_window" in spec.context_said()
+    path.write_text(json.dumps(_base_config(max_position_embeddings=512)))
+    assert parse_hf_config(path).context_said() == "the model's context of 512 tokens"
+
+
+def test_transformers_dtype_key_wins_over_torch_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_base_config(dtype="bfloat16", torch_dtype="float16")))
+    assert parse_hf_config(path).checkpoint_dtype == "bfloat16"
+
+
+def test_qwen2_use_sliding_window_with_no_sliding_layer_runs_as_transformers_builds_it(
+    make_checkpoint: Callable[..., Checkpoint],
+) -> None:
+    """Without layer_types, transformers slides the window in the layers from
+    max_window_layers on: none when that is the number of layers (it was refused), some when
+    it is fewer (refused). Given, layer_types decide (saved ones say full_attention)."""
+    ckpt = make_checkpoint(arch="qwen2")
+    edit_config(ckpt, use_sliding_window=True, sliding_window=4, max_window_layers=2, layer_types=None)
+    executor, _ = build_torch_executor(ckpt.path, dtype=torch.float64, num_device_blocks=8)
+    torch.testing.assert_close(prompt_logits(executor, PROMPT), ckpt.logits(PROMPT), atol=1e-9, rtol=1e-9)
+    edit_config(ckpt, max_window_layers=1)
+    message = load_error(ckpt)
+    assert "use_sliding_window" in message and "max_window_layers (1)" in message

@@ -69,6 +69,11 @@ class HFModelSpec:
     checkpoint_dtype: str | None  # "bfloat16", ... as the checkpoint declares it
     max_model_len: int  # positions the model may attend over (a sliding window caps it)
     quantization: str | None = None  # `quantization_config`'s method ("?" unnamed); None: not quantized
+    context_note: str = ""  # why max_model_len is below max_position_embeddings, if it is
+
+    def context_said(self) -> str:
+        """ "the model's context of N tokens", and why, where it is not the model's positions."""
+        return f"the model's context of {self.max_model_len} tokens{self.context_note}"
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -110,12 +115,20 @@ def _flag(path: Path, raw: dict[str, Any], key: str) -> bool:
 def _architecture(path: Path, raw: dict[str, Any]) -> str:
     archs = raw.get("architectures")
     model_type = raw.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelLoadError(f"{path}: model_type: expected a string, got {model_type!r}")
     if isinstance(archs, list) and archs:
         arch = str(archs[0])
+        builds = _MODEL_TYPES.get(model_type or "")
+        if builds is not None and arch.lower() == builds.lower():
+            arch = builds  # "LLaMAForCausalLM" (early conversions): transformers goes by model_type
     elif model_type in _MODEL_TYPES:
         arch = _MODEL_TYPES[model_type]
+    elif model_type is not None:
+        known = ", ".join(_MODEL_TYPES)
+        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported (supported: {known})")
     else:
-        raise ModelLoadError(f"{path}: no 'architectures' list and no known 'model_type'")
+        raise ModelLoadError(f"{path}: no 'architectures' list and no 'model_type'")
     if arch not in SUPPORTED_ARCHITECTURES:
         known = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {known})")
@@ -128,6 +141,13 @@ def _architecture(path: Path, raw: dict[str, Any]) -> str:
             f"builds {builds}: make the two agree"
         )
     return arch
+
+
+def _positive_int(path: Path, what: str, value: Any) -> int:
+    """`value` if it is a positive integer (32.7 is not: read as 32, it rotated otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{path}: {what}: must be a positive integer, got {value!r}")
+    return value
 
 
 def _default(arch: str, key: str, fallback: Any) -> Any:
@@ -173,12 +193,13 @@ def _rope(path: Path, raw: dict[str, Any], any_kind: bool = False) -> tuple[floa
     original = _original_positions(path, raw, params)
     if original is None:
         raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid '{ORIGINAL}'")
+    original = _positive_int(path, f"llama3 rope scaling: {ORIGINAL}", original)
     try:
         scaling = RopeScaling(
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(original),
+            original_max_position_embeddings=original,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: llama3 rope scaling: missing or invalid {e}") from None
@@ -279,11 +300,20 @@ def _check_one_rope(path: Path, raw: dict[str, Any]) -> None:
 
 
 def _refuse_sliding_window(path: Path, raw: dict[str, Any]) -> None:
-    if raw.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: use_sliding_window is not supported")
+    kinds = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") and not kinds:
+        # Qwen2/Qwen3, as transformers builds them: layers from max_window_layers on slide
+        # the window; with as many such layers as the model has, none does.
+        window, first = raw.get("sliding_window", 4096), raw.get("max_window_layers", 28)
+        layers = raw.get("num_hidden_layers")
+        none_slides = isinstance(first, int) and isinstance(layers, int) and first >= layers
+        if window is not None and not none_slides:
+            raise ModelLoadError(
+                f"{path}: use_sliding_window: the layers from max_window_layers ({first!r}) on slide a "
+                f"window of {window!r} tokens, which is not supported (only full attention)"
+            )
     # Qwen2/Qwen3 may name each layer's kind; without use_sliding_window transformers itself
     # cannot build a sliding layer's mask.
-    kinds = raw.get("layer_types") or []
     if not isinstance(kinds, list):
         raise ModelLoadError(f"{path}: layer_types: expected a list, got {kinds!r}")
     other = next((kind for kind in kinds if kind != "full_attention"), None)
@@ -336,7 +366,7 @@ def parse_hf_config(
         raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     theta, scaling, linear_factor = _rope(path, raw, any_kind=simulated)
     options = _decoder_options(path, raw, arch, linear_factor)
-    dtype = raw.get("torch_dtype", raw.get("dtype"))
+    dtype = raw.get("dtype") or raw.get("torch_dtype")  # transformers >= 5 reads `dtype` first
     gen = generation_config or {}
     eos = _eos_ids(gen.get("eos_token_id")) or _eos_ids(raw.get("eos_token_id"))
     bos = raw.get("bos_token_id")
@@ -364,6 +394,12 @@ def parse_hf_config(
     if simulated:
         max_len = _scaled_context(path, raw, max_len)
     window = raw.get("sliding_window", _default(arch, "sliding_window", None))
-    if arch == "MistralForCausalLM" and isinstance(window, int) and window > 0:
-        max_len = min(max_len, window)  # within the window, sliding attention is full attention
-    return HFModelSpec(config, arch, options, str(dtype) if dtype else None, max_len, _quantization(raw))
+    note = ""
+    if arch == "MistralForCausalLM" and window is not None:
+        # Within the window, sliding attention is full attention: contexts are capped to it.
+        window = _positive_int(path, "sliding_window", window)
+        if window < max_len:
+            max_len = window
+            note = " (its sliding_window: attention past the window is not supported)"
+    dtype_name = str(dtype) if dtype else None
+    return HFModelSpec(config, arch, options, dtype_name, max_len, _quantization(raw), note)

@@ -7,6 +7,7 @@ tokenizer_config.json (chat template, special tokens) and generation_config.json
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from tierserve.executors.pytorch.hf_config import (
 from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tierserve.model_config import DEMO_MODEL, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 DEMO_SEED = 0
 _INIT_STD = 0.02  # Hugging Face's default initializer_range
@@ -347,6 +350,8 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
             f"{directory / 'config.json'}: quantized weights ({spec.quantization}) are not supported: "
             "the torch executor runs float32, float16 and bfloat16 checkpoints"
         )
+    if spec.context_note:
+        logger.warning("%s: requests are held to %s", directory, spec.context_said())
     tokenizer = load_tokenizer(directory, spec.config)
     if dtype is None:
         # CPUs run float32 fastest and exactly; GPUs run the checkpoint's half precision.
