@@ -203,3 +203,21 @@ def test_a_utf8_api_key_selects_its_tenant() -> None:
     )
     assert resolver.resolve("Bearer keyÃ©", None).name == "a"
     assert resolver.resolve("Bearer k\tx", None).name == "a"  # a tab or a no-break space inside is fine
+
+
+@pytest.mark.parametrize("auth", ["sk-gold", "Basic sk-gold", "Bearer", "Token sk-gold"])
+def test_a_key_sent_without_bearer_is_refused_saying_so_even_where_anonymous_is_allowed(auth: str) -> None:
+    """It ran as anonymous, at the anonymous tier (P3), with no error: a paying tenant whose
+    client dropped "Bearer " was moved to the lowest tier without being told."""
+    config = parse_serve_config(
+        {
+            "server": {"allow_anonymous": True},
+            "tenants": {"gold": {"api_keys": ["sk-gold"], "max_tier": "P0"}},
+        }
+    )
+    for resolver in (TenantResolver(config), TenantResolver(parse_serve_config(KEYED))):
+        with pytest.raises(ApiError) as e:
+            resolver.resolve(auth, None)
+        assert e.value.status == 401 and "Bearer <key>" in e.value.message
+    open_server = TenantResolver(parse_serve_config({}))  # no keys: the header is not read
+    assert open_server.resolve(auth, None).name == "default"

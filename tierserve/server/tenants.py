@@ -65,6 +65,10 @@ class TenantResolver:
             tenant_header = header_text(tenant_header)
             _check_tenant_name(tenant_header)
         key = _bearer(authorization)
+        if self._by_key and not key and authorization is not None and authorization.strip():
+            # A key sent without its scheme ("sk-...", "Basic sk-...") is not anonymous: under
+            # allow_anonymous it ran, silently, at the anonymous tier.
+            raise unauthorized("Authorization must be 'Bearer <key>'.")
         if key and self._by_key:
             # As sent (Latin-1, as the ASGI server decodes headers), else read as UTF-8: a key
             # "clé" sent as UTF-8 arrives as "clÃ©".
