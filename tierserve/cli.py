@@ -88,7 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.func(args)
     except KeyboardInterrupt:
-        return fail(prog, "interrupted", EXIT_INTERRUPTED)
+        if args.command == "generate":
+            print(flush=True)  # end the line of text streamed so far: the message goes below it
+        # Every bench writes its results when it ends: an interrupted one wrote none.
+        said = "interrupted before its results were written" if args.command == "bench" else "interrupted"
+        return fail(prog, said, EXIT_INTERRUPTED)
     except Exception as e:
         if os.environ.get(DEBUG_ENV):
             raise

@@ -10,6 +10,7 @@ open-loop cell's offered load (a trace's too) is reported against them.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -76,7 +77,11 @@ def _capacity(args: tuple[str, BenchSetup, int]) -> Capacity | None:
 
 def _pool_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> Any:
     if workers > 1 and len(items) > 1:
-        pool = multiprocessing.get_context("fork").Pool(min(workers, len(items)))
+        # Ctrl-C reaches the whole process group: the workers leave it to this process, which
+        # stops them (each printed half a traceback of its own KeyboardInterrupt).
+        pool = multiprocessing.get_context("fork").Pool(
+            min(workers, len(items)), initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+        )
         try:
             yield from pool.imap_unordered(fn, items)
         finally:

@@ -244,13 +244,19 @@ def api_key(env: str | None) -> str | None:
 
 def checked_config(args: argparse.Namespace) -> ServeConfig:
     """The servers' config, once every setting they would refuse is checked, before --out's
-    folder is made or a server starts: an unset --api-key-env, a bad --config, and a --model,
-    --gpu or --tp the sim backend cannot build (building it is cheap: it loads no weights)."""
+    folder is made or a server starts: an unset --api-key-env (or none where --config needs
+    keys), a bad --config, and a --model, --gpu or --tp the sim backend cannot build
+    (building it is cheap: it loads no weights)."""
     from tierserve.server.backends import BackendError, build_backend
     from tierserve.server.config import load_serve_config
 
     api_key(args.api_key_env)
     config = load_serve_config(args.config)
+    if config.requires_key and args.api_key_env is None:  # else every request is a 401
+        raise ValueError(
+            f"--config {args.config}: its tenants need an API key; name the environment variable "
+            "that holds one with --api-key-env NAME"
+        )
     context = build_backend("sim", args.model, gpu=args.gpu, tp=args.tp).executor.spec.max_model_len
     (_, prompt_max), (_, output_max) = args.prompt_tokens, args.max_tokens
     if prompt_max + output_max > context:  # else every such request is a 400

@@ -23,6 +23,7 @@ def test_a_good_file_says_what_the_plugin_runs(tmp_path: Path, capsys: pytest.Ca
     assert out.count("\n") == 1
     assert "policy wfq" in out and "5 -> P0" in out and "P0 floor 0.2" in out
     assert "(beyond the ends, the end's tier)" in out  # a priority past them is not the default tier
+    assert "0 -> P1 (the default tier), 5 -> P0" in out  # 0 (untagged) was left to be inferred
 
 
 @pytest.mark.parametrize(

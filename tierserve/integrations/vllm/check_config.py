@@ -23,7 +23,10 @@ from tierserve.tiers import ALL_TIERS
 
 def describe(config: PluginConfig) -> str:
     """What the plug-in runs with `config`, in one line."""
-    priorities = ", ".join(f"{p} -> {t.name}" for p, t in sorted(config.priority_tiers.items()))
+    said = {p: t.name for p, t in config.priority_tiers.items()}
+    if said:  # vLLM's default priority 0, unless mapped, runs at the default tier
+        said.setdefault(0, f"{config.default_tier.name} (the default tier)")
+    priorities = ", ".join(f"{p} -> {t}" for p, t in sorted(said.items()))
     if priorities:
         priorities += " (beyond the ends, the end's tier)"  # PluginConfig.tier_for_priority
     tiers = "; ".join(
