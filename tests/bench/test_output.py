@@ -52,7 +52,9 @@ def test_a_results_folder_that_cannot_be_written_is_refused_before_anything_runs
         make_out_folder(str(tmp_path / "ro2" / "results.json"))  # a JSON file's folder too
 
 
-def test_input_warnings_keeps_what_the_trace_loader_warns_of(tmp_path: Path) -> None:
+def test_input_warnings_keeps_what_the_trace_loader_warns_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tierserve.bench.output import input_warnings
     from tierserve.workloads.traces import load_trace
 
@@ -62,6 +64,9 @@ def test_input_warnings_keeps_what_the_trace_loader_warns_of(tmp_path: Path) -> 
     with input_warnings() as warned:
         load_trace(seconds)
     assert len(warned) == 1 and "multiply them by 1000" in warned[0]
+    # Printed too: with a handler of its own the logger stopped falling back to stderr, and a
+    # run that then stopped on an error lost the warning that explained it.
+    assert "multiply them by 1000" in capsys.readouterr().err
     load_trace(tmp_path / "s.jsonl")  # after the block: no longer kept
     assert len(warned) == 1
 

@@ -105,6 +105,32 @@ def test_what_the_trace_loader_warned_of_is_in_the_report(results: dict[str, Any
     assert "**input_warnings**" not in report  # not again among the setup's lines
 
 
+def test_the_report_says_which_trace_rows_were_cut_and_which_capacity_was_not_measured(
+    results: dict[str, Any],
+) -> None:
+    """Both were in results.json's setup values or on stderr only; `bench fleet`'s report says
+    the first in bold."""
+    from tierserve.bench.report import markdown
+
+    setup = {
+        **results["setup"],
+        "trace_rows_read": {"t.csv": 296, "u.csv": 9},
+        "trace_rows_cut_to_context": {"t.csv": 44, "u.csv": 0},
+    }
+    report = markdown(
+        {
+            **results,
+            "setup": setup,
+            "capacity": {**results["capacity"], "t.csv": {"requests_per_s": 1.5, "how": "fcfs saturated"}},
+        }
+    )
+    assert "**44 of t.csv's 296 rows were cut to fit the model's context**" in report
+    assert "of u.csv's" not in report  # none cut: no line
+    assert "- **capacity of u.csv**: not measured (too few rows" in report
+    assert "- **capacity of t.csv**: 1.5 requests/s" in report
+    assert "capacity of default**: not measured" not in markdown(results)
+
+
 def test_pooled_runs_hold_every_seeds_requests(results: dict[str, Any]) -> None:
     for pooled in results["pooled"]:
         same = [

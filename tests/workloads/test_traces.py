@@ -466,3 +466,31 @@ def test_the_span_line_says_what_a_replay_read(tmp_path: Path) -> None:
     assert span_line(path, load_trace(path)) == f"{path}: 3 rows arriving over 0.6 s (3.333 requests/s at 1x)"
     one = write(tmp_path, "one.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1}\n')
     assert "1 row arriving over 0 s (all at one instant" in span_line(one, load_trace(one))
+
+
+def test_seconds_at_one_request_a_second_read_as_milliseconds_are_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only traces over 1,000 requests/s (read as ms) were flagged: a seconds trace at about 1
+    a second replayed 1,000 times too fast without a word. Real ms traces run at 1-6 a second."""
+    seconds = write(tmp_path, "s.jsonl", "".join(MOONCAKE_ROW % (i * 1.0) for i in range(300)))
+    assert "multiply them by 1000" in _warnings(caplog, seconds)
+    busy_ms = write(tmp_path, "ms.jsonl", "".join(MOONCAKE_ROW % (i * 50) for i in range(300)))  # 20/s
+    assert _warnings(caplog, busy_ms) == ""
+
+
+@pytest.mark.parametrize("cell", ["x" * 12_000, "9" * 5_000 + ".5"])
+def test_an_error_quotes_a_long_cell_cut_short(tmp_path: Path, cell: str) -> None:
+    """A prompt's text in a count's column made a 12 KB error line."""
+    path = write(tmp_path, "b.csv", BURSTGPT_HEADER + f"5,ChatGPT,{cell},18,490,Conversation log\n")
+    with pytest.raises(TraceFormatError) as err:
+        load_trace(path)
+    message = str(err.value)
+    assert "Request tokens must be an integer" in message and len(message) < 200, message
+    assert f"({len(repr(cell))} characters)" in message
+
+
+def test_a_csv_whose_every_row_has_no_prompt_says_so(tmp_path: Path) -> None:
+    path = write(tmp_path, "b.csv", BURSTGPT_HEADER + "3,ChatGPT,0,0,0,API log\n" * 50)
+    with pytest.raises(TraceFormatError, match=r"no rows \(the 50 there had 0 Request tokens\)"):
+        load_trace(path)

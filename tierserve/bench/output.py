@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,13 +22,17 @@ TRACE_LOGGER = "tierserve.workloads.traces"
 @contextmanager
 def input_warnings() -> Iterator[list[str]]:
     """The WARNING lines the trace loader logs meanwhile (a unit that looks misread, rows
-    skipped), kept for results.json and report.md: stderr scrolls past with the progress
-    bars, and a report read later said nothing of them."""
+    skipped), printed on stderr and kept for results.json and report.md: stderr scrolls
+    past with the progress bars, and a report read later said nothing of them. (Printed
+    here: with a handler of its own the logger no longer falls back to stderr, and a run
+    that then stopped on an error lost the warning that explained it.)"""
     lines: list[str] = []
 
     class _Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
+            message = record.getMessage()
+            lines.append(message)
+            print(message, file=sys.stderr)
 
     handler = _Keep(level=logging.WARNING)
     logger = logging.getLogger(TRACE_LOGGER)

@@ -171,9 +171,28 @@ def targets_section(runs: Sequence[Run]) -> str:
 def _setup_lines(results: Mapping[str, Any]) -> list[str]:
     setup = {k: v for k, v in results["setup"].items() if k != "input_warnings"}  # a section of its own
     lines = [f"- **{k}**: {json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in setup.items()]
-    for w, c in results.get("capacity", {}).items():
+    capacity = results.get("capacity", {})
+    for w, c in capacity.items():
         lines.append(f"- **capacity of {w}**: {c['requests_per_s']} requests/s ({c['how']})")
+    for w in results["setup"].get("trace_rows_read", {}):
+        if w not in capacity:
+            lines.append(
+                f"- **capacity of {w}**: not measured (too few rows to saturate the engine), so its "
+                "offered load is not given as a multiple of it"
+            )
     return lines
+
+
+def _trace_notes(results: Mapping[str, Any]) -> list[str]:
+    """What a report read later must not miss: trace rows that ran shortened."""
+    setup = results["setup"]
+    read = setup.get("trace_rows_read", {})
+    return [
+        f"**{cut} of {w}'s {read[w]} rows were cut to fit the model's context** (the output to at "
+        "most half of it, the prompt to the rest): those requests are not the trace's."
+        for w, cut in setup.get("trace_rows_cut_to_context", {}).items()
+        if cut
+    ]
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -188,6 +207,7 @@ def markdown(results: Mapping[str, Any]) -> str:
     lines += ["## What was simulated", "", *_setup_lines(results), "", DIFFERENCES, ""]
     if warned := results["setup"].get("input_warnings"):  # a unit that looks misread, rows skipped
         lines += ["## Warnings on the traces", "", *(f"- {w}" for w in warned), ""]
+    lines += [line for note in _trace_notes(results) for line in (note, "")]
     lines += [
         f"Every figure is pooled over the seeds {seeds}: their measured requests together, "
         "percentiles over all of them, goodput over their summed arrival spans and throughput over "

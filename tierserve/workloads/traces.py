@@ -44,7 +44,7 @@ class TraceFormatError(ValueError):
 TRACE_SUFFIXES = (".csv", ".jsonl", ".json")  # CSV (Azure, BurstGPT); Mooncake JSON lines
 # A Mooncake trace whose rows come this close together (mean gap) likely has its
 # timestamps in seconds, not milliseconds: the replay would send them all at once.
-_SUSPICIOUS_GAP_MS = 1.0
+_SUSPICIOUS_GAP_MS = 10.0  # over 100 requests/s read as ms; Mooncake's own run at 1-6
 _MIN_ROWS_TO_JUDGE = 10  # fewer rows may well come that close, in either unit
 # A first timestamp in these ranges is an epoch clock in another unit than the loader reads:
 # epoch seconds (2001-2286) where milliseconds are read, epoch microseconds where milliseconds
@@ -70,9 +70,16 @@ class TraceRecord:
     line: int = 0
 
 
+def _shown(value: Any, limit: int = 40) -> str:
+    """`value` as an error quotes it, cut short: a prompt's text in a count's column made a
+    12 KB error line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _count(where: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"{where}: {name} must be an integer, got {value!r}")
+        raise TraceFormatError(f"{where}: {name} must be an integer, got {_shown(value)}")
     if value < minimum:
         raise TraceFormatError(f"{where}: {name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -84,7 +91,7 @@ def _int_field(where: str, name: str, text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise TraceFormatError(f"{where}: {name} must be an integer, got {text!r}") from None
+        raise TraceFormatError(f"{where}: {name} must be an integer, got {_shown(text)}") from None
     return _count(where, name, value, minimum)
 
 
@@ -160,7 +167,8 @@ def _date_clock(layout: CsvLayout) -> Callable[[str, str], float]:
         try:
             stamp = datetime.fromisoformat(text)
         except ValueError:
-            raise TraceFormatError(f"{where}: {layout.timestamp} {text!r} is not a date and time") from None
+            shown = _shown(text)
+            raise TraceFormatError(f"{where}: {layout.timestamp} {shown} is not a date and time") from None
         if not first:
             first.append(stamp)
         try:
@@ -184,7 +192,9 @@ def _seconds_clock(layout: CsvLayout) -> Callable[[str, str], float]:
         except ValueError:
             stamp = math.nan
         if not math.isfinite(stamp):
-            raise TraceFormatError(f"{where}: {layout.timestamp} must be a number of seconds, got {text!r}")
+            raise TraceFormatError(
+                f"{where}: {layout.timestamp} must be a number of seconds, got {_shown(text)}"
+            )
         if not first:
             first.append(stamp)
         return stamp - first[0]
@@ -229,7 +239,8 @@ def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]
         rows = "row" if num_empty == 1 else "rows"
         log.warning("%s: skipped %d %s with 0 %s (nothing to serve)", p, num_empty, rows, layout.prompt)
     if not records:
-        raise TraceFormatError(f"{p}: no rows")
+        skipped = f" (the {num_empty} there had 0 {layout.prompt})" if num_empty else ""
+        raise TraceFormatError(f"{p}: no rows{skipped}")
     if not layout.dates:
         _warn_if_epoch(
             p, float(first_stamp), "seconds", (("milliseconds", _EPOCH_MS), ("microseconds", _EPOCH_US))
@@ -302,7 +313,7 @@ def _check_keys(where: str, row: dict[str, object], unread: dict[str, str | None
             unread[key] = close[0] if close and not key.startswith(close[0] + "_") else None
         resembles = unread[key]
         if resembles is not None and resembles not in row:
-            raise TraceFormatError(f"{where}: unknown key {key!r} (did you mean {resembles!r}?)")
+            raise TraceFormatError(f"{where}: unknown key {_shown(key)} (did you mean {resembles!r}?)")
     for key in MOONCAKE_KEYS[:3]:
         if key not in row:
             raise TraceFormatError(f"{where}: missing {key!r} (keys read: {', '.join(MOONCAKE_KEYS)})")
@@ -329,7 +340,7 @@ def _mooncake_row(
     # An int too large for a float failed `math.isfinite` with an OverflowError; comparing
     # an int with a float is exact, and NaN fails it too.
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < 1e300:
-        raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {stamp!r}")
+        raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {_shown(stamp)}")
     num_prompt = _count(where, "input_length", row["input_length"], 1)
     hash_ids = row.get("hash_ids")
     if hash_ids is None:
