@@ -90,8 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.command == "generate":
             print(flush=True)  # end the line of text streamed so far: the message goes below it
-        # Every bench writes its results when it ends: an interrupted one wrote none.
-        said = "interrupted before its results were written" if args.command == "bench" else "interrupted"
+        # Every bench writes its results as it ends: interrupted, it wrote none or only some.
+        incomplete = args.command == "bench"
+        said = "interrupted: its results are missing or incomplete" if incomplete else "interrupted"
         return fail(prog, said, EXIT_INTERRUPTED)
     except Exception as e:
         if os.environ.get(DEBUG_ENV):
