@@ -51,6 +51,7 @@ class Policy(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._num_waiting = [0] * len(ALL_TIERS)
+        self.keeps_undo = False
 
     # ---- the waiting queue ---------------------------------------------------------------
 
@@ -63,6 +64,16 @@ class Policy(ABC):
         """Put back a request that was preempted by recompute, ahead of its peers."""
         self._num_waiting[req.tier] += 1
         self._push_front(req, now)
+
+    def keep_undo(self, on: bool = True) -> None:
+        """Keep, from now on, what `put_back` needs to undo a pop exactly, until
+        `forget_undo` (the vLLM plug-in, whose engine puts back the requests it skips in a
+        pass). Off (tierserve's own engine, which never puts one back), a pop keeps nothing."""
+        self.keeps_undo = on
+
+    def forget_undo(self) -> None:
+        """The pops so far will not be put back (a pass is over): their records go."""
+        return None  # a policy whose pops keep nothing (fcfs, the priority heaps)
 
     def put_back(self, req: Request, now: float) -> None:
         """Return a request popped a moment ago that the engine did not run (vLLM skips a

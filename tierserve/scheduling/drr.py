@@ -78,12 +78,13 @@ class DrrPolicy(TierQueuesPolicy):
         return None if tier is None else self._queues.head(tier)
 
     def _pop(self, now: float) -> Request:
-        before = (list(self._deficit), self._current)
+        before = (list(self._deficit), self._current) if self.keeps_undo else None
         tier = self._select()
         if tier is None:
             raise EmptyQueueError("pop from an empty queue")
         req = self._queues.popleft(tier)
-        self._served.append((req, *before))
+        if before is not None:
+            self._served.append((req, *before))
         self._deficit[tier] -= self._cost(req)
         if not self._queues.queues[tier]:
             self._deficit[tier] = 0.0
@@ -97,6 +98,10 @@ class DrrPolicy(TierQueuesPolicy):
             self._deficit, self._current = deficit, current
         else:  # its cost back to its tier (all of it if the tier emptied: enough for it)
             self._deficit[req.tier] += self._cost(req)
+
+    def forget_undo(self) -> None:
+        super().forget_undo()
+        self._served.clear()
 
 
 class TokenDrrPolicy(DrrPolicy):

@@ -48,6 +48,8 @@ class Flow(Protocol):
     def remove(self, req: Request) -> None: ...
     def take(self, req: Request) -> None: ...
     def put_back(self, req: Request) -> None: ...
+    def keep_undo(self, on: bool) -> None: ...
+    def forget_undo(self) -> None: ...
 
 
 class FifoFlow:
@@ -55,7 +57,15 @@ class FifoFlow:
 
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
+        self._undo = False  # keep `_taken` (`keep_undo`)
         self._taken: deque[tuple[Request, int]] = deque(maxlen=SERVES_KEPT)  # (served, where it was)
+
+    def keep_undo(self, on: bool) -> None:
+        self._undo = on
+        self._taken.clear()
+
+    def forget_undo(self) -> None:
+        self._taken.clear()
 
     def __len__(self) -> int:
         return len(self._q)
@@ -74,7 +84,8 @@ class FifoFlow:
 
     def popleft(self) -> Request:
         req = self._q.popleft()
-        self._taken.append((req, 0))
+        if self._undo:
+            self._taken.append((req, 0))
         return req
 
     def remove(self, req: Request) -> None:
@@ -88,11 +99,13 @@ class FifoFlow:
         q = self._q
         where = 0 if q[0] is req else q.index(req)
         del q[where]
-        self._taken.append((req, where))
+        if self._undo:
+            self._taken.append((req, where))
 
     def put_back(self, req: Request) -> None:
-        """Return a request served a moment ago where it was (undone in the reverse order of
-        the serves; otherwise ahead of the first request that arrived after it)."""
+        """Return a request served a moment ago where it was (with `keep_undo`, undone in the
+        reverse order of the serves; otherwise ahead of the first request that arrived after
+        it)."""
         q, taken = self._q, self._taken
         if taken and taken[-1][0] is req:
             q.insert(taken.pop()[1], req)
@@ -138,6 +151,7 @@ class StartTimeFairQueue(Generic[K]):
         self._serial = itertools.count()
         self._len = 0
         self.ops = 0
+        self._undo = False  # keep `_served` (`keep_undo`)
         self._served: deque[Served[K]] = deque(maxlen=SERVES_KEPT)  # the latest serves, for `put_back`
         self._dropping: list[tuple[K, float]] | None = None  # the serve under way's dropped idle tags
 
@@ -193,11 +207,34 @@ class StartTimeFairQueue(Generic[K]):
 
     # ---- changing ------------------------------------------------------------------------
 
+    def keep_undo(self, on: bool) -> None:
+        """Keep, from now on, what `put_back` needs to undo a serve exactly (the serves since
+        `forget_undo`, at most SERVES_KEPT): for the vLLM plug-in, whose engine puts back
+        the requests it skips in a pass. Off (tierserve's own engine, which never puts one
+        back), a serve keeps nothing."""
+        self._undo = on
+        self._served.clear()
+        for flow in self.flows.values():
+            flow.keep_undo(on)
+
+    def forget_undo(self) -> None:
+        """The serves so far will not be put back (a pass is over): let go of their records
+        (and of the requests and emptied flows they hold)."""
+        for served in self._served:
+            served.flow.forget_undo()
+        self._served.clear()
+
+    def _new_flow_here(self) -> Flow:
+        flow = self._new_flow()
+        if self._undo:
+            flow.keep_undo(True)
+        return flow
+
     def append(self, req: Request) -> None:
         key = self._flow_of(req)
         flow = self.flows.get(key)
         if flow is None:
-            flow = self.flows[key] = self._new_flow()
+            flow = self.flows[key] = self._new_flow_here()
             flow.append(req)
             self._len += 1
             self._backlogged(key)
@@ -241,9 +278,10 @@ class StartTimeFairQueue(Generic[K]):
         flow = self.flows[key]
         start = self._start[key]
         self._len -= 1
-        dropped: list[tuple[K, float]] = []  # idle tags this serve drops, for `put_back`
-        self._served.append(Served(req, flow, self.virtual_time, self._finish[key], start, dropped))
-        self._dropping = dropped
+        if self._undo:
+            dropped: list[tuple[K, float]] = []  # idle tags this serve drops, for `put_back`
+            self._served.append(Served(req, flow, self.virtual_time, self._finish[key], start, dropped))
+            self._dropping = dropped
         w = weight if weight is not None else self._weight(key, req)
         self._finish[key] = start + self._cost(req) / w
         if in_order and start > self.virtual_time:
@@ -258,19 +296,19 @@ class StartTimeFairQueue(Generic[K]):
 
     def put_back(self, req: Request, *, weight: float | None = None) -> None:
         """Return `req`, served a moment ago but never run (the engine skipped it), to its
-        flow, as if it had not been served. Put back in the reverse order of their serves
-        (as vLLM does with the requests it skips in a pass), requests leave V, every tag and
-        every flow's order as they were. Otherwise the flow's finish tag goes back by the
-        request's cost (at `weight`, if it was served at another weight than its flow's),
-        V stays where later serves took it, and the flow starts no earlier than V, as a flow
-        newly backlogged would."""
+        flow, as if it had not been served. With `keep_undo`, put back in the reverse order
+        of their serves (as vLLM does with the requests it skips in a pass), requests leave
+        V, every tag and every flow's order as they were. Otherwise the flow's finish tag
+        goes back by the request's cost (at `weight`, if it was served at another weight
+        than its flow's), V stays where later serves took it, and the flow starts no earlier
+        than V, as a flow newly backlogged would."""
         key = self._flow_of(req)
         served = self._served
         undo = served.pop() if served and served[-1].req is req else None  # the latest serve
         self._len += 1
         flow = self.flows.get(key)
         if flow is None:  # the flow it left, if it is the latest serve's (a fair queue keeps state)
-            self.flows[key] = flow = undo.flow if undo is not None else self._new_flow()
+            self.flows[key] = flow = undo.flow if undo is not None else self._new_flow_here()
             self._idle_version.pop(key, None)  # its idle-heap entry, if any, is now stale
         flow.put_back(req)
         if undo is not None:

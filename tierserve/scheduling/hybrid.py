@@ -119,6 +119,14 @@ class Choice(NamedTuple):
     in_order: bool  # served in the fair order (advances its virtual time)
 
 
+class Popped(NamedTuple):
+    """What a pop changed beyond the queues, for `put_back` (with `keep_undo`)."""
+
+    requeued_at: float | None  # back in the queue since, after a preemption
+    held_since: float | None  # its tenant's held-back time in the aged tier (None: not held)
+    dropped_p0: int | None  # the recent P0 prompt its admission record pushed out
+
+
 @dataclass(frozen=True)
 class HybridOptions(PolicyOptions):
     step_bound_s: float = 0.15  # predicted step duration P1-P3 prefill may fill while a P0 is likely
@@ -179,9 +187,8 @@ class HybridPolicy(FairQueuePolicy):
         }
         self._p0_waiting = OldestWaiting(key=tokens_left)  # waiting P0 prompts, shortest first
         self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
-        # ... of the requests popped at `_popped_at` (one pass): `put_back` restores it.
-        self._popped_requeued_at: dict[Request, float] = {}
-        self._popped_at = -math.inf
+        # With `keep_undo`: what each pop of the pass changed, for `put_back` to restore.
+        self._popped: dict[Request, Popped] = {}
         # Waiting P3 requests, longest in the queue first (since arrival or since `_requeued_at`).
         self._queued = OldestWaiting(key=self._queued_since)
         self._step: StepBudget | None = None  # the step being built, between the hooks
@@ -282,23 +289,24 @@ class HybridPolicy(FairQueuePolicy):
         choice = self._choose(now)
         if choice is None:
             raise EmptyQueueError("pop from an empty queue")
+        aged = self._aged_by_tenant.get(choice.tier)
+        if aged is not None:  # which tenants have an aged request, as of now, whoever looked last
+            aged.advance(now, self._sfq.tenants(choice.tier).start_tag)
         req = choice.request
         if req is None:
             req = self._sfq.serve(choice.tier, in_order=choice.in_order)
         else:
             self._sfq.take(req)
-        if now != self._popped_at:
-            self._popped_at = now
-            self._popped_requeued_at.clear()
+        held_since = aged.held_since(req.tenant) if aged is not None and self.keeps_undo else None
         requeued_at = self._requeued_at.get(req)
-        if requeued_at is not None:
-            self._popped_requeued_at[req] = requeued_at
         self._untrack(req)
-        aged = self._aged_by_tenant.get(req.tier)
         if aged is not None:
             aged.served(req, now)
+        dropped_p0 = None
         if req.tier == Tier.P0:  # popped once admitted: its cached prefix is known
-            self._shaper.p0_admitted(tokens_left(req))
+            dropped_p0 = self._shaper.p0_admitted(tokens_left(req))
+        if self.keeps_undo:
+            self._popped[req] = Popped(requeued_at, held_since, dropped_p0)
         return req
 
     def _push(self, req: Request, now: float) -> None:
@@ -314,13 +322,25 @@ class HybridPolicy(FairQueuePolicy):
 
     def _put_back(self, req: Request, now: float) -> None:
         super()._put_back(req, now)
-        requeued_at = self._popped_requeued_at.pop(req, None) if now == self._popped_at else None
-        if requeued_at is not None:
-            self._requeued_at[req] = requeued_at  # before `_track`, which files it by it
+        popped = self._popped.pop(req, None)
+        if popped is not None and popped.requeued_at is not None:
+            self._requeued_at[req] = popped.requeued_at  # before `_track`, which files it by it
         self._track(req)
+        start_tag = self._sfq.tenants(req.tier).start_tag  # its tenant's, now back down
+        for overdue in (self._rescuable.get(req.tier), self._aged_by_tenant.get(req.tier)):
+            if overdue is not None:
+                overdue.tag_lowered(req.tenant, start_tag)
+        if popped is None:
+            return
         aged = self._aged_by_tenant.get(req.tier)
-        if aged is not None:
-            aged.unserve(req)
+        if aged is not None and popped.held_since is not None:
+            aged.hold_back_since(req, popped.held_since)
+        if req.tier == Tier.P0:
+            self._shaper.p0_not_admitted(popped.dropped_p0)
+
+    def forget_undo(self) -> None:
+        super().forget_undo()
+        self._popped.clear()
 
     def _remove(self, req: Request) -> None:
         super()._remove(req)

@@ -75,10 +75,22 @@ class StepShaper:
     def p0_likely(self, num_p0_waiting: int, p0_prefilling: bool, now: float) -> bool:
         return bool(num_p0_waiting) or p0_prefilling or now - self.last_p0_arrival < self.options.p0_likely_s
 
-    def p0_admitted(self, num_prompt_tokens: int) -> None:
-        """A P0 prompt starts, with `num_prompt_tokens` to compute (past its cached prefix)."""
-        self._recent_p0.append(num_prompt_tokens)
-        self._longest_p0 = max(self._recent_p0)
+    def p0_admitted(self, num_prompt_tokens: int) -> int | None:
+        """A P0 prompt starts, with `num_prompt_tokens` to compute (past its cached prefix);
+        returns the record it pushed out, for `p0_not_admitted`."""
+        recent = self._recent_p0
+        dropped = recent[0] if len(recent) == recent.maxlen else None
+        recent.append(num_prompt_tokens)
+        self._longest_p0 = max(recent)
+        return dropped
+
+    def p0_not_admitted(self, dropped: int | None) -> None:
+        """Undo the latest `p0_admitted` (the prompt was put back, not run)."""
+        recent = self._recent_p0
+        recent.pop()
+        if dropped is not None:
+            recent.appendleft(dropped)
+        self._longest_p0 = max(recent, default=0)
 
     def bound_s(self, estimate_s: StepEstimate) -> float:
         """The predicted step duration P1-P3 prefill may fill while a P0 is likely."""

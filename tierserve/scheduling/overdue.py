@@ -14,7 +14,7 @@ Fair queuing alone lets a tenant wait forever while new tenants keep coming: eac
 at the virtual time, below a tenant served before, and one-shot tenant ids arriving
 faster than the tier is served would hold it back for good. Aging must not: with
 `starve_s`, a tenant with an overdue request that has not been served for `starve_s`
-(since a pick first found it with one, or since its last serve, `served`) goes first, the
+(since its request became overdue, or since its last serve, `served`) goes first, the
 longest held back first, so every tenant's oldest overdue request moves. The bound is a
 backstop, not a share: a tenant whose fair share is under one request per `starve_s`
 gets that one request, so with more tenants than the tier serves in `starve_s` the
@@ -61,7 +61,8 @@ class OverdueByTenant:
         self._held_back: list[tuple[float, int, str]] = []  # (listed or last served, version, tenant)
         self._since: dict[str, int] = {}  # listed tenant -> its live entry there (with `starve_s`)
         self._held_since: dict[str, float] = {}  # ... and the time it holds
-        self._before_served: dict[str, list[float]] = {}  # ... and the times it held before its serves
+        # An unlisted tenant, held back from then once listed again (`hold_back_since`).
+        self._relist_since: dict[str, tuple[float, Request]] = {}
         self._serial = itertools.count()
 
     def __len__(self) -> int:
@@ -81,6 +82,9 @@ class OverdueByTenant:
         """`req` no longer waits (served or removed); its entries go when they reach a top."""
         if self._token.pop(req, None) is None:
             return
+        relist = self._relist_since.get(req.tenant)
+        if relist is not None and relist[1] is req:
+            del self._relist_since[req.tenant]
         if req in self._overdue:
             self._overdue.discard(req)
             self._uncount(req.tenant)
@@ -128,21 +132,38 @@ class OverdueByTenant:
     def served(self, req: Request, now: float) -> None:
         """`req` was served (taken from the queue to run, by any rule): its tenant, if it
         still has an overdue request, is held back from `now` on."""
-        tenant = req.tenant
-        if self.starve_s < math.inf and tenant in self._count:
-            self._before_served.setdefault(tenant, []).append(self._held_since[tenant])
-            self._hold_back(tenant, now)
+        if self.starve_s < math.inf and req.tenant in self._count:
+            self._hold_back(req.tenant, now)
 
-    def unserve(self, req: Request) -> None:
-        """`req`, served a moment ago, was not run after all (undone in the reverse order of
-        the serves): its tenant is held back from when it was before. A tenant that `req`'s
-        serve left with no overdue request is listed again from when it is next found
-        with one, as a tenant new to the list."""
-        before = self._before_served.get(req.tenant)
-        if before and req.tenant in self._count:
-            self._hold_back(req.tenant, before.pop())
+    def tag_lowered(self, tenant: str, start_tag: Callable[[str], float]) -> None:
+        """`tenant`'s start tag went down (a serve of it was undone): list it again at its
+        key, which its entries no longer bound from below."""
+        if tenant in self._count:
+            self._list(tenant, (start_tag(tenant), self._oldest_of(tenant).arrival_time))
+
+    def held_since(self, tenant: str) -> float | None:
+        """Since when `tenant` is held back (None: it has no overdue request)."""
+        return self._held_since.get(tenant)
+
+    def hold_back_since(self, req: Request, since: float) -> None:
+        """`req`, served a moment ago, is back (added again), not run: its tenant is held back
+        from `since` again, the time `held_since` gave before the serve; a tenant the serve
+        left with no overdue request, once it is listed again. Undone in the reverse order
+        of the serves, the last call gives the time before them all."""
+        if self.starve_s == math.inf or req not in self._token:
+            return
+        if req.tenant in self._count:
+            self._hold_back(req.tenant, since)
+        else:  # undone in reverse order: the last one is the time before the pass
+            self._relist_since[req.tenant] = (since, req)
 
     # ---- moving requests in and out ------------------------------------------------------
+
+    def advance(self, now: float, start_tag: Callable[[str], float]) -> None:
+        """Bring the lists up to `now` (as `pick` and `oldest` do first): before a serve,
+        so that `served` holds back a tenant whose request has become overdue whether or not
+        a pick has looked since."""
+        self._advance(now, start_tag)
 
     def _advance(self, now: float, start_tag: Callable[[str], float]) -> None:
         """Move the requests that `now` makes overdue into their tenants' heaps, and drop
@@ -156,14 +177,23 @@ class OverdueByTenant:
             self._overdue.add(req)
             self._push(self._expiring, entry)
             tenant = req.tenant
+            relist = self._relist_since.get(tenant)  # `hold_back_since`, for this request
+            restored = None
+            if relist is not None and relist[1] is req:
+                del self._relist_since[tenant]
+                restored = relist[0]
             heap = self._by_tenant.get(tenant)
             if heap is None:  # the tenant's first: listed
                 self._by_tenant[tenant] = [entry]
                 self._count[tenant] = 1
                 self._list(tenant, (start_tag(tenant), arrival))
                 if self.starve_s < math.inf:
-                    self._hold_back(tenant, now)
+                    # From when the request became overdue, not when a pick first looked:
+                    # the same whenever (and however often) the tier is looked at.
+                    self._hold_back(tenant, arrival + after if restored is None else restored)
                 continue
+            if restored is not None:  # listed meanwhile by an older request: as before the serve
+                self._hold_back(tenant, restored)
             self._count[tenant] += 1
             older = arrival < self._oldest_of(tenant).arrival_time  # one put back after a preemption
             heapq.heappush(heap, entry)
@@ -195,7 +225,6 @@ class OverdueByTenant:
         del self._count[tenant], self._by_tenant[tenant], self._version[tenant]
         self._since.pop(tenant, None)
         self._held_since.pop(tenant, None)
-        self._before_served.pop(tenant, None)
 
     def _list(self, tenant: str, key: tuple[float, float]) -> None:
         """(Re)list `tenant` at `key`: its start tag and its oldest overdue arrival."""

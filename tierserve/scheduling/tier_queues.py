@@ -89,6 +89,15 @@ class TierQueuesPolicy(Policy):
     def _put_back(self, req: Request, now: float) -> None:
         self._queues.put_back(req)
 
+    def keep_undo(self, on: bool = True) -> None:
+        super().keep_undo(on)
+        for queue in self._queues.queues:
+            queue.keep_undo(on)
+
+    def forget_undo(self) -> None:
+        for queue in self._queues.queues:
+            queue.forget_undo()
+
     def _remove(self, req: Request) -> None:
         self._queues.remove(req)
 

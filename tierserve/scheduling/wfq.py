@@ -31,6 +31,13 @@ class FairQueuePolicy(Policy):
     def _put_back(self, req: Request, now: float) -> None:
         self._sfq.put_back(req)
 
+    def keep_undo(self, on: bool = True) -> None:
+        super().keep_undo(on)
+        self._sfq.keep_undo(on)
+
+    def forget_undo(self) -> None:
+        self._sfq.forget_undo()
+
     def _remove(self, req: Request) -> None:
         self._sfq.remove(req)
 

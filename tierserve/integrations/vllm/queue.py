@@ -36,6 +36,7 @@ from tierserve.tiers import Tier
 class PolicyRequestQueue(RequestQueue):
     def __init__(self, policy: Policy, book: RequestBook) -> None:
         self.policy = policy
+        policy.keep_undo(True)  # what a pass pops and vLLM skips goes back as it was
         self._book = book
         self._now = time.time()
         self._queued: list[dict[str, Request]] = [{} for _ in Tier]  # by tier, in the order queued
@@ -60,11 +61,12 @@ class PolicyRequestQueue(RequestQueue):
         """A scheduling pass begins: set the time the policy sees until the next tick (aging
         is evaluated against it)."""
         self._now = now
-        self._popped.clear()
+        self.end_pass()
 
     def end_pass(self) -> None:
         """The pass is over: a request put back from now on was run (or preempted), not skipped."""
         self._popped.clear()
+        self.policy.forget_undo()
 
     def waiting_in(self, tier: Tier) -> list[Request]:
         """The tier's queued requests, in the order they were queued (not the policy's)."""
