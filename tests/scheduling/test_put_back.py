@@ -1,5 +1,5 @@
 """`Policy.put_back`: a request popped and then not run (vLLM skips a waiting request whose
-grammar is still compiling, whose KV is in transfer, or whose LoRA has no slot, by popping
+grammar is still compiling or whose LoRA has no slot, by popping
 it and putting it back at the end of the pass) waits again as if it had not been popped,
 and its tenant and tier are not charged for it."""
 
@@ -187,3 +187,66 @@ def _undo_records(policy: Policy) -> int:
             elif hasattr(value, "__dict__") and not isinstance(value, (Request, EngineConfig)):
                 stack.append(value)
     return count
+
+
+def test_a_p0_prompt_put_back_after_a_later_one_ran_takes_back_its_own_record() -> None:
+    """vLLM puts back what it skipped at the end of the pass, after later pops of it were
+    admitted. Hybrid undid its latest record of recent P0 prompts, the admitted one's: after
+    ten such passes of 6,000-token prompts its step bound was sized for 100 tokens."""
+    policy = create_policy("hybrid", EngineConfig())
+    policy.keep_undo(True)
+    skipped = make_request(num_prompt=100, tier=Tier.P0, arrival=0.0, request_id="skipped")
+    for i in range(10):
+        admitted = make_request(num_prompt=6000, tier=Tier.P0, arrival=0.1 + i, request_id=f"admitted{i}")
+        now = 1.0 + i
+        if i == 0:
+            policy.add(skipped, now)
+        policy.add(admitted, now)
+        assert (policy.pop(now), policy.pop(now)) == (skipped, admitted)
+        policy.put_back(skipped, now)
+        policy.forget_undo()
+    assert list(policy._shaper._recent_p0) == [6000] * 10  # type: ignore[attr-defined]
+
+
+def test_a_preempted_request_holds_its_tenant_back_from_its_return_not_its_arrival() -> None:
+    """Its tenant counted as held back from the request's arrival + aging_s, time it spent
+    running: back after 100 s, it went ahead of the tenant-fair order at once (past the
+    50 s backstop)."""
+    policy = create_policy("hybrid", EngineConfig())
+    xs = [_aged("x", f"x{i}", 0.0) for i in range(20)]
+    ks = [_aged("k", f"k{i}", 0.05) for i in range(200)]
+    for req in xs + ks:
+        policy.add(req, req.arrival_time)
+    running: list[Request] = []
+    t = 0.1
+    while len(running) < 20:
+        req = policy.pop(t)
+        t += 0.01
+        if req.tenant == "x":
+            running.append(req)
+    for i in range(10):
+        policy.add(_aged(f"o{i}", f"o{i}", 80.0 + i), 80.0 + i)
+    policy.prepend(running[0], 100.0)  # x0, which arrived at 0 s and ran, is preempted
+    order = [policy.pop(100.0 + 0.01 * k).request_id for k in range(12)]
+    assert order[0] != "x0", order
+
+
+def _aged(tenant: str, rid: str, arrival: float) -> Request:
+    req = make_request(num_prompt=100, tier=Tier.P3, arrival=arrival, request_id=rid)
+    req.tenant = tenant
+    return req
+
+
+def test_a_pass_of_more_pops_than_the_records_kept_still_lets_them_all_go() -> None:
+    """`forget_undo` reached the queues through the latest 256 serves only: after a pass of
+    300 pops, aged P3 requests first, P3 (still waiting) kept their records."""
+    policy = create_policy("hybrid", EngineConfig())
+    policy.keep_undo(True)
+    p3 = [_aged(f"a{i}", f"a{i}", 0.0) for i in range(5)] + [_aged(f"y{i}", f"y{i}", 99.9) for i in range(5)]
+    p1 = [make_request(num_prompt=16, tier=Tier.P1, arrival=99.8, request_id=f"p{i}") for i in range(300)]
+    for req in p3 + p1:
+        policy.add(req, req.arrival_time)
+    for _ in range(300):
+        policy.pop(100.0)
+    policy.forget_undo()
+    assert len(policy) == 10 and _undo_records(policy) == 0

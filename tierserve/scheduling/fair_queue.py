@@ -152,6 +152,7 @@ class StartTimeFairQueue(Generic[K]):
         self._len = 0
         self.ops = 0
         self._undo = False  # keep `_served` (`keep_undo`)
+        self._touched: dict[int, Flow] = {}  # the flows served from since `forget_undo`
         self._served: deque[Served[K]] = deque(maxlen=SERVES_KEPT)  # the latest serves, for `put_back`
         self._dropping: list[tuple[K, float]] | None = None  # the serve under way's dropped idle tags
 
@@ -220,8 +221,9 @@ class StartTimeFairQueue(Generic[K]):
     def forget_undo(self) -> None:
         """The serves so far will not be put back (a pass is over): let go of their records
         (and of the requests and emptied flows they hold)."""
-        for served in self._served:
-            served.flow.forget_undo()
+        for flow in self._touched.values():  # all of them: `_served` keeps the latest few
+            flow.forget_undo()
+        self._touched.clear()
         self._served.clear()
 
     def _new_flow_here(self) -> Flow:
@@ -281,6 +283,7 @@ class StartTimeFairQueue(Generic[K]):
         if self._undo:
             dropped: list[tuple[K, float]] = []  # idle tags this serve drops, for `put_back`
             self._served.append(Served(req, flow, self.virtual_time, self._finish[key], start, dropped))
+            self._touched[id(flow)] = flow
             self._dropping = dropped
         w = weight if weight is not None else self._weight(key, req)
         self._finish[key] = start + self._cost(req) / w

@@ -124,7 +124,8 @@ class Popped(NamedTuple):
 
     requeued_at: float | None  # back in the queue since, after a preemption
     held_since: float | None  # its tenant's held-back time in the aged tier (None: not held)
-    dropped_p0: int | None  # the recent P0 prompt its admission record pushed out
+    p0_tokens: int | None  # a P0 prompt's admission record (None: not P0) ...
+    dropped_p0: int | None  # ... and the recent P0 prompt it pushed out
 
 
 @dataclass(frozen=True)
@@ -302,11 +303,12 @@ class HybridPolicy(FairQueuePolicy):
         self._untrack(req)
         if aged is not None:
             aged.served(req, now)
-        dropped_p0 = None
+        p0_tokens = dropped_p0 = None
         if req.tier == Tier.P0:  # popped once admitted: its cached prefix is known
-            dropped_p0 = self._shaper.p0_admitted(tokens_left(req))
+            p0_tokens = tokens_left(req)
+            dropped_p0 = self._shaper.p0_admitted(p0_tokens)
         if self.keeps_undo:
-            self._popped[req] = Popped(requeued_at, held_since, dropped_p0)
+            self._popped[req] = Popped(requeued_at, held_since, p0_tokens, dropped_p0)
         return req
 
     def _push(self, req: Request, now: float) -> None:
@@ -322,7 +324,10 @@ class HybridPolicy(FairQueuePolicy):
 
     def _put_back(self, req: Request, now: float) -> None:
         super()._put_back(req, now)
-        popped = self._popped.pop(req, None)
+        popped = self._popped.get(req)
+        latest = popped is not None and next(reversed(self._popped)) is req  # the pass's latest pop
+        if popped is not None:
+            del self._popped[req]
         if popped is not None and popped.requeued_at is not None:
             self._requeued_at[req] = popped.requeued_at  # before `_track`, which files it by it
         self._track(req)
@@ -331,6 +336,10 @@ class HybridPolicy(FairQueuePolicy):
             if overdue is not None:
                 overdue.tag_lowered(req.tenant, start_tag)
         if popped is None:
+            return
+        if not latest:  # later pops were run: undo only what is this request's own
+            if popped.p0_tokens is not None:
+                self._shaper.p0_not_admitted_once(popped.p0_tokens)
             return
         aged = self._aged_by_tenant.get(req.tier)
         if aged is not None and popped.held_since is not None:
@@ -359,7 +368,7 @@ class HybridPolicy(FairQueuePolicy):
             self._rescuable[req.tier].add(req)
         aged = self._aged_by_tenant.get(req.tier)
         if aged is not None:
-            aged.add(req)
+            aged.add(req, self._requeued_at.get(req))
 
     def _untrack(self, req: Request) -> None:
         self._p0_waiting.discard(req)

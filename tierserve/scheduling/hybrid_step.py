@@ -84,6 +84,14 @@ class StepShaper:
         self._longest_p0 = max(recent)
         return dropped
 
+    def p0_not_admitted_once(self, num_prompt_tokens: int) -> None:
+        """Take one record of `num_prompt_tokens` back (a prompt put back after later
+        admissions: theirs stay)."""
+        recent = self._recent_p0
+        if num_prompt_tokens in recent:
+            recent.remove(num_prompt_tokens)
+            self._longest_p0 = max(recent, default=0)
+
     def p0_not_admitted(self, dropped: int | None) -> None:
         """Undo the latest `p0_admitted` (the prompt was put back, not run)."""
         recent = self._recent_p0

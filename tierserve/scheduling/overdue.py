@@ -14,7 +14,8 @@ Fair queuing alone lets a tenant wait forever while new tenants keep coming: eac
 at the virtual time, below a tenant served before, and one-shot tenant ids arriving
 faster than the tier is served would hold it back for good. Aging must not: with
 `starve_s`, a tenant with an overdue request that has not been served for `starve_s`
-(since its request became overdue, or since its last serve, `served`) goes first, the
+(since its request became overdue, or came back to the queue after a preemption if that
+was later, or since its last serve, `served`) goes first, the
 longest held back first, so every tenant's oldest overdue request moves. The bound is a
 backstop, not a share: a tenant whose fair share is under one request per `starve_s`
 gets that one request, so with more tenants than the tier serves in `starve_s` the
@@ -51,6 +52,7 @@ class OverdueByTenant:
         self.until_s = until_s
         self.starve_s = starve_s
         self._token: dict[Request, int] = {}  # waiting request -> its live entry
+        self._requeued_at: dict[Request, float] = {}  # ... back in the queue since (`add`)
         self._overdue: set[Request] = set()  # ... those moved into their tenant's heap
         self._pending: list[Entry] = []  # not overdue yet (or not looked at since)
         self._expiring: list[Entry] = []  # overdue, by arrival: to leave at `until_s`
@@ -72,16 +74,21 @@ class OverdueByTenant:
     def num_overdue(self) -> int:
         return len(self._overdue)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, requeued_at: float | None = None) -> None:
+        """`req` waits; `requeued_at`: back in the queue since then, after a preemption (its
+        tenant is held back from then at the earliest: it was running before)."""
         self.discard(req)
         token = next(self._serial)
         self._token[req] = token
+        if requeued_at is not None:
+            self._requeued_at[req] = requeued_at
         self._push(self._pending, (req.arrival_time, token, req))
 
     def discard(self, req: Request) -> None:
         """`req` no longer waits (served or removed); its entries go when they reach a top."""
         if self._token.pop(req, None) is None:
             return
+        self._requeued_at.pop(req, None)
         relist = self._relist_since.get(req.tenant)
         if relist is not None and relist[1] is req:
             del self._relist_since[req.tenant]
@@ -190,7 +197,8 @@ class OverdueByTenant:
                 if self.starve_s < math.inf:
                     # From when the request became overdue, not when a pick first looked:
                     # the same whenever (and however often) the tier is looked at.
-                    self._hold_back(tenant, arrival + after if restored is None else restored)
+                    overdue_at = max(arrival + after, self._requeued_at.get(req, -math.inf))
+                    self._hold_back(tenant, overdue_at if restored is None else restored)
                 continue
             if restored is not None:  # listed meanwhile by an older request: as before the serve
                 self._hold_back(tenant, restored)

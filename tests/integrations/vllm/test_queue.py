@@ -127,7 +127,7 @@ def test_a_request_the_book_has_forgotten_still_leaves_the_queue() -> None:
 
 
 def test_a_request_vllm_skips_pass_after_pass_costs_its_tenant_nothing() -> None:
-    """vLLM skips a waiting request it cannot run yet (grammar compiling, KV in transfer,
+    """vLLM skips a waiting request it cannot run yet (grammar compiling, connector undecided,
     LoRA without a slot) by popping it and putting it back at the end of the pass. Charged as
     served at every such pass, its tenant fell behind: here b, its first request skipped for
     30 passes while one request a pass was admitted, got 1 of the 30 against a's 29."""

@@ -11,12 +11,14 @@ behind the last of that tier at the head: vLLM's admission loop then sees an emp
 scheduler asks for the waiting P0 requests at every step while one waits: walking a queue
 of 20,000 for them took 9 ms a step).
 
-vLLM skips a waiting request it cannot run yet (its grammar still compiling, its KV still
-in transfer, its LoRA without a slot) by popping it and putting it back at the end of the
-pass. Popping charges the request's tenant and tier in the policy's fair order; a request
-put back in the pass that popped it (between `tick` and `end_pass`) was skipped, so the
-policy gives the charge back (`Policy.put_back`). Charged instead, a request skipped for
-many steps (a LoRA waiting for a slot) cost its tenant a request's share at every step.
+vLLM skips a waiting request it cannot run yet (its grammar still compiling, its LoRA
+without a slot, its connector not yet knowing what it holds) by popping it and putting it
+back at the end of the pass. Popping charges the request's tenant and tier in the policy's
+fair order; a request put back in the pass that popped it (between `tick` and `end_pass`)
+was skipped, so the policy gives the charge back (`Policy.put_back`, with the records
+`keep_undo` keeps until `forget_undo` at the pass's end). Charged instead, a request
+skipped for many steps (a LoRA waiting for a slot) cost its tenant a request's share at
+every step.
 """
 
 from __future__ import annotations
