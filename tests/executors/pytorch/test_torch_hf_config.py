@@ -236,6 +236,12 @@ def test_llama3_original_positions_that_are_not_an_integer_are_refused(tmp_path:
     }
     message = _parse_error(tmp_path, _base_config(rope_scaling=scaling))
     assert "original_max_position_embeddings: must be a positive integer, got 32.7" in message
+    path = tmp_path / "config.json"  # a whole number written as a float is read as transformers reads it
+    path.write_text(
+        json.dumps(_base_config(rope_scaling={**scaling, "original_max_position_embeddings": 32.0}))
+    )
+    rope = parse_hf_config(path).config.rope_scaling
+    assert rope is not None and rope.original_max_position_embeddings == 32
 
 
 @pytest.mark.parametrize("window", ["32", 0, 1.5, True])

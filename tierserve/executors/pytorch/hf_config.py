@@ -144,7 +144,10 @@ def _architecture(path: Path, raw: dict[str, Any]) -> str:
 
 
 def _positive_int(path: Path, what: str, value: Any) -> int:
-    """`value` if it is a positive integer (32.7 is not: read as 32, it rotated otherwise)."""
+    """`value` if it is a positive integer, 8192.0 included (32.7 is not: read as 32, it
+    rotated otherwise)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"{path}: {what}: must be a positive integer, got {value!r}")
     return value
