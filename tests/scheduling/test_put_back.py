@@ -250,3 +250,43 @@ def test_a_pass_of_more_pops_than_the_records_kept_still_lets_them_all_go() -> N
         policy.pop(100.0)
     policy.forget_undo()
     assert len(policy) == 10 and _undo_records(policy) == 0
+
+
+def test_a_request_skipped_pass_after_pass_behind_other_tenants_keeps_its_tenants_held_back_clock() -> None:
+    """vLLM puts a skipped request back after the pass's later pops ran. When those were
+    other tenants', the skipped request's pop still reset its tenant's held-back clock: a
+    request waiting 50 passes for a LoRA slot kept its tenant from ever reaching the backstop."""
+    policy = create_policy("hybrid", EngineConfig())
+    policy.keep_undo(True)
+    skipped, other = _aged("T", "A", 0.0), _aged("T", "X", 0.1)
+    for req in (skipped, other):
+        policy.add(req, req.arrival_time)
+    aged = policy._aged_by_tenant[Tier.P3]  # type: ignore[attr-defined]
+    for k in range(50):
+        now = 10.0 + k
+        one_shot = _aged(f"u{k}", f"u{k}", now - 6.0)  # a new tenant's, aged, goes first
+        policy.add(one_shot, now)
+        popped = []
+        while not popped or popped[-1] is skipped:
+            popped.append(policy.pop(now))
+        assert popped[0] is skipped  # then the one-shot tenant's, which runs
+        for req in reversed(popped[:-1]):
+            policy.put_back(req, now)
+        policy.forget_undo()
+    assert aged.held_since("T") == 5.0  # A's arrival + aging_s: no serve of T ran
+
+
+def test_a_p0_prompt_put_back_after_another_tiers_pop_ran_is_undone_exactly() -> None:
+    policy = create_policy("hybrid", EngineConfig())
+    policy.keep_undo(True)
+    shaper = policy._shaper  # type: ignore[attr-defined]
+    for i in range(40):
+        shaper.p0_admitted(9000 + i)
+    before = list(shaper._recent_p0)
+    p0 = make_request(num_prompt=100, tier=Tier.P0, arrival=0.0, request_id="p0")
+    p1 = make_request(num_prompt=200, tier=Tier.P1, arrival=0.1, request_id="p1")
+    for req in (p0, p1):
+        policy.add(req, 1.0)
+    assert (policy.pop(1.0), policy.pop(1.0)) == (p0, p1)
+    policy.put_back(p0, 1.0)
+    assert list(shaper._recent_p0) == before

@@ -213,8 +213,8 @@ class StartTimeFairQueue(Generic[K]):
         `forget_undo`, at most SERVES_KEPT): for the vLLM plug-in, whose engine puts back
         the requests it skips in a pass. Off (tierserve's own engine, which never puts one
         back), a serve keeps nothing."""
+        self.forget_undo()
         self._undo = on
-        self._served.clear()
         for flow in self.flows.values():
             flow.keep_undo(on)
 

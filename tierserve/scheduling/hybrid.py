@@ -324,10 +324,8 @@ class HybridPolicy(FairQueuePolicy):
 
     def _put_back(self, req: Request, now: float) -> None:
         super()._put_back(req, now)
-        popped = self._popped.get(req)
-        latest = popped is not None and next(reversed(self._popped)) is req  # the pass's latest pop
-        if popped is not None:
-            del self._popped[req]
+        ran_after = self._ran_after(req)
+        popped = self._popped.pop(req, None)
         if popped is not None and popped.requeued_at is not None:
             self._requeued_at[req] = popped.requeued_at  # before `_track`, which files it by it
         self._track(req)
@@ -337,15 +335,21 @@ class HybridPolicy(FairQueuePolicy):
                 overdue.tag_lowered(req.tenant, start_tag)
         if popped is None:
             return
-        if not latest:  # later pops were run: undo only what is this request's own
-            if popped.p0_tokens is not None:
-                self._shaper.p0_not_admitted_once(popped.p0_tokens)
-            return
         aged = self._aged_by_tenant.get(req.tier)
-        if aged is not None and popped.held_since is not None:
-            aged.hold_back_since(req, popped.held_since)
-        if req.tier == Tier.P0:
-            self._shaper.p0_not_admitted(popped.dropped_p0)
+        same_tenant_ran = any(r.tier == req.tier and r.tenant == req.tenant for r in ran_after)
+        if aged is not None and popped.held_since is not None and not same_tenant_ran:
+            aged.hold_back_since(req, popped.held_since)  # else a serve of its tenant ran since
+        if popped.p0_tokens is not None:
+            if any(r.tier == Tier.P0 for r in ran_after):  # a later P0 record stays
+                self._shaper.p0_not_admitted_once(popped.p0_tokens, popped.dropped_p0)
+            else:
+                self._shaper.p0_not_admitted(popped.dropped_p0)
+
+    def _ran_after(self, req: Request) -> list[Request]:
+        """The pops of this pass after `req` still on record: they ran (vLLM puts back what
+        it skips at the pass's end, the latest first)."""
+        popped = list(self._popped)
+        return popped[popped.index(req) + 1 :] if req in self._popped else []
 
     def forget_undo(self) -> None:
         super().forget_undo()

@@ -84,12 +84,15 @@ class StepShaper:
         self._longest_p0 = max(recent)
         return dropped
 
-    def p0_not_admitted_once(self, num_prompt_tokens: int) -> None:
-        """Take one record of `num_prompt_tokens` back (a prompt put back after later
-        admissions: theirs stay)."""
+    def p0_not_admitted_once(self, num_prompt_tokens: int, dropped: int | None) -> None:
+        """Take one record of `num_prompt_tokens` back, and `dropped`, the record its
+        admission pushed out, in its place at the old end (a prompt put back after later
+        admissions: theirs stay, and the window keeps its length)."""
         recent = self._recent_p0
         if num_prompt_tokens in recent:
             recent.remove(num_prompt_tokens)
+            if dropped is not None:
+                recent.appendleft(dropped)
             self._longest_p0 = max(recent, default=0)
 
     def p0_not_admitted(self, dropped: int | None) -> None:

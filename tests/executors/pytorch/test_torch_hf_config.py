@@ -291,3 +291,10 @@ def test_qwen2_use_sliding_window_with_no_sliding_layer_runs_as_transformers_bui
     edit_config(ckpt, max_window_layers=1)
     message = load_error(ckpt)
     assert "use_sliding_window" in message and "max_window_layers (1)" in message
+
+
+def test_yarn_original_positions_written_as_a_whole_float_are_read_for_the_simulator(tmp_path: Path) -> None:
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192.0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_base_config(rope_scaling=scaling, max_position_embeddings=32768)))
+    assert parse_hf_config(path, simulated=True).max_model_len == 32768

@@ -263,11 +263,7 @@ def _scaled_context(path: Path, raw: dict[str, Any], max_positions: int) -> int:
     if kind == "yarn":
         original = _original_positions(path, raw, params)
         base = max_positions if original is None else original
-    if isinstance(base, bool) or not isinstance(base, int) or base < 1:
-        raise ModelLoadError(
-            f"{path}: yarn rope scaling: {ORIGINAL} must be a positive integer, got {base!r}"
-        )
-    return int(base * factor)
+    return int(_positive_int(path, f"yarn rope scaling: {ORIGINAL}", base) * factor)
 
 
 def _dtype_bytes(path: Path, dtype: Any) -> int:
@@ -308,6 +304,8 @@ def _refuse_sliding_window(path: Path, raw: dict[str, Any]) -> None:
         # Qwen2/Qwen3, as transformers builds them: layers from max_window_layers on slide
         # the window; with as many such layers as the model has, none does.
         window, first = raw.get("sliding_window", 4096), raw.get("max_window_layers", 28)
+        if isinstance(first, float) and first.is_integer():
+            first = int(first)
         layers = raw.get("num_hidden_layers")
         none_slides = isinstance(first, int) and isinstance(layers, int) and first >= layers
         if window is not None and not none_slides:
