@@ -77,9 +77,9 @@ class Policy(ABC):
 
     def put_back(self, req: Request, now: float) -> None:
         """Return a request popped a moment ago that the engine did not run (vLLM skips a
-        waiting request whose grammar is not compiled, whose LoRA has no slot, or whose
-        KV connector cannot yet say what it holds): it waits again as if it had not been popped, and whatever
-        popping it charged its tier or tenant is given back."""
+        waiting request whose grammar is not compiled, whose LoRA has no slot, or whose KV
+        connector cannot yet say what it holds): it waits again as if it had not been
+        popped, and whatever popping it charged its tier or tenant is given back."""
         self._num_waiting[req.tier] += 1
         self._put_back(req, now)
 

@@ -349,22 +349,8 @@ def parse_hf_config(
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' one function, two names
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     _refuse_sliding_window(path, raw)
-    heads = _int(path, raw, "num_attention_heads")
-    # Absent: the config class's default; null: as many as the query heads (MHA).
-    kv_default = heads if "num_key_value_heads" in raw else _default(arch, "num_key_value_heads", heads)
-    kv_heads = _int(path, raw, "num_key_value_heads", kv_default)
-    if heads % kv_heads:
-        raise ModelLoadError(
-            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-        )
     hidden = _int(path, raw, "hidden_size")
-    head_dim = raw.get("head_dim")
-    if head_dim is None and arch == "Qwen3ForCausalLM":
-        head_dim = 128  # transformers' Qwen3Config default, not hidden_size / heads
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
-        raise ModelLoadError(f"{path}: head_dim must be a positive even integer, got {head_dim!r}")
-    if head_dim is None and hidden % heads:
-        raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    heads, kv_heads, head_dim = _attention_heads(path, raw, arch, hidden)
     theta, scaling, linear_factor = _rope(path, raw, any_kind=simulated)
     options = _decoder_options(path, raw, arch, linear_factor)
     dtype = raw.get("dtype") or raw.get("torch_dtype")  # transformers >= 5 reads `dtype` first
@@ -391,16 +377,43 @@ def parse_hf_config(
         eos_token_ids=eos,
         dtype_bytes=_dtype_bytes(path, dtype),
     )
-    max_len = config.max_position_embeddings
-    if simulated:
-        max_len = _scaled_context(path, raw, max_len)
-    window = raw.get("sliding_window", _default(arch, "sliding_window", None))
-    note = ""
-    if arch == "MistralForCausalLM" and window is not None:
-        # Within the window, sliding attention is full attention: contexts are capped to it.
-        window = _positive_int(path, "sliding_window", window)
-        if window < max_len:
-            max_len = window
-            note = " (its sliding_window: attention past the window is not supported)"
+    max_len, note = _context(path, raw, arch, config.max_position_embeddings, simulated)
     dtype_name = str(dtype) if dtype else None
     return HFModelSpec(config, arch, options, dtype_name, max_len, _quantization(raw), note)
+
+
+def _attention_heads(path: Path, raw: dict[str, Any], arch: str, hidden: int) -> tuple[int, int, int | None]:
+    """(query heads, KV heads, head_dim or None for hidden_size / heads), as transformers
+    builds them, refusing what does not divide."""
+    heads = _int(path, raw, "num_attention_heads")
+    # Absent: the config class's default; null: as many as the query heads (MHA).
+    kv_default = heads if "num_key_value_heads" in raw else _default(arch, "num_key_value_heads", heads)
+    kv_heads = _int(path, raw, "num_key_value_heads", kv_default)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    head_dim = raw.get("head_dim")
+    if head_dim is None and arch == "Qwen3ForCausalLM":
+        head_dim = 128  # transformers' Qwen3Config default, not hidden_size / heads
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
+        raise ModelLoadError(f"{path}: head_dim must be a positive even integer, got {head_dim!r}")
+    if head_dim is None and hidden % heads:
+        raise ModelLoadError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    return heads, kv_heads, head_dim
+
+
+def _context(
+    path: Path, raw: dict[str, Any], arch: str, max_positions: int, simulated: bool
+) -> tuple[int, str]:
+    """The positions a request may span, and why where it is below `max_positions` ("": it is
+    not): the simulator's is the one vLLM serves the model at; a Mistral window caps it."""
+    max_len = _scaled_context(path, raw, max_positions) if simulated else max_positions
+    window = raw.get("sliding_window", _default(arch, "sliding_window", None))
+    if arch != "MistralForCausalLM" or window is None:
+        return max_len, ""
+    # Within the window, sliding attention is full attention: contexts are capped to it.
+    window = _positive_int(path, "sliding_window", window)
+    if window >= max_len:
+        return max_len, ""
+    return window, " (its sliding_window: attention past the window is not supported)"
