@@ -233,6 +233,52 @@ def test_pipelined_requests_are_answered_in_order(server: LiveServer) -> None:
     assert statuses == [200, 200, 200, 404]
 
 
+def _completion(stream: bool = False, version: bytes = b"1.1") -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream}).encode()
+    head = b"POST /v1/completions HTTP/%s\r\nhost: t\r\ncontent-type: application/json\r\n" % version
+    return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "bad", [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n"]
+)
+def test_a_refused_request_pipelined_behind_others_is_answered_after_them(
+    server: LiveServer, stream: bool, bad: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The refusal closed the connection at once: the answers before it were cut off (the
+    client got nothing), and the application's next write to the closed transport logged
+    a traceback."""
+    with caplog.at_level(logging.ERROR), connect(server) as sock:
+        sock.sendall(_completion(stream) + _completion(stream) + bad)
+        got = read_all(sock)
+    statuses = [int(s) for s in re.findall(rb"HTTP/1.1 (\d{3})", got)]
+    assert statuses[:2] == [200, 200] and statuses[2] in (400, 501), got[:600]
+    if stream:
+        assert got.count(b"data: [DONE]") == 2  # both streams whole
+    else:
+        assert got.count(b'"finish_reason"') == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_an_http_1_0_stream_ends_with_the_connection_not_in_chunks(server: LiveServer) -> None:
+    """HTTP/1.0 has no chunked coding (RFC 9112, 6.1): the client read the chunk sizes
+    as part of the stream."""
+    with connect(server) as sock:
+        sock.sendall(_completion(stream=True, version=b"1.0"))
+        got = read_all(sock)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    events = [line for line in body.split(b"\n") if line]
+    assert events and all(line.startswith(b"data: ") for line in events), body[:300]
+    assert events[-1] == b"data: [DONE]"
+    # Not streamed, the answer has its length as before.
+    with connect(server) as sock:
+        sock.sendall(_completion(version=b"1.0"))
+        head, _, body = read_all(sock).partition(b"\r\n\r\n")
+    assert b"content-length: %d" % len(body) in head.lower() and json.loads(body)["choices"]
+
+
 @pytest.mark.parametrize(
     "body",
     [

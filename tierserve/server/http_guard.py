@@ -18,7 +18,14 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
   where uvicorn would answer in plain text, uncounted.
 
 A refusal closes the connection; an application task still reading that body sees the
-client gone (`http.disconnect`), and `scope[REFUSED]` says the guard ended it.
+client gone (`http.disconnect`), and `scope[REFUSED]` says the guard ended it. A refused
+request pipelined behind others is answered after them: closing at once cut off the
+answers before it (the client got none of them, and the application's next write to
+the closed transport logged a traceback).
+
+An HTTP/1.0 request's response without a length (a stream) ends when the connection
+closes, as HTTP/1.0 has no chunked coding (RFC 9112, 6.1); uvicorn chunked it, and an
+HTTP/1.0 client read the chunk sizes as part of the stream.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._tail = b""  # last bytes seen in the header phase: a terminator may straddle reads
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._refusal: bytes | None = None  # a refused pipelined request's answer, written last
 
     # ---- connection ----------------------------------------------------------------------
 
@@ -152,6 +160,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._phase = "body"
         self._arm(self.settings.limits.body_timeout_s, self._body_timeout)
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope and self.scope["http_version"] == "1.0":
+            _close_delimited(cycle)
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -165,6 +176,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._tail = b""
         self._disarm()
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refusal is not None and not self._answering() and not self.transport.is_closing():
+            self.transport.write(self._refusal)
+            self._refusal = None
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes its parser refuses, in the API's envelope and counted."""
@@ -213,17 +231,54 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and self._phase == "body":
             cycle.scope[REFUSED] = reason  # type: ignore[literal-required]
-        if self._phase == "headers":
-            answer = cycle is None or cycle.response_complete  # nothing else is being written
+        if self._phase != "body" and self._answering():
+            # A request before this one is still being answered, or waits its turn: read no
+            # more, and answer this one once they are (`on_response_complete`).
+            self._refusal = error_bytes(status, message, reason)
+            self.flow.pause_reading()
         else:
-            answer = cycle is not None and not cycle.response_started
-        if answer and not self.transport.is_closing():
-            self.transport.write(error_bytes(status, message, reason))
-        self.transport.close()
+            answer = self._phase != "body" or (cycle is not None and not cycle.response_started)
+            if answer and not self.transport.is_closing():
+                self.transport.write(error_bytes(status, message, reason))
+            if cycle is not None:
+                cycle.disconnected = True  # the application's later writes go nowhere, quietly
+            self.transport.close()
         if self.settings.report is not None:
             self.settings.report(reason)
         level = logging.DEBUG if reason == "connection_limit" else logging.INFO  # a flood: no log flood
         log.log(level, "HTTP %d %s from %s: %s", status, reason, self.client, message)
+
+
+    def _answering(self) -> bool:
+        """Whether an earlier request's response is being written or waits in the pipeline."""
+        cycle = self.cycle
+        return bool(self.pipeline) or (cycle is not None and not cycle.response_complete)
+
+
+def _close_delimited(cycle: Any) -> None:
+    """Make uvicorn's response cycle end an HTTP/1.0 response without a length by closing the
+    connection (its keep-alive is off for HTTP/1.0) instead of chunking it: the body is
+    written as it comes, and the last part is the length left."""
+    send = cycle.send
+
+    async def send_unchunked(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = message.get("headers", [])
+            if not any(name.lower() == b"content-length" for name, _ in headers):
+                cycle.chunked_encoding = False
+                cycle.expected_content_length = _UNKNOWN_LENGTH
+        elif (
+            message["type"] == "http.response.body"
+            and not message.get("more_body", False)
+            and cycle.expected_content_length >= _UNKNOWN_LENGTH // 2
+        ):
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = send_unchunked
+
+
+_UNKNOWN_LENGTH = 1 << 62  # a close-delimited body's "length" until its last part
 
 
 class _DropParserWarning(logging.Filter):
