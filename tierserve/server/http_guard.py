@@ -248,7 +248,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         level = logging.DEBUG if reason == "connection_limit" else logging.INFO  # a flood: no log flood
         log.log(level, "HTTP %d %s from %s: %s", status, reason, self.client, message)
 
-
     def _answering(self) -> bool:
         """Whether an earlier request's response is being written or waits in the pipeline."""
         cycle = self.cycle
