@@ -133,6 +133,7 @@ def test_each_tiers_outcomes_add_up_and_the_report_names_them(tmp_path: Path) ->
     assert "| tier-aware | fixed | 1 | 1.0 |" in report
     for said in ("completed 1", "shed 1", "rejected 1", "lost 1", "refused:queue_full 1", "unfinished 1"):
         assert said in report
+    assert "commit unknown (not a git checkout)" in report  # outside a checkout: not "commit None"
 
 
 def test_a_scaling_fleet_takes_a_kill_of_any_replica_and_says_what_it_did(tmp_path: Path) -> None:

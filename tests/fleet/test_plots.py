@@ -72,3 +72,21 @@ def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float,
     }
     row = table([{"router": "tier-aware", "scaling": "fixed", "summary": summary}])[-1]
     assert row.split(" | ")[2] == shown
+
+
+def test_a_bin_without_requests_is_a_gap_and_a_lone_bin_is_drawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bins without requests were dropped and a plain line drawn through the rest: across
+    an empty bin it drew a trend nobody measured, and a run within one bin drew nothing."""
+    run = _run(240.0, 2)
+    over_time = run["summary"]["over_time"]
+    over_time["t_s"] = [0.0, 60.0, 120.0, 180.0]
+    over_time["tiers"]["P1"] = {"slo_attainment": [0.75, None, None, 1.0], "goodput_rps": [1.0] * 4}
+    over_time["tiers"]["P3"] = {"slo_attainment": [None, None, None, 1.0], "goodput_rps": [0.5] * 4}
+    slo_fig, *_ = _figures(tmp_path, monkeypatch, run)
+    (p1_line,) = slo_fig.axes[1].get_lines()
+    ys = [float(y) for y in p1_line.get_ydata()]
+    assert ys[0] == 0.75 and ys[3] == 1.0 and all(y != y for y in ys[1:3])  # NaN: no line between
+    (p3_line,) = slo_fig.axes[3].get_lines()
+    assert p3_line.get_marker() not in (None, "None", "", " ")  # one point, still seen

@@ -35,7 +35,8 @@ class AutoscaleConfig:
     scale_out_utilization: float = 0.85  # mean busy fraction over which to add a replica
     scale_in_utilization: float = 0.4  # under which, held for `idle_s`, to remove one
     idle_s: float = 300.0
-    p0_attainment_floor: float = 0.95  # tier policy: P0 attainment under this is at risk
+    p0_attainment_floor: float = 0.95  # tier policy: P0 attainment under this is at risk ...
+    p0_min_samples: int = 20  # ... judged on at least this many P0 requests (see `_p0_at_risk`)
     max_starting: int = 2  # replicas loading at once
 
     def __post_init__(self) -> None:
@@ -45,6 +46,8 @@ class AutoscaleConfig:
             )
         if self.startup_delay_s < 0 or self.interval_s <= 0 or self.idle_s < 0:
             raise ValueError("startup_delay_s and idle_s must be >= 0, interval_s > 0")
+        if self.p0_min_samples < 1:
+            raise ValueError(f"p0_min_samples must be >= 1, got {self.p0_min_samples}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +58,14 @@ class Observation:
     utilization: Sequence[float]  # per serving replica read over an interval: its busy fraction
     num_waiting: Sequence[float]  # per serving replica, scraped waiting requests
     p0_queued: int  # P0 requests waiting in the gateway
-    p0_attainment: float | None  # P0's SLO attainment over the recent window (None: no P0 ended)
+    # P0's SLO attainment over the recent window, since the newest replica became ready
+    # (None: no P0 request counted), and how many P0 requests it counts.
+    p0_attainment: float | None
     # Serving replicas not yet read over any interval (ready at this very tick, or every one
     # at the first tick): idle when deciding to scale out, busy when deciding to scale in,
     # as Kubernetes' autoscaler counts pods without metrics.
     num_unread: int = 0
+    p0_samples: int = 0
 
 
 class Autoscaler:
@@ -104,9 +110,23 @@ class Autoscaler:
         if util >= c.scale_out_utilization:
             return True
         if c.policy is ScalingPolicy.TIER:
-            at_risk = obs.p0_attainment is not None and obs.p0_attainment < c.p0_attainment_floor
-            return obs.p0_queued > 0 or at_risk
+            return obs.p0_queued > 0 or self._p0_at_risk(obs)
         return False
+
+    def _p0_at_risk(self, obs: Observation) -> bool:
+        """P0's attainment under its floor, judged on the fleet as it stands: on at least
+        `p0_min_samples` P0 requests counted since the newest replica became ready, and not
+        while a replica loads (the one launched for it has yet to help). At about 9 P0
+        requests a minute one miss held a 60 s window under 95 % for a whole minute, and
+        the tier policy launched 13 replicas where utilization launched 8, for the same
+        attainment in every tier (a review, 2026-12-06)."""
+        c = self.config
+        return (
+            obs.p0_attainment is not None
+            and obs.p0_attainment < c.p0_attainment_floor
+            and obs.p0_samples >= c.p0_min_samples
+            and obs.num_starting == 0
+        )
 
     def _calm(self, obs: Observation, util: float) -> bool:
         if util >= self.config.scale_in_utilization:

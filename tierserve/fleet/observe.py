@@ -13,6 +13,7 @@ can draw the same line.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -82,10 +83,13 @@ class FleetObserver:
             lo, hi = (mid, hi) if within(mid) else (lo, mid)
         return lo
 
-    def p0_attainment(self) -> float | None:
+    def p0_attainment(self, since: float = -math.inf) -> tuple[float | None, int]:
+        """P0's attainment over the window, counting only the requests counted at or after
+        `since` (None if there are none), and how many it counts."""
         horizon = self._clock.now() - self._window_s
         while self._p0 and self._p0[0][0] < horizon:
             self._p0.popleft()
-        if not self._p0:
-            return None
-        return sum(ok for _, ok in self._p0) / len(self._p0)
+        counted = [ok for t, ok in self._p0 if t >= since]
+        if not counted:
+            return None, 0
+        return sum(counted) / len(counted), len(counted)

@@ -97,7 +97,7 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         f"Trace `{meta['trace']}` x {meta['rate_scale']} {_scaled(meta)} ({meta['num_requests']} requests), "
         f"{meta['replicas']} replica{'' if meta['replicas'] == 1 else 's'} of {meta['model']} "
         f"on {meta['tp']} x {meta['gpu']} "
-        f"(engine policy {meta['policy']}); commit {meta['commit']}; "
+        f"(engine policy {meta['policy']}); commit {meta['commit'] or 'unknown (not a git checkout)'}; "
         f"start-up delay {meta['startup_delay_s']:.0f} s; CPU {meta['cpu_s']:.1f} s.",
         "",
         *_cut_lines(meta),
@@ -171,8 +171,16 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
             for r in runs:
                 ot = r["summary"]["over_time"]
                 ys = ot["tiers"].get(tier.name, {}).get(key, [])
-                pts = [(t / per, y) for t, y in zip(ot["t_s"], ys, strict=False) if y is not None]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{r['router']} / {r['scaling']}")
+                # A bin without requests is a gap, not a line drawn across it, and a marker on
+                # each bin: a run within one bin was an empty panel.
+                pts = list(zip(ot["t_s"], ys, strict=False))
+                ax.plot(
+                    [t / per for t, _ in pts],
+                    [math.nan if y is None else y for _, y in pts],
+                    marker="o",
+                    markersize=3,
+                    label=f"{r['router']} / {r['scaling']}",
+                )
             ax.set_title(f"{tier.name} {label}")
             if key == "slo_attainment":
                 ax.set_ylim(-0.02, 1.02)

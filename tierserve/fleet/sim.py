@@ -350,6 +350,8 @@ class FleetSim:
             replica.observe_busy(now)  # the busy fraction over the autoscaler's interval
         starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
         states = {s.name: s for s in self.dispatch.router.states}
+        newest = max((r.ready_s for r in serving if r.ready_s is not None), default=-math.inf)
+        p0_attainment, p0_samples = self.observer.p0_attainment(since=newest)
         obs = Observation(
             now,
             len(serving),
@@ -357,8 +359,9 @@ class FleetSim:
             [r.utilization for r in serving if r.utilization is not None],
             [s.sample.num_waiting if (s := states[r.name]).sample else 0.0 for r in serving],
             self.dispatch.depth(Tier.P0),
-            self.observer.p0_attainment(),
+            p0_attainment,
             sum(r.utilization is None for r in serving),
+            p0_samples,
         )
         change = self.autoscaler.decide(obs)
         if change > 0:
