@@ -39,8 +39,9 @@ def _event(i: int, last: bool) -> bytes:
 class FakeUpstream:
     """mode: "ok", "fail" (500 before any byte), "break" (two events, then the connection drops),
     "halfway" (half an event, then the connection drops), "stop" (two events, then a clean
-    end without `data: [DONE]`) or "refuse" (`refusal_status`, with `refusal_body`,
-    `refusal_type` and a Retry-After of `retry_after`).
+    end without `data: [DONE]`), "refuse" (`refusal_status`, with `refusal_body`,
+    `refusal_type` and a Retry-After of `retry_after`), "no_usage" (a non-streaming reply
+    without `usage`) or "not_sse" (a stream of text and HTML under text/event-stream).
     A reply (a stream's status and first event too) comes after `reply_after_s` and once
     `hold` (when given) is set, or never if its client goes first (counted in `num_clients_gone`)."""
 
@@ -82,7 +83,13 @@ class FakeUpstream:
             return Response(status_code=499)
         if not body.get("stream"):
             usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-            return JSONResponse({"choices": [{"message": {"content": "ok"}}], "usage": usage})
+            reply = {"choices": [{"message": {"content": "ok"}}], "usage": usage}
+            if self.mode == "no_usage":
+                del reply["usage"]
+            return JSONResponse(reply)
+        if self.mode == "not_sse":
+            page = [b"this is not sse at all\n\n", b"<html><body>oops</body></html>\n\n"]
+            return StreamingResponse(iter(page), media_type="text/event-stream")
         return StreamingResponse(self._stream(), media_type="text/event-stream")
 
     async def _client_stays(self, request: Request) -> bool:

@@ -115,6 +115,37 @@ def test_failures_eject_and_a_passed_check_readmits() -> None:
     assert router.record_failure("u1", eject_now=True)
 
 
+def test_failing_requests_eject_an_upstream_its_checks_cannot_readmit_until_its_hold_ends() -> None:
+    """An upstream that answered its checks but failed its requests was re-admitted at its
+    next check, and one failing fast looked idle: P0 tried it first, every time."""
+    router, clock = _router(eject_after_request_failures=3, ejection_hold_s=10.0, max_ejection_hold_s=25.0)
+    assert not router.record_request_failure("u0") and not router.record_request_failure("u0")
+    assert router.record_request_failure("u0")  # the third in a row
+    clock.elapse(9.9)
+    assert not router.record_success("u0")  # its check passes: still held out
+    assert "u0" not in [s.name for s in router.candidates(M)]
+    clock.elapse(0.2)
+    assert router.record_success("u0")
+    assert router.record_request_failure("u0", eject_now=True)  # failed again at once: 20 s now
+    clock.elapse(19.9)
+    assert not router.record_success("u0")
+    clock.elapse(0.2)
+    assert router.record_success("u0")
+    assert router.record_request_failure("u0", eject_now=True)  # 40 s, capped at 25 s
+    clock.elapse(25.1)
+    assert router.record_success("u0")
+    router.record_request_success("u0")  # it served one: the next hold starts again at 10 s
+    for _ in range(3):
+        router.record_request_failure("u0")
+    clock.elapse(10.1)
+    assert router.record_success("u0")
+    # A request answered between failures breaks the run.
+    router.record_request_failure("u1")
+    router.record_request_failure("u1")
+    router.record_request_success("u1")
+    assert not router.record_request_failure("u1")
+
+
 def test_excluded_and_other_model_replicas_are_not_candidates() -> None:
     router, _ = _router()
     router.record_success("u2", frozenset({"other"}))

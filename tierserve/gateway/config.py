@@ -76,6 +76,12 @@ class GatewaySettings:
     scrape_interval_s: float = 0.5
     stale_after_s: float = 3.0  # metrics older than this: saturated
     eject_after_failures: int = 2  # consecutive failed checks (or a failed connect) eject an upstream
+    # Forwarded requests failed in a row (a 5xx, a reply that is not one) that eject an
+    # upstream whose checks pass; it stays out `ejection_hold_s`, doubled for each such
+    # ejection in a row, up to `max_ejection_hold_s`, whatever its checks say.
+    eject_after_request_failures: int = 3
+    ejection_hold_s: float = 10.0
+    max_ejection_hold_s: float = 300.0
     prefix_chars: int = 512  # prompt characters hashed for prefix affinity
     affinity_load_bound: float = 1.5  # the preferred replica is used while its load <= bound x (least + 1)
     sglang_preemption_threshold: int = 10  # SGLang tiers are spaced one more than this apart
@@ -188,6 +194,9 @@ def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
         "scrape_interval_s": (0.0, False, True),
         "stale_after_s": (0.0, False, True),
         "eject_after_failures": (1, True, False),
+        "eject_after_request_failures": (1, True, False),
+        "ejection_hold_s": (0.0, False, False),
+        "max_ejection_hold_s": (0.0, False, False),
         "prefix_chars": (1, True, False),
         "affinity_load_bound": (1.0, False, False),
         "sglang_preemption_threshold": (0, True, False),

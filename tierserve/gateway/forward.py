@@ -68,6 +68,17 @@ class _Call:
     seat: RouteDecision | None = None
 
 
+def _settle(gw: GatewayState, call: _Call, num_tokens_used: int | None) -> None:
+    """Settle the request's token reservation with what it used (None: charge it whole),
+    once: a refusal passed on from an upstream was settled where it was read and again as
+    it left the gateway, refunding its reservation twice (nine refused requests raised a
+    tenant's token bucket from 500 to 3,315 tokens)."""
+    reservation, call.reservation = call.reservation, None
+    if reservation is not None:
+        used = reservation.num_tokens if num_tokens_used is None else num_tokens_used
+        gw.spawn(gw.limiter.settle(reservation, used))
+
+
 def _give_back(gw: GatewayState, call: _Call) -> None:
     """The attempt's upstream seat back to the router, once: a second time took another
     request's seat (the router's count stops at 0)."""
@@ -169,7 +180,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         response = await _unless_client_leaves(gw, call, http)
     except BaseException:
         gw.num_in_flight -= 1
-        gw.spawn(gw.limiter.settle(call.reservation, 0))
+        _settle(gw, call, 0)
         raise
     if not isinstance(response, SSEResponse):
         gw.num_in_flight -= 1
@@ -199,7 +210,11 @@ async def _unless_client_leaves(gw: GatewayState, call: _Call, http: HttpRequest
         if watcher.done():
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # no one reads it
         raise ApiError(
-            503, "The gateway is shutting down (drain timeout).", type="server_error", code="aborted"
+            503,
+            "The gateway is shutting down (drain timeout).",
+            type="server_error",
+            code="aborted",
+            headers={"Retry-After": "1"},  # another gateway may take it
         ) from None
     finally:
         gw.calls.discard(attempts)
@@ -293,6 +308,11 @@ def _unserved(call: _Call, num_tried: int, busy: list[float]) -> ApiError:
     )
 
 
+def _failed(gw: GatewayState, decision: RouteDecision, why: str) -> None:
+    """A forwarded request the upstream failed (counted toward ejecting it)."""
+    gw.record_failure(decision.upstream, f"forwarded requests failed ({why})", forwarded=True)
+
+
 class _Retry(Exception):
     """The upstream failed before sending anything: the request may go elsewhere.
     `retry_after_s`: a 503 whose Retry-After said when the upstream expects room."""
@@ -351,17 +371,22 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
             f"a forwarded request failed ({why})",
             eject_now=True,
             unresponsive=isinstance(e, (TimeoutError, aiohttp.ClientConnectorError)),
+            forwarded=True,
         )
         raise _Retry(why) from None
     if reply.status in RETRYABLE_STATUS:
         reply.release()
         wait_s = _retry_after_s(reply) if reply.status == 503 else None
+        if wait_s is None:  # a 503 that says when to come back is a full upstream, not a broken one
+            _failed(gw, decision, f"HTTP {reply.status}")
         raise _Retry(f"HTTP {reply.status}", wait_s)
     if call.stream and reply.status == 200 and not _is_event_stream(reply):
         # An HTML page from a proxy, say: not events, so nothing of it may reach the client,
         # as a non-streaming 200 that is not JSON does not; another upstream may answer.
         reply.release()
-        raise _Retry(f"a 200 stream reply of type {reply.content_type!r}, not text/event-stream")
+        why = f"a 200 stream reply of type {reply.content_type!r}, not text/event-stream"
+        _failed(gw, decision, why)
+        raise _Retry(why)
     if not call.stream or reply.status != 200:
         return await _whole(gw, call, decision, reply)
     return await _stream(gw, call, decision, reply, sent)
@@ -377,13 +402,19 @@ async def _stream(
     tap = SseUsageTap(forward_usage)
     try:
         first = await _first_events(chunks, tap)
-    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, EventTooLarge) as e:
+    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, EventTooLarge, NotServerSentEvents) as e:
         reply.close()
         why = f"stream ended before its first whole event: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # headers, then silence: ejected as a silent upstream is
             gw.record_failure(
-                decision.upstream, f"a forwarded request's {why}", eject_now=True, unresponsive=True
+                decision.upstream,
+                f"a forwarded request's {why}",
+                eject_now=True,
+                unresponsive=True,
+                forwarded=True,
             )
+        else:
+            _failed(gw, decision, why)
         raise _Retry(why) from None
     except BaseException:  # cancelled (the client left), or a failure no branch foresaw
         reply.close()
@@ -394,7 +425,7 @@ async def _stream(
     before_s, first_in = sent - call.arrived - call.not_ours_s, time.perf_counter()
     relay = Relay(gw, decision, call.reservation, reply, chunks, tap, first_bytes=(before_s, first_in))
     response = SSEResponse(relay.run(first), call.headers, on_disconnect=relay.client_left)
-    call.seat = None  # the relay gives it back when the stream ends
+    call.seat = call.reservation = None  # the relay gives the seat back and settles, when the stream ends
     return response
 
 
@@ -405,7 +436,22 @@ async def _first_events(chunks: AsyncIterator[bytes], tap: SseUsageTap) -> bytes
     while True:
         out = tap.feed(await anext(chunks))
         if out:
+            if not _is_sse(out):
+                raise NotServerSentEvents
             return out
+
+
+class NotServerSentEvents(ValueError):
+    """A stream whose first event is not SSE: text under an event-stream Content-Type."""
+
+
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")  # ":" starts a comment
+
+
+def _is_sse(events: bytes) -> bool:
+    """Whether every line of these whole events is an SSE field or comment (a proxy's text
+    or HTML under text/event-stream reached the client, then an error event)."""
+    return all(line.startswith(_SSE_FIELDS) for line in events.split(b"\n") if line)
 
 
 async def _whole(
@@ -420,12 +466,16 @@ async def _whole(
     except (aiohttp.ClientError, TimeoutError) as e:
         why = f"reply cut: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # part of a reply, then silence
-            gw.record_failure(name, f"a forwarded request's {why}", eject_now=True, unresponsive=True)
+            gw.record_failure(
+                name, f"a forwarded request's {why}", eject_now=True, unresponsive=True, forwarded=True
+            )
+        else:
+            _failed(gw, decision, why)
         raise _Retry(why) from None
     except ReplyTooLarge as e:
         _give_back(gw, call)
         gw.metrics.upstream_requests.labels(name, "too_large").inc()
-        gw.spawn(gw.limiter.settle(call.reservation, call.reservation.num_tokens if call.reservation else 0))
+        _settle(gw, call, None)
         log.warning("upstream %s sent a reply over %s bytes; not passed on", name, f"{MAX_REPLY_BYTES:,}")
         raise ApiError(
             502, f"The upstream's reply was over {e}.", type="server_error", code="upstream_reply_too_large"
@@ -434,7 +484,9 @@ async def _whole(
         reply.release()
     payload = _json_object(content)
     if reply.status == 200 and payload is None:
+        _failed(gw, decision, "a 200 reply that is not a JSON object")
         raise _Retry("a 200 reply that is not a JSON object")
+    gw.router.record_request_success(name)  # it answered: a refusal passed on is an answer
     # The answer is built before the seat goes back and the outcome is counted: a header it
     # cannot carry (a Retry-After that is not latin-1) fails here, and is counted once.
     answer: Response | ApiError
@@ -444,9 +496,12 @@ async def _whole(
     else:
         answer = _upstream_refusal(name, reply, payload, content, call.headers)
     _give_back(gw, call)
-    usage = usage_of(payload) if reply.status == 200 else None
     gw.metrics.upstream_requests.labels(name, "ok" if reply.status == 200 else f"http_{reply.status}").inc()
-    gw.spawn(gw.limiter.settle(call.reservation, usage.total if usage else 0))
+    if reply.status == 200:
+        usage = usage_of(payload)
+        _settle(gw, call, usage.total if usage else None)  # no count: kept whole, as a stream's
+    else:
+        _settle(gw, call, 0)
     if isinstance(answer, ApiError):
         raise answer
     return answer

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import httpx
 
 from tierserve.gateway.router import UpstreamState
 from tierserve.gateway.saturation import LoadSample, MetricsParseError, check_exposition, parse_load
 from tierserve.gateway.state import GatewayState
+
+MODELS_REFRESH_S = 30.0  # an admitted upstream's model list is read again this often
 
 log = logging.getLogger("tierserve.gateway")
 
@@ -67,6 +70,7 @@ class UpstreamPoller:
         self._why_not: dict[str, str] = {}  # upstream -> why it was last not admitted (said once)
         # Upstreams admitted once: their failures are said in their ejection's line, not again.
         self._admitted: set[str] = set()
+        self._models_at: dict[str, float] = {}  # upstream -> when its model list was last read
 
     async def _check(self, s: UpstreamState) -> None:
         gw = self._gw
@@ -92,6 +96,8 @@ class UpstreamPoller:
             self._why_not[s.name] = why
             return
         self._why_not.pop(s.name, None)
+        if models is not None:
+            self._models_at[s.name] = gw.clock.now()
         if sample is not None:
             gw.router.record_sample(s.name, sample)
         self._admitted.add(s.name)
@@ -116,7 +122,10 @@ class UpstreamPoller:
                 check_exposition(r.text, r.headers.get("content-type"))
                 models = await fetch_models(gw.client, url, self._timeout_s, auth)
                 sample = LoadSample(0.0, 0.0, 0.0, gw.clock.now())
-            if models is None and (not s.healthy or not s.models):
+            # Read again now and then: an upstream restarted with another model between two
+            # checks, or a URL behind a load balancer, kept its old list for good (404s).
+            stale = gw.clock.now() - self._models_at.get(s.name, -math.inf) >= MODELS_REFRESH_S
+            if models is None and (not s.healthy or not s.models or stale):
                 models = await fetch_models(gw.client, url, self._timeout_s, auth)
         else:
             models = await fetch_models(gw.client, url, self._timeout_s, auth)

@@ -31,6 +31,7 @@ instant of a fleet simulation, and replicas ready after it got none).
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class UpstreamState:
     config: UpstreamConfig
     healthy: bool = False  # admitted by a successful check; ejected after failures
     num_failures: int = 0  # consecutive
+    num_request_failures: int = 0  # forwarded requests failed in a row
+    num_holds: int = 0  # ejections by failed requests with no request served between them
+    held_until: float = -math.inf  # ejected by failed requests: no check re-admits it before
     sample: LoadSample | None = None
     in_flight: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))  # ours, not yet ended, by tier
     # per tier t: our requests at tiers <= t the last scrape could have seen, lowered as they end
@@ -134,16 +138,43 @@ class Router:
             s.seats = sample.num_running
 
     def record_success(self, name: str, models: frozenset[str] | None = None) -> bool:
-        """A passed health check; returns True when it re-admits an ejected upstream."""
+        """A passed health check; returns True when it re-admits an ejected upstream (not
+        while it is held out for failing requests: `record_request_failure`)."""
         s = self.state(name)
         s.num_failures = 0
         if models is not None:
             if s.models != models:
                 self._peer_seats = None
             s.models = models
-        admitted = not s.healthy
+        if s.healthy or self._clock.now() < s.held_until:
+            return False
         s.healthy = True
-        return admitted
+        s.num_request_failures = 0
+        return True
+
+    def record_request_failure(self, name: str, *, eject_now: bool = False) -> bool:
+        """A forwarded request that failed on the upstream (a 5xx, a reply that is not one,
+        no reply at all with `eject_now`); returns True when it ejects. An upstream whose
+        health checks pass but whose requests fail was re-admitted at its next check, and
+        one that failed fast looked idle, so P0 went to it first: ejected after
+        `eject_after_request_failures` in a row, it is held out `ejection_hold_s`, twice as
+        long for each such ejection before it serves a request again."""
+        s, settings = self.state(name), self._settings
+        s.num_request_failures += 1
+        enough = eject_now or s.num_request_failures >= settings.eject_after_request_failures
+        if not s.healthy or not enough:
+            return False
+        hold_s = min(settings.ejection_hold_s * 2.0 ** min(s.num_holds, 30), settings.max_ejection_hold_s)
+        s.healthy = False
+        s.held_until = self._clock.now() + hold_s
+        s.num_holds += 1
+        return True
+
+    def record_request_success(self, name: str) -> None:
+        """A forwarded request the upstream answered (any answer that is not a failure)."""
+        s = self.state(name)
+        s.num_request_failures = 0
+        s.num_holds = 0
 
     def record_failure(self, name: str, *, eject_now: bool = False) -> bool:
         """A failed check (or a failed connect with `eject_now`); returns True when it ejects."""

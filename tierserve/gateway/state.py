@@ -81,14 +81,26 @@ class GatewayState:
             await self.streams.close()
 
     def record_failure(
-        self, name: str, why: str, *, eject_now: bool = False, unresponsive: bool = False
+        self,
+        name: str,
+        why: str,
+        *,
+        eject_now: bool = False,
+        unresponsive: bool = False,
+        forwarded: bool = False,
     ) -> bool:
-        """A failed health check or forwarded call to upstream `name` (`why`: one line); returns
-        True when it ejects the upstream, then counted and said in one WARNING line, however it
-        came (poller or forwarded request), and once: not again while it stays ejected.
-        `unresponsive`: it failed by not answering at all (a timeout, a refused connection),
-        and an ejection then cuts the requests waiting for its replies (`_cut_waiting`)."""
-        ejected = self.router.record_failure(name, eject_now=eject_now)
+        """A failed health check or (`forwarded`) forwarded request to upstream `name` (`why`:
+        one line); returns True when it ejects the upstream, then counted and said in one
+        WARNING line, however it came (poller or forwarded request), and once: not again
+        while it stays ejected. An upstream ejected by its requests is held out for a while
+        (`Router.record_request_failure`). `unresponsive`: it failed by not answering at all
+        (a timeout, a refused connection), and an ejection then cuts the requests waiting
+        for its replies (`_cut_waiting`)."""
+        router = self.router
+        if forwarded:
+            ejected = router.record_request_failure(name, eject_now=eject_now)
+        else:
+            ejected = router.record_failure(name, eject_now=eject_now)
         if ejected:
             self.metrics.ejections.labels(name).inc()
             log.warning("upstream %s ejected: %s", name, why)

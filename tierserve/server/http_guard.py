@@ -60,9 +60,11 @@ def error_bytes(status: int, message: str, code: str) -> bytes:
     body = json.dumps(
         {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
     ).encode()
+    # A 503 (too many connections) is worth retrying soon, and says so as the API's others do.
+    retry = "retry-after: 1\r\n" if status == 503 else ""
     head = (
         f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        f"content-length: {len(body)}\r\n{retry}connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
 
