@@ -118,7 +118,7 @@ def _merge(path: str, base: Any, raw: Mapping[str, Any]) -> Any:
     return replace(base, **changes)
 
 
-def validate(config: EngineConfig) -> EngineConfig:
+def validate(config: EngineConfig, *, tiers_may_be_off: bool = True) -> EngineConfig:
     """`config` if every value is in range (ConfigError naming the field if not): the
     scheduler's limits, each tier's settings, then how the tiers' shares of the cache add up."""
     s = config.scheduler
@@ -137,7 +137,7 @@ def validate(config: EngineConfig) -> EngineConfig:
         if tier not in config.tiers:
             raise ConfigError(f"tiers.{tier.name}: missing")
         _check_tier(tier, config.tiers[tier])
-    _check_shares(config.tiers)
+    _check_shares(config.tiers, tiers_may_be_off)
     return config
 
 
@@ -165,8 +165,9 @@ def _check_tier(tier: Tier, t: TierConfig) -> None:
         raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")
 
 
-def _check_shares(tiers: Mapping[Tier, TierConfig]) -> None:
-    """Floors and reserves within the cache, and room left for every tier that may hold any."""
+def _check_shares(tiers: Mapping[Tier, TierConfig], tiers_may_be_off: bool = True) -> None:
+    """Floors and reserves within the cache, and room left for every tier that may hold any
+    (`tiers_may_be_off`: a ceiling of 0 is offered as a way out; the vLLM plug-in refuses it)."""
     total = sum(tiers[t].floor + tiers[t].reserve for t in ALL_TIERS)
     if total > 1 + 1e-9:
         parts = ", ".join(
@@ -184,10 +185,10 @@ def _check_shares(tiers: Mapping[Tier, TierConfig]) -> None:
         if tiers[tier].ceiling > 0 and above >= 1 - 1e-9:
             # Every request of it was refused, blamed on its max_tokens; a ceiling of 0 is
             # the way to turn a tier off.
+            off = ", or set its ceiling to 0 to turn it off" if tiers_may_be_off else ""
             raise ConfigError(
                 f"tiers.{tier.name}: the floors of the more urgent tiers take the whole KV cache "
-                f"({above:.0%}), so it could hold no block; lower them, or set its ceiling to 0 "
-                "to turn it off"
+                f"({above:.0%}), so it could hold no block; lower them{off}"
             )
         above += tiers[tier].floor
 
@@ -226,7 +227,7 @@ MOVED_TO_HYBRID = {
 }
 
 
-def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
+def parse_config(raw: Mapping[str, Any], *, tiers_may_be_off: bool = True) -> EngineConfig:
     allowed = ("scheduler", "tiers", "policy", *FOREIGN_SECTIONS)
     for key in raw:
         if key not in allowed:
@@ -258,7 +259,8 @@ def parse_config(raw: Mapping[str, Any]) -> EngineConfig:
             raise ConfigError(f"tiers.{name}: expected a table")
         tiers[tier] = _merge(f"tiers.{tier.name}", tiers[tier], body)
     options = _parse_policy_options(raw.get("policy", {}))
-    return validate(EngineConfig(scheduler=scheduler, tiers=tiers, policy_options=options))
+    config = EngineConfig(scheduler=scheduler, tiers=tiers, policy_options=options)
+    return validate(config, tiers_may_be_off=tiers_may_be_off)
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:

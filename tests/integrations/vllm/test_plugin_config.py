@@ -256,6 +256,15 @@ def test_a_tier_turned_off_is_refused_with_what_to_do_instead() -> None:
     assert parse_plugin_config({**raw, "vllm": {"policy": "fcfs"}}).policy == "fcfs"
 
 
+def test_floors_that_take_the_whole_cache_do_not_suggest_turning_a_tier_off_to_the_plug_in() -> None:
+    """The engine's way out, a ceiling of 0, is one the plug-in then refuses."""
+    raw = {"tiers": {"P0": {"floor": 0.5, "ceiling": 0.6}, "P1": {"floor": 0.5, "reserve": 0.0}}}
+    with pytest.raises(ConfigError, match="set its ceiling to 0"):
+        parse_config(raw)  # tierserve's own engine may turn P2 off
+    with pytest.raises(ConfigError, match=r"tiers\.P2: the floors .* lower them$"):
+        parse_plugin_config(raw)
+
+
 def test_a_config_path_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="a folder, not a config file"):
         load_plugin_config(None, environ={CONFIG_ENV: str(tmp_path)})

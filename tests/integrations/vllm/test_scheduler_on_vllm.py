@@ -544,3 +544,87 @@ def test_a_request_vllm_skips_for_many_steps_costs_its_tenant_nothing(plugin: Dr
     blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None  # compiled
     plugin.run(20, until=lambda: "skip-b0" in plugin.first_token_step)
     assert p2_started()[len(started) :].index("skip-b0") <= 1, f"b0 waited behind {p2_started()}"
+
+
+def _tokens_now(d: Driver) -> int:
+    return sum(len(ids) for ids in d.tokens.values())
+
+
+def test_p0_takes_a_seat_where_vllm_admits_fewer_than_it_runs(plugin: Driver) -> None:
+    """With `max_num_active_seqs` below `max_num_seqs` the plug-in counted seats against
+    the larger: a P0 was judged to fit, nobody was preempted, and P0-only steps with nothing
+    to run came until a P3 ended (213 steps to its first token, 97 of them empty)."""
+    sched = scheduler_of(plugin.llm)
+    active = sched.max_num_active_reqs
+    sched.max_num_active_reqs = 2
+    try:
+        for i in range(2):
+            plugin.submit(f"active-p3-{i}", prompt(1200 + i, 40), 150, Tier.P3)
+        plugin.run(20, until=lambda: all(f"active-p3-{i}" in plugin.first_token_step for i in range(2)))
+        plugin.submit("active-p0", prompt(1210, 30), 4, Tier.P0)
+        empty = 0
+        for _ in range(20):
+            if "active-p0" in plugin.first_token_step:
+                break
+            before = _tokens_now(plugin)
+            plugin.step()
+            empty += _tokens_now(plugin) == before
+        assert plugin.ttft_steps("active-p0") <= 3, "the P0 waited for a P3 to end"
+        assert empty == 0
+    finally:
+        plugin.abort_rest()
+        sched.max_num_active_reqs = active
+
+
+def test_a_wait_pause_lets_the_running_requests_finish_and_preempts_nobody(plugin: Driver) -> None:
+    """vLLM's "wait" pause admits nobody and drains what runs. The plug-in still made room
+    and ran P0-only steps for a waiting P0: two running P3 requests were preempted into the
+    queue, which the pause does not admit from, and 36 of 80 steps were empty."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    sched = scheduler_of(plugin.llm)
+    for i in range(MAX_NUM_SEQS):
+        plugin.submit(f"pause-p3-{i}", prompt(1300 + i, 40), 30, Tier.P3)
+    plugin.run(20, until=lambda: all(f"pause-p3-{i}" in plugin.first_token_step for i in range(MAX_NUM_SEQS)))
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    try:
+        plugin.submit("pause-p0", prompt(1320, 30), 4, Tier.P0)
+        empty = 0
+        running = lambda: sum(not plugin.finished[f"pause-p3-{i}"] for i in range(MAX_NUM_SEQS))  # noqa: E731
+        for _ in range(60):
+            if not running():
+                break
+            before = _tokens_now(plugin)
+            plugin.step()
+            empty += _tokens_now(plugin) == before
+        assert not running(), "the pause never drained"
+        assert empty == 0 and all(r.num_preemptions == 0 for r in sched.requests.values())
+        assert "pause-p0" not in plugin.first_token_step  # paused: not admitted
+    finally:
+        sched.set_pause_state(PauseState.UNPAUSED)
+    plugin.run(20, until=lambda: "pause-p0" in plugin.first_token_step)
+
+
+def test_a_p0_vllm_skips_takes_no_room_and_no_p0_only_step(plugin: Driver) -> None:
+    """A P0 whose grammar still compiles is skipped by vLLM's pass; room was made for it
+    and P0-only steps held the other tiers back around it: steps with nothing to run."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler_of(plugin.llm)
+    for i in range(MAX_NUM_SEQS):
+        plugin.submit(f"gram-p3-{i}", prompt(1400 + i, 40), 60, Tier.P3)
+    plugin.run(20, until=lambda: all(f"gram-p3-{i}" in plugin.first_token_step for i in range(MAX_NUM_SEQS)))
+    plugin.submit("gram-p0", prompt(1420, 30), 4, Tier.P0)
+    (blocked,) = (r for rid, r in sched.requests.items() if rid.startswith("gram-p0"))
+    blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    blocked.structured_output_request = SimpleNamespace(grammar=None)  # not compiled yet
+    empty = 0
+    for _ in range(6):
+        before = _tokens_now(plugin)
+        plugin.step()
+        empty += _tokens_now(plugin) == before
+    assert empty == 0 and all(r.num_preemptions == 0 for r in sched.requests.values())
+    blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None  # compiled
+    plugin.run(10, until=lambda: "gram-p0" in plugin.first_token_step)

@@ -119,8 +119,9 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
         raise ConfigError(f"vllm.policy: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     priorities = _parse_priorities(vllm["priority"]) if "priority" in vllm else _default_priorities()
     default_tier = _parse_tier("vllm.default_tier", vllm.get("default_tier", "P1"))
-    engine = parse_config(body)
-    for tier in ALL_TIERS if POLICIES[policy].tiered_memory else ():
+    tiered = POLICIES[policy].tiered_memory
+    engine = parse_config(body, tiers_may_be_off=not tiered)  # the plug-in refuses a ceiling of 0
+    for tier in ALL_TIERS if tiered else ():
         if engine.tiers[tier].ceiling == 0:
             raise tier_turned_off(tier)
     return PluginConfig(engine, policy, priorities, default_tier)

@@ -37,6 +37,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -187,14 +188,18 @@ class TierScheduler(Scheduler):
         now = time.time()
         self.waiting.tick(now)
         self._recount()
-        admitted = self._make_room(now)
+        # Paused (vLLM's "wait" pause drains the requests in flight and admits nobody): no room
+        # is made and no step shaped for a head vLLM will not admit. P0-only steps then held
+        # back the requests the pause waits for, and preempted ones never came back.
+        paused = self.pause_state is not PauseState.UNPAUSED
+        admitted = None if paused else self._make_room(now)
         # vLLM hands the token budget to running requests in list order: most urgent first.
         self.running.sort(key=lambda r: r.priority)
-        solo = self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
+        solo = None if paused else self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
         try:
             if solo is not None:
                 output = self._schedule_solo(solo, *args, **kwargs)
-            elif (budget := self._capped_budget(now, admitted is Tier.P0)) is not None:
+            elif not paused and (budget := self._capped_budget(now, admitted is Tier.P0)) is not None:
                 output = self._schedule_capped(budget, *args, **kwargs)
             else:
                 self._held_back.clear()
@@ -381,29 +386,37 @@ class TierScheduler(Scheduler):
         room made for the head alone left a burst of P0s to start one step after another."""
         if not self.waiting:
             return None
-        head = self.book.get(self.waiting.peek_request().request_id)
-        tier = head.shadow.tier
-        burst = self._p0_burst(head.vllm) if tier is Tier.P0 else [head.vllm]
-        groups = [burst] if len(burst) == 1 else [burst, burst[:1]]  # the burst, else the head alone
+        head = self.waiting.peek_request()
+        tier = self.book.tier(head.request_id)
+        # A request vLLM skips this pass (its grammar compiling, say) takes no room: room made
+        # for it, and the P0-only step around it, were steps with nothing to run.
+        burst = self._p0_burst(head) if tier is Tier.P0 else [] if _skipped(self, head) else [head]
+        if not burst:
+            return None
+        first = self.book.get(burst[0].request_id).shadow
+        groups = [burst] if len(burst) == 1 else [burst, burst[:1]]  # the burst, else its first alone
         for group in groups:
             need = sum(self._blocks_to_admit(r) for r in group)
             if self._fits(tier, need, 0, 0, len(group)):
                 return tier
-            if self._preempt_for(head.shadow, need, len(group), now):
+            if self._preempt_for(first, need, len(group), now):
                 return tier
         return None
 
     def _p0_burst(self, head: Request) -> list[Request]:
         """The head, then the other waiting P0 requests by arrival, as many as one step's
-        tokens and seats take (vLLM admits them in the same pass)."""
-        tokens = int(head.num_tokens)
-        burst = [head]
+        tokens and seats take (vLLM admits them in the same pass), leaving out those vLLM
+        skips this pass."""
         others = sorted(
             (r for r in self.waiting.waiting_in(Tier.P0) if r is not head), key=lambda r: r.arrival_time
         )
-        for r in others:
+        burst: list[Request] = []
+        tokens = 0
+        for r in [head, *others]:
+            if _skipped(self, r):
+                continue
             tokens += int(r.num_tokens)
-            if tokens > self.max_num_scheduled_tokens or len(burst) >= self.max_num_running_reqs:
+            if burst and (tokens > self.max_num_scheduled_tokens or len(burst) >= self._seat_limit()):
                 break
             burst.append(r)
         return burst
@@ -452,9 +465,40 @@ class TierScheduler(Scheduler):
     def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int, seats: int = 1) -> bool:
         """Whether `need` blocks and `seats` seats are free for `tier`, once `freed` blocks and
         `seats_freed` seats are."""
-        has_seats = len(self.running) - seats_freed + seats <= self.max_num_running_reqs
+        # Paused streaming sessions are not in `running` but hold a seat (vLLM's own count).
+        seated = len(self.running) + int(self.num_waiting_for_streaming_input)
+        has_seats = seated - seats_freed + seats <= self._seat_limit()
         num_free = self.kv_cache_manager.inner.block_pool.get_num_free_blocks() + freed
         return has_seats and self.ledger.fits(tier, need, num_free)
+
+    def _seat_limit(self) -> int:
+        """The requests vLLM admits to run at once: `max_num_active_seqs` where it is set
+        below `max_num_seqs` (a waiting P0 was judged to have a seat there, nobody was
+        preempted, and P0-only steps with nothing to run came until a request ended: 213
+        steps to its first token with 2 active seats of 8)."""
+        return int(self.max_num_active_reqs)
+
+
+_BLOCKED = (
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    RequestStatus.WAITING_FOR_STREAMING_REQ,
+)
+
+
+def _skipped(scheduler: Scheduler, request: Request) -> bool:
+    """Whether vLLM's pass skips this waiting request (`_handle_blocked_waiting_request`,
+    stale output in flight), asked without changing anything: its KV still arriving, its
+    grammar still compiling (or failed), a stream waiting for input."""
+    status = request.status
+    if status not in _BLOCKED:
+        return bool(request.num_stale_output_tokens and not request.drop_stale_output)
+    if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        return request.request_id not in scheduler.finished_recving_kv_req_ids
+    if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+        grammar = request.structured_output_request.grammar if request.structured_output_request else None
+        return grammar is None or isinstance(grammar, Exception)
+    return True
 
 
 class AsyncTierScheduler(TierScheduler, AsyncScheduler):
