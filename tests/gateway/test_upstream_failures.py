@@ -162,3 +162,109 @@ def test_an_upstreams_model_list_is_read_again_while_it_stays_healthy(
         r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": "new-model"}, timeout=30)
         got.append(r.status_code)
     assert listed.is_set() and got == [200]
+
+
+@pytest.mark.parametrize("retry_after", ["7", "Wed, 21 Oct 2026 07:28:00 GMT", "100000"])
+def test_a_503_that_says_when_to_come_back_is_a_full_upstream_not_a_failing_one(retry_after: str) -> None:
+    fake = FakeUpstream(
+        "refuse", refusal_status=503, retry_after=retry_after, refusal_body=b'{"error": {"message": "full"}}'
+    )
+    with fake_upstream(fake) as url, gateway([url]) as (gw, state):
+        for _ in range(4):
+            # 503 upstream_overloaded, or 502 where its Retry-After is no count of seconds
+            assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code in (
+                502,
+                503,
+            )
+        upstream = state.router.state("f0")
+    assert upstream.healthy and upstream.num_request_failures == 0
+
+
+@pytest.mark.parametrize(
+    ("first", "sse"),
+    [
+        (b"data: {}\n\n", True),
+        (b"data\n\n", True),  # a field without a value
+        (b"\xef\xbb\xbfdata: {}\n\n", True),  # a byte order mark first
+        (b"foo: bar\ndata: {}\n\n", True),  # a field a client ignores
+        (b": keep-alive\n\n", True),
+        (b"this is not sse at all\n\n", False),
+        (b'<html><a href="http://x">\n\n', False),
+    ],
+)
+def test_the_first_events_are_checked_for_the_shape_of_sse_not_for_known_fields(
+    first: bytes, sse: bool
+) -> None:
+    from tierserve.gateway.forward import _is_sse
+
+    assert _is_sse(first) is sse
+
+
+def _dropping_upstream(port: list[int], stop: threading.Event) -> None:
+    """An upstream whose checks pass and which drops the connection of its first generation
+    request without a reply (a stale keep-alive, a worker restart), then answers."""
+    import asyncio
+    import json
+
+    from tests.gateway.fakes import METRICS
+
+    dropped = False
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                length = next(
+                    (int(h.split(b":", 1)[1]) for h in lines if h.lower().startswith(b"content-length:")), 0
+                )
+                await reader.readexactly(length)
+                if lines[0].startswith(b"POST") and not dropped:
+                    dropped = True
+                    writer.close()
+                    return
+                if lines[0].startswith(b"POST"):
+                    reply = {"choices": [{"message": {"content": "ok"}}], "usage": {"prompt_tokens": 1}}
+                    body, kind = json.dumps(reply).encode(), b"application/json"
+                elif b"/v1/models" in lines[0]:
+                    body, kind = json.dumps({"data": [{"id": FAKE_MODEL}]}).encode(), b"application/json"
+                else:
+                    body, kind = METRICS.encode(), b"text/plain"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (kind, len(body))
+                )
+                writer.write(body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port.append(server.sockets[0].getsockname()[1])
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_one_dropped_connection_is_one_failure_not_an_ejection() -> None:
+    """Any connection error ejected at once and held the upstream out 10 s: with one
+    upstream, one stale keep-alive connection was 10 s of 503s."""
+    port: list[int] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=_dropping_upstream, args=(port, stop), daemon=True)
+    thread.start()
+    try:
+        _wait_for(lambda: port)
+        with gateway([f"http://127.0.0.1:{port[0]}"]) as (gw, state):
+            _wait_for(lambda: state.router.state("f0").healthy)
+            first = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            again = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            upstream = state.router.state("f0")
+    finally:
+        stop.set()
+        thread.join(5)
+    assert first.status_code == 502  # its only upstream failed it: nothing else to try
+    assert again.status_code == 200 and upstream.healthy

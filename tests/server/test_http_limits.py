@@ -261,6 +261,72 @@ def test_a_refused_request_pipelined_behind_others_is_answered_after_them(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.fixture(scope="module")
+def slow_server() -> Iterator[LiveServer]:
+    """Steps of 10 ms: a response of a few hundred tokens outlasts the body timeout (0.5 s)."""
+    config = parse_serve_config({"server": {"http": LIMITS}})
+    with live_server(make_state(config, step_s=0.01)) as srv:
+        yield srv
+
+
+def _long(stream: bool) -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 150, "stream": stream}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+    return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+def _statuses(got: bytes) -> list[int]:
+    return [int(s) for s in re.findall(rb"HTTP/1.1 (\d{3})", got)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pipelined_body_refused_behind_a_response_is_answered_after_it(
+    slow_server: LiveServer, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request's body refused (malformed chunks, or too slow) while it waited behind a
+    response being written: the 400 was written at once, into that response (the client
+    lost it, or read the 400 inside the stream), and the response's next write logged a
+    traceback."""
+    bad = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\nZZZ\r\nxx\r\n"
+    )
+    slow_head, _, slow_body = _completion().partition(b"\r\n\r\n")
+    with caplog.at_level(logging.ERROR):
+        with connect(slow_server) as sock:
+            sock.sendall(_long(stream) + bad)
+            malformed = read_all(sock)
+        with connect(slow_server) as sock:
+            sock.sendall(_long(stream) + slow_head + b"\r\n\r\n" + slow_body[:5])
+            time.sleep(1.0)  # past the body timeout, the rest of the body never sent
+            slow = read_all(sock)
+    for got in (malformed, slow):
+        assert _statuses(got) == [200, 400], got[-300:]
+        rest = got.partition(b"\r\n\r\n")[2]
+        answer = rest.partition(b"HTTP/1.1 400")[0]
+        assert b"data: [DONE]" in answer if stream else json.loads(answer)["choices"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_pipelined_body_sent_in_time_behind_a_longer_response_is_served(slow_server: LiveServer) -> None:
+    """Its body arrives 50 ms after its headers, while the response before it runs past the
+    body timeout: it is read meanwhile (the running request's disconnect watch keeps the
+    connection read), so it is served, not refused as too slow."""
+    head, _, body = _completion().partition(b"\r\n\r\n")
+    with connect(slow_server) as sock:
+        sock.sendall(_long(stream=True) + head + b"\r\n\r\n")
+        time.sleep(0.05)
+        sock.sendall(body)
+        got = b""
+        deadline = time.monotonic() + WAIT_S
+        while got.count(b"HTTP/1.1 ") < 2 or not got.rstrip().endswith(b"}"):
+            assert time.monotonic() < deadline, f"no second answer: {got[-300:]!r}"
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {got[-300:]!r}"
+            got += chunk
+    assert _statuses(got) == [200, 200] and got.count(b"data: [DONE]") == 1
+
+
 def test_an_http_1_0_stream_ends_with_the_connection_not_in_chunks(server: LiveServer) -> None:
     """HTTP/1.0 has no chunked coding (RFC 9112, 6.1): the client read the chunk sizes
     as part of the stream."""

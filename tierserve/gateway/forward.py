@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -366,18 +367,22 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         )
     except (aiohttp.ClientError, TimeoutError) as e:
         why = f"{type(e).__name__}: {e}"
-        gw.record_failure(
-            decision.upstream,
-            f"a forwarded request failed ({why})",
-            eject_now=True,
-            unresponsive=isinstance(e, (TimeoutError, aiohttp.ClientConnectorError)),
-            forwarded=True,
-        )
+        if isinstance(e, (TimeoutError, aiohttp.ClientConnectorError)):  # no answer at all: out now
+            gw.record_failure(
+                decision.upstream,
+                f"a forwarded request failed ({why})",
+                eject_now=True,
+                unresponsive=True,
+                forwarded=True,
+            )
+        else:  # a connection dropped (a stale keep-alive, say): one failure of a run
+            _failed(gw, decision, why)
         raise _Retry(why) from None
     if reply.status in RETRYABLE_STATUS:
         reply.release()
         wait_s = _retry_after_s(reply) if reply.status == 503 else None
-        if wait_s is None:  # a 503 that says when to come back is a full upstream, not a broken one
+        if reply.status != 503 or "retry-after" not in reply.headers:
+            # A 503 that says when to come back (in seconds or as a date) is a full upstream.
             _failed(gw, decision, f"HTTP {reply.status}")
         raise _Retry(f"HTTP {reply.status}", wait_s)
     if call.stream and reply.status == 200 and not _is_event_stream(reply):
@@ -445,13 +450,17 @@ class NotServerSentEvents(ValueError):
     """A stream whose first event is not SSE: text under an event-stream Content-Type."""
 
 
-_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")  # ":" starts a comment
+# A comment (":..."), a field ("name:value", any name without spaces: unknown ones are
+# ignored by a client) or a bare field name ("data": an empty field).
+_SSE_LINE = re.compile(rb"(:|[^\s:<]+(:|$))")
+_BOM = b"\xef\xbb\xbf"
 
 
 def _is_sse(events: bytes) -> bool:
-    """Whether every line of these whole events is an SSE field or comment (a proxy's text
-    or HTML under text/event-stream reached the client, then an error event)."""
-    return all(line.startswith(_SSE_FIELDS) for line in events.split(b"\n") if line)
+    """Whether every line of these whole events is shaped as SSE (a proxy's text or HTML
+    under text/event-stream reached the client, then an error event)."""
+    lines = events.removeprefix(_BOM).split(b"\n")
+    return all(_SSE_LINE.match(line) for line in lines if line)
 
 
 async def _whole(

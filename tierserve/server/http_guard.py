@@ -180,9 +180,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        starts_another = bool(self.pipeline)
         super().on_response_complete()
-        if self._refusal is not None and not self._answering() and not self.transport.is_closing():
-            self.transport.write(self._refusal)
+        if self._refusal is not None and not starts_another and not self.transport.is_closing():
+            self.transport.write(self._refusal)  # every answer before it is out
             self._refusal = None
             self.transport.close()
 
@@ -233,7 +234,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and self._phase == "body":
             cycle.scope[REFUSED] = reason  # type: ignore[literal-required]
-        if self._phase != "body" and self._answering():
+        if self._phase == "body" and self._queued(cycle):
+            # Its body refused while it waits its turn behind a response being written: it
+            # never runs, and its refusal follows the answers before it.
+            remaining = [entry for entry in self.pipeline if entry[0] is not cycle]
+            self.pipeline.clear()
+            self.pipeline.extend(remaining)
+            self._refusal = error_bytes(status, message, reason)
+            self.flow.pause_reading()
+        elif self._phase != "body" and self._answering():
             # A request before this one is still being answered, or waits its turn: read no
             # more, and answer this one once they are (`on_response_complete`).
             self._refusal = error_bytes(status, message, reason)
@@ -254,6 +263,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Whether an earlier request's response is being written or waits in the pipeline."""
         cycle = self.cycle
         return bool(self.pipeline) or (cycle is not None and not cycle.response_complete)
+
+    def _queued(self, cycle: Any) -> bool:
+        """Whether `cycle` waits in uvicorn's pipeline (not started: a response before it is
+        still being written)."""
+        return cycle is not None and any(queued is cycle for queued, _ in self.pipeline)
 
 
 def _close_delimited(cycle: Any) -> None:
