@@ -60,6 +60,7 @@ class FakeUpstream:
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
     hold: threading.Event | None = None
+    fail_on: str | None = None  # set: a request whose body mentions it gets a 500, whatever the mode
     # "ok"; "error": its /metrics answers 500; "silent": it answers nothing for 30 s (a
     # stopped process); "draining": its /ready answers 503 as a draining tierserve's does
     checks: str = "ok"
@@ -72,7 +73,7 @@ class FakeUpstream:
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
         self.tiers.append(request.headers.getlist("x-request-tier"))
-        if self.mode == "fail":
+        if self.mode == "fail" or (self.fail_on is not None and self.fail_on in json.dumps(body)):
             await asyncio.sleep(self.reply_after_s)  # a slow failure, with `reply_after_s`
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "refuse":

@@ -122,6 +122,25 @@ def test_an_upstream_whose_requests_fail_is_ejected_though_its_checks_pass() -> 
     assert metric_counts(metrics, "tierserve_gateway_upstream_ejections", "upstream") == {"f0": 1.0}
 
 
+def test_a_request_that_fails_on_every_upstream_ejects_none() -> None:
+    """A request every upstream fails (an input the engines cannot take) was held against
+    each: one call of the OpenAI client (three tries, each on both upstreams) ejected both,
+    and every request, P0's too, got 503 no_upstream for the hold."""
+    fakes = [FakeUpstream("ok", fail_on="poison"), FakeUpstream("ok", fail_on="poison")]
+    poison = {**CHAT, "messages": [{"role": "user", "content": "poison"}]}
+    with ExitStack() as stack:
+        urls = [stack.enter_context(fake_upstream(f)) for f in fakes]
+        gw, state = stack.enter_context(gateway(urls))
+        for _ in range(3):  # the client's own retries
+            assert httpx.post(gw.url + "/v1/chat/completions", json=poison, timeout=30).status_code == 502
+        healthy = [state.router.state(name).healthy for name in ("f0", "f1")]
+        after = httpx.post(
+            gw.url + "/v1/chat/completions", json=CHAT, headers={"x-request-tier": "realtime"}, timeout=30
+        )
+    assert all(len(f.bodies) >= 3 for f in fakes)  # each failed it three times
+    assert healthy == [True, True] and after.status_code == 200
+
+
 def test_a_stream_that_is_not_server_sent_events_goes_to_another_upstream() -> None:
     """Text or HTML under text/event-stream reached the client, then an error event."""
     bad, good = FakeUpstream("not_sse"), FakeUpstream("ok")

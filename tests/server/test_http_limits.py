@@ -327,6 +327,46 @@ def test_a_pipelined_body_sent_in_time_behind_a_longer_response_is_served(slow_s
     assert _statuses(got) == [200, 200] and got.count(b"data: [DONE]") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_while_a_refusal_waits_is_seen_by_the_request_being_answered(
+    slow_server: LiveServer, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn tells only its newest request that the client went, here the refused one:
+    the request being answered ran to its end for nobody (a whole reply) or wrote to the
+    closed connection (a stream: a traceback)."""
+    from tests.server.helpers import end_counts
+
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": stream}).encode()
+    long = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+    long += b"content-length: %d\r\n\r\n" % len(body) + body
+    head, _, rest = _completion().partition(b"\r\n\r\n")
+    _, aborted_before, _ = slow_server.inspect(end_counts)
+    with caplog.at_level(logging.ERROR):
+        sock = connect(slow_server)
+        sock.sendall(long + head + b"\r\n\r\n" + rest[:5])
+        time.sleep(1.0)  # the second body's timeout passes: its refusal waits for the first answer
+        sock.close()
+        deadline = time.monotonic() + WAIT_S
+        while slow_server.inspect(end_counts)[1] == aborted_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert slow_server.inspect(end_counts)[1] == aborted_before + 1  # 400 steps of 10 ms: not done yet
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_requests_pipelined_past_the_limit_are_refused_not_queued(server: LiveServer) -> None:
+    """uvicorn queued pipelined requests without a bound: one connection held 28,932 (124 MB)."""
+    from tierserve.server.http_guard import MAX_PIPELINED
+
+    before = errors(server, "pipeline_limit")
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n" * 300)
+        got = read_all(sock)  # the connection closes after the refusal
+    statuses = [int(s) for s in re.findall(rb"HTTP/1.1 (\d{3})", got)]
+    assert statuses[-1] == 503 and b'"pipeline_limit"' in got
+    assert set(statuses[:-1]) == {200} and MAX_PIPELINED < len(statuses) < 300
+    assert errors(server, "pipeline_limit") == before + 1
+
+
 def test_an_http_1_0_stream_ends_with_the_connection_not_in_chunks(server: LiveServer) -> None:
     """HTTP/1.0 has no chunked coding (RFC 9112, 6.1): the client read the chunk sizes
     as part of the stream."""

@@ -110,3 +110,73 @@ def test_redis_unreachable_at_start_up_is_said_before_any_request(caplog: pytest
     assert len(lines) == 1
     assert "127.0.0.1:1" in lines[0] and "secret" not in lines[0]
     assert "Error" in lines[0] and "fail_mode closed" in lines[0]  # the error and the rule
+
+
+def test_a_burst_past_the_connection_pool_waits_for_a_connection_not_for_redis_to_come_back() -> None:
+    """redis-py's default pool refused the 101st concurrent command (MaxConnectionsError, a
+    ConnectionError): a burst of 200 requests found a healthy Redis "unreachable", and a
+    fail-closed server refused 195 of 210."""
+    import asyncio
+
+    from tierserve.server.buckets import Bucket
+    from tierserve.server.redis_buckets import RedisBuckets
+
+    _redis_or_skip()
+    prefix = f"tierserve-test-{uuid.uuid4().hex}"
+
+    async def burst() -> list[bool]:
+        backend = RedisBuckets(REDIS_URL, timeout_s=0.5, key_prefix=prefix)
+        try:
+            bucket = Bucket("t:requests", 1000.0, 1000.0)
+            results = await asyncio.gather(*(backend.take([bucket], [1.0]) for _ in range(250)))
+            return [r.allowed for r in results]
+        finally:
+            await backend.close()
+
+    assert asyncio.run(burst()) == [True] * 250
+
+
+def test_a_take_redis_answers_ends_the_outage_a_concurrent_failure_began() -> None:
+    """After one take failed and a concurrent one succeeded, /metrics said Redis was up but
+    every decision fell back (here: refused, fail-closed) for the rest of the second."""
+    import asyncio
+
+    from tierserve.server.buckets import BucketLevel, TakeResult
+    from tierserve.server.config import RateLimit, TenantConfig
+    from tierserve.server.ratelimit import RateLimiter
+
+    class Remote:
+        num_takes = 0
+
+        async def take(self, buckets: Any, costs: Any) -> TakeResult:
+            self.num_takes += 1
+            if self.num_takes == 1:
+                await asyncio.sleep(0.005)
+                raise ConnectionError("one connection broke")
+            await asyncio.sleep(0.01)
+            return TakeResult(True, tuple(BucketLevel(100.0, 0.0) for _ in buckets))
+
+        async def give(self, bucket: Any, amount: float) -> None:
+            return None
+
+    async def run() -> tuple[bool, bool]:
+        limiter = RateLimiter(RateLimit(requests_per_s=100), remote=Remote(), fail_open=False)
+        tenant = TenantConfig("t")
+        await asyncio.gather(limiter.acquire(tenant, 1), limiter.acquire(tenant, 1))
+        after = await limiter.acquire(tenant, 1)
+        return bool(limiter.redis_up), after.allowed
+
+    assert asyncio.run(run()) == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [("redis://127.0.0.1:6379/abc", "database"), ("redis://127.0.0.1:notaport/0", "port")],
+)
+def test_a_redis_url_with_a_bad_database_or_port_is_refused_naming_the_setting(url: str, said: str) -> None:
+    """redis-py read database "abc" as 0 (sharing whatever else uses it), and a bad port
+    failed at start-up without naming the setting."""
+    from tierserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"server\.ratelimit\.redis_url: .*{said}"):
+        _config(url, "x", "closed")

@@ -228,6 +228,11 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     tried: list[str] = []
     last_error = "no upstream tried"
     busy: list[float] = []  # the Retry-After of each attempt that said the upstream was full
+    # Upstreams that failed this request by answering wrongly: held against them only once
+    # another upstream serves it. A request that fails everywhere is taken for the cause (an
+    # input an engine cannot take): counted, one such request retried by its client ejected
+    # every upstream, and the fleet refused everything for the hold.
+    faults: list[tuple[str, str]] = []
     model = str(call.body.get("model", ""))
     for attempt in range(1, settings.max_attempts + 1):
         try:
@@ -247,7 +252,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
         call.seat = decision
         tried_at = time.perf_counter()
         try:
-            return await _try_unless_ejected(gw, call, decision)
+            response = await _try_unless_ejected(gw, call, decision)
         except asyncio.CancelledError:  # the client left (or the gateway is shutting down)
             _give_back(gw, call)
             gw.metrics.upstream_requests.labels(decision.upstream, "client_left").inc()
@@ -257,6 +262,8 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             _give_back(gw, call)
             tried.append(decision.upstream)
             last_error = str(e)
+            if e.fault:
+                faults.append((decision.upstream, last_error))
             if e.retry_after_s is not None:
                 busy.append(e.retry_after_s)
             # A retry is counted only where one follows: the last attempt's failure is the
@@ -277,6 +284,10 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
                 gw.metrics.upstream_requests.labels(decision.upstream, "error").inc()
             _give_back(gw, call)
             raise
+        else:
+            for name, why in faults:  # served here: those failures were theirs
+                gw.record_failure(name, f"forwarded requests failed ({why})", forwarded=True)
+            return response
     log.warning("no upstream could serve a request; the last error: %s", last_error)
     refusal = _unserved(call, len(tried), busy)
     gw.metrics.reject(refusal.code or "upstream_unavailable", call.tier)
@@ -309,18 +320,16 @@ def _unserved(call: _Call, num_tried: int, busy: list[float]) -> ApiError:
     )
 
 
-def _failed(gw: GatewayState, decision: RouteDecision, why: str) -> None:
-    """A forwarded request the upstream failed (counted toward ejecting it)."""
-    gw.record_failure(decision.upstream, f"forwarded requests failed ({why})", forwarded=True)
-
-
 class _Retry(Exception):
     """The upstream failed before sending anything: the request may go elsewhere.
-    `retry_after_s`: a 503 whose Retry-After said when the upstream expects room."""
+    `retry_after_s`: a 503 whose Retry-After said when the upstream expects room. `fault`:
+    the upstream answered, wrongly (a 5xx, a reply that is not one, a dropped connection);
+    held against it once another upstream serves the same request (`_attempts`)."""
 
-    def __init__(self, why: str, retry_after_s: float | None = None) -> None:
+    def __init__(self, why: str, retry_after_s: float | None = None, *, fault: bool = False) -> None:
         super().__init__(why)
         self.retry_after_s = retry_after_s
+        self.fault = fault
 
 
 async def _try_unless_ejected(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
@@ -373,25 +382,21 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
                 f"a forwarded request failed ({why})",
                 eject_now=True,
                 unresponsive=True,
-                forwarded=True,
             )
-        else:  # a connection dropped (a stale keep-alive, say): one failure of a run
-            _failed(gw, decision, why)
-        raise _Retry(why) from None
+            raise _Retry(why) from None
+        raise _Retry(why, fault=True) from None  # a connection dropped (a stale keep-alive, say)
     if reply.status in RETRYABLE_STATUS:
         reply.release()
         wait_s = _retry_after_s(reply) if reply.status == 503 else None
-        if reply.status != 503 or "retry-after" not in reply.headers:
-            # A 503 that says when to come back (in seconds or as a date) is a full upstream.
-            _failed(gw, decision, f"HTTP {reply.status}")
-        raise _Retry(f"HTTP {reply.status}", wait_s)
+        # A 503 that says when to come back (in seconds or as a date) is a full upstream.
+        fault = reply.status != 503 or "retry-after" not in reply.headers
+        raise _Retry(f"HTTP {reply.status}", wait_s, fault=fault)
     if call.stream and reply.status == 200 and not _is_event_stream(reply):
         # An HTML page from a proxy, say: not events, so nothing of it may reach the client,
         # as a non-streaming 200 that is not JSON does not; another upstream may answer.
         reply.release()
         why = f"a 200 stream reply of type {reply.content_type!r}, not text/event-stream"
-        _failed(gw, decision, why)
-        raise _Retry(why)
+        raise _Retry(why, fault=True)
     if not call.stream or reply.status != 200:
         return await _whole(gw, call, decision, reply)
     return await _stream(gw, call, decision, reply, sent)
@@ -412,15 +417,10 @@ async def _stream(
         why = f"stream ended before its first whole event: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # headers, then silence: ejected as a silent upstream is
             gw.record_failure(
-                decision.upstream,
-                f"a forwarded request's {why}",
-                eject_now=True,
-                unresponsive=True,
-                forwarded=True,
+                decision.upstream, f"a forwarded request's {why}", eject_now=True, unresponsive=True
             )
-        else:
-            _failed(gw, decision, why)
-        raise _Retry(why) from None
+            raise _Retry(why) from None
+        raise _Retry(why, fault=True) from None
     except BaseException:  # cancelled (the client left), or a failure no branch foresaw
         reply.close()
         raise
@@ -451,8 +451,8 @@ class NotServerSentEvents(ValueError):
 
 
 # A comment (":..."), a field ("name:value", any name without spaces: unknown ones are
-# ignored by a client) or a bare field name ("data": an empty field).
-_SSE_LINE = re.compile(rb"(:|[^\s:<]+(:|$))")
+# ignored by a client) or a bare field name ("data": an empty field); not HTML or JSON.
+_SSE_LINE = re.compile(rb'(:|[^\s:<{\["]+(:|$))')
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -475,12 +475,9 @@ async def _whole(
     except (aiohttp.ClientError, TimeoutError) as e:
         why = f"reply cut: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # part of a reply, then silence
-            gw.record_failure(
-                name, f"a forwarded request's {why}", eject_now=True, unresponsive=True, forwarded=True
-            )
-        else:
-            _failed(gw, decision, why)
-        raise _Retry(why) from None
+            gw.record_failure(name, f"a forwarded request's {why}", eject_now=True, unresponsive=True)
+            raise _Retry(why) from None
+        raise _Retry(why, fault=True) from None
     except ReplyTooLarge as e:
         _give_back(gw, call)
         gw.metrics.upstream_requests.labels(name, "too_large").inc()
@@ -493,8 +490,7 @@ async def _whole(
         reply.release()
     payload = _json_object(content)
     if reply.status == 200 and payload is None:
-        _failed(gw, decision, "a 200 reply that is not a JSON object")
-        raise _Retry("a 200 reply that is not a JSON object")
+        raise _Retry("a 200 reply that is not a JSON object", fault=True)
     gw.router.record_request_success(name)  # it answered: a refusal passed on is an answer
     # The answer is built before the seat goes back and the outcome is counted: a header it
     # cannot carry (a Retry-After that is not latin-1) fails here, and is counted once.

@@ -3,8 +3,8 @@
 A check fetches `/metrics` (or `/v1/models` for plain OpenAI endpoints, which export no
 load), and `/ready` from tierserve upstreams, which say there when they drain (their
 `/metrics` still answers). A success admits (or re-admits) the upstream and records its
-load; failures in a row eject it. An admitted upstream's model list is refreshed from
-`/v1/models` when it is (re-)admitted.
+load; failures in a row eject it. An upstream's model list is read from `/v1/models` at
+each check until it is admitted, then every MODELS_REFRESH_S.
 
 A check has one deadline for all of it (httpx's timeouts bound each read, and an answer
 that trickles in a byte at a time never trips them), and each upstream is checked in a

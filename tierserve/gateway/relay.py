@@ -134,9 +134,7 @@ class Relay:
         gw.num_in_flight -= 1
         gw.dispatcher.finished(self._decision)
         gw.metrics.upstream_requests.labels(self._name, self._outcome).inc()
-        if self._outcome == "broken":
-            gw.record_failure(self._name, "a forwarded stream broke midway", forwarded=True)
-        elif self._outcome == "ok":
+        if self._outcome == "ok":
             gw.router.record_request_success(self._name)
         usage = self._tap.usage
         reservation = self._reservation

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
+from urllib.parse import urlsplit
 
 from tierserve.config import MAX_WEIGHT, MIN_WEIGHT, ConfigError, EngineConfig, load_raw, parse_config
 from tierserve.server.http_limits import HttpLimits, parse_http_limits
@@ -229,6 +230,18 @@ def _redis_url(path: str, value: Any) -> str:
     url = _string(path, value)
     if not url.startswith(REDIS_SCHEMES):
         raise ConfigError(f"{path}: expected a URL starting {', '.join(REDIS_SCHEMES)}, got {url!r}")
+    if url.startswith("unix://"):
+        return url
+    # redis-py reads a database it cannot parse as 0 (a typo shared database 0 with whatever
+    # else uses it), and a bad port failed at start-up without naming the setting.
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number in range)
+    except ValueError:
+        raise ConfigError(f"{path}: the port must be a number, got {url!r}") from None
+    database = parts.path.lstrip("/")
+    if database and not database.isdigit():
+        raise ConfigError(f"{path}: the database after the host must be a number, got {database!r}")
     return url
 
 

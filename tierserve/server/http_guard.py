@@ -43,6 +43,7 @@ from tierserve.server.http_limits import HttpLimits
 
 log = logging.getLogger("tierserve.server")
 
+MAX_PIPELINED = 32  # requests queued on one connection behind the one being answered
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
 ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
 MALFORMED = "malformed_http"  # the parser refused the bytes
@@ -89,6 +90,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._refusal: bytes | None = None  # a refused pipelined request's answer, written last
+        self._running: Any = None  # the request cycle being answered
 
     # ---- connection ----------------------------------------------------------------------
 
@@ -103,7 +105,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        # uvicorn tells only its newest request (`self.cycle`) that the client went; the one
+        # being answered, and those queued behind it, are told here. Untold, a stream went on
+        # writing to the closed transport (a traceback) and a whole reply's generation ran
+        # to its end for nobody.
+        for cycle in (self._running, *(queued for queued, _ in self.pipeline)):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle  # the request being answered (uvicorn runs one at a time)
+        super()._start_asgi_task(cycle, app)
 
     def eof_received(self) -> None:
         if self._phase == "body" and not self._refused:
@@ -135,6 +149,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self._phase == "idle":  # a pipelined request, begun inside one read
             self._start_headers()
+        if len(self.pipeline) >= MAX_PIPELINED:
+            # uvicorn queues pipelined requests without a bound, and the request being
+            # answered keeps the connection read: one connection queued 28,932 requests
+            # (124 MB) and held them open.
+            self._refuse(503, "pipeline_limit", f"More than {MAX_PIPELINED} requests pipelined.")
+            return
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -241,12 +261,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.pipeline.clear()
             self.pipeline.extend(remaining)
             self._refusal = error_bytes(status, message, reason)
-            self.flow.pause_reading()
         elif self._phase != "body" and self._answering():
-            # A request before this one is still being answered, or waits its turn: read no
-            # more, and answer this one once they are (`on_response_complete`).
+            # A request before this one is still being answered, or waits its turn: answer
+            # this one once they are (`on_response_complete`). Its bytes and any after them
+            # are dropped as they come, not left unread: a client that goes meanwhile is seen.
             self._refusal = error_bytes(status, message, reason)
-            self.flow.pause_reading()
         else:
             answer = self._phase != "body" or (cycle is not None and not cycle.response_started)
             if answer and not self.transport.is_closing():

@@ -144,6 +144,10 @@ class RateLimiter:
         self.redis_up = False
 
     def _mark_redis(self, up: bool, error: BaseException | None = None) -> None:
+        if up:
+            # It answered: decisions go to it again at once (they went on falling back for the
+            # rest of the second while /metrics said it was up, and the outage was logged again).
+            self._remote_down_until = -math.inf
         if up and self.redis_up is False:
             log.warning("rate-limit Redis is back (reachable again): limits are global again")
         elif not up:
@@ -272,9 +276,13 @@ def _scope(bucket_key: str) -> str:
 
 
 def _why(error: BaseException) -> str:
-    """An error in a few words for the log: its class and message."""
+    """An error in a few words for the log: its class and message (and, for a Redis that
+    wants a password, where it goes: its own text speaks of HELLO and AUTH)."""
     message = str(error)
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+    why = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    if type(error).__name__ == "AuthenticationError" or "NOAUTH" in message:
+        why += "; the password goes in redis_url (redis://:PASSWORD@host:port/0)"
+    return why
 
 
 def redis_where(url: str) -> str:

@@ -85,6 +85,10 @@ return tostring(level)
 """
 
 
+MAX_CONNECTIONS = 64  # to Redis, per process: a command takes well under a millisecond
+POOL_WAIT_TIMEOUTS = 4  # how long a command waits for a pooled connection, in redis_timeout_s
+
+
 class RedisBuckets:
     """`BucketBackend` on a Redis server. Raises `redis.RedisError` (or OSError) when unreachable."""
 
@@ -101,12 +105,21 @@ class RedisBuckets:
         # Redis ran it twice, charging twice a request it then refused. A connection that
         # breaks after Redis ran the script but before its reply came is retried too, and
         # charges twice: rare, and the price of getting past a pooled connection gone stale.
-        self._client: Any = aioredis.Redis.from_url(
+        #
+        # Connections from a bounded pool that a burst waits on: redis-py's default pool
+        # refuses the 101st concurrent command (MaxConnectionsError, a ConnectionError), and
+        # a burst of 200 requests found a healthy Redis "unreachable": fail-closed tiers
+        # got 503s, fail-open ones the local share. A waiter gives up after a few timeouts
+        # (Redis stuck with every connection busy: down, as a timeout says).
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_WAIT_TIMEOUTS * timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
+        self._client: Any = aioredis.Redis(connection_pool=pool)
         self._prefix = key_prefix
         self._take = self._client.register_script(TAKE_SCRIPT)
         self._give = self._client.register_script(GIVE_SCRIPT)
