@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from tierserve.bench.idle import IdleTtft
 from tierserve.clock import VirtualClock
 from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation, ScalingPolicy
@@ -228,3 +232,29 @@ def test_a_replica_ready_at_the_tick_counts_as_idle_for_scaling_out_and_busy_for
     # Two replicas 30 % busy beside one just ready: not calm yet (0.53, over the 0.4 bar).
     assert util.decide(_obs(num_serving=3, utilization=[0.3, 0.3], num_waiting=[0] * 3, num_unread=1)) == 0
     assert util.decide(_obs(num_serving=3, utilization=[0.3, 0.3, 0.3], num_waiting=[0] * 3)) == -1
+
+
+def test_the_tier_policy_judges_p0_on_the_requests_since_its_newest_replica_was_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fleet asks the observer for P0's attainment since the newest serving replica
+    became ready: counted from the whole window, misses from before a scale-out launched
+    the next replica (13 where utilization-only scaling launched 8)."""
+    from tierserve.fleet.observe import FleetObserver
+
+    asked: list[tuple[float, float]] = []  # (now, since)
+    real = FleetObserver.p0_attainment
+
+    def recording(self: FleetObserver, since: float = -math.inf) -> tuple[float | None, int]:
+        asked.append((self._clock.now(), since))
+        return real(self, since)
+
+    monkeypatch.setattr(FleetObserver, "p0_attainment", recording)
+    workload = specs(500, seed=11, gap_s=0.03, prompt=(500, 3000), output=(100, 300))
+    scaling = AutoscaleConfig(ScalingPolicy.TIER, max_replicas=4, startup_delay_s=DELAY_S, interval_s=2.0)
+    sim = FleetSim(FleetConfig(1, router="tier-aware", autoscale=scaling), build_engine)
+    sim.run(workload)
+    readies = sorted(r.ready_s for r in sim.replicas.values() if r.ready_s is not None)
+    assert len(readies) > 1, "the fleet never scaled out"
+    for now, since in asked:
+        assert since == max(t for t in readies if t <= now)

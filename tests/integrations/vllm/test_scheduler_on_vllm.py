@@ -628,3 +628,74 @@ def test_a_p0_vllm_skips_takes_no_room_and_no_p0_only_step(plugin: Driver) -> No
     assert empty == 0 and all(r.num_preemptions == 0 for r in sched.requests.values())
     blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None  # compiled
     plugin.run(10, until=lambda: "gram-p0" in plugin.first_token_step)
+
+
+def _preemptions(sched: Any, prefix: str) -> int:
+    return sum(r.num_preemptions for rid, r in sched.requests.items() if rid.startswith(prefix))
+
+
+def _steps_until(d: Driver, rids: list[str], max_steps: int = 12) -> int:
+    """Step until every one of `rids` has its first token; the steps that gave nobody a token."""
+    empty = 0
+    for _ in range(max_steps):
+        if all(rid in d.first_token_step for rid in rids):
+            return empty
+        before = _tokens_now(d)
+        d.step()
+        empty += _tokens_now(d) == before
+    raise AssertionError(f"no first token for {[r for r in rids if r not in d.first_token_step]}")
+
+
+def test_a_p0_vllm_skips_inside_a_burst_takes_no_seat_from_the_running(plugin: Driver) -> None:
+    """Room for a burst of P0 prompts counted one that vLLM skips this pass (its grammar still
+    compiling): a running request was preempted for a seat nobody took."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler_of(plugin.llm)
+    _fill_with_p3(plugin, "burst")
+    plugin.run(30, until=lambda: all(f"burst-p3-{i}" in plugin.first_token_step for i in range(MAX_NUM_SEQS)))
+    for i in range(3):
+        plugin.submit(f"burst-p0-{i}", prompt(1500 + i, 40), 4, Tier.P0)
+    (middle,) = (r for rid, r in sched.requests.items() if rid.startswith("burst-p0-1"))
+    middle.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    middle.structured_output_request = SimpleNamespace(grammar=None)
+    try:
+        assert _steps_until(plugin, ["burst-p0-0", "burst-p0-2"]) == 0
+        assert _preemptions(sched, "burst-p3") == 2  # one seat for each P0 that runs
+    finally:
+        middle.status, middle.structured_output_request = RequestStatus.WAITING, None
+
+
+def test_a_paused_streaming_session_holds_a_seat_a_p0_must_be_given(plugin: Driver) -> None:
+    """vLLM counts a streaming session waiting for input as holding a seat; counted free, a
+    P0 was judged to fit, nobody was preempted, and P0-only steps ran with nothing to run."""
+    sched = scheduler_of(plugin.llm)
+    _fill_with_p3(plugin, "seat", n=MAX_NUM_SEQS - 1)
+    seated = [f"seat-p3-{i}" for i in range(MAX_NUM_SEQS - 1)]
+    plugin.run(30, until=lambda: all(rid in plugin.first_token_step for rid in seated))
+    sched.num_waiting_for_streaming_input = 1  # a paused stream holds the last seat
+    try:
+        plugin.submit("seat-p0", prompt(1600, 40), 4, Tier.P0)
+        assert _steps_until(plugin, ["seat-p0"]) == 0
+        assert plugin.ttft_steps("seat-p0") <= 2 and _preemptions(sched, "seat-p3") == 1
+    finally:
+        sched.num_waiting_for_streaming_input = 0
+
+
+def test_a_p0_whose_stale_output_is_in_flight_takes_no_room_this_pass(plugin: Driver) -> None:
+    """vLLM skips a waiting request whose earlier output is still being delivered (async
+    scheduling); room was made for it too: a running request preempted for nothing."""
+    sched = scheduler_of(plugin.llm)
+    _fill_with_p3(plugin, "stale")
+    plugin.run(30, until=lambda: all(f"stale-p3-{i}" in plugin.first_token_step for i in range(MAX_NUM_SEQS)))
+    plugin.submit("stale-p0-0", prompt(1700, 40), 4, Tier.P0)
+    (stale,) = (r for rid, r in sched.requests.items() if rid.startswith("stale-p0-0"))
+    stale.num_stale_output_tokens, stale.drop_stale_output = 1, False
+    plugin.submit("stale-p0-1", prompt(1701, 40), 4, Tier.P0)
+    try:
+        assert _steps_until(plugin, ["stale-p0-1"]) == 0
+        assert _preemptions(sched, "stale-p3") == 1
+    finally:
+        stale.num_stale_output_tokens = 0
