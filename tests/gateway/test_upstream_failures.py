@@ -287,3 +287,26 @@ def test_one_dropped_connection_is_one_failure_not_an_ejection() -> None:
         thread.join(5)
     assert first.status_code == 502  # its only upstream failed it: nothing else to try
     assert again.status_code == 200 and upstream.healthy
+
+
+@pytest.mark.parametrize("body", [b'{"error": {"message": "full"}}', b'{"detail": "full"}'], ids=str)
+def test_a_failure_is_not_held_against_an_upstream_when_the_request_was_refused_elsewhere(
+    body: bytes,
+) -> None:
+    """Held against the failing upstream where the other refused in OpenAI's envelope, and
+    not where it refused in another shape: a refusal is not a request served, either way."""
+    bad = FakeUpstream("fail")
+    full = FakeUpstream("refuse", refusal_status=429, refusal_body=body)
+    with ExitStack() as stack:
+        urls = [stack.enter_context(fake_upstream(f)) for f in (bad, full)]
+        gw, state = stack.enter_context(gateway(urls))
+        for i in range(5):
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={**CHAT, "messages": [{"role": "user", "content": f"p{i}"}]},
+                headers={"x-request-tier": "realtime"},
+                timeout=30,
+            )
+            assert r.status_code == 429
+        upstream = state.router.state("f0")
+    assert upstream.healthy and upstream.num_request_failures == 0

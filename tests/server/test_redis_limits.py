@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -171,7 +172,13 @@ def test_a_take_redis_answers_ends_the_outage_a_concurrent_failure_began() -> No
 
 @pytest.mark.parametrize(
     ("url", "said"),
-    [("redis://127.0.0.1:6379/abc", "database"), ("redis://127.0.0.1:notaport/0", "port")],
+    [
+        ("redis://127.0.0.1:6379/abc", "database"),
+        ("redis://127.0.0.1:6379/\u00b2", "database"),  # a digit to str.isdigit, not to redis-py
+        ("redis://127.0.0.1:6379?db=abc", "database"),
+        ("redis://127.0.0.1:notaport/0", "port"),
+        ("redis://127.0.0.1:99999/0", "1 to 65535"),
+    ],
 )
 def test_a_redis_url_with_a_bad_database_or_port_is_refused_naming_the_setting(url: str, said: str) -> None:
     """redis-py read database "abc" as 0 (sharing whatever else uses it), and a bad port
@@ -180,3 +187,57 @@ def test_a_redis_url_with_a_bad_database_or_port_is_refused_naming_the_setting(u
 
     with pytest.raises(ConfigError, match=rf"server\.ratelimit\.redis_url: .*{said}"):
         _config(url, "x", "closed")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rediss://user:pass@cache.internal:6380/2",
+        "redis://:p%40ss@127.0.0.1/0",
+        "redis://[::1]:6379/0",
+        "redis://127.0.0.1:6379?db=3",
+        "redis://127.0.0.1:6379/0?ssl_cert_reqs=none",
+        "unix:///tmp/redis.sock?db=3",
+        "redis://cache",
+    ],
+)
+def test_the_redis_url_forms_redis_py_reads_are_accepted(url: str) -> None:
+    assert _config(url, "x", "closed").server.ratelimit.redis_url == url
+
+
+def test_a_redis_slow_by_turns_is_said_once_not_at_every_turn(caplog: pytest.LogCaptureFixture) -> None:
+    """Each answer ended the outage and each timeout began another, each with its WARNING
+    line: a Redis slow by turns wrote 34 lines a second."""
+    import asyncio
+
+    from tierserve.server.buckets import BucketLevel, TakeResult
+    from tierserve.server.config import RateLimit, TenantConfig
+    from tierserve.server.ratelimit import RateLimiter
+
+    clock = [0.0]
+
+    class SlowByTurns:
+        num_takes = 0
+
+        async def take(self, buckets: Any, costs: Any) -> TakeResult:
+            self.num_takes += 1
+            if self.num_takes % 2:
+                raise TimeoutError
+            return TakeResult(True, tuple(BucketLevel(100.0, 0.0) for _ in buckets))
+
+        async def give(self, bucket: Any, amount: float) -> None:
+            return None
+
+    async def run() -> None:
+        limiter = RateLimiter(RateLimit(requests_per_s=1000), remote=SlowByTurns(), now=lambda: clock[0])
+        for _ in range(40):  # 8 s of decisions, Redis down and back at every other one
+            await limiter.acquire(TenantConfig("t"), 1)
+            clock[0] += 1.1  # past the 1 s retry pause
+            await limiter.acquire(TenantConfig("t"), 1)
+            clock[0] += 0.1
+
+    with caplog.at_level(logging.WARNING, logger="tierserve.ratelimit"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if r.name == "tierserve.ratelimit"]
+    assert sum("unreachable" in line for line in lines) <= 6 and sum("back" in line for line in lines) <= 6
+    assert any("unreachable" in line for line in lines)  # said, still

@@ -285,8 +285,9 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             _give_back(gw, call)
             raise
         else:
-            for name, why in faults:  # served here: those failures were theirs
-                gw.record_failure(name, f"forwarded requests failed ({why})", forwarded=True)
+            if response.status_code < 400:  # served here (not refused): those failures were theirs
+                for name, why in faults:
+                    gw.record_failure(name, f"forwarded requests failed ({why})", forwarded=True)
             return response
     log.warning("no upstream could serve a request; the last error: %s", last_error)
     refusal = _unserved(call, len(tried), busy)

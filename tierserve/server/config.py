@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from tierserve.config import MAX_WEIGHT, MIN_WEIGHT, ConfigError, EngineConfig, load_raw, parse_config
 from tierserve.server.http_limits import HttpLimits, parse_http_limits
@@ -238,10 +238,11 @@ def _redis_url(path: str, value: Any) -> str:
     try:
         parts.port  # noqa: B018 (raises on a port that is not a number in range)
     except ValueError:
-        raise ConfigError(f"{path}: the port must be a number, got {url!r}") from None
-    database = parts.path.lstrip("/")
-    if database and not database.isdigit():
-        raise ConfigError(f"{path}: the database after the host must be a number, got {database!r}")
+        raise ConfigError(f"{path}: the port must be a number from 1 to 65535, got {url!r}") from None
+    databases = [parts.path.lstrip("/"), *parse_qs(parts.query).get("db", [])]
+    for database in databases:
+        if database and not (database.isascii() and database.isdigit()):
+            raise ConfigError(f"{path}: the database must be a number (0, 1, ...), got {database!r}")
     return url
 
 

@@ -35,6 +35,7 @@ from tierserve.tiers import Tier
 log = logging.getLogger("tierserve.ratelimit")
 
 REDIS_RETRY_S = 1.0
+OUTAGE_LOG_S = 10.0  # at most one outage line (and its end) this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,8 @@ class RateLimiter:
         self._fail_open = fail_open
         self._now = now
         self._remote_down_until = -math.inf
+        self._outage_said = False  # the current outage's WARNING line was written
+        self._outage_said_at = -math.inf
         self._tenant_buckets: dict[str, tuple[Bucket | None, Bucket | None]] = {}
         self.num_fallbacks = 0  # operations served locally (or refused) because Redis failed
         self.num_redis_errors = 0  # operations on Redis that failed
@@ -142,20 +145,28 @@ class RateLimiter:
         rule = self.fail_rule()
         log.warning("rate-limit Redis %s unreachable at start-up (%s): %s until it answers", where, why, rule)
         self.redis_up = False
+        self._outage_said, self._outage_said_at = True, self._now()
 
     def _mark_redis(self, up: bool, error: BaseException | None = None) -> None:
+        """Note Redis's answer (or its failure). An outage is said in one WARNING line, and
+        its end in another, at most once every OUTAGE_LOG_S: a Redis slow by turns (each
+        decision timing out, the next answered) wrote 34 lines a second."""
+        now = self._now()
         if up:
             # It answered: decisions go to it again at once (they went on falling back for the
             # rest of the second while /metrics said it was up, and the outage was logged again).
             self._remote_down_until = -math.inf
-        if up and self.redis_up is False:
-            log.warning("rate-limit Redis is back (reachable again): limits are global again")
-        elif not up:
+            if self.redis_up is False and self._outage_said:
+                log.warning("rate-limit Redis is back (reachable again): limits are global again")
+                self._outage_said = False
+        else:
             self.num_redis_errors += 1
-            if self.redis_up is not False:
+            quiet = now - self._outage_said_at < OUTAGE_LOG_S
+            if self.redis_up is not False and not self._outage_said and not quiet:
                 why = "" if error is None else f" ({_why(error)})"
                 log.warning("rate-limit Redis unreachable%s: %s", why, self.fail_rule())
-            self._remote_down_until = self._now() + REDIS_RETRY_S
+                self._outage_said, self._outage_said_at = True, now
+            self._remote_down_until = now + REDIS_RETRY_S
         self.redis_up = up
 
     async def _run_take(

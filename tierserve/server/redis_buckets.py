@@ -86,7 +86,7 @@ return tostring(level)
 
 
 MAX_CONNECTIONS = 64  # to Redis, per process: a command takes well under a millisecond
-POOL_WAIT_TIMEOUTS = 4  # how long a command waits for a pooled connection, in redis_timeout_s
+POOL_WAIT_TIMEOUTS = 1  # how long a command waits for a pooled connection, in redis_timeout_s
 
 
 class RedisBuckets:
@@ -109,8 +109,9 @@ class RedisBuckets:
         # Connections from a bounded pool that a burst waits on: redis-py's default pool
         # refuses the 101st concurrent command (MaxConnectionsError, a ConnectionError), and
         # a burst of 200 requests found a healthy Redis "unreachable": fail-closed tiers
-        # got 503s, fail-open ones the local share. A waiter gives up after a few timeouts
-        # (Redis stuck with every connection busy: down, as a timeout says).
+        # got 503s, fail-open ones the local share. A waiter gives up after one timeout
+        # (Redis stuck with every connection busy: down, as a timeout says; waiting four held
+        # a burst of decisions 4-5 timeouts while Redis hung).
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=MAX_CONNECTIONS,
