@@ -293,8 +293,9 @@ def test_one_dropped_connection_is_one_failure_not_an_ejection() -> None:
 def test_a_failure_is_not_held_against_an_upstream_when_the_request_was_refused_elsewhere(
     body: bytes,
 ) -> None:
-    """Held against the failing upstream where the other refused in OpenAI's envelope, and
-    not where it refused in another shape: a refusal is not a request served, either way."""
+    """A refusal elsewhere is not the request served: the failure is not held against the
+    upstream that failed it, whatever the refusal's shape (it was held where the refusal
+    came in OpenAI's envelope, and not where it came in another shape)."""
     bad = FakeUpstream("fail")
     full = FakeUpstream("refuse", refusal_status=429, refusal_body=body)
     with ExitStack() as stack:

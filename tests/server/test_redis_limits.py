@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -178,6 +179,11 @@ def test_a_take_redis_answers_ends_the_outage_a_concurrent_failure_began() -> No
         ("redis://127.0.0.1:6379?db=abc", "database"),
         ("redis://127.0.0.1:notaport/0", "port"),
         ("redis://127.0.0.1:99999/0", "1 to 65535"),
+        ("redis://127.0.0.1:0/9", "1 to 65535"),  # redis-py connected to 6379
+        ("redis://[::1:6379/0", "not a valid URL"),
+        ("redis://127.0.0.1:6379/9?foo=bar", "'foo' is not taken"),  # every request a 500
+        ("redis://127.0.0.1:6379/9?socket_timeout=30", "redis_timeout_s"),  # overrode it
+        ("unix:///tmp/redis.sock?db=abc", "database"),
     ],
 )
 def test_a_redis_url_with_a_bad_database_or_port_is_refused_naming_the_setting(url: str, said: str) -> None:
@@ -185,7 +191,7 @@ def test_a_redis_url_with_a_bad_database_or_port_is_refused_naming_the_setting(u
     failed at start-up without naming the setting."""
     from tierserve.config import ConfigError
 
-    with pytest.raises(ConfigError, match=rf"server\.ratelimit\.redis_url: .*{said}"):
+    with pytest.raises(ConfigError, match=rf"server\.ratelimit\.redis_url: .*{re.escape(said)}"):
         _config(url, "x", "closed")
 
 
@@ -241,3 +247,53 @@ def test_a_redis_slow_by_turns_is_said_once_not_at_every_turn(caplog: pytest.Log
     lines = [r.getMessage() for r in caplog.records if r.name == "tierserve.ratelimit"]
     assert sum("unreachable" in line for line in lines) <= 6 and sum("back" in line for line in lines) <= 6
     assert any("unreachable" in line for line in lines)  # said, still
+
+
+def test_an_outage_that_begins_inside_the_quiet_after_the_last_is_said_once_it_ends() -> None:
+    """The line was written only as Redis went from up to down: an outage that began within
+    10 s of the last line was never said, however long it lasted, and the log's last word
+    was "limits are global again"."""
+    import asyncio
+
+    from tierserve.server.buckets import BucketLevel, TakeResult
+    from tierserve.server.config import RateLimit, TenantConfig
+    from tierserve.server.ratelimit import RateLimiter
+
+    clock = [0.0]
+    down = [True]
+
+    class Flaky:
+        async def take(self, buckets: Any, costs: Any) -> TakeResult:
+            if down[0]:
+                raise ConnectionError("refused")
+            return TakeResult(True, tuple(BucketLevel(100.0, 0.0) for _ in buckets))
+
+        async def give(self, bucket: Any, amount: float) -> None:
+            return None
+
+    said: list[tuple[float, str]] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append((clock[0], record.getMessage()))
+
+    handler = Record(logging.WARNING)
+    logging.getLogger("tierserve.ratelimit").addHandler(handler)
+    try:
+
+        async def run() -> None:
+            limiter = RateLimiter(RateLimit(requests_per_s=1000), remote=Flaky(), now=lambda: clock[0])
+            for t in range(60):  # down 0-1 s, up 2-3 s, down from 4 s on
+                clock[0] = float(t) * 1.01
+                down[0] = not 2 <= t <= 3
+                await limiter.acquire(TenantConfig("t"), 1)
+
+        asyncio.run(run())
+    finally:
+        logging.getLogger("tierserve.ratelimit").removeHandler(handler)
+    assert [m.split(" (")[0].split(":")[0] for _, m in said] == [
+        "rate-limit Redis unreachable",
+        "rate-limit Redis is back",
+        "rate-limit Redis unreachable",
+    ]
+    assert said[-1][0] >= 10.0  # the second outage, said once the quiet ended

@@ -226,23 +226,59 @@ def _rate_limit(path: str, raw: Mapping[str, Any]) -> RateLimit:
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
+# Query options of a Redis URL the server leaves to redis-py; the others are refused: unknown
+# names reached redis-py's connection as arguments (every request a 500), and its pool and
+# timeout options overrode the server's own (`redis_timeout_s`, a pool of 64).
+REDIS_URL_OPTIONS = (
+    "db",
+    "client_name",
+    "health_check_interval",
+    "protocol",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_check_hostname",
+    "ssl_min_version",
+    "ssl_ciphers",
+)
+
+
 def _redis_url(path: str, value: Any) -> str:
     url = _string(path, value)
     if not url.startswith(REDIS_SCHEMES):
         raise ConfigError(f"{path}: expected a URL starting {', '.join(REDIS_SCHEMES)}, got {url!r}")
-    if url.startswith("unix://"):
-        return url
     # redis-py reads a database it cannot parse as 0 (a typo shared database 0 with whatever
-    # else uses it), and a bad port failed at start-up without naming the setting.
-    parts = urlsplit(url)
+    # else uses it), a port of 0 as 6379, and a bad URL failed at start-up without naming
+    # the setting.
     try:
-        parts.port  # noqa: B018 (raises on a port that is not a number in range)
-    except ValueError:
-        raise ConfigError(f"{path}: the port must be a number from 1 to 65535, got {url!r}") from None
-    databases = [parts.path.lstrip("/"), *parse_qs(parts.query).get("db", [])]
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"{path}: not a valid URL ({e}; a port is a number from 1 to 65535)") from None
+    if port == 0:
+        raise ConfigError(f"{path}: the port must be a number from 1 to 65535, got 0")
+    query = parse_qs(parts.query, keep_blank_values=True)
+    for name in query:
+        if name not in REDIS_URL_OPTIONS:
+            raise ConfigError(
+                f"{path}: option {name!r} is not taken here (known: {', '.join(REDIS_URL_OPTIONS)}; "
+                "the timeout is redis_timeout_s)"
+            )
+    databases = (
+        query.get("db", []) if url.startswith("unix://") else [parts.path.lstrip("/"), *query.get("db", [])]
+    )
     for database in databases:
         if database and not (database.isascii() and database.isdigit()):
             raise ConfigError(f"{path}: the database must be a number (0, 1, ...), got {database!r}")
+    from redis.asyncio.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return url
 
 

@@ -162,7 +162,7 @@ class RateLimiter:
         else:
             self.num_redis_errors += 1
             quiet = now - self._outage_said_at < OUTAGE_LOG_S
-            if self.redis_up is not False and not self._outage_said and not quiet:
+            if not self._outage_said and not quiet:  # not said yet: now, or once the quiet ends
                 why = "" if error is None else f" ({_why(error)})"
                 log.warning("rate-limit Redis unreachable%s: %s", why, self.fail_rule())
                 self._outage_said, self._outage_said_at = True, now

@@ -86,7 +86,12 @@ return tostring(level)
 
 
 MAX_CONNECTIONS = 64  # to Redis, per process: a command takes well under a millisecond
-POOL_WAIT_TIMEOUTS = 1  # how long a command waits for a pooled connection, in redis_timeout_s
+# How long a command waits for a pooled connection: 4 x redis_timeout_s, at least 0.5 s (a
+# burst of 400 on a fresh pool, its connections still opening, found none within one
+# timeout of 50 ms, and fail-closed tiers refused a quarter of it on a healthy Redis; a
+# hung Redis is found down by its commands' own timeouts meanwhile).
+POOL_WAIT_TIMEOUTS = 4
+MIN_POOL_WAIT_S = 0.5
 
 
 class RedisBuckets:
@@ -109,13 +114,12 @@ class RedisBuckets:
         # Connections from a bounded pool that a burst waits on: redis-py's default pool
         # refuses the 101st concurrent command (MaxConnectionsError, a ConnectionError), and
         # a burst of 200 requests found a healthy Redis "unreachable": fail-closed tiers
-        # got 503s, fail-open ones the local share. A waiter gives up after one timeout
-        # (Redis stuck with every connection busy: down, as a timeout says; waiting four held
-        # a burst of decisions 4-5 timeouts while Redis hung).
+        # got 503s, fail-open ones the local share. A waiter gives up after the wait above
+        # (then Redis is taken for down, as a timeout says).
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=MAX_CONNECTIONS,
-            timeout=POOL_WAIT_TIMEOUTS * timeout_s,
+            timeout=max(POOL_WAIT_TIMEOUTS * timeout_s, MIN_POOL_WAIT_S),
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
