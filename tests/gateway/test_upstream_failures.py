@@ -65,6 +65,14 @@ def _post(gw: Running, **fields: object) -> httpx.Response:
     )
 
 
+def _p0(gw: Running, i: int) -> httpx.Response:
+    """A realtime request with a prompt of its own (prefix affinity spreads them)."""
+    body = {**CHAT, "messages": [{"role": "user", "content": f"p{i}"}]}
+    return httpx.post(
+        gw.url + "/v1/chat/completions", json=body, headers={"x-request-tier": "realtime"}, timeout=30
+    )
+
+
 def _wait_for(condition: object, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
@@ -107,12 +115,7 @@ def test_an_upstream_whose_requests_fail_is_ejected_though_its_checks_pass() -> 
         urls = [stack.enter_context(fake_upstream(f)) for f in (bad, good)]
         gw, state = stack.enter_context(gateway(urls, extra="ejection_hold_s = 30"))
         for i in range(10):
-            r = httpx.post(
-                gw.url + "/v1/chat/completions",
-                json={**CHAT, "messages": [{"role": "user", "content": f"p{i}"}]},
-                headers={"x-request-tier": "realtime"},
-                timeout=30,
-            )
+            r = _p0(gw, i)
             assert r.status_code == 200, r.text
         time.sleep(0.5)  # checks of both pass meanwhile
         healthy = state.router.state("f0").healthy
@@ -302,12 +305,7 @@ def test_a_failure_is_not_held_against_an_upstream_when_the_request_was_refused_
         urls = [stack.enter_context(fake_upstream(f)) for f in (bad, full)]
         gw, state = stack.enter_context(gateway(urls))
         for i in range(5):
-            r = httpx.post(
-                gw.url + "/v1/chat/completions",
-                json={**CHAT, "messages": [{"role": "user", "content": f"p{i}"}]},
-                headers={"x-request-tier": "realtime"},
-                timeout=30,
-            )
+            r = _p0(gw, i)
             assert r.status_code == 429
         upstream = state.router.state("f0")
     assert upstream.healthy and upstream.num_request_failures == 0
