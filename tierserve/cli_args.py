@@ -31,13 +31,13 @@ def one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def _bounded_int(low: int, what: str) -> Callable[[str], int]:
+def _bounded_int(low: int, what: str, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low:
+        if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
@@ -47,6 +47,12 @@ def _bounded_int(low: int, what: str) -> Callable[[str], int]:
 
 def int_at_least(low: int) -> Callable[[str], int]:
     return _bounded_int(low, f"an integer >= {low}")
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An integer from `low` to `high`: a count past `high` ran for minutes, or filled memory,
+    before saying anything."""
+    return _bounded_int(low, f"an integer from {low} to {high:,}", high)
 
 
 positive_int = _bounded_int(1, "an integer >= 1")

@@ -42,3 +42,11 @@ def test_overhead_cli_prints_json_for_each_policy(capsys: pytest.CaptureFixture[
 def test_overhead_cli_rejects_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", "--policies", "lottery", "--passes", "1"]) == 2
     assert "unknown policy" in capsys.readouterr().err
+
+
+def test_a_policy_named_twice_is_measured_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table printed two lines for it and the JSON kept the second run's figures."""
+    args = ["bench", "overhead", "--running", "1", "--waiting", "0", "--passes", "1", "--policies"]
+    assert main([*args, "fcfs", "wfq", "fcfs"]) == 0
+    table = capsys.readouterr().out
+    assert sum(line.split()[:1] == ["fcfs"] for line in table.splitlines()) == 1

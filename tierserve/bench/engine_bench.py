@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import cpu_threads, device_name, fail, positive_int
+from tierserve.cli_args import cpu_threads, device_name, fail, int_between, positive_int
 
 if TYPE_CHECKING:
     from tierserve.config import EngineConfig
@@ -430,7 +430,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     """The requests: how many, their lengths, their seed."""
     p.add_argument(
-        "--num-prompts", type=positive_int, default=32, help="requests in the workload (default: 32)"
+        "--num-prompts",
+        type=int_between(1, 100_000),
+        default=32,
+        help="requests in the workload, at most 100,000 (default: 32)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the workload's lengths and tokens (default: 0)"
@@ -469,9 +472,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--flood",
-        type=positive_int,
+        type=int_between(1, 100_000),
         default=64,
-        help="P2 requests submitted before the P0 ones (default: 64)",
+        help="P2 requests submitted before the P0 ones, at most 100,000 (default: 64)",
     )
     p.add_argument(
         "--num-p0", type=positive_int, default=5, help="P0 requests measured per scenario (default: 5)"

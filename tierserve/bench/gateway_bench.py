@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import positive_float, positive_int
+from tierserve.cli_args import non_negative_int, positive_float, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.tiers import Tier
 
@@ -60,6 +60,15 @@ class Shot:
     ok: bool
     ttft_s: float | None
     status: str = "ok"  # else why not: the HTTP status, "incomplete" stream, or "http_error:<exception>"
+
+
+def _duration(text: str) -> float:
+    """--duration: at least a second (a request is sent at once, so a shorter one gave a
+    goodput of 10^9 requests/s)."""
+    value = positive_float(text)
+    if value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected at least 1 (seconds), got {value:g}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -98,7 +107,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--load", type=positive_float, default=1.2, help="offered load, x the probed capacity (default 1.2)"
     )
     p.add_argument(
-        "--duration", type=positive_float, default=30.0, help="seconds of open-loop load per arm (default 30)"
+        "--duration",
+        type=_duration,
+        default=30.0,
+        help="seconds of open-loop load per arm, at least 1 (default 30)",
     )
     p.add_argument(
         "--upstream-policy",
@@ -110,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--max-tokens", type=positive_int, default=32, help="output tokens per request (default 32)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the request mix (default: 0)")
     p.set_defaults(func=run)
 
 
@@ -465,8 +477,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for arm in ("flow_control", "least_loaded"):
             cells = ", ".join(
-                f"{t}: SLO {v['slo_attainment']} of {v['sent']}, goodput {v['goodput_rps']}/s"
-                + (f", failed {v['failed']}" if v["failed"] else "")
+                f"{t}: SLO {'-' if v['slo_attainment'] is None else v['slo_attainment']} of {v['sent']}, "
+                f"goodput {v['goodput_rps']}/s" + (f", failed {v['failed']}" if v["failed"] else "")
                 for t, v in result[arm].items()
             )
             print(f"  {arm:13s} {cells}")

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from tierserve.bench.host import HostMonitor
-from tierserve.cli_args import non_negative_int, positive_int
+from tierserve.cli_args import int_between, positive_int
 from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, SchedulerConfig
 from tierserve.engine import Engine
@@ -90,7 +90,7 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = args.policies or list(POLICIES)
+    policies = list(dict.fromkeys(args.policies or POLICIES))  # a policy named twice is measured once
     for name in policies:
         if name not in POLICIES:
             known = ", ".join(POLICIES)
@@ -154,10 +154,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"running requests, at most {STEP_TOKENS} (a step's token budget; default 512)",
     )
     p.add_argument(
-        "--waiting", type=non_negative_int, default=10_000, help="waiting requests (default 10000)"
+        "--waiting",
+        type=int_between(0, 1_000_000),
+        default=10_000,
+        help="waiting requests, at most 1,000,000 (default 10000)",
     )
     p.add_argument(
-        "--passes", type=positive_int, default=300, help="scheduling passes measured per policy (default 300)"
+        "--passes",
+        type=int_between(1, 1_000_000),
+        default=300,
+        help="scheduling passes measured per policy, at most 1,000,000 (default 300)",
     )
     p.add_argument(
         "--policies",

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from tierserve.bench.flood import FloodReport
 from tierserve.bench.host import HostMonitor, read_cpu_times, steal_pct
 from tierserve.bench.output import emit, make_out_folder, source_commit
-from tierserve.cli_args import positive_float, positive_int
+from tierserve.cli_args import non_negative_int, positive_float, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.loadgen import CUT_OFF, TIERS, Outcome, Spec, drive_in_child, make_specs
 from tierserve.workloads.spec import TierMix
@@ -484,7 +484,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--duration-s", type=positive_float, default=120.0, help="stop sending after this long (default: 120)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the requests' tiers and lengths (default: 0)")
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the requests' tiers and lengths (default: 0)",
+    )
     p.add_argument(
         "--warmup",
         type=int,

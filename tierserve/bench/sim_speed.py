@@ -31,6 +31,8 @@ from tierserve.scheduling import POLICIES
 from tierserve.workloads import get_preset
 from tierserve.workloads.traces import check_span, span_line
 
+MAX_CLIENTS = 100_000  # closed-loop clients
+
 DESCRIPTION = """\
 Simulate one benchmark cell twice, step by step and in the fast mode (which keeps the
 running decodes in aggregate and leaps over runs of steps in which every running request
@@ -180,7 +182,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=3,
         help="runs of each mode, in turn; the least CPU time counts (default: %(default)s)",
     )
-    p.add_argument("--think-time", type=float, default=2.0, help="closed loop: mean think time, s")
+    p.add_argument(
+        "--think-time", type=float, help="closed loop: mean think time, s (default 2; not for a trace)"
+    )
     p.add_argument("--trace-rows", type=positive_int, help="trace: replay only the first N rows")
     p.add_argument(
         "--out",
@@ -211,14 +215,23 @@ def run(args: argparse.Namespace) -> int:
     # Each flag said alone: the message named both, whichever was wrong.
     if not 0 < args.load < math.inf:
         raise ValueError(f"--load must be > 0 and finite, got {args.load:g}")
-    if not 0 <= args.think_time <= MAX_THINK_TIME_S:  # past a day a step's seconds vanish in the clock's
+    if pattern == "trace" and args.think_time is not None:  # it was ignored, and not recorded
+        raise ValueError(f"--think-time applies to closed-loop clients, and {args.workload} is a trace")
+    if pattern == "closed" and args.think_time is None:
+        args.think_time = 2.0
+    if pattern == "closed" and args.load > MAX_CLIENTS:  # a billion clients ran silently for minutes
+        raise ValueError(f"--load: at most {MAX_CLIENTS:,} closed-loop clients, got {args.load:g}")
+    if args.think_time is not None and not 0 <= args.think_time <= MAX_THINK_TIME_S:
+        # past a day a step's seconds vanish in the clock's
         raise ValueError(f"--think-time must be 0 to {MAX_THINK_TIME_S:g} s (a day), got {args.think_time:g}")
     if pattern == "closed" and args.trace_rows is not None:  # it was ignored; bench reproduce refuses it
         raise ValueError(f"--trace-rows applies to a trace, and {args.workload} runs closed-loop clients")
     if pattern == "closed" and args.load != int(args.load):
         raise ValueError(f"--load: a closed loop has a whole number of clients, got {args.load:g}")
     setup = BenchSetup(
-        num_measured=args.requests, think_time_s=args.think_time, max_trace_rows=args.trace_rows
+        num_measured=args.requests,
+        think_time_s=2.0 if args.think_time is None else args.think_time,
+        max_trace_rows=args.trace_rows,
     )
     if pattern == "trace":
         rows = setup.trace_rows(args.workload)
@@ -229,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     cell = Cell(args.workload, pattern, args.load, args.policy, args.seed)
     before = host.snapshot()  # through the module: tests replace it there
     result = measure(setup, cell, args.repeats)
+    result["think_time_s"] = args.think_time  # None for a trace, replayed at its own times
     result["host"] = {"load_avg_1m_before": before.load_avg_1m}
 
     def table() -> None:
