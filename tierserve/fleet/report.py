@@ -157,42 +157,57 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     unit, per = _time_unit(runs)
-    names = []
-    for key, label in (("slo_attainment", "SLO attainment"), ("goodput_rps", "goodput (req/s)")):
-        # One time axis for the four tiers: a tier without requests gets the others' axis,
-        # not an empty one around zero.
-        fig, axes = plt.subplots(
-            1, len(ALL_TIERS), figsize=(4.2 * len(ALL_TIERS), 3.4), squeeze=False, sharex=True
-        )
-        for ax, tier in zip(axes.flat, ALL_TIERS, strict=True):
-            for r in runs:
-                ot = r["summary"]["over_time"]
-                ys = ot["tiers"].get(tier.name, {}).get(key, [])
-                # A bin without requests is a gap, not a line drawn across it, and a marker on
-                # each bin: a run within one bin was an empty panel.
-                pts = list(zip(ot["t_s"], ys, strict=False))
-                ax.plot(
-                    [t / per for t, _ in pts],
-                    [math.nan if y is None else y for _, y in pts],
-                    marker="o",
-                    markersize=3,
-                    label=f"{r['router']} / {r['scaling']}",
-                )
-            ax.set_title(f"{tier.name} {label}")
-            if key == "slo_attainment":
-                ax.set_ylim(-0.02, 1.02)
-            else:
-                ax.set_ylim(bottom=0)  # a rate from zero: a dip of a tenth is not drawn as a fall
-            ax.set_xlabel(f"arrival time ({unit})")
-        axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
-        name = f"{key}_over_time.png"
-        fig.savefig(out / name, dpi=90)
-        plt.close(fig)
-        names.append(name)
+    names = [
+        _plot_over_time(plt, out, runs, key, label, unit, per)
+        for key, label in (("slo_attainment", "SLO attainment"), ("goodput_rps", "goodput (req/s)"))
+    ]
+    _plot_replicas(plt, out, runs, unit, per)
+    return [*names, "replicas_gpu_hours.png"]
+
+
+def _plot_over_time(
+    plt: Any, out: Path, runs: Sequence[Run], key: str, label: str, unit: str, per: float
+) -> str:
+    """`key` of every tier over arrival time, one panel a tier; returns the file's name."""
+    # One time axis for the four tiers: a tier without requests gets the others' axis,
+    # not an empty one around zero.
+    fig, axes = plt.subplots(
+        1, len(ALL_TIERS), figsize=(4.2 * len(ALL_TIERS), 3.4), squeeze=False, sharex=True
+    )
+    for ax, tier in zip(axes.flat, ALL_TIERS, strict=True):
+        for r in runs:
+            ot = r["summary"]["over_time"]
+            ys = ot["tiers"].get(tier.name, {}).get(key, [])
+            # A bin without requests is a gap, not a line drawn across it, and a marker on
+            # each bin: a run within one bin was an empty panel.
+            pts = list(zip(ot["t_s"], ys, strict=False))
+            ax.plot(
+                [t / per for t, _ in pts],
+                [math.nan if y is None else y for _, y in pts],
+                marker="o",
+                markersize=3,
+                label=f"{r['router']} / {r['scaling']}",
+            )
+        ax.set_title(f"{tier.name} {label}")
+        if key == "slo_attainment":
+            ax.set_ylim(-0.02, 1.02)
+        else:
+            ax.set_ylim(bottom=0)  # a rate from zero: a dip of a tenth is not drawn as a fall
+        ax.set_xlabel(f"arrival time ({unit})")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    name = f"{key}_over_time.png"
+    fig.savefig(out / name, dpi=90)
+    plt.close(fig)
+    return name
+
+
+def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: float) -> None:
+    """Replicas over time beside each run's GPU-hours, into replicas_gpu_hours.png."""
+    from matplotlib.ticker import MaxNLocator
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, max(3.6, 0.3 * len(runs) + 1.2)))
     for r in runs:
         rot = r["summary"]["replicas_over_time"]
@@ -218,4 +233,3 @@ def write_plots(out: Path, runs: Sequence[Run]) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
     plt.close(fig)
-    return [*names, "replicas_gpu_hours.png"]

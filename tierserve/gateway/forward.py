@@ -235,19 +235,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     faults: list[tuple[str, str]] = []
     model = str(call.body.get("model", ""))
     for attempt in range(1, settings.max_attempts + 1):
-        try:
-            decision = await gw.dispatcher.acquire(
-                call.tier,
-                call.tenant.name,
-                model,
-                prefix,
-                num_tokens=call.reservation.num_tokens if call.reservation else 1,
-                tenant_weight=call.tenant.weight,
-                exclude=tried,
-            )
-        except ApiError as e:
-            e.headers = {**call.headers, **e.headers}  # the tier and rate-limit headers, as the server sends
-            raise
+        decision = await _route(gw, call, model, prefix, tried)
         call.not_ours_s += decision.waited_s
         call.seat = decision
         tried_at = time.perf_counter()
@@ -286,13 +274,37 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
             raise
         else:
             if response.status_code < 400:  # served here (not refused): those failures were theirs
-                for name, why in faults:
-                    gw.record_failure(name, f"forwarded requests failed ({why})", forwarded=True)
+                _hold_against(gw, faults)
             return response
     log.warning("no upstream could serve a request; the last error: %s", last_error)
     refusal = _unserved(call, len(tried), busy)
     gw.metrics.reject(refusal.code or "upstream_unavailable", call.tier)
     raise refusal
+
+
+async def _route(gw: GatewayState, call: _Call, model: str, prefix: str, tried: list[str]) -> RouteDecision:
+    """An upstream for the request's next attempt (one not `tried`), waiting in the
+    gateway's queue if every one is full for its tier; a refusal carries the tier and
+    rate-limit headers, as the server sends them."""
+    try:
+        return await gw.dispatcher.acquire(
+            call.tier,
+            call.tenant.name,
+            model,
+            prefix,
+            num_tokens=call.reservation.num_tokens if call.reservation else 1,
+            tenant_weight=call.tenant.weight,
+            exclude=tried,
+        )
+    except ApiError as e:
+        e.headers = {**call.headers, **e.headers}
+        raise
+
+
+def _hold_against(gw: GatewayState, faults: list[tuple[str, str]]) -> None:
+    """Count each (upstream, why) failure toward ejecting its upstream: another served the request."""
+    for name, why in faults:
+        gw.record_failure(name, f"forwarded requests failed ({why})", forwarded=True)
 
 
 def _unserved(call: _Call, num_tried: int, busy: list[float]) -> ApiError:
