@@ -40,6 +40,9 @@ def test_bench_gateway_prints_overhead_and_per_tier_maps_for_both_arms(
     assert result["upstream_policy"] == "fcfs"
     assert result["capacity_rps"] > 0
     assert result["commit"]  # which code gave the figures
+    settings = result["settings"]  # what the run was asked for
+    assert (settings["streams"], settings["replicas"], settings["max_seqs"]) == (4, 1, 2)
+    assert settings["load"] == 1.2 and settings["overhead_tokens"] == 4 and "func" not in settings
     # offered = 1.2 x capacity, with a floor of 0.5 req/s for a very slow host
     assert result["offered_rps"] == pytest.approx(max(0.5, 1.2 * result["capacity_rps"]), abs=0.01)
     for arm in ("flow_control", "least_loaded"):

@@ -450,6 +450,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     monitor = HostMonitor()
     result = measure(args)
+    # What the run was asked for: the figures mean little without the streams, load and length.
+    result["settings"] = {k: v for k, v in vars(args).items() if k not in ("func", "json", "out")}
     result["commit"] = commit
     result["wall_s"] = round(time.perf_counter() - started, 1)
     # The replicas, gateways and load share the host's cores with whatever else runs there.
@@ -459,7 +461,8 @@ def run(args: argparse.Namespace) -> int:
 
     def table() -> None:
         print(
-            f"gateway overhead to first token, client side: P50 {result['overhead_p50_ms']:.2f} ms, "
+            "gateway overhead to first token, client side (gateway arm's percentile less the direct "
+            f"arm's; noise can make it negative): P50 {result['overhead_p50_ms']:.2f} ms, "
             f"P99 {result['overhead_p99_ms']:.2f} ms ({args.streams} streams, "
             f"{result['overhead_requests']} requests per arm; direct TTFT P50 "
             f"{result['direct_ttft_p50_ms']:.1f} ms)"
