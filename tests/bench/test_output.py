@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 from pathlib import Path
 
@@ -151,3 +152,32 @@ def test_a_lock_file_removed_meanwhile_is_retaken_and_a_run_leaves_none_behind(
     script = f"from tierserve.bench.output import make_out_folder\nmake_out_folder({str(out)!r})\n"
     assert subprocess.run([sys.executable, "-c", script]).returncode == 0
     assert not lock.exists()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_off_a_terminal_is_whole_lines_at_an_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierserve.bench import output
+
+    log = io.StringIO()
+    with output.progress_bar(total=300, desc="bench", unit="run", out=log) as bar:
+        for _ in range(300):
+            bar.update()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    # The first line and the last, nothing between within the interval, the last not twice.
+    assert len(lines) == 2 and lines[0].startswith("bench:   0%") and "300/300" in lines[-1]
+    # A bar left on a terminal is tqdm's own, redrawn in place.
+    tty = _Terminal()
+    with output.progress_bar(total=3, desc="bench", out=tty) as bar:
+        bar.update(3)
+    assert "\r" in tty.getvalue() and "3/3" in tty.getvalue()
+    # Past the interval, a line at each update.
+    monkeypatch.setattr(output, "PROGRESS_LOG_INTERVAL_S", 0.0)
+    log = io.StringIO()
+    for _ in output.progress_bar(range(4), desc="hf", out=log, miniters=1):
+        pass
+    assert len(log.getvalue().splitlines()) == 5

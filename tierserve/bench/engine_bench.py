@@ -126,8 +126,7 @@ def run_tierserve(
     executor: TorchExecutor, config: EngineConfig, w: Workload
 ) -> tuple[float, list[list[int]]]:
     """All prompts submitted at once; continuous batching. Returns (tokens/s, outputs)."""
-    from tqdm import tqdm
-
+    from tierserve.bench.output import progress_bar
     from tierserve.tiers import Tier
 
     engine = _engine(executor, config)
@@ -138,7 +137,7 @@ def run_tierserve(
     start = time.perf_counter()
     for r in reqs:
         engine.add_request(r)
-    with tqdm(total=w.num_output_tokens, desc="tierserve", file=sys.stderr, leave=False) as bar:
+    with progress_bar(total=w.num_output_tokens, desc="tierserve", leave=False) as bar:
         while engine.has_unfinished():
             bar.update(sum(len(o.new_token_ids) for o in engine.step()))
     elapsed = time.perf_counter() - start
@@ -204,16 +203,14 @@ def build_hf_model(executor: TorchExecutor) -> Any:
 
 def run_hf_serial(hf: Any, w: Workload) -> tuple[float, list[list[int]]]:
     import torch
-    from tqdm import tqdm
+
+    from tierserve.bench.output import progress_bar
 
     outputs = []
     start = time.perf_counter()
     with torch.inference_mode():
-        for prompt, n in tqdm(
-            list(zip(w.prompts, w.max_tokens, strict=True)),
-            desc="HF one at a time",
-            file=sys.stderr,
-            leave=False,
+        for prompt, n in progress_bar(
+            list(zip(w.prompts, w.max_tokens, strict=True)), desc="HF one at a time", leave=False
         ):
             ids = torch.tensor([prompt], device=hf.device)
             out = hf.generate(

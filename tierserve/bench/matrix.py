@@ -98,7 +98,7 @@ def measure_capacities(matrix: Matrix, workers: int) -> dict[str, Capacity]:
 
 def run_matrix(matrix: Matrix, workers: int = 2, progress: bool = True) -> dict[str, Any]:
     """Run every cell of `matrix`; return the results.json document (without `setup`)."""
-    from tqdm import tqdm
+    from tierserve.bench.output import progress_bar
 
     capacities = measure_capacities(matrix, workers)
     for c in capacities.values():
@@ -113,7 +113,7 @@ def run_matrix(matrix: Matrix, workers: int = 2, progress: bool = True) -> dict[
     runs: list[dict[str, Any]] = []
     pooled: list[dict[str, Any]] = []
     # Closed however the loop ends: on Ctrl-C the bar is drawn before "interrupted", not after.
-    with tqdm(total=len(jobs), desc="bench", unit="run", file=sys.stderr, disable=not progress) as bar:
+    with progress_bar(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
         for _job_done, per_seed, merged in _pool_map(_run_job, jobs, workers):
             runs += per_seed
             pooled.append(merged)

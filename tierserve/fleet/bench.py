@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,7 +113,7 @@ class FleetBench:
         )
 
     def run(self, router: str, scaling: str) -> dict[str, Any]:
-        from tqdm import tqdm
+        from tierserve.bench.output import progress_bar
 
         # The tier policy counts only the P0 requests that more replicas could bring within
         # the target (observe.py); the other policies do not read P0's attainment.
@@ -123,7 +122,7 @@ class FleetBench:
         )
         sim = FleetSim(self.config(router, scaling), self.build_engine, alone)
         started = time.process_time()
-        with tqdm(total=self.num_requests, desc=f"{router}/{scaling}", file=sys.stderr, unit="req") as bar:
+        with progress_bar(total=self.num_requests, desc=f"{router}/{scaling}", unit="req") as bar:
             sim.on_arrival = lambda now: bar.update(1)
             result = sim.run(self.specs())
         cpu_s = time.process_time() - started
