@@ -37,8 +37,9 @@ def make_llm(
     prefix_caching: bool = True,
     max_model_len: int = 512,
     max_num_batched_tokens: int = 512,
+    **extra: Any,
 ) -> LLM:
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = dict(extra)
     if scheduler_cls is not None:
         kw["scheduler_cls"] = scheduler_cls
     return LLM(
@@ -55,6 +56,29 @@ def make_llm(
         seed=0,
         **kw,
     )
+
+
+def write_lora(root: Path, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter for `checkpoint`'s model (q and v projections), in PEFT's layout."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder = root / f"lora-{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0}
+    config |= {"target_modules": ["q_proj", "v_proj"], "bias": "none", "task_type": "CAUSAL_LM"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(2):
+        for module, out in (("q_proj", 4 * 32), ("v_proj", 2 * 32)):  # heads x head_dim
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, 128, generator=gen) * 0.1
+            weights[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.1
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    return folder
 
 
 def scheduler_of(llm: LLM) -> Any:
@@ -78,11 +102,15 @@ class Driver:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: Counter[str] = field(default_factory=Counter)
 
-    def submit(self, rid: str, ids: list[int], max_tokens: int, tier: int, **xargs: Any) -> None:
+    def submit(
+        self, rid: str, ids: list[int], max_tokens: int, tier: int, lora: Any = None, **xargs: Any
+    ) -> None:
         extra = {"tier": f"P{tier}", **xargs} if self.plugin else None
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
         priority = 0 if self.plugin else tier
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params, priority=priority)
+        self.llm.llm_engine.add_request(
+            rid, {"prompt_token_ids": ids}, params, priority=priority, lora_request=lora
+        )
         self.submitted_at[rid] = self.step_no
 
     def step(self) -> None:

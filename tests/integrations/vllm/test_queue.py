@@ -176,3 +176,33 @@ def test_only_a_request_put_back_in_the_pass_that_popped_it_is_refunded(skipped:
     q.tick(10.2)
     order = [q.pop_request() for _ in range(2)]
     assert order == ([a, b] if skipped else [b, a])
+
+
+def test_a_gate_skips_a_request_for_the_pass_and_puts_it_back_uncharged() -> None:
+    q, book = _queue()
+    q.tick(100.0)
+    reqs = {}
+    for rid, tier, t in (("a0", Tier.P0, 1.0), ("b0", Tier.P0, 2.0), ("c1", Tier.P1, 3.0)):
+        reqs[rid] = _req(rid, t)
+        book.add(reqs[rid], tier, "default")
+        q.add_request(reqs[rid])
+    q.gate = lambda r: r.request_id != "a0"  # a0 may not run this pass (its adapter, say)
+    assert q and q.peek_request().request_id == "b0"
+    assert len(q) == 3 and {r.request_id for r in q} == {"a0", "b0", "c1"}  # still queued
+    assert q.pop_request().request_id == "b0"
+    q.remove_request(reqs["c1"])  # ended meanwhile
+    assert not q  # a0 is held for the pass: vLLM's loop sees an empty queue
+    q.gate = None
+    q.end_pass()
+    assert len(q) == 1 and q.peek_request().request_id == "a0"
+    # What the gate skipped went back as it was: the same order as a queue never gated.
+    q2, book2 = _queue()
+    q2.tick(100.0)
+    for rid, tier, t in (("a0", Tier.P0, 1.0), ("c1", Tier.P1, 3.0)):
+        r = _req(rid, t)
+        book2.add(r, tier, "default")
+        q2.add_request(r)
+    q.tick(101.0)
+    q.add_request(reqs["c1"])
+    q2.tick(101.0)
+    assert [r.request_id for r in q] == [r.request_id for r in q2]

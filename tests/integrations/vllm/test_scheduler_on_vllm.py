@@ -23,6 +23,7 @@ from tests.integrations.vllm.engines import (
     make_llm,
     prompt,
     scheduler_of,
+    write_lora,
 )
 from tierserve.config import ConfigError
 from tierserve.scheduling.hybrid_step import MIN_OTHER_PREFILL_TOKENS, SHAPING_WINDOW
@@ -52,6 +53,19 @@ def chunking_llm(model: Path) -> Iterator[Any]:
     for the module (an engine torn down in a test tears down vLLM's parallel state, which the
     module's other engines still use)."""
     yield make_llm(model, scheduler_cls=PLUGIN, prefix_caching=False, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def lora_llm(model: Path) -> Iterator[Any]:
+    """The plug-in serving LoRA adapters, one at a time (`max_loras` 1)."""
+    yield make_llm(model, scheduler_cls=PLUGIN, enable_lora=True, max_loras=1, max_lora_rank=8)
+
+
+@pytest.fixture(scope="module")
+def adapters(model: Path) -> tuple[Any, Any]:
+    from vllm.lora.request import LoRARequest
+
+    return tuple(LoRARequest(f"a{k}", k, str(write_lora(model.parent, seed=k))) for k in (1, 2))  # type: ignore[return-value]
 
 
 @pytest.fixture
@@ -699,3 +713,76 @@ def test_a_p0_whose_stale_output_is_in_flight_takes_no_room_this_pass(plugin: Dr
         assert _preemptions(sched, "stale-p3") == 1
     finally:
         stale.num_stale_output_tokens = 0
+
+
+def _adapters_running(llm: Any) -> set[int]:
+    return {r.lora_request.lora_int_id for r in scheduler_of(llm).running if r.lora_request}
+
+
+def _run_checking_adapters(driver: Driver, max_steps: int) -> None:
+    """Step until every request ends, never more adapters running than `max_loras` (1)."""
+    for _ in range(max_steps):
+        if not driver.llm.llm_engine.has_unfinished_requests():
+            return
+        driver.step()
+        assert len(_adapters_running(driver.llm)) <= 1
+    raise AssertionError(f"still running after {max_steps} steps")
+
+
+def test_a_p0_of_another_adapter_takes_the_slot_of_a_lower_tier(lora_llm: Any, adapters: Any) -> None:
+    """vLLM runs at most max_loras adapters and never preempts for a slot: a P0 of another
+    adapter waited for the P3 to end (58 steps on vanilla vLLM), and the plug-in's P0-only
+    step, which holds the P3 back, let vLLM admit the P0 beside it, and its next pass
+    stopped the engine (an assertion on max_loras). The P0 takes the P3's slot now."""
+    driver = Driver(lora_llm, plugin=True)
+    a1, a2 = adapters
+    try:
+        driver.submit("p3", prompt(1, 40), 60, tier=3, lora=a1)
+        driver.steps(3)
+        driver.submit("p0", prompt(2, 40), 4, tier=0, lora=a2)
+        _run_checking_adapters(driver, 300)
+        assert driver.ttft_steps("p0") <= 2
+        assert driver.finished == {"p3": 1, "p0": 1} and len(driver.tokens["p3"]) == 60
+    finally:
+        driver.abort_rest()
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_as_on_vllm(lora_llm: Any, adapters: Any) -> None:
+    """A P0 may not take a slot from another P0, nor a P3 from a P3: each waits for the
+    slot, and base-model requests run meanwhile."""
+    driver = Driver(lora_llm, plugin=True)
+    a1, a2 = adapters
+    try:
+        driver.submit("p0-a", prompt(3, 40), 20, tier=0, lora=a1)
+        driver.submit("p3-a", prompt(4, 40), 20, tier=3, lora=a1)
+        driver.steps(2)
+        driver.submit("p0-b", prompt(5, 40), 4, tier=0, lora=a2)
+        driver.submit("p3-b", prompt(6, 40), 4, tier=3, lora=a2)
+        driver.submit("p1-base", prompt(7, 40), 4, tier=1)
+        _run_checking_adapters(driver, 400)
+        assert all(driver.finished[r] == 1 for r in driver.submitted_at)
+        # The base model's request did not wait for an adapter slot.
+        assert driver.first_token_step["p1-base"] < driver.first_token_step["p0-b"]
+        assert driver.first_token_step["p0-b"] > driver.first_token_step["p0-a"] + 15
+    finally:
+        driver.abort_rest()
+
+
+def test_a_running_request_held_back_a_step_keeps_its_adapters_slot(lora_llm: Any, adapters: Any) -> None:
+    """vLLM counts the adapters of the requests its pass schedules: one sitting a step out
+    (as the plug-in's P0-only and capped steps make the other tiers do) was not counted, and
+    a waiting request of another adapter was admitted beside it."""
+    driver = Driver(lora_llm, plugin=True)
+    a1, a2 = adapters
+    try:
+        driver.submit("p3-a", prompt(8, 40), 30, tier=3, lora=a1)
+        driver.steps(2)
+        driver.submit("p3-b", prompt(9, 40), 4, tier=3, lora=a2)
+        scheduler = scheduler_of(lora_llm)
+        (held,) = scheduler.running
+        held.next_decode_eligible_step = scheduler.current_step + 2  # sits the next step out
+        _run_checking_adapters(driver, 300)
+        assert driver.finished == {"p3-a": 1, "p3-b": 1}
+        assert driver.first_token_step["p3-b"] > driver.submitted_at["p3-b"] + 25
+    finally:
+        driver.abort_rest()

@@ -19,12 +19,16 @@ was skipped, so the policy gives the charge back (`Policy.put_back`, with the re
 `keep_undo` keeps until `forget_undo` at the pass's end). Charged instead, a request
 skipped for many steps (a LoRA waiting for a slot) cost its tenant a request's share at
 every step.
+
+A `gate` (set by the scheduler for vLLM's pass) skips the same way, from inside the queue,
+a request vLLM's own checks would let through but must not run yet: the queue takes it
+out for the rest of the pass and puts it back, uncharged, at `end_pass`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
@@ -48,16 +52,24 @@ class PolicyRequestQueue(RequestQueue):
         self._shadows: dict[str, ShadowRequest] = {}
         self._only: Tier | None = None
         self._popped: set[str] = set()  # popped in this pass (since `tick`)
+        # Whether a request at the head may run now (None: every one may), and what it
+        # skipped in this pass.
+        self.gate: Callable[[Request], bool] | None = None
+        self._gated: list[ShadowRequest] = []
 
     def show_only(self, tier: Tier | None) -> None:
         """Until the next call, show only `tier`'s requests at the head (None: show all)."""
         self._only = tier
 
     def _head(self) -> Request | None:
-        shadow = self.policy.peek(self._now)
-        if shadow is None or (self._only is not None and shadow.tier != self._only):
-            return None
-        return self._book.get(shadow.request_id).vllm
+        while True:
+            shadow = self.policy.peek(self._now)
+            if shadow is None or (self._only is not None and shadow.tier != self._only):
+                return None
+            request = self._book.get(shadow.request_id).vllm
+            if self.gate is None or self.gate(request):
+                return request
+            self._gated.append(self.policy.pop(self._now))  # skipped until the pass ends
 
     def tick(self, now: float) -> None:
         """A scheduling pass begins: set the time the policy sees until the next tick (aging
@@ -66,7 +78,11 @@ class PolicyRequestQueue(RequestQueue):
         self.end_pass()
 
     def end_pass(self) -> None:
-        """The pass is over: a request put back from now on was run (or preempted), not skipped."""
+        """The pass is over: what the gate skipped goes back, as if never popped; a request
+        put back from now on was run (or preempted), not skipped."""
+        for shadow in reversed(self._gated):  # the last skipped goes back first, as vLLM's do
+            self.policy.put_back(shadow, self._now)
+        self._gated.clear()
         self._popped.clear()
         self.policy.forget_undo()
 
@@ -115,7 +131,11 @@ class PolicyRequestQueue(RequestQueue):
         shadow = self._shadows.pop(request.request_id, None)
         if shadow is not None:  # whatever the book still holds
             del self._queued[shadow.tier][request.request_id]
-            self.policy.remove(shadow)
+            gated = [g for g in self._gated if g is not shadow]
+            if len(gated) < len(self._gated):
+                self._gated = gated
+            else:
+                self.policy.remove(shadow)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:
@@ -123,11 +143,13 @@ class PolicyRequestQueue(RequestQueue):
 
     def __bool__(self) -> bool:
         # What vLLM's admission loop asks before it peeks; `len` still counts every request.
-        return len(self.policy) > 0 if self._only is None else self._head() is not None
+        if self._only is None and self.gate is None:
+            return len(self.policy) > 0
+        return self._head() is not None
 
     def __len__(self) -> int:
-        return len(self.policy)
+        return len(self.policy) + len(self._gated)
 
     def __iter__(self) -> Iterator[Request]:
-        for shadow in self.policy:
+        for shadow in [*self.policy, *self._gated]:
             yield self._book.get(shadow.request_id).vllm

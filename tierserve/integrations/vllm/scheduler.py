@@ -7,7 +7,8 @@ What it changes, and nothing else (vLLM's `schedule()` still builds every step):
   * at the step boundary, before vLLM schedules, a waiting request that does not fit
     preempts running requests the policy lets it take from (P0: any lower tier; others:
     borrowers of their reserve), lowest tier and least work lost first; a P0 head makes
-    room for the P0 requests waiting with it too, as many as the step takes;
+    room for the P0 requests waiting with it too, as many as the step takes; a head whose
+    LoRA adapter has no slot takes one adapter's slot from requests it may take seats from;
   * a step that prefills P0 carries P0 work only (hybrid's `p0_solo_prefill`, in at most
     half of any 8 steps): the other running requests sit that step out, as when vLLM's
     token budget runs out before them, and the queue shows vLLM only its P0 requests;
@@ -196,6 +197,8 @@ class TierScheduler(Scheduler):
         # vLLM hands the token budget to running requests in list order: most urgent first.
         self.running.sort(key=lambda r: r.priority)
         solo = None if paused else self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
+        if self.lora_config:
+            self.waiting.gate = self._lora_has_slot
         try:
             if solo is not None:
                 output = self._schedule_solo(solo, *args, **kwargs)
@@ -206,6 +209,7 @@ class TierScheduler(Scheduler):
                 output = super().schedule(*args, **kwargs)
         finally:
             self._unmark_ceiling_victims()
+            self.waiting.gate = None
             self.waiting.end_pass()
         self.step_times.scheduled(output, output.total_num_scheduled_tokens, time.monotonic())
         self._publish_state()
@@ -388,9 +392,14 @@ class TierScheduler(Scheduler):
             return None
         head = self.waiting.peek_request()
         tier = self.book.tier(head.request_id)
+        if not self._lora_has_slot(head):
+            self._free_lora_slot(head, now)
         # A request vLLM skips this pass (its grammar compiling, say) takes no room: room made
         # for it, and the P0-only step around it, were steps with nothing to run.
-        burst = self._p0_burst(head) if tier is Tier.P0 else [] if _skipped(self, head) else [head]
+        if tier is Tier.P0:
+            burst = self._p0_burst(head)
+        else:
+            burst = [] if _skipped(self, head) or not self._lora_has_slot(head) else [head]
         if not burst:
             return None
         first = self.book.get(burst[0].request_id).shadow
@@ -412,14 +421,59 @@ class TierScheduler(Scheduler):
         )
         burst: list[Request] = []
         tokens = 0
+        loras = self._running_loras()
         for r in [head, *others]:
-            if _skipped(self, r):
+            if _skipped(self, r) or not self._lora_has_slot(r, loras):
                 continue
             tokens += int(r.num_tokens)
             if burst and (tokens > self.max_num_scheduled_tokens or len(burst) >= self._seat_limit()):
                 break
             burst.append(r)
+            if lora := _lora_id(r):
+                loras.add(lora)
         return burst
+
+    # ---- LoRA adapters: at most `max_loras` run at once ---------------------------------
+
+    def _running_loras(self) -> set[int]:
+        return {lora for r in self.running if (lora := _lora_id(r))}
+
+    def _lora_has_slot(self, request: Request, loras: set[int] | None = None) -> bool:
+        """Whether `request`'s adapter may run beside the running requests' (`loras`, else
+        theirs now). vLLM asks the same of the adapters its pass schedules, not of every
+        running request's: one held back for a P0-only step was not counted, a P0 of another
+        adapter was admitted beside it, and the next step's pass failed its own assertion
+        (more adapters than max_loras), stopping the engine."""
+        lora = _lora_id(request)
+        if not lora or not self.lora_config:
+            return True
+        loras = self._running_loras() if loras is None else loras
+        return lora in loras or len(loras) < self.lora_config.max_loras
+
+    def _free_lora_slot(self, head: Request, now: float) -> None:
+        """Preempt the running requests of one adapter, if the policy lets `head` take the
+        seat of each, so that `head`'s adapter gets their slot: the adapter whose requests
+        lose the least work. vLLM never preempts for an adapter slot, so a P0 request of
+        another adapter waited for lower tiers' requests to end."""
+        shadow = self.book.get(head.request_id).shadow
+        policy = self.tier_policy
+        if not policy.preempts_for_seat(shadow):
+            return
+        memory = cast("TierserveKVCacheManager", self.ledger)
+        holders: dict[int, list[Request]] = {}
+        for r in self.running:
+            if lora := _lora_id(r):
+                holders.setdefault(lora, []).append(r)
+        takeable = [
+            rs
+            for rs in holders.values()
+            if all(policy.seat_victim_ok(shadow, self.book.get(r.request_id).shadow, memory) for r in rs)
+        ]
+        if not takeable:
+            return
+        for victim in min(takeable, key=lambda rs: sum(int(r.num_computed_tokens) for r in rs)):
+            self.running.remove(victim)
+            self._preempt_request(victim, now)
 
     def _preempt_for(self, head: TierserveRequest, need: int, seats: int, now: float) -> bool:
         """Preempt the fewest running requests the policy lets `head` take from so that
@@ -477,6 +531,12 @@ class TierScheduler(Scheduler):
         preempted, and P0-only steps with nothing to run came until a request ended: 213
         steps to its first token with 2 active seats of 8)."""
         return int(self.max_num_active_reqs)
+
+
+def _lora_id(request: Request) -> int:
+    """The request's LoRA adapter, 0 for none (the base model)."""
+    lora = request.lora_request
+    return int(lora.lora_int_id) if lora is not None and lora.lora_int_id > 0 else 0
 
 
 _BLOCKED = (
