@@ -112,6 +112,21 @@ def test_the_start_up_warning_on_redis_says_each_tiers_rule_and_the_share() -> N
             {"upstreams": [UP], "gateway": {"stale_after_s": 0.1, "scrape_interval_s": 5}},
             "gateway.stale_after_s",
         ),
+        # Accepted before, each to a gateway that misbehaved without a word (a review):
+        # never admitted (httpx kept the leading space urlparse drops) ...
+        ({"upstreams": [{**UP, "url": " http://127.0.0.1:9"}]}, "upstreams[0].url: spaces"),
+        # ... every log line about it split in two, a metrics label with a control character ...
+        ({"upstreams": [{**UP, "name": "a\nb"}]}, "upstreams[0].name: 1..128 printable"),
+        # ... 45 % of a core on scrapes, every upstream seen as saturated ...
+        (
+            {"upstreams": [UP], "gateway": {"scrape_interval_s": 1e-6, "stale_after_s": 1e-5}},
+            "gateway.scrape_interval_s",
+        ),
+        # ... and a hold silently cut to its most.
+        (
+            {"upstreams": [UP], "gateway": {"ejection_hold_s": 100, "max_ejection_hold_s": 1}},
+            "gateway.ejection_hold_s: 100 s is longer than max_ejection_hold_s",
+        ),
     ],
 )
 def test_a_bad_value_names_its_field(raw: dict[str, Any], field: str) -> None:

@@ -233,3 +233,43 @@ def test_a_queue_cap_of_zero_closes_the_tier_as_serve_does() -> None:
         assert router.state("only").num_in_flight == 0
 
     asyncio.run(run())
+
+
+def test_a_backlog_for_one_model_holds_no_other_models_requests() -> None:
+    """The reviewer's case: one 70B request waiting for a full upstream held every 8B request
+    (P0 too, 1.9 s against its 0.5 s target) while the 8B upstream sat idle, until the 70B
+    request timed out."""
+
+    async def run() -> None:
+        clock = VirtualClock()
+        ups = [
+            UpstreamConfig("big", "openai", "http://127.0.0.1:1", max_in_flight=1),
+            UpstreamConfig("small", "openai", "http://127.0.0.1:2", max_in_flight=4),
+        ]
+        router = Router(ups, GatewaySettings(), clock)
+        router.record_success("big", frozenset({"70b"}))
+        router.record_success("small", frozenset({"8b"}))
+        waits = {t: 10.0 for t in ALL_TIERS}
+        flow = FlowControl(EngineConfig(), "hybrid", {t: 8 for t in ALL_TIERS}, waits, clock)
+        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        running = await d.acquire(Tier.P1, "t", "70b", "p")
+        waiting = asyncio.create_task(d.acquire(Tier.P1, "t", "70b", "p"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and len(flow) == 1
+        # Straight through, at any tier: nothing for 8B waits.
+        for tier in (Tier.P3, Tier.P0):
+            decision = await asyncio.wait_for(d.acquire(tier, "t", "8b", "p"), 1.0)
+            assert decision.upstream == "small"
+        # 8B's own requests queued while its upstream is full go when it has room again,
+        # past the 70B head that still has none.
+        held = [await d.acquire(Tier.P2, "t", "8b", "p") for _ in range(2)]
+        queued = asyncio.create_task(d.acquire(Tier.P2, "t", "8b", "p"))
+        await asyncio.sleep(0.01)
+        assert not queued.done() and len(flow) == 2
+        d.finished(held[0])
+        assert (await asyncio.wait_for(queued, 1.0)).upstream == "small"
+        assert not waiting.done()
+        d.finished(running)
+        assert (await asyncio.wait_for(waiting, 1.0)).upstream == "big"
+
+    asyncio.run(run())

@@ -60,7 +60,9 @@ def test_a_full_tier_is_refused_with_retry_after_from_the_drain_rate() -> None:
     for _ in range(CAPS[Tier.P1]):
         _ticket(flow, Tier.P1)
     refused = flow.offer(Tier.P1, "t")
-    assert isinstance(refused, Refusal) and refused.retry_after_s == DEFAULT_RETRY_S  # no rate known yet
+    # No rate known yet, nothing finished in 10 s: as long as P1 may wait, not a steady 1 s
+    # (clients of a fleet whose answers take longer than that retried every second).
+    assert isinstance(refused, Refusal) and refused.retry_after_s == WAITS[Tier.P1]
     assert isinstance(flow.offer(Tier.P2, "t"), Request)  # other tiers have their own cap
     for _ in range(20):  # the fleet finishes 10 requests a second
         clock.elapse(0.1)
@@ -112,7 +114,8 @@ def test_expiry_takes_the_late_tickets_without_walking_the_queue(monkeypatch: py
         clock.elapse(0.01)
     released = [flow.release() for _ in range(30)]  # P0's oldest go first
     flow.cancel(tickets[Tier.P1][5])
-    monkeypatch.setattr(type(flow._policy), "__iter__", lambda self: pytest.fail("expire walked the queue"))
+    walked = lambda self: pytest.fail("expire walked the queue")  # noqa: E731
+    monkeypatch.setattr(type(flow._queues[""]), "__iter__", walked)
 
     clock.elapse(0.5)  # 4.5 s since the first tickets: P0's wait (1 s) is over for the older
     late = flow.expire()
@@ -127,3 +130,63 @@ def test_expiry_takes_the_late_tickets_without_walking_the_queue(monkeypatch: py
     clock.elapse(1e6)  # P3 has no cap on its wait: it stays
     flow.expire()
     assert flow.depth() == flow.depth(Tier.P3) == 400
+
+
+def test_retry_after_while_few_requests_finish_prices_the_queue_at_that_rate() -> None:
+    flow, clock = _flow()
+    for _ in range(CAPS[Tier.P3]):
+        _ticket(flow, Tier.P3)
+    for _ in range(5):  # 5 finished in the 10 s window: under the 8 a measured rate needs
+        clock.elapse(1.0)
+        flow.drained()
+    refused = flow.offer(Tier.P3, "t")
+    assert isinstance(refused, Refusal)
+    assert refused.retry_after_s == pytest.approx(5 / (5 / 10))  # 4 waiting + this one at 0.5/s
+    # Never under the floor, and the measured rate takes over once known.
+    flow2, clock2 = _flow()
+    for _ in range(CAPS[Tier.P0]):
+        _ticket(flow2, Tier.P0)
+    for _ in range(7):
+        clock2.elapse(0.01)
+        flow2.drained()
+    refused = flow2.offer(Tier.P0, "t")
+    # 5 ahead at 0.7/s is 7 s, capped at P0's 1 s wait: the floor.
+    assert isinstance(refused, Refusal) and refused.retry_after_s == DEFAULT_RETRY_S
+
+
+def test_each_model_queues_behind_its_own_requests_only() -> None:
+    """One queue for every model held a model whose upstreams sat idle behind another's
+    backlog (P0 included, until the backlog drained or it timed out)."""
+    flow, _ = _flow()
+    for _ in range(3):
+        flow.offer(Tier.P1, "t", model="big")
+    assert flow.depth_upto(Tier.P3, "big") == 3 and flow.depth_upto(Tier.P3, "small") == 0
+    small = flow.offer(Tier.P3, "t", model="small")
+    assert isinstance(small, Request) and flow.model_of(small) == "small"
+    # Caps are per model: "big"'s full P1 queue refuses none of "small"'s.
+    for _ in range(CAPS[Tier.P1] - 3):
+        flow.offer(Tier.P1, "t", model="big")
+    assert isinstance(flow.offer(Tier.P1, "t", model="big"), Refusal)
+    assert isinstance(flow.offer(Tier.P1, "t", model="small"), Request)
+    # "big" has no room: set aside, "small"'s requests are released past it, P1 first.
+    flow.set_aside(Tier.P1, "big")
+    released = [flow.release(), flow.release()]
+    assert [t.tier for t in released] == [Tier.P1, Tier.P3]
+    assert flow.release() is None  # "big"'s wait for room
+    flow.end_pass()
+    assert flow.release() is not None and flow.depth(model="big") == CAPS[Tier.P1] - 1
+    assert len(flow) == CAPS[Tier.P1] - 1
+
+
+def test_a_retried_request_keeps_its_place_and_the_wait_it_has_left() -> None:
+    flow, clock = _flow()
+    clock.elapse(3.0)
+    later = _ticket(flow, Tier.P1)
+    # Queued at 0.1, released at 2.9, its attempt failed at 3.0: 2.8 s waited before.
+    retried = flow.offer(Tier.P1, "t", waited_s=2.8)
+    assert isinstance(retried, Request)
+    assert flow.release() is retried and flow.release() is later
+    again = flow.offer(Tier.P1, "t", waited_s=2.8)
+    assert isinstance(again, Request) and flow.waited(again) == pytest.approx(2.8)
+    clock.elapse(WAITS[Tier.P1] - 2.8 + 0.01)  # past P1's 5 s in all, not 5 s more
+    assert flow.expire() == [again]

@@ -1,13 +1,13 @@
 """Route at once or wait in the flow control: the decisions the gateway's `Dispatcher`
 (asyncio futures) and the fleet simulation's `FleetDispatch` (virtual time) share.
 
-A request of tier t is routed at once when no request of tier t or more urgent waits in
-the gateway and some upstream is not full for t (waiting requests of less urgent tiers
-would start after it on the upstream anyway); otherwise it takes a ticket. `pump` expires
-tickets that waited too long, refuses those no candidate is left for, and releases the
-rest in the policy's order while the head can be routed (past a head with no room, the
-more urgent tiers' requests may still go: `_release`). A routed request counts in flight
-at once, so the next decision sees it.
+A request of tier t is routed at once when no request for its model of tier t or more
+urgent waits in the gateway and some upstream is not full for t (waiting requests of less
+urgent tiers would start after it on the upstream anyway); otherwise it takes a ticket.
+`pump` expires tickets that waited too long, refuses those no candidate is left for, and
+releases the rest in the policy's order while the head can be routed (past a head with no
+room, its model's more urgent requests, and other models' requests, may still go:
+`_release`). A routed request counts in flight at once, so the next decision sees it.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class _Held(Generic[H]):
     model: str
     prefix: str
     exclude: tuple[str, ...]
+    waited_before_s: float  # in the queue on earlier attempts
 
 
 class DispatchCore(Generic[H]):
@@ -67,7 +68,7 @@ class DispatchCore(Generic[H]):
         """An upstream now (counted in flight), or None: the request must take a ticket (a
         closed tier's is refused: a queue cap of 0 closed it in `serve` and not here, so a
         server's config put in front of a gateway opened the tier again)."""
-        if self.flow.depth_upto(tier) or self.flow.is_closed(tier):
+        if self.flow.depth_upto(tier, model) or self.flow.is_closed(tier):
             return None
         decision = self.router.route(tier, prefix, model, exclude)
         if decision is not None:
@@ -85,11 +86,15 @@ class DispatchCore(Generic[H]):
         *,
         num_tokens: int = 1,
         tenant_weight: float = 1.0,
+        waited_s: float = 0.0,
     ) -> Request | Refusal:
-        """A ticket in the tier queues (call `pump` next), or the refusal of a full queue."""
-        ticket = self.flow.offer(tier, tenant, num_tokens=num_tokens, tenant_weight=tenant_weight)
+        """A ticket in the tier queues (call `pump` next), or the refusal of a full queue.
+        `waited_s`: a retried request's time in the queue before (`FlowControl.offer`)."""
+        ticket = self.flow.offer(
+            tier, tenant, model=model, num_tokens=num_tokens, tenant_weight=tenant_weight, waited_s=waited_s
+        )
         if isinstance(ticket, Request):
-            self._held[ticket.request_id] = _Held(handle, ticket, model, prefix, tuple(exclude))
+            self._held[ticket.request_id] = _Held(handle, ticket, model, prefix, tuple(exclude), waited_s)
         return ticket
 
     def cancel(self, ticket: Request) -> bool:
@@ -109,8 +114,9 @@ class DispatchCore(Generic[H]):
         out: list[Released[H] | Dropped[H]] = []
         for ticket in self.flow.expire():
             held = self._held.pop(ticket.request_id)
-            tier, depth = ticket.tier, self.flow.depth(ticket.tier)
-            out.append(Dropped(held.handle, tier, "queue_timeout", self.flow.retry_after(tier), depth))
+            tier, model = ticket.tier, held.model
+            retry_after = self.flow.retry_after(tier, model)
+            out.append(Dropped(held.handle, tier, "queue_timeout", retry_after, self.flow.depth(tier, model)))
         try:
             self._release(out)
         finally:
@@ -119,10 +125,12 @@ class DispatchCore(Generic[H]):
 
     def _release(self, out: list[Released[H] | Dropped[H]]) -> None:
         """Release waiting requests in the policy's order while the head can be routed. A
-        head no upstream has room for waits, and so do the requests of its tier and the
-        less urgent ones; a more urgent request behind it (a P3 aged to the head, a P1
-        behind it) may still go where the policy can set tiers aside: it had waited behind
-        a P3 request on upstreams with room for P1 and P2."""
+        head no upstream has room for waits, and so do its model's requests of its tier and
+        the less urgent ones; a more urgent request for that model behind it (a P3 aged to
+        the head, a P1 behind it) may still go where the policy can set tiers aside (it had
+        waited behind a P3 request on upstreams with room for P1 and P2), and so may other
+        models' requests (they had waited behind another model's backlog while their own
+        upstreams sat idle)."""
         while True:
             now = self._clock.now()
             head = self.flow.peek(now)
@@ -132,11 +140,10 @@ class DispatchCore(Generic[H]):
             decision = self.router.route(head.tier, held.prefix, held.model, held.exclude)
             if decision is None:
                 if self.router.candidates(held.model, held.exclude):
-                    if head.tier is not Tier.P0 and self.flow.set_aside(head.tier):
-                        continue
-                    return  # the head waits for room; the rest wait behind it
+                    self.flow.set_aside(head.tier, held.model)  # the head waits for room
+                    continue
                 self.cancel(head)
-                depth = self.flow.depth(head.tier)
+                depth = self.flow.depth(head.tier, held.model)
                 out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S, depth))
                 continue
             released = self.flow.release(now)
@@ -144,4 +151,5 @@ class DispatchCore(Generic[H]):
                 raise QueueOrderError(f"peeked {head.request_id}, released {released}")
             del self._held[head.request_id]
             self.router.started(decision.upstream, head.tier)
-            out.append(Released(held.handle, replace(decision, waited_s=self.flow.waited(head))))
+            waited_s = self.flow.waited(head) - held.waited_before_s  # on this attempt
+            out.append(Released(held.handle, replace(decision, waited_s=waited_s)))

@@ -63,9 +63,12 @@ class Dispatcher:
         num_tokens: int = 1,
         tenant_weight: float = 1.0,
         exclude: Sequence[str] = (),
+        waited_s: float = 0.0,
     ) -> RouteDecision:
         """An upstream for the request (counted in flight: call `finished` once it ends).
-        Raises `ApiError` 503 when none serves the model, or its tier's queue is full or too slow."""
+        Raises `ApiError` 503 when none serves the model, or its tier's queue is full or too
+        slow. `waited_s`: a retried request's time in the queue on its earlier attempts (it
+        keeps its place and the wait it has left); the decision's `waited_s` is this one's."""
         if not self._router.candidates(model, exclude):
             self._metrics.reject("no_upstream", tier)
             raise no_upstream(model)
@@ -82,6 +85,7 @@ class Dispatcher:
             exclude,
             num_tokens=num_tokens,
             tenant_weight=tenant_weight,
+            waited_s=waited_s,
         )
         if isinstance(ticket, Refusal):
             self._metrics.reject("queue_full", tier)

@@ -64,6 +64,7 @@ class _Call:
     # Of the time since: waits in the gateway's queue and attempts on upstreams that failed,
     # which are not the gateway's own work (left out of `tierserve_gateway_added_seconds`).
     not_ours_s: float = 0.0
+    queued_s: float = 0.0  # of which in the gateway's queue, over its attempts
     # The route of the attempt under way until its seat goes back (`_give_back`, once) or
     # passes to the stream's Relay.
     seat: RouteDecision | None = None
@@ -237,6 +238,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     for attempt in range(1, settings.max_attempts + 1):
         decision = await _route(gw, call, model, prefix, tried)
         call.not_ours_s += decision.waited_s
+        call.queued_s += decision.waited_s
         call.seat = decision
         tried_at = time.perf_counter()
         try:
@@ -295,6 +297,7 @@ async def _route(gw: GatewayState, call: _Call, model: str, prefix: str, tried: 
             num_tokens=call.reservation.num_tokens if call.reservation else 1,
             tenant_weight=call.tenant.weight,
             exclude=tried,
+            waited_s=call.queued_s,
         )
     except ApiError as e:
         e.headers = {**call.headers, **e.headers}

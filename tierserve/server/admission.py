@@ -44,6 +44,16 @@ class ThroughputMeter:
         while self._times and self._times[0] < now - self._window_s:
             self._times.popleft()
 
+    @property
+    def window_s(self) -> float:
+        return self._window_s
+
+    def count(self, now: float) -> int:
+        """Events in the window ending at `now`."""
+        with self._lock:
+            self._trim(now)
+            return len(self._times)
+
     def rate(self, now: float) -> float | None:
         """Events per second, or None when the window holds too few events to tell."""
         with self._lock:
