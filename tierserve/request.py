@@ -108,6 +108,9 @@ class Request:
     arrival_time: float = 0.0
     expected_output_tokens: int | None = None  # cost hint for fair queuing
     tenant_weight: float = 1.0  # the tenant's fair share among tenants of the same tier
+    # Requests share prefix-cache blocks only with requests of the same salt (vLLM's
+    # `cache_salt`); None: with every other unsalted request.
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from tests.conftest import make_request
-from tierserve.memory.block_pool import BlockKey, BlockPool, hash_block, hash_blocks
+from tierserve.memory.block_pool import BlockKey, BlockPool, hash_block, hash_blocks, salt_key
 from tierserve.memory.manager import KVCacheManager
 from tierserve.request import Request
 from tierserve.tiers import Tier
@@ -16,9 +16,10 @@ from tierserve.tiers import Tier
 BLOCK = 4
 
 
-def _computed(mem: KVCacheManager, tokens: list[int]) -> Request:
+def _computed(mem: KVCacheManager, tokens: list[int], salt: str | None = None) -> Request:
     """Admit a request for `tokens`, mark all of it computed, enter it into the cache, free it."""
     req = make_request(tokens=tokens)
+    req.cache_salt = salt
     mem.admit(req)
     req.num_computed_tokens = req.num_tokens
     mem.cache_computed_blocks(req)
@@ -27,8 +28,9 @@ def _computed(mem: KVCacheManager, tokens: list[int]) -> Request:
     return req
 
 
-def _reused(mem: KVCacheManager, tokens: list[int]) -> int:
+def _reused(mem: KVCacheManager, tokens: list[int], salt: str | None = None) -> int:
     req = make_request(tokens=tokens)
+    req.cache_salt = salt
     mem.admit(req)
     num = req.num_computed_tokens
     mem.free(req)
@@ -66,6 +68,38 @@ def test_the_default_keys_reuse_identical_prefixes() -> None:
     assert _reused(mem, list(range(9))) == 2 * BLOCK
     assert _reused(mem, [0, 1, 2, 3, 99, 5, 6, 7, 8]) == BLOCK
     assert mem.pool.num_key_collisions == 0
+
+
+def test_requests_share_cached_blocks_only_with_requests_of_the_same_salt() -> None:
+    mem = KVCacheManager(32, BLOCK)
+    tokens = list(range(9))
+    _computed(mem, tokens, salt="tenant-a")
+    assert _reused(mem, tokens, salt="tenant-b") == 0
+    assert _reused(mem, tokens) == 0  # unsalted: not the salted blocks either
+    assert _reused(mem, tokens, salt="tenant-a") == 2 * BLOCK
+    _computed(mem, tokens)
+    assert _reused(mem, tokens) == 2 * BLOCK
+    assert _reused(mem, tokens, salt="tenant-b") == 0
+    assert mem.pool.num_key_collisions == 0
+
+
+def test_a_forced_key_collision_reuses_no_kv_across_salts() -> None:
+    # Every block has one key: only the recorded parent of a first block (its salt's root)
+    # tells the salts apart.
+    mem = KVCacheManager(32, BLOCK, hash_fn=colliding)
+    _computed(mem, [1, 2, 3, 4, 5], salt="a")
+    assert _reused(mem, [1, 2, 3, 4, 5], salt="b") == 0
+    assert _reused(mem, [1, 2, 3, 4, 5]) == 0
+    assert _reused(mem, [1, 2, 3, 4, 5], salt="a") == BLOCK
+
+
+def test_no_salt_keeps_the_unsalted_keys() -> None:
+    # The engine's own requests (benchmarks, simulations) key their blocks as before salts.
+    assert salt_key(None) is None
+    assert salt_key("a") != salt_key("b") and len(salt_key("") or b"") == 32
+    mem = KVCacheManager(32, BLOCK)
+    req = _computed(mem, list(range(9)))
+    assert mem.pool.block_hash.count(hash_blocks(None, req.prompt_token_ids, BLOCK)[1]) == 1
 
 
 def test_hash_blocks_chains_hash_block_over_full_blocks() -> None:

@@ -47,7 +47,11 @@ class ByteTokenizer:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         no_template_for(template_kwargs)
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")

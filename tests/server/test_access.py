@@ -119,6 +119,7 @@ def test_permissive_settings_are_each_named_in_a_warning(caplog: pytest.LogCaptu
             "server": {
                 "allow_anonymous": True,
                 "tenant_header": True,
+                "share_prefix_cache_across_tenants": True,
                 "ratelimit": {"backend": "redis", "fail_mode": "open"},
             },
             "tenants": {"a": {"max_tier": "P0"}},
@@ -128,7 +129,8 @@ def test_permissive_settings_are_each_named_in_a_warning(caplog: pytest.LogCaptu
     caplog.set_level(logging.WARNING)
     log_permissive_settings(loose, logging.getLogger("test.permissive"))
     text = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for setting in ("allow_anonymous", "tenant_header", "fail_mode", "no rate limits"):
+    settings = ("allow_anonymous", "tenant_header", "share_prefix_cache", "fail_mode", "no rate limits")
+    for setting in settings:
         assert sum(setting in line for line in text) == 1, (setting, text)
     assert any("OPEN" in line for line in permissive_settings(ServeConfig()))
 

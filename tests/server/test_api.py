@@ -417,6 +417,36 @@ def test_sampling_fields_reach_the_engine_and_inert_ones_are_accepted(server: Li
     assert r.status_code == 200, r.text
 
 
+def test_seed_minus_one_is_no_seed_as_vllm_reads_it(server: LiveServer) -> None:
+    """Clients send seed=-1 for "random"; it was the fixed seed 2**64-1, the same output each
+    time. Another negative seed is a seed (vLLM takes any int)."""
+    from tierserve.server.prepare import prepare
+    from tierserve.server.protocol import ChatCompletionRequest
+
+    for seed, expected in ((-1, None), (0, 0), (-2, -2), (2**64 - 1, 2**64 - 1)):
+        body = ChatCompletionRequest.model_validate({**CHAT, "seed": seed})
+        assert prepare(server.state, body, Tier.P1).sampling.seed == expected
+    for seed in (-1, -2, -(2**63)):
+        r = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "seed": seed})
+        assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "seed": -(2**63) - 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+def test_text_parts_are_joined_one_a_line_as_vllm_joins_them(server: LiveServer) -> None:
+    from tierserve.server.prepare import prepare
+    from tierserve.server.protocol import ChatCompletionRequest
+
+    def prompt(content: object) -> list[int]:
+        body = ChatCompletionRequest.model_validate(
+            {**CHAT, "messages": [{"role": "user", "content": content}]}
+        )
+        return prepare(server.state, body, Tier.P1).prompt_token_ids
+
+    parts = [{"type": "text", "text": "Summarise:"}, {"type": "text", "text": "the text"}]
+    assert prompt(parts) == prompt("Summarise:\nthe text")
+
+
 def test_a_prompt_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() -> None:
     """The tier's ceiling is its context: the same error code as the model's context."""
     config = parse_serve_config({"tiers": {"P0": {"floor": 0.0, "reserve": 0.0, "ceiling": 0.05}}})

@@ -27,6 +27,12 @@ def test_no_config_is_open_with_no_limits() -> None:
     assert config.limits.global_limit.requests_per_s is None
 
 
+def test_tenants_share_no_prefix_cache_unless_the_server_says_so() -> None:
+    assert not parse_serve_config({}).server.share_prefix_cache_across_tenants
+    shared = parse_serve_config({"server": {"share_prefix_cache_across_tenants": True}})
+    assert shared.server.share_prefix_cache_across_tenants
+
+
 def test_burst_defaults_to_one_second_of_rate() -> None:
     tenants = {"a": {"api_keys": ["k"], "requests_per_s": 0.5}}
     config = parse_serve_config({"limits": {"tokens_per_s": 500}, "tenants": tenants})
@@ -40,6 +46,7 @@ def test_burst_defaults_to_one_second_of_rate() -> None:
         ({"server": {"prot": 1}}, "server.prot"),
         ({"server": {"port": 70000}}, "server.port"),
         ({"server": {"tenant_header": "yes"}}, "server.tenant_header"),
+        ({"server": {"share_prefix_cache_across_tenants": 1}}, "server.share_prefix_cache_across_tenants"),
         ({"server": {"large_body_share": 0}}, "server.large_body_share"),
         ({"server": {"large_body_share": 1.5}}, "server.large_body_share"),
         ({"server": {"large_body_queue": 0}}, "server.large_body_queue"),

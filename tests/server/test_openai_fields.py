@@ -123,6 +123,23 @@ def test_neutral_values_and_text_content_are_served(client: openai.OpenAI, field
     assert reply.choices[0].message.content and reply.usage is not None
 
 
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "assistant", "content": None, "tool_calls": "get_weather()"}, "messages.0.tool_calls"),
+        ({"role": "assistant", "content": None, "tool_calls": ["get_weather()"]}, "messages.0.tool_calls.0"),
+        ({"role": "tool", "content": "sunny", "tool_call_id": 1}, "messages.0.tool_call_id"),
+    ],
+)
+def test_a_tool_field_of_a_message_of_the_wrong_type_is_a_400_naming_it(
+    client: openai.OpenAI, message: dict[str, Any], param: str
+) -> None:
+    """They reach the chat template now: a value of another type was dropped unread."""
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, messages=[message])
+    assert e.value.param == param, e.value.body
+
+
 def test_a_completion_with_an_empty_suffix_is_served(client: openai.OpenAI) -> None:
     reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="")
     assert reply.choices[0].text

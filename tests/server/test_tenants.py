@@ -52,6 +52,31 @@ def test_open_server_accepts_any_key_and_labels_tenants_by_header() -> None:
     assert tenant.name == "team-a" and tenant.max_tier is Tier.P0
 
 
+def test_each_tenant_salts_the_prefix_cache_apart_unless_the_server_shares_it() -> None:
+    server = {"allow_anonymous": True, "default_tenant": "gold"}
+    resolver = TenantResolver(parse_serve_config({**KEYED, "server": server}))
+    gold, silver = resolver.resolve("Bearer sk-gold", None), resolver.resolve("Bearer sk-silver", None)
+    anonymous = resolver.resolve(None, None)
+    assert anonymous.name == "gold"  # by name; yet no key shows it is gold's
+    salts = [
+        resolver.cache_salt(t, s) for t in (gold, silver, anonymous) for s in (None, "x", '["gold", null]')
+    ]
+    assert len(set(salts)) == len(salts)
+    assert resolver.cache_salt(anonymous, None) is None  # keyed as the engine keys any prompt
+    shared = TenantResolver(
+        parse_serve_config({**KEYED, "server": {**server, "share_prefix_cache_across_tenants": True}})
+    )
+    assert {shared.cache_salt(t, None) for t in (gold, silver, anonymous)} == {None}
+    assert len({shared.cache_salt(t, "x") for t in (gold, silver, anonymous)}) == 1
+    assert shared.cache_salt(gold, "x") != shared.cache_salt(gold, "y")
+    # An open server's tenants are labels anyone may send: apart, they would hide nothing.
+    open_server = TenantResolver(parse_serve_config({}))
+    ad_hoc = [open_server.resolve(None, name) for name in ("team-a", "team-b")]
+    assert [t.name for t in ad_hoc] == ["team-a", "team-b"]
+    assert {open_server.cache_salt(t, None) for t in ad_hoc} == {None}
+    assert len({open_server.cache_salt(t, "x") for t in ad_hoc}) == 1
+
+
 def test_declared_tenants_without_keys_are_refused_unless_anonymous_is_allowed() -> None:
     with pytest.raises(ConfigError, match="allow_anonymous"):
         parse_serve_config({"tenants": {"a": {"max_tier": "P2"}}})

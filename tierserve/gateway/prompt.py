@@ -2,7 +2,8 @@
 
 The estimate (about four characters a token) only sizes the up-front reservation on the
 token buckets; the upstream's reported usage settles it. The prefix (the first
-characters of the conversation, system prompt first) keys prefix affinity.
+characters of the conversation, system prompt first) keys prefix affinity, with the
+request's `cache_salt`: requests of different salts share no cached block on a replica.
 """
 
 from __future__ import annotations
@@ -46,4 +47,6 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
 
 
 def prefix_key(body: dict[str, Any], num_chars: int) -> str:
-    return f"{body.get('model', '')}\0{prompt_text(body)[:num_chars]}"
+    salt = body.get("cache_salt")
+    salted = f"{salt}\0" if isinstance(salt, str) else ""
+    return f"{body.get('model', '')}\0{salted}{prompt_text(body)[:num_chars]}"

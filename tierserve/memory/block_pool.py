@@ -14,6 +14,11 @@ weak `hash_fn`, as tests inject) costs a miss. That check does not reach further
 a weak hash, a block computed after one parent can be a hit for another parent of the same
 key (the first evicted, the second cached since), so only a collision-resistant key makes
 every hit the prefix's own KV.
+
+A request's `cache_salt` (vLLM's field) keys its first block after a root key made from the
+salt, where an unsalted request's first block has no parent: requests share cached blocks
+only with requests of the same salt (the server salts each tenant's requests apart). The
+root is the first block's recorded parent too, so the check on a hit tells salts apart.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ def hash_block(parent_key: BlockKey | None, token_ids: Sequence[int]) -> BlockKe
     digest = hashlib.sha256(parent_key or b"")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def salt_key(cache_salt: str | None) -> BlockKey | None:
+    """The parent key of a request's first block: none without a salt (the keys stay those of
+    an unsalted prompt), else SHA-256 of the salt under a tag of its own."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"tierserve cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 _PACKERS: dict[int, Callable[..., bytes]] = {}  # number of ids -> its `_ids_bytes` packer
@@ -211,10 +224,12 @@ class BlockPool:
         token_ids: Sequence[int],
         start: int,
         stop: int,
+        root: BlockKey | None = None,
     ) -> None:
         """Record that blocks start..stop-1 of a request's table hold its tokens: block i holds
-        `token_ids[i * block_size : (i + 1) * block_size]` after `keys[i - 1]`, under
-        `keys[i]` (first writer wins: a block already keyed, or a key already held, stays)."""
+        `token_ids[i * block_size : (i + 1) * block_size]` after `keys[i - 1]` (block 0 after
+        `root`, its salt's `salt_key`), under `keys[i]` (first writer wins: a block already
+        keyed, or a key already held, stays)."""
         block_hash, content, index = self.block_hash, self._content, self._hash_to_block
         size = self.block_size
         for i in range(start, stop):
@@ -222,7 +237,7 @@ class BlockPool:
             if block_hash[block_id] is not None or key in index:
                 continue
             block_hash[block_id] = key
-            content[block_id] = (keys[i - 1] if i else None, tuple(token_ids[i * size : (i + 1) * size]))
+            content[block_id] = (keys[i - 1] if i else root, tuple(token_ids[i * size : (i + 1) * size]))
             index[key] = block_id
 
     def next_evicted(self, num_blocks: int) -> set[int]:

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks
+from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks, salt_key
 from tierserve.memory.errors import KVIntegrityError
 from tierserve.memory.host_pool import HostPool
 from tierserve.memory.partition import TierPartition
@@ -225,7 +225,7 @@ class KVCacheManager:
             return
         tokens = _tokens_upto(req, num_full * size)
         hashes = self._block_hashes(req, num_full, tokens)
-        self.pool.register_run(req.block_ids, hashes, tokens, start, num_full)
+        self.pool.register_run(req.block_ids, hashes, tokens, start, num_full, salt_key(req.cache_salt))
         self._num_registered[request_id] = num_full
 
     # ---- swap ----------------------------------------------------------------------------
@@ -269,7 +269,7 @@ class KVCacheManager:
         if len(hashes) >= num_blocks:
             return hashes
         size = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else salt_key(req.cache_salt)
         if self._hash_fn is hash_block:  # the same keys, from one conversion of the ids
             hashes.extend(hash_blocks(parent, tokens[len(hashes) * size : num_blocks * size], size))
             return hashes
@@ -286,7 +286,7 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
         tokens, size = _tokens_upto(req, max_blocks * self.block_size), self.block_size
-        parent: BlockKey | None = None
+        parent = salt_key(req.cache_salt)
         lookup = self.pool.lookup
         for i, key in enumerate(self._block_hashes(req, max_blocks, tokens)):
             block = lookup(key, parent, tokens[i * size : (i + 1) * size], evicted)

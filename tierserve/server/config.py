@@ -77,6 +77,9 @@ class ServerSettings:
     # Requests without a key on a server with declared tenants: refused at start-up unless true;
     # then they run as the default tenant, at its default tier at most.
     allow_anonymous: bool = False
+    # Tenants share prefix-cache blocks (and learn from `cached_tokens` and the time to the
+    # first token which prompts another sent): off by default, each tenant's cache is its own.
+    share_prefix_cache_across_tenants: bool = False
     # The API's schema and its pages (/openapi.json, /docs, /redoc), which no key guards:
     # None = served unless the server requires API keys.
     api_docs: bool | None = None
@@ -311,6 +314,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "tenant_header",
         "default_tenant",
         "allow_anonymous",
+        "share_prefix_cache_across_tenants",
         "api_docs",
         "drain_timeout_s",
         "engine_stall_s",
@@ -347,6 +351,10 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         tenant_header=_bool("server.tenant_header", raw.get("tenant_header", base.tenant_header)),
         default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
         allow_anonymous=_bool("server.allow_anonymous", raw.get("allow_anonymous", base.allow_anonymous)),
+        share_prefix_cache_across_tenants=_bool(
+            "server.share_prefix_cache_across_tenants",
+            raw.get("share_prefix_cache_across_tenants", base.share_prefix_cache_across_tenants),
+        ),
         api_docs=None if "api_docs" not in raw else _bool("server.api_docs", raw["api_docs"]),
         drain_timeout_s=_number(
             "server.drain_timeout_s", raw.get("drain_timeout_s", base.drain_timeout_s), minimum=0.0

@@ -74,6 +74,7 @@ async def generate(
         tenant=tenant.name,
         tenant_weight=tenant.weight,
         arrival_time=state.clock.now(),
+        cache_salt=state.tenants.cache_salt(tenant, body.cache_salt),
     )
     handle = state.engine.submit(req, decision.entitled)
     fmt = ResponseFormatter(

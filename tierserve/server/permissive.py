@@ -37,6 +37,11 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
             "server.tenant_header = true: x-tenant-id selects a tenant without its API key "
             "(safe only behind a proxy that sets the header itself)"
         )
+    if s.share_prefix_cache_across_tenants and config.tenants:
+        lines.append(
+            "server.share_prefix_cache_across_tenants = true: a tenant's cached_tokens (and time to "
+            "first token) tell it which prompt prefixes other tenants sent"
+        )
     if s.ratelimit.backend == "redis" and redis_fail is None and s.ratelimit.fail_mode == "open":
         redis_fail = (
             "server.ratelimit.fail_mode = open: while Redis is unreachable each replica "

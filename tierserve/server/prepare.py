@@ -18,6 +18,7 @@ from tierserve.server.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 from tierserve.server.state import ServerState
@@ -133,7 +134,8 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs:
             raise bad_request("logprobs: not supported", "logprobs")
-        # Tools the model may not call (`tool_choice: "none"`) change nothing.
+        # Tools the model may not call (`tool_choice: "none"`) go to the chat template, as vLLM
+        # gives them: the model sees them as it would there.
         if body.tools and body.tool_choice != "none":
             raise bad_request("tools: function calling is not supported", "tools")
         if body.functions:
@@ -187,7 +189,7 @@ def _prompt_ids(
 ) -> list[int] | np.ndarray:
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [_template_message(m) for m in body.messages]
         template_kwargs = _sent(body, "chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise bad_request(
@@ -195,6 +197,8 @@ def _prompt_ids(
                 "chat_template_kwargs",
             )
         try:
+            if body.tools is not None:
+                return list(tok.apply_chat_template(messages, template_kwargs or None, tools=body.tools))
             if not template_kwargs:  # as a tokenizer without template variables is called
                 return list(tok.apply_chat_template(messages))
             return list(tok.apply_chat_template(messages, template_kwargs))
@@ -217,6 +221,19 @@ def _prompt_ids(
             return _encoded(state, first)
         return _checked_ids(state, first)
     return _checked_ids(state, prompt)  # ints: the body's validation made them so
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as vLLM gives it to the chat template: its text, its `name`, an assistant's
+    `tool_calls` and a tool's `tool_call_id` (where sent)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.role == "assistant" and message.tool_calls is not None:
+        out["tool_calls"] = message.tool_calls
+    if message.role == "tool" and message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _encoded(state: ServerState, text: str) -> list[int]:
@@ -316,7 +333,7 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
             temperature=temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k or 0, 0),
-            seed=body.seed,
+            seed=None if body.seed == -1 else body.seed,  # vLLM's "no seed"
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             stop_token_ids=stop_ids,

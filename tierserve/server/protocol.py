@@ -1,13 +1,14 @@
 """Request bodies of the OpenAI-compatible API (pydantic), as much of them as tierserve serves.
 
-Fields that change nothing here (`user`, `parallel_tool_calls`, tools the model may not
-call, ...) are accepted and ignored; fields tierserve cannot honour (`n` > 1, `logprobs`,
-`echo`, callable `tools`, a `response_format` other than text, `logit_bias`, vLLM's sampling
-extensions such as `min_p`, content parts other than text) are rejected with a 400 by the
-handler (prepare.py) rather than silently dropped. The two request bodies keep the fields
-they do not declare (`model_extra`) so that the handler can tell which were sent; a gateway
-forwards such a body as it came. Numbers are bounded so that no value can reach the engine
-unchecked.
+Fields that change nothing here (`user`, `parallel_tool_calls`, ...) are accepted and
+ignored; tools the model may not call, and a message's `name`, `tool_calls` and
+`tool_call_id`, go to the chat template as vLLM gives them; fields tierserve cannot honour
+(`n` > 1, `logprobs`, `echo`, callable `tools`, a `response_format` other than text,
+`logit_bias`, vLLM's sampling extensions such as `min_p`, content parts other than text) are
+rejected with a 400 by the handler (prepare.py) rather than silently dropped. The two
+request bodies keep the fields they do not declare (`model_extra`) so that the handler can
+tell which were sent; a gateway forwards such a body as it came. Numbers are bounded so that
+no value can reach the engine unchecked.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 MAX_TOKENS_BOUND = 2**31 - 1
+INT64_MIN = -(2**63)
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's field bound (vLLM 0.32 then checks 128, for external KV stores)
 
 
 class _Body(BaseModel):
@@ -51,15 +53,18 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # For the chat template only (an assistant's earlier calls, the call a tool answers).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        """The message's text; a part this server cannot take counts as none (prepare.py
-        refuses such a message before this is used)."""
+        """The message's text, its parts one a line as vLLM joins them; a part this server
+        cannot take counts as none (prepare.py refuses such a message before this is used)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.served_text() or "" for part in self.content)
+        return "\n".join(part.served_text() or "" for part in self.content)
 
 
 class StreamOptions(_Body):
@@ -75,6 +80,8 @@ class _SamplingBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # -1: no seed, as vLLM reads it (clients send it for "random"); another negative one is
+    # a seed as any other.
     seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -85,6 +92,8 @@ class _SamplingBody(_Body):
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_BOUND, description="vLLM's extension: 0 or -1 = off")
     priority: int | None = Field(None, ge=0, le=3, description="tierserve: 0 (realtime) .. 3 (background)")
     user: str | None = None
+    # vLLM's: requests share cached prompt blocks only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's sampling extensions that tierserve's engine honours.
     ignore_eos: bool | None = Field(None, description="vLLM's extension: generate past EOS up to max_tokens")
     stop_token_ids: list[int] | None = Field(

@@ -5,6 +5,7 @@ A declared tier more urgent than the tenant's entitlement is lowered to it, neve
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from starlette.datastructures import Headers
@@ -55,6 +56,22 @@ class TenantResolver:
     @property
     def anonymous(self) -> TenantConfig:
         return self._anonymous
+
+    def cache_salt(self, tenant: TenantConfig, salt: str | None) -> str | None:
+        """The engine's prefix-cache salt for a request of `tenant` that sent `salt` (vLLM's
+        `cache_salt`): one of its own for each tenant, so that no tenant gets `cached_tokens`
+        (or a faster first token) for blocks of another's prompts, unless the server is set
+        to `share_prefix_cache_across_tenants`. Requests without a key (the anonymous
+        tenant) share among themselves, unsalted (None) where they send no salt, and so do
+        the ad-hoc tenants of an open server: anyone may send any `x-tenant-id` there, so
+        apart they would lose each other's cache hits and hide nothing."""
+        shared = (
+            self._open or tenant is self._anonymous or self._config.server.share_prefix_cache_across_tenants
+        )
+        if shared and salt is None:
+            return None
+        # The pair as one string that no other pair gives, whatever salt a client sends.
+        return json.dumps([None if shared else tenant.name, salt])
 
     def resolve_headers(self, headers: Headers) -> TenantConfig:
         """`resolve` on a request's headers; a 400 where one of them comes twice, differing."""

@@ -13,9 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tierserve.executors.pytorch.tokenizer import no_template_for
-
-Message = Mapping[str, str]
+from tierserve.executors.pytorch.tokenizer import Message, Tools, no_template_for
 
 
 class Tokenizer(Protocol):
@@ -27,11 +25,15 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: Tools | None = None,
     ) -> list[int]:
         """`template_kwargs`: extra variables for the chat template (vLLM's and transformers'
         `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); a ValueError where the model
-        has no template to give them to."""
+        has no template to give them to. `tools`: the request's, for the template."""
         ...
 
 
@@ -61,7 +63,11 @@ class PlaceholderTokenizer:
         return "".join(" " + _WORDS[t % len(_WORDS)] for t in token_ids)
 
     def apply_chat_template(
-        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: Tools | None = None,
     ) -> list[int]:
         no_template_for(template_kwargs)
         lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]

@@ -100,6 +100,40 @@ def test_chat_template_kwargs_reach_the_template_and_may_not_set_what_the_server
     assert plain.apply_chat_template(hi, {}) == plain.apply_chat_template(hi)
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOL_CHAT = [
+    {"role": "user", "content": "weather in Paris?", "name": "ann"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        ],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+]
+
+
+def test_tools_and_the_tool_fields_of_messages_reach_the_template(checkpoint: Checkpoint) -> None:
+    """vLLM gives the template the request's `tools` and the messages' `name`, `tool_calls`
+    and `tool_call_id`; a model without a template keeps its plain lines."""
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    assert tok.decode(tok.apply_chat_template(TOOL_CHAT, tools=TOOLS)) == (
+        "<|tools|>get_weather;<|user|>[ann]weather in Paris?<|assistant|>[calls:get_weather]"
+        "<|tool|>sunny[id:call_1]<|assistant|>"
+    )
+    with pytest.raises(
+        ValueError, match=r"chat_template_kwargs: tools: set by the server.*request's `tools`"
+    ):
+        tok.apply_chat_template(TOOL_CHAT, {"tools": TOOLS})
+    edit_json(checkpoint.path / "tokenizer_config.json", chat_template=None)
+    plain = load_model(checkpoint.path, CPU).tokenizer
+    bare = [{"role": m["role"], "content": m["content"]} for m in TOOL_CHAT]
+    assert plain.apply_chat_template(TOOL_CHAT, tools=TOOLS) == plain.apply_chat_template(bare)
+    demo = ByteTokenizer()
+    assert demo.apply_chat_template(TOOL_CHAT, tools=TOOLS) == demo.apply_chat_template(bare)
+
+
 def test_generation_config_eos_ids_win_over_config_json(checkpoint: Checkpoint) -> None:
     (checkpoint.path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
     executor, tok = build_torch_executor(checkpoint.path, num_device_blocks=4)

@@ -104,6 +104,27 @@ def test_a_template_with_transformers_extras_renders_as_transformers_does(checkp
     assert tok.apply_chat_template(MESSAGES) == reference(expected, add_special_tokens=False).input_ids
 
 
+def test_tools_reach_a_template_as_transformers_gives_them(checkpoint: Checkpoint) -> None:
+    """`tools` is None where the request has none, as in transformers (and so vLLM): a template
+    that tests `tools is not none`, as Mistral's does, renders no tool block then."""
+    transformers = pytest.importorskip("transformers")
+    set_template(
+        checkpoint,
+        "{% if tools is not none %}[TOOLS]{{ tools | tojson }}[/TOOLS]{% endif %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    )
+    tok = load_model(checkpoint.path, CPU).tokenizer
+    reference = transformers.AutoTokenizer.from_pretrained(checkpoint.path)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for given in (None, [], tools):
+        expected = reference.apply_chat_template(
+            MESSAGES, tools=given, add_generation_prompt=True, tokenize=False
+        )
+        assert tok.decode(tok.apply_chat_template(MESSAGES, tools=given)) == expected
+    assert "[TOOLS]" not in tok.decode(tok.apply_chat_template(MESSAGES))
+
+
 def test_a_non_numeric_rope_theta_is_a_load_error_naming_config_json(checkpoint: Checkpoint) -> None:
     path = checkpoint.path / "config.json"
     config = json.loads(path.read_text())

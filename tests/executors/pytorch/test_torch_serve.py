@@ -83,6 +83,40 @@ def test_a_templated_checkpoint_serves_chat_with_transformers_greedy_tokens(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == tok.decode(expected)
 
 
+def test_tools_and_the_tool_fields_of_messages_reach_the_served_template(
+    checkpoint: Checkpoint, server: str
+) -> None:
+    """`tools` (with tool_choice "none") and a message's `name`, `tool_calls` and `tool_call_id`
+    were dropped before the template: the model saw another prompt than under vLLM."""
+    transformers = pytest.importorskip("transformers")
+    tok = load_model(checkpoint.path, torch.device("cpu")).tokenizer
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "weather in Paris?", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    # As vLLM renders it: transformers' template, no content as "".
+    reference = transformers.AutoTokenizer.from_pretrained(checkpoint.path)
+    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    text = reference.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "<|tools|>get_weather;" in text and "[ann]" in text and "[calls:get_weather]" in text
+    assert "[id:call_1]" in text
+    prompt = reference(text, add_special_tokens=False).input_ids
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt)
+    assert r.choices[0].message.content == tok.decode(_expected(checkpoint, prompt))
+
+
 def test_completions_take_text_and_token_ids(checkpoint: Checkpoint, server: str) -> None:
     tok = load_model(checkpoint.path, torch.device("cpu")).tokenizer
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)

@@ -14,7 +14,12 @@ import transformers
 VOCAB_SIZE = 320  # the test tokenizer uses 300 ids
 BOS_ID, EOS_ID = 0, 1
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|tools|>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+    "{{ eos_token }}{% endif %}"  # tools, a message's name, calls and call id, as Llama-3.1's shows them
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.name %}[{{ m.name }}]{% endif %}{{ m['content'] }}"
+    "{% if m.tool_calls %}[calls:{% for c in m.tool_calls %}{{ c['function']['name'] }}{% endfor %}]"
+    "{% endif %}"
+    "{% if m.tool_call_id %}[id:{{ m.tool_call_id }}]{% endif %}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     "{% if enable_thinking is defined and not enable_thinking %}Done!{% endif %}"  # a template variable
 )

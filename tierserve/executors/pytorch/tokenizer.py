@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]  # "role" and "content" (text); "name", "tool_calls", ... where sent
+Tools = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(Protocol):
@@ -23,17 +24,23 @@ class Tokenizer(Protocol):
         ...
 
     def apply_chat_template(
-        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: Tools | None = None,
     ) -> list[int]:
         """Token ids of a chat, ending where the assistant's reply should start.
         `template_kwargs`: extra variables for the chat template (vLLM's and transformers'
         `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); a ValueError where the model
-        has no template to give them to, or one names a variable the template is given anyway."""
+        has no template to give them to, or one names a variable the template is given anyway.
+        `tools`: the request's, for the template (none without one: the plain format has no
+        place for them)."""
         ...
 
 
 # The variables every chat template gets; `template_kwargs` may not set them.
-TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def no_template_for(template_kwargs: Mapping[str, Any] | None) -> None:
@@ -74,7 +81,11 @@ class ByteTokenizer:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: Tools | None = None,
     ) -> list[int]:
         no_template_for(template_kwargs)
         return self.encode(plain_chat_text(messages))
@@ -141,18 +152,28 @@ class HFTokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
     def apply_chat_template(
-        self, messages: Sequence[Message], template_kwargs: Mapping[str, Any] | None = None
+        self,
+        messages: Sequence[Message],
+        template_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tools: Tools | None = None,
     ) -> list[int]:
         if self._template is None:
             no_template_for(template_kwargs)
             return self.encode(plain_chat_text(messages))
         extra = dict(template_kwargs or {})
         if taken := sorted(TEMPLATE_VARIABLES & extra.keys()):
-            raise ValueError(f"chat_template_kwargs: {', '.join(taken)}: set by the server, not by a request")
+            hint = " (tools come from the request's `tools`)" if "tools" in taken else ""
+            raise ValueError(
+                f"chat_template_kwargs: {', '.join(taken)}: set by the server, not by a request{hint}"
+            )
         try:
+            # `tools` is None without any, as transformers gives it (a template may test
+            # `tools is not none`, which an undefined variable passes).
             text = self._template.render(
                 **extra,
                 messages=[dict(m) for m in messages],
+                tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
