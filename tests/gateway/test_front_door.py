@@ -123,3 +123,26 @@ def test_a_header_sent_twice_with_different_values_is_400_naming_it(
     assert len(fake.tiers[-1]) == 1  # the upstream hears the tier once, the gateway's own header
     if name == "x-request-tier":
         assert fake.tiers[-1] == [same.headers["x-tierserve-tier"]] == ["P3"]
+
+
+def test_each_tenant_gets_a_cache_salt_of_its_own_on_the_upstream(
+    front: tuple[Running, FakeUpstream],
+) -> None:
+    """An upstream sees one caller, the gateway: its tenants shared each upstream's prefix
+    cache, and one tenant's cached_tokens told it which prompts another had sent."""
+    gw, fake = front
+
+    def salt_sent(headers: list[tuple[str, str]], **body: object) -> object:
+        assert _post(gw, {"messages": MESSAGES, "max_tokens": 2, **body}, headers).status_code == 200
+        return fake.bodies[-1].get("cache_salt")
+
+    gold, bronze = [("authorization", "Bearer sk-gold")], [("authorization", "Bearer sk-bronze")]
+    salts = [
+        salt_sent(gold),
+        salt_sent(bronze),
+        salt_sent(gold, cache_salt="s1"),
+        salt_sent(bronze, cache_salt="s1"),
+    ]
+    assert len(set(salts)) == 4  # type: ignore[arg-type]
+    assert all(isinstance(s, str) and len(s) == 64 and int(s, 16) >= 0 for s in salts)  # vLLM takes it
+    assert salt_sent(gold) == salts[0]  # a tenant's own requests share their blocks

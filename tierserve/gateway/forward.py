@@ -13,6 +13,7 @@ error event. Reserved tokens are settled with the upstream's reported usage.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -368,6 +369,22 @@ async def _try_unless_ejected(gw: GatewayState, call: _Call, decision: RouteDeci
         gw.cut_off.discard(task)
 
 
+SALTED_KINDS = ("tierserve", "vllm")  # upstreams that take vLLM's `cache_salt`
+
+
+def _salted(gw: GatewayState, call: _Call, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with the `cache_salt` that keeps the request's tenant's cached prompt blocks
+    its own on the upstream (`TenantResolver.cache_salt`, as `tierserve serve` keys them):
+    an upstream sees one caller, the gateway, so its tenants shared each upstream's cache,
+    and a tenant's `cached_tokens` told it which prompts another had sent. Hashed to 64 hex
+    characters, which vLLM takes (at most 128, no '/', '@' or '\\'). SGLang upstreams get
+    the client's salt as sent."""
+    salt = gw.tenants.cache_salt(call.tenant, body.get("cache_salt"))
+    if salt is None or kind not in SALTED_KINDS:
+        return body
+    return {**body, "cache_salt": hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()}
+
+
 async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
     upstream = gw.router.state(decision.upstream).config
     body = call.body
@@ -377,6 +394,7 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         # include_usage, would put it in every chunk the client sees.
         options = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
         body = {**body, "stream_options": {**options, "include_usage": True}}
+    body = _salted(gw, call, upstream.kind, body)
     down = pass_down(
         upstream.kind,
         body,
