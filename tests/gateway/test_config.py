@@ -132,3 +132,18 @@ def test_the_start_up_warning_on_redis_says_each_tiers_rule_and_the_share() -> N
 def test_a_bad_value_names_its_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_gateway_config(raw)
+
+
+def test_a_wait_that_ends_before_the_queue_would_serve_the_tier_is_said_at_start() -> None:
+    """A P2 wait of 6 s under a P1 flood: P2's rescue comes at 15 s, P3's aging at 5 s, so
+    every P2 request timed out while P3's were served (a review)."""
+    from tierserve.gateway.config import waits_shorter_than_the_queues_way_out
+
+    assert waits_shorter_than_the_queues_way_out(parse_gateway_config({"upstreams": [UP]})) == []
+    short = {"upstreams": [UP], "gateway": {"max_wait_s": {"P2": 6, "P3": 3}}}
+    lines = waits_shorter_than_the_queues_way_out(parse_gateway_config(short))
+    assert len(lines) == 2
+    assert lines[0].startswith("gateway.max_wait_s.P2 = 6 s") and "15 s: its rescue" in lines[0]
+    assert lines[1].startswith("gateway.max_wait_s.P3 = 3 s") and "5 s: its aging_s" in lines[1]
+    fcfs = {"upstreams": [UP], "gateway": {"policy": "fcfs", "max_wait_s": {"P2": 6}}}
+    assert waits_shorter_than_the_queues_way_out(parse_gateway_config(fcfs)) == []  # no rescue there

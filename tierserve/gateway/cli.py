@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
 
     from tierserve.config import ConfigError
     from tierserve.gateway.app import create_gateway_app
-    from tierserve.gateway.config import load_gateway_config, redis_fail_summary
+    from tierserve.gateway.config import (
+        load_gateway_config,
+        redis_fail_summary,
+        waits_shorter_than_the_queues_way_out,
+    )
     from tierserve.gateway.drain import DrainingGateway
     from tierserve.gateway.state import build_gateway_state
     from tierserve.server.http_guard import uvicorn_options
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger("tierserve.gateway")
     log_permissive_settings(config.serve, log, redis_fail_summary(config))
-    for line in closed_tiers(config.serve):
+    for line in closed_tiers(config.serve) + waits_shorter_than_the_queues_way_out(config):
         log.warning("%s", line)
     gw = build_gateway_state(config)
     app = create_gateway_app(gw)

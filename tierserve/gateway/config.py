@@ -8,6 +8,7 @@ each tier and the number of gateways sharing the limits. Errors name the field.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -293,3 +294,29 @@ def fail_open_by_tier(config: GatewayConfig) -> dict[Tier, bool]:
     """Each tier's Redis rule: its own `[gateway.redis_fail]` entry, else `[server.ratelimit] fail_mode`."""
     default = config.serve.server.ratelimit.fail_mode == "open"
     return {t: config.gateway.redis_fail_open.get(t, default) for t in ALL_TIERS}
+
+
+def waits_shorter_than_the_queues_way_out(config: GatewayConfig) -> list[str]:
+    """One line per tier whose `max_wait_s` ends before hybrid would serve its oldest request
+    ahead of more urgent tiers (its rescue, a quarter of its TTFT target, for P1-P2; its
+    `aging_s`): under a steady backlog of a more urgent tier, such a tier's requests all
+    time out while a less urgent tier's, aged, are served (a review: a P2 wait of 6 s under a
+    P1 flood, P2's rescue at 15 s, P3 aged at 5 s: every P2 request timed out, P3 served)."""
+    from tierserve.scheduling.hybrid import AGED_TIERS, RESCUE_FRACTION, RESCUED_TIERS
+
+    if config.gateway.policy != "hybrid":
+        return []
+    lines = []
+    for tier in AGED_TIERS:
+        tier_config = config.serve.engine.tier(tier)
+        rescue_s = RESCUE_FRACTION * tier_config.ttft_target_s if tier in RESCUED_TIERS else math.inf
+        out_s = min(rescue_s, tier_config.aging_s)
+        wait_s = config.gateway.max_wait_s[tier]
+        if wait_s < out_s:
+            lines.append(
+                f"gateway.max_wait_s.{tier.name} = {wait_s:g} s ends before the queue serves a {tier.name} "
+                f"request ahead of a backlog of more urgent tiers ({out_s:g} s: "
+                + ("its rescue, a quarter of its TTFT target" if out_s == rescue_s else "its aging_s")
+                + f"): under such a backlog every {tier.name} request times out"
+            )
+    return lines
