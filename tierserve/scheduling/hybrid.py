@@ -84,6 +84,7 @@ floor.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -119,6 +120,16 @@ class Choice(NamedTuple):
     in_order: bool  # served in the fair order (advances its virtual time)
 
 
+def _drop_seq(seqs: list[int], seq: int) -> bool:
+    """Take `seq` out of the ascending `seqs`; whether a later one stays. vLLM puts back what
+    it skips latest first, so `seq` is nearly always the last."""
+    if seqs and seqs[-1] == seq:
+        seqs.pop()
+        return False
+    seqs.pop(bisect.bisect_left(seqs, seq))
+    return True
+
+
 class Popped(NamedTuple):
     """What a pop changed beyond the queues, for `put_back` (with `keep_undo`)."""
 
@@ -126,6 +137,7 @@ class Popped(NamedTuple):
     held_since: float | None  # its tenant's held-back time in the aged tier (None: not held)
     p0_tokens: int | None  # a P0 prompt's admission record (None: not P0) ...
     dropped_p0: int | None  # ... and the recent P0 prompt it pushed out
+    seq: int  # its place among the pass's pops
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,13 @@ class HybridPolicy(FairQueuePolicy):
         self._requeued_at: dict[Request, float] = {}  # preempted by recompute: back in the queue since
         # With `keep_undo`: what each pop of the pass changed, for `put_back` to restore.
         self._popped: dict[Request, Popped] = {}
+        # The places of the pops on record, by (tier, tenant) and of P0's, ascending: whether
+        # a pop of the same tenant and tier, or a P0's, ran after one put back, without a walk
+        # over the pass's pops (a backlog that vLLM skipped was put back in time quadratic in
+        # its length: 0.2 s for 4,000).
+        self._popped_seqs: dict[tuple[Tier, str], list[int]] = {}
+        self._p0_popped_seqs: list[int] = []
+        self._pop_seq = 0
         # Waiting P3 requests, longest in the queue first (since arrival or since `_requeued_at`).
         self._queued = OldestWaiting(key=self._queued_since)
         self._step: StepBudget | None = None  # the step being built, between the hooks
@@ -308,7 +327,11 @@ class HybridPolicy(FairQueuePolicy):
             p0_tokens = tokens_left(req)
             dropped_p0 = self._shaper.p0_admitted(p0_tokens)
         if self.keeps_undo:
-            self._popped[req] = Popped(requeued_at, held_since, p0_tokens, dropped_p0)
+            self._pop_seq += 1
+            self._popped[req] = Popped(requeued_at, held_since, p0_tokens, dropped_p0, self._pop_seq)
+            self._popped_seqs.setdefault((req.tier, req.tenant), []).append(self._pop_seq)
+            if req.tier == Tier.P0:
+                self._p0_popped_seqs.append(self._pop_seq)
         return req
 
     def _push(self, req: Request, now: float) -> None:
@@ -324,8 +347,13 @@ class HybridPolicy(FairQueuePolicy):
 
     def _put_back(self, req: Request, now: float) -> None:
         super()._put_back(req, now)
-        ran_after = self._ran_after(req)
         popped = self._popped.pop(req, None)
+        same_tenant_ran = p0_ran = False
+        if popped is not None:  # what of the pass's later pops is still on record: they ran
+            same_tenant_ran = _drop_seq(self._popped_seqs[req.tier, req.tenant], popped.seq)
+            if req.tier == Tier.P0:
+                _drop_seq(self._p0_popped_seqs, popped.seq)
+            p0_ran = bool(self._p0_popped_seqs) and self._p0_popped_seqs[-1] > popped.seq
         if popped is not None and popped.requeued_at is not None:
             self._requeued_at[req] = popped.requeued_at  # before `_track`, which files it by it
         self._track(req)
@@ -336,24 +364,19 @@ class HybridPolicy(FairQueuePolicy):
         if popped is None:
             return
         aged = self._aged_by_tenant.get(req.tier)
-        same_tenant_ran = any(r.tier == req.tier and r.tenant == req.tenant for r in ran_after)
         if aged is not None and popped.held_since is not None and not same_tenant_ran:
             aged.hold_back_since(req, popped.held_since)  # else a serve of its tenant ran since
         if popped.p0_tokens is not None:
-            if any(r.tier == Tier.P0 for r in ran_after):  # a later P0 record stays
+            if p0_ran:  # a later P0 record stays
                 self._shaper.p0_not_admitted_once(popped.p0_tokens, popped.dropped_p0)
             else:
                 self._shaper.p0_not_admitted(popped.dropped_p0)
 
-    def _ran_after(self, req: Request) -> list[Request]:
-        """The pops of this pass after `req` still on record: they ran (vLLM puts back what
-        it skips at the pass's end, the latest first)."""
-        popped = list(self._popped)
-        return popped[popped.index(req) + 1 :] if req in self._popped else []
-
     def forget_undo(self) -> None:
         super().forget_undo()
         self._popped.clear()
+        self._popped_seqs.clear()
+        self._p0_popped_seqs.clear()
 
     def _remove(self, req: Request) -> None:
         super()._remove(req)

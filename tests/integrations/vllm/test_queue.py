@@ -178,6 +178,14 @@ def test_only_a_request_put_back_in_the_pass_that_popped_it_is_refunded(skipped:
     assert order == ([a, b] if skipped else [b, a])
 
 
+class _Gate:
+    def __init__(self, admits: Any, room: bool = True) -> None:
+        self.admits, self.has_room = admits, room
+
+    def room(self) -> bool:
+        return self.has_room
+
+
 def test_a_gate_skips_a_request_for_the_pass_and_puts_it_back_uncharged() -> None:
     q, book = _queue()
     q.tick(100.0)
@@ -186,7 +194,10 @@ def test_a_gate_skips_a_request_for_the_pass_and_puts_it_back_uncharged() -> Non
         reqs[rid] = _req(rid, t)
         book.add(reqs[rid], tier, "default")
         q.add_request(reqs[rid])
-    q.gate = lambda r: r.request_id != "a0"  # a0 may not run this pass (its adapter, say)
+    q.gate = _Gate(lambda r: r.request_id != "a0")  # a0 may not run this pass (its adapter, say)
+    q.gate.has_room = False  # no seat free: vLLM admits nobody, the gate skips nobody
+    assert q.peek_request().request_id == "a0" and len(q) == 3
+    q.gate.has_room = True
     assert q and q.peek_request().request_id == "b0"
     assert len(q) == 3 and {r.request_id for r in q} == {"a0", "b0", "c1"}  # still queued
     assert q.pop_request().request_id == "b0"

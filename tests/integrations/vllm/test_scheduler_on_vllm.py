@@ -786,3 +786,60 @@ def test_a_running_request_held_back_a_step_keeps_its_adapters_slot(lora_llm: An
         assert driver.first_token_step["p3-b"] > driver.submitted_at["p3-b"] + 25
     finally:
         driver.abort_rest()
+
+
+def test_a_skipped_head_takes_no_adapters_slot(lora_llm: Any, adapters: Any) -> None:
+    """A P0 of another adapter whose grammar still compiles (vLLM skips it) had the P3's
+    slot freed for it at every step: the P3 was preempted, readmitted in the same pass and
+    preempted again, 10 times in 10 steps (a review)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    driver = Driver(lora_llm, plugin=True)
+    a1, a2 = adapters
+    sched = scheduler_of(lora_llm)
+    try:
+        driver.submit("slot-p3", prompt(11, 40), 60, tier=3, lora=a1)
+        driver.steps(3)
+        driver.submit("slot-p0", prompt(12, 40), 4, tier=0, lora=a2)
+        (blocked,) = (r for rid, r in sched.requests.items() if rid.startswith("slot-p0"))
+        blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        blocked.structured_output_request = SimpleNamespace(grammar=None)  # not compiled yet
+        try:
+            driver.steps(6)
+        finally:
+            blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None
+        assert _preemptions(sched, "slot-p3") == 0 and len(driver.tokens["slot-p3"]) >= 8
+        driver.steps(2)  # compiled: it takes the slot now
+        assert "slot-p0" in driver.first_token_step and _preemptions(sched, "slot-p3") == 1
+        _run_checking_adapters(driver, 200)
+        assert driver.finished == {"slot-p3": 1, "slot-p0": 1}
+    finally:
+        driver.abort_rest()
+
+
+def test_a_head_that_would_not_fit_takes_no_adapters_slot(lora_llm: Any, adapters: Any) -> None:
+    """The slot is part of the room made for the head, all or nothing: a P3 was preempted for
+    a P0 of another adapter that P0's ceiling then kept out, and lost 10 steps (a review)."""
+    driver = Driver(lora_llm, plugin=True)
+    a1, a2 = adapters
+    sched = scheduler_of(lora_llm)
+    ceiling = sched.ledger.partition.ceiling[Tier.P0]
+    try:
+        # Base-model P0 requests hold all but a block of P0's ceiling (none is its victim).
+        for k in range(2):
+            driver.submit(f"full-p0-{k}", prompt(13 + k, 360), 20, tier=0)
+        driver.submit("full-p3", prompt(16, 40), 60, tier=3, lora=a1)
+        started = {"full-p0-0", "full-p0-1", "full-p3"}
+        driver.run(20, until=lambda: started <= driver.first_token_step.keys())
+        assert ceiling - sched.ledger.used[Tier.P0] <= 2
+        driver.submit("full-p0-b", prompt(15, 150), 4, tier=0, lora=a2)  # 5 blocks
+        before = len(driver.tokens["full-p3"])
+        driver.steps(4)
+        assert _preemptions(sched, "full-p3") == 0 and len(driver.tokens["full-p3"]) - before == 4
+        assert "full-p0-b" not in driver.first_token_step
+        _run_checking_adapters(driver, 300)
+        assert all(driver.finished[r] == 1 for r in driver.submitted_at)
+    finally:
+        driver.abort_rest()

@@ -22,13 +22,17 @@ every step.
 
 A `gate` (set by the scheduler for vLLM's pass) skips the same way, from inside the queue,
 a request vLLM's own checks would let through but must not run yet: the queue takes it
-out for the rest of the pass and puts it back, uncharged, at `end_pass`.
+out for the rest of the pass and puts it back, uncharged, at `end_pass`; only while vLLM
+could admit a request at all (`Gate.room`): vLLM asks whether the queue is empty before it
+looks for a free seat, and a backlog the gate skipped at every step, seats full or not, cost
+each step a pop and a put-back per request.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
@@ -37,6 +41,16 @@ from tierserve.integrations.vllm.book import RequestBook
 from tierserve.request import Request as ShadowRequest
 from tierserve.scheduling import Policy
 from tierserve.tiers import Tier
+
+
+class Gate(Protocol):
+    def room(self) -> bool:
+        """Whether vLLM's pass may admit a request now (a seat is free)."""
+        ...
+
+    def admits(self, request: Request) -> bool:
+        """Whether `request` may run now."""
+        ...
 
 
 class PolicyRequestQueue(RequestQueue):
@@ -54,7 +68,7 @@ class PolicyRequestQueue(RequestQueue):
         self._popped: set[str] = set()  # popped in this pass (since `tick`)
         # Whether a request at the head may run now (None: every one may), and what it
         # skipped in this pass.
-        self.gate: Callable[[Request], bool] | None = None
+        self.gate: Gate | None = None
         self._gated: list[ShadowRequest] = []
 
     def show_only(self, tier: Tier | None) -> None:
@@ -67,7 +81,7 @@ class PolicyRequestQueue(RequestQueue):
             if shadow is None or (self._only is not None and shadow.tier != self._only):
                 return None
             request = self._book.get(shadow.request_id).vllm
-            if self.gate is None or self.gate(request):
+            if self.gate is None or not self.gate.room() or self.gate.admits(request):
                 return request
             self._gated.append(self.policy.pop(self._now))  # skipped until the pass ends
 

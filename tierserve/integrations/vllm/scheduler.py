@@ -35,6 +35,7 @@ VLLM_VERSION = check_vllm_version()  # before any vLLM internal is imported
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -198,7 +199,7 @@ class TierScheduler(Scheduler):
         self.running.sort(key=lambda r: r.priority)
         solo = None if paused else self.tier_policy.solo_tier(self._tiers_prefilling(admitted))
         if self.lora_config:
-            self.waiting.gate = self._lora_has_slot
+            self.waiting.gate = _LoraGate(self)
         try:
             if solo is not None:
                 output = self._schedule_solo(solo, *args, **kwargs)
@@ -392,36 +393,38 @@ class TierScheduler(Scheduler):
             return None
         head = self.waiting.peek_request()
         tier = self.book.tier(head.request_id)
-        if not self._lora_has_slot(head):
-            self._free_lora_slot(head, now)
+        # A head whose adapter has no slot takes one adapter's, as part of the room made for
+        # it (all or nothing): the requests of that adapter go first.
+        slot_from = [] if _skipped(self, head) else self._lora_victims(head)
+        loras = self._running_loras() - {_lora_id(r) for r in slot_from}
         # A request vLLM skips this pass (its grammar compiling, say) takes no room: room made
         # for it, and the P0-only step around it, were steps with nothing to run.
         if tier is Tier.P0:
-            burst = self._p0_burst(head)
+            burst = self._p0_burst(head, loras)
         else:
-            burst = [] if _skipped(self, head) or not self._lora_has_slot(head) else [head]
+            burst = [] if _skipped(self, head) or not self._lora_has_slot(head, loras) else [head]
         if not burst:
             return None
+        if burst[0] is not head:
+            slot_from = []  # the slot was for the head, which vLLM will not admit
         first = self.book.get(burst[0].request_id).shadow
         groups = [burst] if len(burst) == 1 else [burst, burst[:1]]  # the burst, else its first alone
         for group in groups:
             need = sum(self._blocks_to_admit(r) for r in group)
-            if self._fits(tier, need, 0, 0, len(group)):
-                return tier
-            if self._preempt_for(first, need, len(group), now):
+            if self._preempt_for(first, need, len(group), now, slot_from):
                 return tier
         return None
 
-    def _p0_burst(self, head: Request) -> list[Request]:
+    def _p0_burst(self, head: Request, loras: set[int]) -> list[Request]:
         """The head, then the other waiting P0 requests by arrival, as many as one step's
         tokens and seats take (vLLM admits them in the same pass), leaving out those vLLM
-        skips this pass."""
+        skips this pass, and those whose adapter has no slot beside `loras` (those running)."""
         others = sorted(
             (r for r in self.waiting.waiting_in(Tier.P0) if r is not head), key=lambda r: r.arrival_time
         )
         burst: list[Request] = []
         tokens = 0
-        loras = self._running_loras()
+        loras = set(loras)
         for r in [head, *others]:
             if _skipped(self, r) or not self._lora_has_slot(r, loras):
                 continue
@@ -450,15 +453,18 @@ class TierScheduler(Scheduler):
         loras = self._running_loras() if loras is None else loras
         return lora in loras or len(loras) < self.lora_config.max_loras
 
-    def _free_lora_slot(self, head: Request, now: float) -> None:
-        """Preempt the running requests of one adapter, if the policy lets `head` take the
-        seat of each, so that `head`'s adapter gets their slot: the adapter whose requests
-        lose the least work. vLLM never preempts for an adapter slot, so a P0 request of
-        another adapter waited for lower tiers' requests to end."""
+    def _lora_victims(self, head: Request) -> list[Request]:
+        """For a head whose adapter has no slot: the running requests of one adapter, each of
+        which the policy lets `head` take the seat of, whose preemption gives `head`'s adapter
+        their slot (the adapter whose requests lose the least work); none where no adapter's
+        requests may all be taken, or the head needs no slot. vLLM never preempts for an
+        adapter's slot, so a P0 request of another adapter waited for lower tiers' to end."""
+        if self._lora_has_slot(head):
+            return []
         shadow = self.book.get(head.request_id).shadow
         policy = self.tier_policy
         if not policy.preempts_for_seat(shadow):
-            return
+            return []
         memory = cast("TierserveKVCacheManager", self.ledger)
         holders: dict[int, list[Request]] = {}
         for r in self.running:
@@ -470,31 +476,40 @@ class TierScheduler(Scheduler):
             if all(policy.seat_victim_ok(shadow, self.book.get(r.request_id).shadow, memory) for r in rs)
         ]
         if not takeable:
-            return
-        for victim in min(takeable, key=lambda rs: sum(int(r.num_computed_tokens) for r in rs)):
-            self.running.remove(victim)
-            self._preempt_request(victim, now)
+            return []
+        return min(takeable, key=lambda rs: sum(int(r.num_computed_tokens) for r in rs))
 
-    def _preempt_for(self, head: TierserveRequest, need: int, seats: int, now: float) -> bool:
-        """Preempt the fewest running requests the policy lets `head` take from so that
-        `need` blocks and `seats` seats are free for its tier; False (nobody preempted)
-        where even every allowed victim would not make room."""
+    def _preempt_for(
+        self, head: TierserveRequest, need: int, seats: int, now: float, first: Sequence[Request] = ()
+    ) -> bool:
+        """Make room for `head`: `need` blocks and `seats` seats free for its tier, preempting
+        the requests in `first` (an adapter's, for its slot) and then the fewest running
+        requests the policy lets `head` take from; True where the room is there (nobody
+        preempted where none was needed), False (nobody preempted) where even every allowed
+        victim would not make it."""
         memory = cast("TierserveKVCacheManager", self.ledger)  # the policies ask only what the ledger answers
+        inner = self.kv_cache_manager.inner
+        chosen = list(first)
+        freeing = Freeing(inner)
+        freed = 0
+        for r in chosen:
+            freed = freeing.add(r.request_id)  # the blocks all so far free
+        if self._fits(head.tier, need, freed, len(chosen), seats):
+            self._preempt_all(chosen, now)
+            return True
         if not self.tier_policy.preempts_for_admission(head, memory, need):
             return False
         borrowed = self.ledger.borrowed()
-        inner = self.kv_cache_manager.inner
         candidates = [
             r
             for r in self.running
-            if self.tier_policy.admission_victim_ok(head, self.book.get(r.request_id).shadow, memory)
+            if r not in chosen
+            and self.tier_policy.admission_victim_ok(head, self.book.get(r.request_id).shadow, memory)
         ]
         policy = self.tier_policy
         for r in candidates:  # "least work lost" reads the shadows: bring them up to date
             self.book.get(r.request_id).shadow.num_computed_tokens = r.num_computed_tokens
         candidates.sort(key=lambda r: policy.victim_key(self.book.get(r.request_id).shadow, borrowed))
-        chosen: list[Request] = []
-        freeing = Freeing(inner)
         for victim in candidates:
             chosen.append(victim)
             freed = freeing.add(victim.request_id)
@@ -502,10 +517,13 @@ class TierScheduler(Scheduler):
                 break
         else:
             return False
-        for victim in chosen:
+        self._preempt_all(chosen, now)
+        return True
+
+    def _preempt_all(self, victims: Sequence[Request], now: float) -> None:
+        for victim in victims:
             self.running.remove(victim)
             self._preempt_request(victim, now)
-        return True
 
     def _blocks_to_admit(self, request: Request) -> int:
         return self._blocks_for(int(request.num_tokens))
@@ -531,6 +549,21 @@ class TierScheduler(Scheduler):
         preempted, and P0-only steps with nothing to run came until a request ended: 213
         steps to its first token with 2 active seats of 8)."""
         return int(self.max_num_active_reqs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LoraGate:
+    """The queue's gate in vLLM's pass: a request whose adapter has no slot beside every
+    running request's waits (`TierScheduler._lora_has_slot`)."""
+
+    scheduler: TierScheduler
+
+    def room(self) -> bool:
+        s = self.scheduler
+        return len(s.running) + int(s.num_waiting_for_streaming_input) < s._seat_limit()
+
+    def admits(self, request: Request) -> bool:
+        return self.scheduler._lora_has_slot(request)
 
 
 def _lora_id(request: Request) -> int:
