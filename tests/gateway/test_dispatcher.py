@@ -273,3 +273,82 @@ def test_a_backlog_for_one_model_holds_no_other_models_requests() -> None:
         assert (await asyncio.wait_for(waiting, 1.0)).upstream == "big"
 
     asyncio.run(run())
+
+
+def test_a_retried_request_with_room_only_where_it_failed_holds_nobody_back() -> None:
+    """A retried request keeps its place (the wait it has left); at the head, with room only
+    on the upstream it failed on, it held every request of its model's tier behind it while
+    that upstream had free seats."""
+
+    async def run() -> None:
+        clock = VirtualClock()
+        ups = [
+            UpstreamConfig("u0", "openai", "http://127.0.0.1:1", max_in_flight=4),
+            UpstreamConfig("u1", "openai", "http://127.0.0.1:2", max_in_flight=1),
+        ]
+        router = Router(ups, GatewaySettings(), clock)
+        for up in ups:
+            router.record_success(up.name)
+        waits = {t: 10.0 for t in ALL_TIERS}
+        flow = FlowControl(EngineConfig(), "hybrid", {t: 8 for t in ALL_TIERS}, waits, clock)
+        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        busy = await d.acquire(Tier.P1, "t", "m", "p", exclude=["u0"])
+        assert busy.upstream == "u1"  # u1 is full now
+        retried = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p", exclude=["u0"], waited_s=1.0))
+        await asyncio.sleep(0.01)
+        others = [asyncio.create_task(d.acquire(Tier.P1, "t", "m", "q")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        done = await asyncio.wait_for(asyncio.gather(*others), 1.0)
+        assert [x.upstream for x in done] == ["u0"] * 3
+        assert not retried.done() and len(flow) == 1  # still waiting, in its place
+        clock.elapse(2.0)
+        d.finished(busy)
+        decision = await asyncio.wait_for(retried, 1.0)
+        assert decision.upstream == "u1" and decision.waited_s == pytest.approx(2.0, abs=0.05)
+
+    asyncio.run(run())
+
+
+def test_models_an_upstream_serves_together_share_one_queue_and_its_fairness() -> None:
+    """vLLM lists each LoRA adapter as a model: with a queue per model, a light tenant's one
+    request for an adapter waited behind a heavy tenant's 50 for the base model (released
+    51st, tenant fairness lost across the queues), where one queue released it second."""
+    from tierserve.gateway.dispatch_core import ALL_MODELS, model_groups
+
+    groups = model_groups(
+        [frozenset({"llama", "llama-sql"}), frozenset({"8b"}), frozenset({"sql", "llama-sql"})]
+    )
+    assert groups == {"llama": "llama", "llama-sql": "llama", "sql": "llama", "8b": "8b"}
+    assert model_groups([frozenset({"8b"}), frozenset()]) == {}  # one serves any: one queue
+
+    async def run() -> list[str]:
+        clock = VirtualClock()
+        up = UpstreamConfig("u", "openai", "http://127.0.0.1:1", max_in_flight=1)
+        router = Router([up], GatewaySettings(), clock)
+        router.record_success("u", frozenset({"llama", "llama-sql"}))
+        waits = {t: 100.0 for t in ALL_TIERS}
+        flow = FlowControl(EngineConfig(), "hybrid", {t: 100 for t in ALL_TIERS}, waits, clock)
+        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        assert d._core.group("llama-sql") == d._core.group("llama") == "llama"
+        assert d._core.group("other") == "other"
+        first = await d.acquire(Tier.P1, "heavy", "llama", "p")
+        order: list[str] = []
+
+        async def one(tenant: str, model: str) -> None:
+            decision = await d.acquire(Tier.P1, tenant, model, "p")
+            order.append(tenant)
+            await asyncio.sleep(0)
+            d.finished(decision)
+
+        tasks = [asyncio.create_task(one("heavy", "llama")) for _ in range(20)]
+        await asyncio.sleep(0.01)
+        clock.elapse(0.5)
+        tasks.append(asyncio.create_task(one("light", "llama-sql")))
+        await asyncio.sleep(0.01)
+        d.finished(first)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        return order
+
+    order = asyncio.run(run())
+    assert order.index("light") <= 2 and len(order) == 21
+    assert ALL_MODELS == "*"

@@ -39,7 +39,11 @@ class FleetDispatch:
         self.num_routed_by_reason[reason] = self.num_routed_by_reason.get(reason, 0) + 1
         out.routed.append((key, decision.upstream))
 
-    def submit(self, key: int, tier: Tier, prefix: str, exclude: Sequence[str] = ()) -> DispatchOutcome:
+    def submit(
+        self, key: int, tier: Tier, prefix: str, exclude: Sequence[str] = (), waited_s: float = 0.0
+    ) -> DispatchOutcome:
+        """Route the request at once or queue it; `waited_s`: a retried request's time in the
+        queue before (it keeps its place and the wait it has left, as in the gateway)."""
         out = DispatchOutcome()
         if not self.router.candidates(MODEL, exclude):
             out.refused.append((key, "no_upstream"))
@@ -48,7 +52,7 @@ class FleetDispatch:
         if decision is not None:
             self._routed(key, decision, out)
             return out
-        ticket = self._core.enqueue(key, tier, f"t{int(tier)}", MODEL, prefix, exclude)
+        ticket = self._core.enqueue(key, tier, f"t{int(tier)}", MODEL, prefix, exclude, waited_s=waited_s)
         if isinstance(ticket, Refusal):
             out.refused.append((key, "queue_full"))
             return out

@@ -32,6 +32,8 @@ class FleetRequest:
     attempts: int = 0  # replicas it was sent to
     tried: list[str] = field(default_factory=list)  # the replicas it was sent to, in order
     sent_s: list[float] = field(default_factory=list)  # when it was sent to each
+    submitted_s: float = 0.0  # when it last reached the gateway's dispatch (a retry's: again)
+    queued_s: float = 0.0  # its time in the gateway's queue over its attempts before
     first_token_s: float | None = None
     finish_s: float | None = None
     outcome: str | None = None

@@ -179,6 +179,7 @@ class FleetSim:
         self.requests.append(fr)
         self._num_open += 1
         self._next_arrival()
+        fr.submitted_s = self.clock.now()
         self._handle(self.dispatch.submit(fr.key, fr.tier, fr.prefix))
         self.on_arrival(self.clock.now())
 
@@ -189,6 +190,7 @@ class FleetSim:
             self._finish(self.requests[key], REFUSED_PREFIX + reason)
 
     def _send(self, fr: FleetRequest, replica: Replica) -> None:
+        fr.queued_s += self.clock.now() - fr.submitted_s
         fr.attempts += 1
         fr.tried.append(replica.name)
         fr.sent_s.append(self.clock.now())
@@ -302,8 +304,9 @@ class FleetSim:
                 self._finish(fr, LOST)  # the stream broke midway: the client sees an error event
             elif fr.attempts >= self.config.settings.max_attempts:
                 self._finish(fr, REFUSED_PREFIX + "no_upstream")
-            else:
-                self._handle(self.dispatch.submit(fr.key, fr.tier, fr.prefix, fr.tried))
+            else:  # it keeps its place in the queue and the wait it has left, as in the gateway
+                fr.submitted_s = self.clock.now()
+                self._handle(self.dispatch.submit(fr.key, fr.tier, fr.prefix, fr.tried, fr.queued_s))
         self._handle(self.dispatch.pump())
 
     # ---- the gateway's scrapes and the autoscaler ------------------------------------------------

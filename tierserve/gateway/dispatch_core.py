@@ -12,7 +12,7 @@ room, its model's more urgent requests, and other models' requests, may still go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
@@ -50,9 +50,37 @@ class _Held(Generic[H]):
     handle: H
     ticket: Request
     model: str
+    group: str  # its queue in the flow control
     prefix: str
     exclude: tuple[str, ...]
     waited_before_s: float  # in the queue on earlier attempts
+
+
+ALL_MODELS = "*"  # the queue of every model, where an upstream serves any
+
+
+def model_groups(served: Iterable[frozenset[str]]) -> dict[str, str]:
+    """Each model's group: the models an upstream serves together are one group, and so are
+    groups joined by an upstream they share (each named by its first model). ALL_MODELS for
+    every model where an upstream serves any (an empty list)."""
+    parent: dict[str, str] = {}
+
+    def root(m: str) -> str:
+        while parent[m] != m:
+            parent[m] = parent[parent[m]]
+            m = parent[m]
+        return m
+
+    for models in served:
+        if not models:
+            return {}
+        first, *rest = sorted(models)
+        parent.setdefault(first, first)
+        for m in rest:
+            parent.setdefault(m, m)
+            a, b = sorted((root(first), root(m)))
+            parent[b] = a
+    return {m: root(m) for m in parent}
 
 
 class DispatchCore(Generic[H]):
@@ -61,6 +89,19 @@ class DispatchCore(Generic[H]):
         self.flow = flow
         self._clock = clock
         self._held: dict[str, _Held[H]] = {}  # ticket id -> request
+        self._served: tuple[tuple[str, frozenset[str]], ...] | None = None
+        self._groups: dict[str, str] = {}
+
+    def group(self, model: str) -> str:
+        """The flow control's queue for `model`: one per group of models that upstreams serve
+        together (`model_groups`). Apart, a backlog on one model held another's requests
+        while that model's upstreams sat idle; one queue for models that share upstreams
+        keeps the policy's tenant fairness and aging among them (vLLM lists each LoRA adapter
+        as a model of its own)."""
+        served = tuple((s.name, s.models) for s in self.router.states)
+        if served != self._served:
+            self._served, self._groups = served, model_groups(m for _, m in served)
+        return self._groups.get(model, ALL_MODELS if not self._groups else model)
 
     def route_now(
         self, tier: Tier, prefix: str, model: str, exclude: Sequence[str] = ()
@@ -68,7 +109,7 @@ class DispatchCore(Generic[H]):
         """An upstream now (counted in flight), or None: the request must take a ticket (a
         closed tier's is refused: a queue cap of 0 closed it in `serve` and not here, so a
         server's config put in front of a gateway opened the tier again)."""
-        if self.flow.depth_upto(tier, model) or self.flow.is_closed(tier):
+        if self.flow.depth_upto(tier, self.group(model)) or self.flow.is_closed(tier):
             return None
         decision = self.router.route(tier, prefix, model, exclude)
         if decision is not None:
@@ -90,11 +131,14 @@ class DispatchCore(Generic[H]):
     ) -> Request | Refusal:
         """A ticket in the tier queues (call `pump` next), or the refusal of a full queue.
         `waited_s`: a retried request's time in the queue before (`FlowControl.offer`)."""
+        group = self.group(model)
         ticket = self.flow.offer(
-            tier, tenant, model=model, num_tokens=num_tokens, tenant_weight=tenant_weight, waited_s=waited_s
+            tier, tenant, model=group, num_tokens=num_tokens, tenant_weight=tenant_weight, waited_s=waited_s
         )
         if isinstance(ticket, Request):
-            self._held[ticket.request_id] = _Held(handle, ticket, model, prefix, tuple(exclude), waited_s)
+            self._held[ticket.request_id] = _Held(
+                handle, ticket, model, group, prefix, tuple(exclude), waited_s
+            )
         return ticket
 
     def cancel(self, ticket: Request) -> bool:
@@ -114,9 +158,9 @@ class DispatchCore(Generic[H]):
         out: list[Released[H] | Dropped[H]] = []
         for ticket in self.flow.expire():
             held = self._held.pop(ticket.request_id)
-            tier, model = ticket.tier, held.model
-            retry_after = self.flow.retry_after(tier, model)
-            out.append(Dropped(held.handle, tier, "queue_timeout", retry_after, self.flow.depth(tier, model)))
+            tier, group = ticket.tier, held.group
+            retry_after = self.flow.retry_after(tier, group)
+            out.append(Dropped(held.handle, tier, "queue_timeout", retry_after, self.flow.depth(tier, group)))
         try:
             self._release(out)
         finally:
@@ -131,6 +175,14 @@ class DispatchCore(Generic[H]):
         waited behind a P3 request on upstreams with room for P1 and P2), and so may other
         models' requests (they had waited behind another model's backlog while their own
         upstreams sat idle)."""
+        stepped_aside: list[Request] = []
+        try:
+            self._release_heads(out, stepped_aside)
+        finally:
+            for ticket in stepped_aside:  # back in its place, as it was
+                self.flow.readmit(ticket)
+
+    def _release_heads(self, out: list[Released[H] | Dropped[H]], stepped_aside: list[Request]) -> None:
         while True:
             now = self._clock.now()
             head = self.flow.peek(now)
@@ -139,11 +191,17 @@ class DispatchCore(Generic[H]):
             held = self._held[head.request_id]
             decision = self.router.route(head.tier, held.prefix, held.model, held.exclude)
             if decision is None:
+                if held.exclude and self.router.route(head.tier, held.prefix, held.model) is not None:
+                    # Room only on upstreams this retried request failed on: it waits, and the
+                    # requests behind it may go there (it held its model's tier back).
+                    self.flow.step_aside(head)
+                    stepped_aside.append(head)
+                    continue
                 if self.router.candidates(held.model, held.exclude):
-                    self.flow.set_aside(head.tier, held.model)  # the head waits for room
+                    self.flow.set_aside(head.tier, held.group)  # the head waits for room
                     continue
                 self.cancel(head)
-                depth = self.flow.depth(head.tier, held.model)
+                depth = self.flow.depth(head.tier, held.group)
                 out.append(Dropped(held.handle, head.tier, "no_upstream", NO_UPSTREAM_RETRY_S, depth))
                 continue
             released = self.flow.release(now)

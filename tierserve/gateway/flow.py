@@ -2,7 +2,8 @@
 
 The queues are a tierserve scheduling policy (hybrid by default, with its aging and
 SLO rescue), so the gateway releases requests in the order the engine would admit them.
-Each model has queues of its own: a request waits only behind requests for its model
+Each model has queues of its own (`model`: the dispatcher passes its group of models that
+share upstreams, `DispatchCore.group`): a request waits only behind requests for its model
 (one queue for all let a backlog on one model hold another's requests while that model's
 upstreams sat idle, P0 included, until the backlog drained or they timed out). Across
 models the most urgent head goes first (tier, then time queued). Each tier has a cap on
@@ -72,6 +73,7 @@ class FlowControl:
         # a tier on (their queue holds those tiers).
         self._aside: set[str] = set()
         self._holding: set[str] = set()
+        self._aside_tickets: dict[str, Request] = {}  # single tickets out until `readmit`
 
     def _queue(self, model: str) -> Policy:
         queue = self._queues.get(model)
@@ -203,6 +205,16 @@ class FlowControl:
         ticket = self._queues[head[0]].pop(now)
         del self._model_of[ticket.request_id]
         return ticket
+
+    def step_aside(self, ticket: Request) -> None:
+        """Take `ticket` out of the queue until `readmit` (it keeps its place and its wait)."""
+        self._queues[self._model_of[ticket.request_id]].remove(ticket)
+        self._aside_tickets[ticket.request_id] = ticket
+
+    def readmit(self, ticket: Request) -> None:
+        """Put back a ticket `step_aside` took out, as it was (its time queued unchanged)."""
+        del self._aside_tickets[ticket.request_id]
+        self._queues[self._model_of[ticket.request_id]].add(ticket, ticket.arrival_time)
 
     def cancel(self, ticket: Request) -> None:
         """Take a ticket out whose client went away."""
