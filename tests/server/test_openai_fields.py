@@ -129,6 +129,9 @@ def test_neutral_values_and_text_content_are_served(client: openai.OpenAI, field
         ({"role": "assistant", "content": None, "tool_calls": "get_weather()"}, "messages.0.tool_calls"),
         ({"role": "assistant", "content": None, "tool_calls": ["get_weather()"]}, "messages.0.tool_calls.0"),
         ({"role": "tool", "content": "sunny", "tool_call_id": 1}, "messages.0.tool_call_id"),
+        # A call that is not a function's has no place in a template (vLLM refuses it too).
+        ({"role": "assistant", "content": None, "tool_calls": [{"type": "custom"}]}, "messages"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}, "messages"),
     ],
 )
 def test_a_tool_field_of_a_message_of_the_wrong_type_is_a_400_naming_it(

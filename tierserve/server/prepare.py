@@ -7,6 +7,7 @@ prompt or `max_tokens` beyond the context, or beyond the KV blocks the tier may 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,11 +230,29 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.name is not None:
         out["name"] = message.name
-    if message.role == "assistant" and message.tool_calls is not None:
-        out["tool_calls"] = message.tool_calls
+    if message.role == "assistant" and message.tool_calls:  # an empty list: a plain reply
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
     if message.role == "tool" and message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call as templates take it: its `function.arguments` an
+    object, not OpenAI's JSON string (templates write `arguments | tojson`: the string was
+    written quoted, escapes and all). Arguments that are not a JSON object are an empty one,
+    as vLLM makes them (the call is in the conversation's history: refusing it would refuse
+    every later turn too)."""
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise bad_request("messages: an assistant's tool_calls must be of type 'function'", "messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except json.JSONDecodeError:
+            arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
 
 
 def _encoded(state: ServerState, text: str) -> list[int]:

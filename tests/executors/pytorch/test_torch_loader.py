@@ -107,7 +107,7 @@ TOOL_CHAT = [
         "role": "assistant",
         "content": "",
         "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {}}}
         ],
     },
     {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
@@ -119,7 +119,7 @@ def test_tools_and_the_tool_fields_of_messages_reach_the_template(checkpoint: Ch
     and `tool_call_id`; a model without a template keeps its plain lines."""
     tok = load_model(checkpoint.path, CPU).tokenizer
     assert tok.decode(tok.apply_chat_template(TOOL_CHAT, tools=TOOLS)) == (
-        "<|tools|>get_weather;<|user|>[ann]weather in Paris?<|assistant|>[calls:get_weather]"
+        "<|tools|>get_weather;<|user|>[ann]weather in Paris?<|assistant|>[calls:get_weather{}]"
         "<|tool|>sunny[id:call_1]<|assistant|>"
     )
     with pytest.raises(

@@ -91,17 +91,26 @@ def test_tools_and_the_tool_fields_of_messages_reach_the_served_template(
     transformers = pytest.importorskip("transformers")
     tok = load_model(checkpoint.path, torch.device("cpu")).tokenizer
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    arguments = '{"city": "Paris"}'  # OpenAI's JSON string; templates take an object
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
     messages = [
         {"role": "user", "content": "weather in Paris?", "name": "ann"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Sunny.", "tool_calls": []},  # a plain reply, as vLLM reads it
     ]
-    # As vLLM renders it: transformers' template, no content as "".
+    # As vLLM renders it: transformers' template, no content as "", the arguments an object,
+    # an empty list of calls none.
     reference = transformers.AutoTokenizer.from_pretrained(checkpoint.path)
-    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    parsed = {**call, "function": {**call["function"], "arguments": {"city": "Paris"}}}
+    rendered = [
+        {k: v for k, v in m.items() if k != "tool_calls" or v} | {"content": m["content"] or ""}
+        for m in messages
+    ]
+    rendered[1]["tool_calls"] = [parsed]
     text = reference.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
-    assert "<|tools|>get_weather;" in text and "[ann]" in text and "[calls:get_weather]" in text
+    assert "<|tools|>get_weather;" in text and "[ann]" in text
+    assert '[calls:get_weather{"city": "Paris"}]' in text and "Sunny.<" in text
     assert "[id:call_1]" in text
     prompt = reference(text, add_special_tokens=False).input_ids
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)

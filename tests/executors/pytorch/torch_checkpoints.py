@@ -17,7 +17,8 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|tools|>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
     "{{ eos_token }}{% endif %}"  # tools, a message's name, calls and call id, as Llama-3.1's shows them
     "{% for m in messages %}<|{{ m['role'] }}|>{% if m.name %}[{{ m.name }}]{% endif %}{{ m['content'] }}"
-    "{% if m.tool_calls %}[calls:{% for c in m.tool_calls %}{{ c['function']['name'] }}{% endfor %}]"
+    "{% if m.tool_calls %}[calls:{% for c in m.tool_calls %}{{ c['function']['name'] }}"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}]"
     "{% endif %}"
     "{% if m.tool_call_id %}[id:{{ m.tool_call_id }}]{% endif %}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
