@@ -181,3 +181,10 @@ def test_progress_off_a_terminal_is_whole_lines_at_an_interval(monkeypatch: pyte
     for _ in output.progress_bar(range(4), desc="hf", out=log, miniters=1):
         pass
     assert len(log.getvalue().splitlines()) == 5
+    # A bar a terminal would clear at its end (bench engine's) still ends on its last line.
+    monkeypatch.setattr(output, "PROGRESS_LOG_INTERVAL_S", 30.0)
+    log = io.StringIO()
+    for _ in output.progress_bar(range(300), desc="tierserve", out=log, leave=False):
+        pass
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and "300/300" in lines[-1]

@@ -199,7 +199,8 @@ def progress_bar(iterable: Any = None, *, out: IO[str] | None = None, **kwargs: 
     isatty = getattr(out, "isatty", None)
     if isatty is not None and isatty():
         return tqdm(iterable, file=out, **kwargs)
-    kwargs = {"mininterval": PROGRESS_LOG_INTERVAL_S, "ascii": True, **kwargs}
+    # The last line stays (`leave`): off a terminal nothing is redrawn over it.
+    kwargs = {"mininterval": PROGRESS_LOG_INTERVAL_S, "ascii": True, **kwargs, "leave": True}
     return tqdm(iterable, file=_Lines(out), **kwargs)
 
 
