@@ -235,23 +235,32 @@ def test_a_queue_cap_of_zero_closes_the_tier_as_serve_does() -> None:
     asyncio.run(run())
 
 
+def _over(
+    clock: VirtualClock,
+    ups: list[UpstreamConfig],
+    models: dict[str, frozenset[str]] | None = None,
+    wait_s: float = 10.0,
+) -> tuple[Dispatcher, FlowControl]:
+    """A dispatcher over healthy `ups` (each listing `models[name]`, else any model)."""
+    router = Router(ups, GatewaySettings(), clock)
+    for up in ups:
+        router.record_success(up.name, (models or {}).get(up.name))
+    waits = {t: wait_s for t in ALL_TIERS}
+    flow = FlowControl(EngineConfig(), "hybrid", {t: 100 for t in ALL_TIERS}, waits, clock)
+    return Dispatcher(router, flow, GatewayMetrics(), clock), flow
+
+
 def test_a_backlog_for_one_model_holds_no_other_models_requests() -> None:
     """The reviewer's case: one 70B request waiting for a full upstream held every 8B request
     (P0 too, 1.9 s against its 0.5 s target) while the 8B upstream sat idle, until the 70B
     request timed out."""
 
     async def run() -> None:
-        clock = VirtualClock()
         ups = [
             UpstreamConfig("big", "openai", "http://127.0.0.1:1", max_in_flight=1),
             UpstreamConfig("small", "openai", "http://127.0.0.1:2", max_in_flight=4),
         ]
-        router = Router(ups, GatewaySettings(), clock)
-        router.record_success("big", frozenset({"70b"}))
-        router.record_success("small", frozenset({"8b"}))
-        waits = {t: 10.0 for t in ALL_TIERS}
-        flow = FlowControl(EngineConfig(), "hybrid", {t: 8 for t in ALL_TIERS}, waits, clock)
-        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        d, flow = _over(VirtualClock(), ups, {"big": frozenset({"70b"}), "small": frozenset({"8b"})})
         running = await d.acquire(Tier.P1, "t", "70b", "p")
         waiting = asyncio.create_task(d.acquire(Tier.P1, "t", "70b", "p"))
         await asyncio.sleep(0.01)
@@ -286,12 +295,7 @@ def test_a_retried_request_with_room_only_where_it_failed_holds_nobody_back() ->
             UpstreamConfig("u0", "openai", "http://127.0.0.1:1", max_in_flight=4),
             UpstreamConfig("u1", "openai", "http://127.0.0.1:2", max_in_flight=1),
         ]
-        router = Router(ups, GatewaySettings(), clock)
-        for up in ups:
-            router.record_success(up.name)
-        waits = {t: 10.0 for t in ALL_TIERS}
-        flow = FlowControl(EngineConfig(), "hybrid", {t: 8 for t in ALL_TIERS}, waits, clock)
-        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        d, flow = _over(clock, ups)
         busy = await d.acquire(Tier.P1, "t", "m", "p", exclude=["u0"])
         assert busy.upstream == "u1"  # u1 is full now
         retried = asyncio.create_task(d.acquire(Tier.P1, "t", "m", "p", exclude=["u0"], waited_s=1.0))
@@ -324,11 +328,7 @@ def test_models_an_upstream_serves_together_share_one_queue_and_its_fairness() -
     async def run() -> list[str]:
         clock = VirtualClock()
         up = UpstreamConfig("u", "openai", "http://127.0.0.1:1", max_in_flight=1)
-        router = Router([up], GatewaySettings(), clock)
-        router.record_success("u", frozenset({"llama", "llama-sql"}))
-        waits = {t: 100.0 for t in ALL_TIERS}
-        flow = FlowControl(EngineConfig(), "hybrid", {t: 100 for t in ALL_TIERS}, waits, clock)
-        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        d, _ = _over(clock, [up], {"u": frozenset({"llama", "llama-sql"})}, wait_s=100.0)
         assert d._core.group("llama-sql") == d._core.group("llama") == "llama"
         assert d._core.group("other") == "other"
         first = await d.acquire(Tier.P1, "heavy", "llama", "p")

@@ -69,6 +69,13 @@ def adapters(model: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture
+def lora_driver(lora_llm: Any) -> Iterator[Driver]:
+    driver = Driver(lora_llm, plugin=True)
+    yield driver
+    driver.abort_rest()
+
+
+@pytest.fixture
 def plugin(plugin_llm: Any) -> Iterator[Driver]:
     driver = Driver(plugin_llm, plugin=True)
     yield driver
@@ -729,66 +736,59 @@ def _run_checking_adapters(driver: Driver, max_steps: int) -> None:
     raise AssertionError(f"still running after {max_steps} steps")
 
 
-def test_a_p0_of_another_adapter_takes_the_slot_of_a_lower_tier(lora_llm: Any, adapters: Any) -> None:
+def test_a_p0_of_another_adapter_takes_the_slot_of_a_lower_tier(lora_driver: Driver, adapters: Any) -> None:
     """vLLM runs at most max_loras adapters and never preempts for a slot: a P0 of another
     adapter waited for the P3 to end (58 steps on vanilla vLLM), and the plug-in's P0-only
     step, which holds the P3 back, let vLLM admit the P0 beside it, and its next pass
     stopped the engine (an assertion on max_loras). The P0 takes the P3's slot now."""
-    driver = Driver(lora_llm, plugin=True)
+    driver = lora_driver
     a1, a2 = adapters
-    try:
-        driver.submit("p3", prompt(1, 40), 60, tier=3, lora=a1)
-        driver.steps(3)
-        driver.submit("p0", prompt(2, 40), 4, tier=0, lora=a2)
-        _run_checking_adapters(driver, 300)
-        assert driver.ttft_steps("p0") <= 2
-        assert driver.finished == {"p3": 1, "p0": 1} and len(driver.tokens["p3"]) == 60
-    finally:
-        driver.abort_rest()
+    driver.submit("p3", prompt(1, 40), 60, tier=3, lora=a1)
+    driver.steps(3)
+    driver.submit("p0", prompt(2, 40), 4, tier=0, lora=a2)
+    _run_checking_adapters(driver, 300)
+    assert driver.ttft_steps("p0") <= 2
+    assert driver.finished == {"p3": 1, "p0": 1} and len(driver.tokens["p3"]) == 60
 
 
-def test_a_request_whose_adapter_has_no_slot_waits_as_on_vllm(lora_llm: Any, adapters: Any) -> None:
+def test_a_request_whose_adapter_has_no_slot_waits_as_on_vllm(lora_driver: Driver, adapters: Any) -> None:
     """A P0 may not take a slot from another P0, nor a P3 from a P3: each waits for the
     slot, and base-model requests run meanwhile."""
-    driver = Driver(lora_llm, plugin=True)
+    driver = lora_driver
     a1, a2 = adapters
-    try:
-        driver.submit("p0-a", prompt(3, 40), 20, tier=0, lora=a1)
-        driver.submit("p3-a", prompt(4, 40), 20, tier=3, lora=a1)
-        driver.steps(2)
-        driver.submit("p0-b", prompt(5, 40), 4, tier=0, lora=a2)
-        driver.submit("p3-b", prompt(6, 40), 4, tier=3, lora=a2)
-        driver.submit("p1-base", prompt(7, 40), 4, tier=1)
-        _run_checking_adapters(driver, 400)
-        assert all(driver.finished[r] == 1 for r in driver.submitted_at)
-        # The base model's request did not wait for an adapter slot.
-        assert driver.first_token_step["p1-base"] < driver.first_token_step["p0-b"]
-        assert driver.first_token_step["p0-b"] > driver.first_token_step["p0-a"] + 15
-    finally:
-        driver.abort_rest()
+    driver.submit("p0-a", prompt(3, 40), 20, tier=0, lora=a1)
+    driver.submit("p3-a", prompt(4, 40), 20, tier=3, lora=a1)
+    driver.steps(2)
+    driver.submit("p0-b", prompt(5, 40), 4, tier=0, lora=a2)
+    driver.submit("p3-b", prompt(6, 40), 4, tier=3, lora=a2)
+    driver.submit("p1-base", prompt(7, 40), 4, tier=1)
+    _run_checking_adapters(driver, 400)
+    assert all(driver.finished[r] == 1 for r in driver.submitted_at)
+    # The base model's request did not wait for an adapter slot.
+    assert driver.first_token_step["p1-base"] < driver.first_token_step["p0-b"]
+    assert driver.first_token_step["p0-b"] > driver.first_token_step["p0-a"] + 15
 
 
-def test_a_running_request_held_back_a_step_keeps_its_adapters_slot(lora_llm: Any, adapters: Any) -> None:
+def test_a_running_request_held_back_a_step_keeps_its_adapters_slot(
+    lora_driver: Driver, adapters: Any
+) -> None:
     """vLLM counts the adapters of the requests its pass schedules: one sitting a step out
     (as the plug-in's P0-only and capped steps make the other tiers do) was not counted, and
     a waiting request of another adapter was admitted beside it."""
-    driver = Driver(lora_llm, plugin=True)
+    driver = lora_driver
     a1, a2 = adapters
-    try:
-        driver.submit("p3-a", prompt(8, 40), 30, tier=3, lora=a1)
-        driver.steps(2)
-        driver.submit("p3-b", prompt(9, 40), 4, tier=3, lora=a2)
-        scheduler = scheduler_of(lora_llm)
-        (held,) = scheduler.running
-        held.next_decode_eligible_step = scheduler.current_step + 2  # sits the next step out
-        _run_checking_adapters(driver, 300)
-        assert driver.finished == {"p3-a": 1, "p3-b": 1}
-        assert driver.first_token_step["p3-b"] > driver.submitted_at["p3-b"] + 25
-    finally:
-        driver.abort_rest()
+    driver.submit("p3-a", prompt(8, 40), 30, tier=3, lora=a1)
+    driver.steps(2)
+    driver.submit("p3-b", prompt(9, 40), 4, tier=3, lora=a2)
+    scheduler = scheduler_of(lora_driver.llm)
+    (held,) = scheduler.running
+    held.next_decode_eligible_step = scheduler.current_step + 2  # sits the next step out
+    _run_checking_adapters(driver, 300)
+    assert driver.finished == {"p3-a": 1, "p3-b": 1}
+    assert driver.first_token_step["p3-b"] > driver.submitted_at["p3-b"] + 25
 
 
-def test_a_skipped_head_takes_no_adapters_slot(lora_llm: Any, adapters: Any) -> None:
+def test_a_skipped_head_takes_no_adapters_slot(lora_driver: Driver, adapters: Any) -> None:
     """A P0 of another adapter whose grammar still compiles (vLLM skips it) had the P3's
     slot freed for it at every step: the P3 was preempted, readmitted in the same pass and
     preempted again, 10 times in 10 steps (a review)."""
@@ -796,50 +796,44 @@ def test_a_skipped_head_takes_no_adapters_slot(lora_llm: Any, adapters: Any) -> 
 
     from vllm.v1.request import RequestStatus
 
-    driver = Driver(lora_llm, plugin=True)
+    driver = lora_driver
     a1, a2 = adapters
-    sched = scheduler_of(lora_llm)
+    sched = scheduler_of(lora_driver.llm)
+    driver.submit("slot-p3", prompt(11, 40), 60, tier=3, lora=a1)
+    driver.steps(3)
+    driver.submit("slot-p0", prompt(12, 40), 4, tier=0, lora=a2)
+    (blocked,) = (r for rid, r in sched.requests.items() if rid.startswith("slot-p0"))
+    blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    blocked.structured_output_request = SimpleNamespace(grammar=None)  # not compiled yet
     try:
-        driver.submit("slot-p3", prompt(11, 40), 60, tier=3, lora=a1)
-        driver.steps(3)
-        driver.submit("slot-p0", prompt(12, 40), 4, tier=0, lora=a2)
-        (blocked,) = (r for rid, r in sched.requests.items() if rid.startswith("slot-p0"))
-        blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-        blocked.structured_output_request = SimpleNamespace(grammar=None)  # not compiled yet
-        try:
-            driver.steps(6)
-        finally:
-            blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None
-        assert _preemptions(sched, "slot-p3") == 0 and len(driver.tokens["slot-p3"]) >= 8
-        driver.steps(2)  # compiled: it takes the slot now
-        assert "slot-p0" in driver.first_token_step and _preemptions(sched, "slot-p3") == 1
-        _run_checking_adapters(driver, 200)
-        assert driver.finished == {"slot-p3": 1, "slot-p0": 1}
+        driver.steps(6)
     finally:
-        driver.abort_rest()
+        blocked.status, blocked.structured_output_request = RequestStatus.WAITING, None
+    assert _preemptions(sched, "slot-p3") == 0 and len(driver.tokens["slot-p3"]) >= 8
+    driver.steps(2)  # compiled: it takes the slot now
+    assert "slot-p0" in driver.first_token_step and _preemptions(sched, "slot-p3") == 1
+    _run_checking_adapters(driver, 200)
+    assert driver.finished == {"slot-p3": 1, "slot-p0": 1}
 
 
-def test_a_head_that_would_not_fit_takes_no_adapters_slot(lora_llm: Any, adapters: Any) -> None:
+def test_a_head_that_would_not_fit_takes_no_adapters_slot(lora_driver: Driver, adapters: Any) -> None:
     """The slot is part of the room made for the head, all or nothing: a P3 was preempted for
     a P0 of another adapter that P0's ceiling then kept out, and lost 10 steps (a review)."""
-    driver = Driver(lora_llm, plugin=True)
+    driver = lora_driver
     a1, a2 = adapters
-    sched = scheduler_of(lora_llm)
+    sched = scheduler_of(lora_driver.llm)
     ceiling = sched.ledger.partition.ceiling[Tier.P0]
-    try:
-        # Base-model P0 requests hold all but a block of P0's ceiling (none is its victim).
-        for k in range(2):
-            driver.submit(f"full-p0-{k}", prompt(13 + k, 360), 20, tier=0)
-        driver.submit("full-p3", prompt(16, 40), 60, tier=3, lora=a1)
-        started = {"full-p0-0", "full-p0-1", "full-p3"}
-        driver.run(20, until=lambda: started <= driver.first_token_step.keys())
-        assert ceiling - sched.ledger.used[Tier.P0] <= 2
-        driver.submit("full-p0-b", prompt(15, 150), 4, tier=0, lora=a2)  # 5 blocks
-        before = len(driver.tokens["full-p3"])
-        driver.steps(4)
-        assert _preemptions(sched, "full-p3") == 0 and len(driver.tokens["full-p3"]) - before == 4
-        assert "full-p0-b" not in driver.first_token_step
-        _run_checking_adapters(driver, 300)
-        assert all(driver.finished[r] == 1 for r in driver.submitted_at)
-    finally:
-        driver.abort_rest()
+    # Base-model P0 requests hold all but a block of P0's ceiling (none is its victim).
+    for k in range(2):
+        driver.submit(f"full-p0-{k}", prompt(13 + k, 360), 20, tier=0)
+    driver.submit("full-p3", prompt(16, 40), 60, tier=3, lora=a1)
+    started = {"full-p0-0", "full-p0-1", "full-p3"}
+    driver.run(20, until=lambda: started <= driver.first_token_step.keys())
+    assert ceiling - sched.ledger.used[Tier.P0] <= 2
+    driver.submit("full-p0-b", prompt(15, 150), 4, tier=0, lora=a2)  # 5 blocks
+    before = len(driver.tokens["full-p3"])
+    driver.steps(4)
+    assert _preemptions(sched, "full-p3") == 0 and len(driver.tokens["full-p3"]) - before == 4
+    assert "full-p0-b" not in driver.first_token_step
+    _run_checking_adapters(driver, 300)
+    assert all(driver.finished[r] == 1 for r in driver.submitted_at)
