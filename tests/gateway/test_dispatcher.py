@@ -319,17 +319,19 @@ def test_models_an_upstream_serves_together_share_one_queue_and_its_fairness() -
     51st, tenant fairness lost across the queues), where one queue released it second."""
     from tierserve.gateway.dispatch_core import ALL_MODELS, model_groups
 
-    groups = model_groups(
-        [frozenset({"llama", "llama-sql"}), frozenset({"8b"}), frozenset({"sql", "llama-sql"})]
-    )
-    assert groups == {"llama": "llama", "llama-sql": "llama", "sql": "llama", "8b": "8b"}
-    assert model_groups([frozenset({"8b"}), frozenset()]) == {}  # one serves any: one queue
+    llama, chat = frozenset({"llama", "llama-sql"}), frozenset({"llama", "llama-chat"})
+    groups = model_groups([("u1", llama), ("u2", llama), ("u3", frozenset({"8b"})), ("u4", chat)])
+    # Served by the same upstreams: one group; sharing only some of them, apart (a head of
+    # llama-sql with no room held llama-chat back while u4 sat idle).
+    assert groups["llama-sql"] == "u1\0u2" and groups["8b"] == "u3" and groups["llama-chat"] == "u4"
+    assert groups["llama"] == "u1\0u2\0u4"
+    assert model_groups([("u1", frozenset({"8b"})), ("u2", frozenset())]) == {}  # one serves any
 
     async def run() -> list[str]:
         clock = VirtualClock()
         up = UpstreamConfig("u", "openai", "http://127.0.0.1:1", max_in_flight=1)
         d, _ = _over(clock, [up], {"u": frozenset({"llama", "llama-sql"})}, wait_s=100.0)
-        assert d._core.group("llama-sql") == d._core.group("llama") == "llama"
+        assert d._core.group("llama-sql") == d._core.group("llama") == "u"
         assert d._core.group("other") == "other"
         first = await d.acquire(Tier.P1, "heavy", "llama", "p")
         order: list[str] = []
@@ -352,3 +354,67 @@ def test_models_an_upstream_serves_together_share_one_queue_and_its_fairness() -
     order = asyncio.run(run())
     assert order.index("light") <= 2 and len(order) == 21
     assert ALL_MODELS == "*"
+
+
+def test_an_upstream_not_yet_admitted_puts_no_two_models_in_one_queue() -> None:
+    """An upstream that never passed a check lists no model yet, which read as "serves any":
+    every model shared one queue, and a backlog on one held another's requests while that
+    model's own upstream sat idle (a review)."""
+
+    async def run() -> bool:
+        clock = VirtualClock()
+        ups = [
+            UpstreamConfig("a", "openai", "http://127.0.0.1:1", max_in_flight=1),
+            UpstreamConfig("b", "openai", "http://127.0.0.1:2", max_in_flight=4),
+            UpstreamConfig("starting", "openai", "http://127.0.0.1:3"),  # never answers a check
+        ]
+        router = Router(ups, GatewaySettings(), clock)
+        router.record_success("a", frozenset({"ma"}))
+        router.record_success("b", frozenset({"mb"}))
+        flow = FlowControl(
+            EngineConfig(), "hybrid", {t: 100 for t in ALL_TIERS}, {t: 10.0 for t in ALL_TIERS}, clock
+        )
+        d = Dispatcher(router, flow, GatewayMetrics(), clock)
+        busy = await d.acquire(Tier.P1, "t", "ma", "p")
+        backlog = [asyncio.create_task(d.acquire(Tier.P1, "t", "ma", "p")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        other = await asyncio.wait_for(d.acquire(Tier.P1, "u", "mb", "q"), 1.0)
+        assert other.upstream == "b"
+        for task in backlog:
+            task.cancel()
+        await asyncio.gather(*backlog, return_exceptions=True)
+        d.finished(busy)
+        return True
+
+    assert asyncio.run(run())
+
+
+def test_a_request_stepping_aside_keeps_its_place_before_its_tenants_younger_ones() -> None:
+    """Taken out and added again, it went behind its tenant's younger requests (a review)."""
+    from tierserve.gateway.dispatch_core import DispatchCore, Released
+
+    clock = VirtualClock()
+    ups = [
+        UpstreamConfig(n, "openai", f"http://127.0.0.1:{i + 1}", max_in_flight=1)
+        for i, n in enumerate(("u0", "u1"))
+    ]
+    router = Router(ups, GatewaySettings(), clock)
+    for up in ups:
+        router.record_success(up.name)
+    flow = FlowControl(
+        EngineConfig(), "hybrid", {t: 50 for t in ALL_TIERS}, {t: 30.0 for t in ALL_TIERS}, clock
+    )
+    core: DispatchCore[str] = DispatchCore(router, flow, clock)
+    busy0, busy1 = core.route_now(Tier.P1, "x", "m"), core.route_now(Tier.P1, "y", "m")
+    assert busy0 is not None and busy1 is not None
+    core.enqueue("A", Tier.P1, "t", "m", "p", [busy0.upstream], waited_s=5.0)  # a retry
+    clock.elapse(0.1)
+    core.enqueue("B", Tier.P1, "t", "m", "p")
+    clock.elapse(0.1)
+    core.enqueue("C", Tier.P1, "t", "m", "p")
+    order = []
+    for upstream in (busy0.upstream, busy1.upstream):  # room where A failed, then where it may go
+        core.finished(upstream, Tier.P1)
+        order += [f"{e.handle}->{e.decision.upstream}" for e in core.pump() if isinstance(e, Released)]
+        clock.elapse(0.1)
+    assert order == [f"B->{busy0.upstream}", f"A->{busy1.upstream}"]

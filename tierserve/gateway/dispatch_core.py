@@ -59,28 +59,18 @@ class _Held(Generic[H]):
 ALL_MODELS = "*"  # the queue of every model, where an upstream serves any
 
 
-def model_groups(served: Iterable[frozenset[str]]) -> dict[str, str]:
-    """Each model's group: the models an upstream serves together are one group, and so are
-    groups joined by an upstream they share (each named by its first model). ALL_MODELS for
-    every model where an upstream serves any (an empty list)."""
-    parent: dict[str, str] = {}
-
-    def root(m: str) -> str:
-        while parent[m] != m:
-            parent[m] = parent[parent[m]]
-            m = parent[m]
-        return m
-
-    for models in served:
+def model_groups(served: Iterable[tuple[str, frozenset[str]]]) -> dict[str, str]:
+    """Each model's group, from each upstream's (name, models it lists): the models served
+    by the same upstreams, named by those upstreams (models sharing only some upstreams are
+    apart: a head of one with no room held back the other, whose own upstream was idle).
+    Empty where an upstream lists no model (it serves any): one queue for every model."""
+    upstreams_of: dict[str, list[str]] = {}
+    for name, models in served:
         if not models:
             return {}
-        first, *rest = sorted(models)
-        parent.setdefault(first, first)
-        for m in rest:
-            parent.setdefault(m, m)
-            a, b = sorted((root(first), root(m)))
-            parent[b] = a
-    return {m: root(m) for m in parent}
+        for model in models:
+            upstreams_of.setdefault(model, []).append(name)
+    return {model: "\0".join(sorted(names)) for model, names in upstreams_of.items()}
 
 
 class DispatchCore(Generic[H]):
@@ -93,14 +83,15 @@ class DispatchCore(Generic[H]):
         self._groups: dict[str, str] = {}
 
     def group(self, model: str) -> str:
-        """The flow control's queue for `model`: one per group of models that upstreams serve
-        together (`model_groups`). Apart, a backlog on one model held another's requests
+        """The flow control's queue for `model`: one per group of models the same upstreams
+        serve (`model_groups`). Apart, a backlog on one model held another's requests
         while that model's upstreams sat idle; one queue for models that share upstreams
         keeps the policy's tenant fairness and aging among them (vLLM lists each LoRA adapter
         as a model of its own)."""
-        served = tuple((s.name, s.models) for s in self.router.states)
+        # An upstream not yet admitted lists no model yet: not one that serves any.
+        served = tuple((s.name, s.models) for s in self.router.states if s.healthy or s.models)
         if served != self._served:
-            self._served, self._groups = served, model_groups(m for _, m in served)
+            self._served, self._groups = served, model_groups(served)
         return self._groups.get(model, ALL_MODELS if not self._groups else model)
 
     def route_now(
@@ -179,7 +170,7 @@ class DispatchCore(Generic[H]):
         try:
             self._release_heads(out, stepped_aside)
         finally:
-            for ticket in stepped_aside:  # back in its place, as it was
+            for ticket in reversed(stepped_aside):  # back in its place, as it was
                 self.flow.readmit(ticket)
 
     def _release_heads(self, out: list[Released[H] | Dropped[H]], stepped_aside: list[Request]) -> None:
@@ -194,7 +185,7 @@ class DispatchCore(Generic[H]):
                 if held.exclude and self.router.route(head.tier, held.prefix, held.model) is not None:
                     # Room only on upstreams this retried request failed on: it waits, and the
                     # requests behind it may go there (it held its model's tier back).
-                    self.flow.step_aside(head)
+                    self.flow.step_aside(head, now)
                     stepped_aside.append(head)
                     continue
                 if self.router.candidates(held.model, held.exclude):

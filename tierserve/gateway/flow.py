@@ -81,6 +81,7 @@ class FlowControl:
             if len(self._queues) >= MAX_IDLE_QUEUES:  # models gone from the fleet leave none behind
                 self._queues = {m: q for m, q in self._queues.items() if len(q)}
             queue = self._queues[model] = create_policy(self._policy_name, self._engine_config)
+            queue.keep_undo(True)  # a ticket stepped aside goes back as it was (`readmit`)
         return queue
 
     def depth(self, tier: Tier | None = None, model: str | None = None) -> int:
@@ -190,11 +191,13 @@ class FlowControl:
         self._holding.add(model)
 
     def end_pass(self) -> None:
-        """Bring back what `set_aside` left out."""
+        """Bring back what `set_aside` left out; what the pass popped is gone for good."""
         for model in self._holding:
             self._queues[model].release_held()
         self._holding.clear()
         self._aside.clear()
+        for queue in self._queues.values():
+            queue.forget_undo()
 
     def release(self, now: float | None = None) -> Request | None:
         """Take the next ticket out, in the policy's order, for an upstream that has room."""
@@ -206,15 +209,19 @@ class FlowControl:
         del self._model_of[ticket.request_id]
         return ticket
 
-    def step_aside(self, ticket: Request) -> None:
-        """Take `ticket` out of the queue until `readmit` (it keeps its place and its wait)."""
-        self._queues[self._model_of[ticket.request_id]].remove(ticket)
+    def step_aside(self, ticket: Request, now: float) -> None:
+        """Take `ticket`, the head `peek(now)` showed, out of the queue until `readmit`, in the
+        same pass: popped, to be put back as it was (removed and added again, it went behind
+        its tenant's younger requests, and expired first)."""
+        queue = self._queues[self._model_of[ticket.request_id]]
+        if queue.pop(now) is not ticket:
+            raise RuntimeError(f"step_aside: {ticket.request_id} is not its queue's head")
         self._aside_tickets[ticket.request_id] = ticket
 
     def readmit(self, ticket: Request) -> None:
-        """Put back a ticket `step_aside` took out, as it was (its time queued unchanged)."""
+        """Put back a ticket `step_aside` took out in this pass (the last taken first)."""
         del self._aside_tickets[ticket.request_id]
-        self._queues[self._model_of[ticket.request_id]].add(ticket, ticket.arrival_time)
+        self._queues[self._model_of[ticket.request_id]].put_back(ticket, self._clock.now())
 
     def cancel(self, ticket: Request) -> None:
         """Take a ticket out whose client went away."""
