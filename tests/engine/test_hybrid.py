@@ -823,3 +823,37 @@ def test_a_p3_request_back_in_the_queue_is_shed_by_its_time_there() -> None:
     policy.prepend(back, 100.0)  # arrived long ago, ran, preempted by recompute at 100 s
     assert policy.to_shed(109.0) == []
     assert [r for r, _ in policy.to_shed(111.0)] == [back]
+
+
+def test_p0_set_aside_as_stuck_stays_aside_once_a_p0_that_ran_then_has_ended() -> None:
+    """The guard that stops keeping a step's tokens for P0 prompts that cannot come in
+    lifted itself at every pass once a P0 request running when it was set had ended: every
+    step was kept for a P0 prompt over its ceiling (blocks charged to P0 held by a P1 prompt
+    only those tokens would finish), and the engine stood still (a randomized driver found it)."""
+    from tierserve.executors.sim import build_sim_executor
+
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    executor = build_sim_executor("demo", "a100-80gb", 1, num_device_blocks=40)  # P0's ceiling: 16 blocks
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    shared = list(range(1, 33))  # two full blocks
+
+    def add(rid: str, prompt: list[int], max_tokens: int, tier: Tier) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        assert eng.add_request(Request(rid, prompt, params, tier=tier, arrival_time=eng.clock.now()))
+
+    add("S", [*shared, 99], 6, Tier.P0)
+    add("X", [7], 12, Tier.P0)  # running when P0 is set aside, then ends
+    for _ in range(3):
+        eng.step()
+    add("B", [*shared, *range(500, 700)], 2, Tier.P1)  # holds S's blocks, on P0's count
+    eng.step()
+    add("W", list(range(1000, 1225)), 20, Tier.P0)  # 15 blocks: over the ceiling
+    idle = 0  # passes in a row that ran nothing: one, to try the P0 again as a P0 ends
+    for _ in range(3000):
+        if not eng.has_unfinished():
+            break
+        before = (eng.clock.now(), eng.stats.num_steps)
+        eng.step()
+        idle = idle + 1 if (eng.clock.now(), eng.stats.num_steps) == before else 0
+        assert idle <= 1, "the engine stands still with work to do"
+    assert not eng.has_unfinished()

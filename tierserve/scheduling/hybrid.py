@@ -472,6 +472,8 @@ class HybridPolicy(FairQueuePolicy):
             prefilling = prefilling_of(running)  # one scan of the running
         if self._p0_stuck:
             self._p0_stuck = self._still_stuck(running)
+            if not self._p0_stuck:  # counted afresh if it sticks again (`end_step`): kept as it
+                self._p0_running_when_stuck = None  # was, a P0 that had ended lifted it every pass
         self._p0_kept_for = not self._p0_stuck and bool(self.num_waiting(Tier.P0))
         self._p0_by_length = self._p0_prompts(prefilling, waiting=self._p0_kept_for)
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
