@@ -73,7 +73,6 @@ class FlowControl:
         # a tier on (their queue holds those tiers).
         self._aside: set[str] = set()
         self._holding: set[str] = set()
-        self._aside_tickets: dict[str, Request] = {}  # single tickets out until `readmit`
 
     def _queue(self, model: str) -> Policy:
         queue = self._queues.get(model)
@@ -216,11 +215,9 @@ class FlowControl:
         queue = self._queues[self._model_of[ticket.request_id]]
         if queue.pop(now) is not ticket:
             raise RuntimeError(f"step_aside: {ticket.request_id} is not its queue's head")
-        self._aside_tickets[ticket.request_id] = ticket
 
     def readmit(self, ticket: Request) -> None:
         """Put back a ticket `step_aside` took out in this pass (the last taken first)."""
-        del self._aside_tickets[ticket.request_id]
         self._queues[self._model_of[ticket.request_id]].put_back(ticket, self._clock.now())
 
     def cancel(self, ticket: Request) -> None:

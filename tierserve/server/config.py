@@ -323,38 +323,28 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
     )
     _reject_unknown("server", raw, known)
     base = ServerSettings()
-    port = int(_number("server.port", raw.get("port", base.port), minimum=0, integer=True))
-    if port > 65535:
-        raise ConfigError(f"server.port: must be <= 65535, got {port}")
-    share = _number(
-        "server.large_body_share",
-        raw.get("large_body_share", base.large_body_share),
-        minimum=0.0,
-        strict=True,
-    )
-    if share > 1.0:
-        raise ConfigError(f"server.large_body_share: a share of the time, at most 1, got {share:g}")
 
     def whole(key: str) -> int:
         """A positive whole-number setting, its default where the file gives none."""
         return int(_number(f"server.{key}", raw.get(key, getattr(base, key)), minimum=1, integer=True))
 
+    def flag(key: str) -> bool:
+        """A true/false setting, its default where the file gives none."""
+        return _bool(f"server.{key}", raw.get(key, getattr(base, key)))
+
     max_body, max_buffered = _body_sizes(raw, base, whole)
     return ServerSettings(
         host=_string("server.host", raw.get("host", base.host)),
-        port=port,
+        port=_port(raw.get("port", base.port)),
         max_body_bytes=max_body,
         max_buffered_body_bytes=max_buffered,
-        large_body_share=share,
+        large_body_share=_large_body_share(raw.get("large_body_share", base.large_body_share)),
         large_body_queue=whole("large_body_queue"),
         default_max_tokens=whole("default_max_tokens"),
-        tenant_header=_bool("server.tenant_header", raw.get("tenant_header", base.tenant_header)),
+        tenant_header=flag("tenant_header"),
         default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
-        allow_anonymous=_bool("server.allow_anonymous", raw.get("allow_anonymous", base.allow_anonymous)),
-        share_prefix_cache_across_tenants=_bool(
-            "server.share_prefix_cache_across_tenants",
-            raw.get("share_prefix_cache_across_tenants", base.share_prefix_cache_across_tenants),
-        ),
+        allow_anonymous=flag("allow_anonymous"),
+        share_prefix_cache_across_tenants=flag("share_prefix_cache_across_tenants"),
         api_docs=None if "api_docs" not in raw else _bool("server.api_docs", raw["api_docs"]),
         drain_timeout_s=_number(
             "server.drain_timeout_s", raw.get("drain_timeout_s", base.drain_timeout_s), minimum=0.0
@@ -367,6 +357,20 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         ),
         http=parse_http_limits(_table("server.http", raw.get("http", {}))),
     )
+
+
+def _port(raw: Any) -> int:
+    port = int(_number("server.port", raw, minimum=0, integer=True))
+    if port > 65535:
+        raise ConfigError(f"server.port: must be <= 65535, got {port}")
+    return port
+
+
+def _large_body_share(raw: Any) -> float:
+    share = _number("server.large_body_share", raw, minimum=0.0, strict=True)
+    if share > 1.0:
+        raise ConfigError(f"server.large_body_share: a share of the time, at most 1, got {share:g}")
+    return share
 
 
 def _body_sizes(raw: Mapping[str, Any], base: ServerSettings, whole: Callable[[str], int]) -> tuple[int, int]:

@@ -395,18 +395,17 @@ class TierScheduler(Scheduler):
         tier = self.book.tier(head.request_id)
         # A head whose adapter has no slot takes one adapter's, as part of the room made for
         # it (all or nothing): the requests of that adapter go first.
-        slot_from = [] if _skipped(self, head) else self._lora_victims(head)
+        skipped = _skipped(self, head)
+        slot_from = [] if skipped else self._lora_victims(head)  # the head leads its burst then
         loras = self._running_loras() - {_lora_id(r) for r in slot_from}
         # A request vLLM skips this pass (its grammar compiling, say) takes no room: room made
         # for it, and the P0-only step around it, were steps with nothing to run.
         if tier is Tier.P0:
             burst = self._p0_burst(head, loras)
         else:
-            burst = [] if _skipped(self, head) or not self._lora_has_slot(head, loras) else [head]
+            burst = [] if skipped or not self._lora_has_slot(head, loras) else [head]
         if not burst:
             return None
-        if burst[0] is not head:
-            slot_from = []  # the slot was for the head, which vLLM will not admit
         first = self.book.get(burst[0].request_id).shadow
         groups = [burst] if len(burst) == 1 else [burst, burst[:1]]  # the burst, else its first alone
         for group in groups:
