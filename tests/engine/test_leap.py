@@ -90,12 +90,18 @@ def test_fast_mode_leaps_while_requests_wait_and_gives_the_step_by_step_results(
     step, fast = _small_cache_run(False, policy), _small_cache_run(True, policy)
     monkeypatch.setattr(POLICIES[policy], "leaps_while_waiting", False)
     only_idle = _small_cache_run(True, policy)
-    assert sum(r.num_memory_waits for r in step.records) > 0
+    # Memory runs short: requests wait for it, or are preempted (strict's P0 never waits).
+    assert sum(r.num_memory_waits + r.num_swaps + r.num_recomputes for r in step.records) > 0
     for run in (fast, only_idle):
         for a, b in ((step.records, run.records), (step.window, run.window), (step.end_s, run.end_s)):
             comparison = compare(a, b)
             assert comparison.mismatches == 0 and comparison.max_rel_diff == 0.0
-    assert fast.stats.num_leapt_steps > only_idle.stats.num_leapt_steps
+    if policy == "sglang-priority":
+        # A head short of blocks might preempt (any lower priority past the threshold may
+        # be its victim), so its pass is never known to admit nobody: no more leaps here.
+        assert fast.stats.num_leapt_steps >= only_idle.stats.num_leapt_steps
+    else:
+        assert fast.stats.num_leapt_steps > only_idle.stats.num_leapt_steps
 
 
 def test_fast_mode_equals_step_mode_when_a_tier_waits_at_its_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:

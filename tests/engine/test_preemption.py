@@ -272,3 +272,75 @@ def test_a_p0_that_waits_for_memory_a_lower_tier_holds_is_counted() -> None:
         assert (p0.num_memory_waits == 0) is not waits
         run(eng)
         assert p3.num_memory_waits == 0  # it never waited: it was first
+
+
+def test_a_swapped_request_leaves_the_only_seat_to_a_waiting_p0() -> None:
+    # One seat: a P1 swapped out for one P0 does not come back into the seat a second,
+    # waiting P0 takes in the same pass (swapped in, it was swapped out again for that P0
+    # a pass later: two swaps for nothing, and the P0 a step late).
+    executor = NullExecutor(num_device_blocks=100, num_host_blocks=200, block_size=16)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=1),
+        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    )
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    p1 = make_request(num_prompt=50, max_tokens=40, tier=Tier.P1)
+    start(eng, p1)
+    first = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(first)
+    eng.step()
+    assert p1.status is RequestStatus.SWAPPED and first.status is RequestStatus.RUNNING
+    second = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(second)
+    while first.status is RequestStatus.RUNNING:
+        assert second.status is RequestStatus.WAITING
+        eng.step()
+    eng.step()  # the pass after the first P0 ended
+    assert second.status is RequestStatus.RUNNING and p1.status is RequestStatus.SWAPPED
+    run(eng)
+    assert p1.num_output_tokens == 40 and p1.num_preemptions == 1
+    assert [e.kind for e in p1.events].count(EventKind.PREEMPTED_SWAP) == 1
+    assert second.num_memory_waits == 0
+
+
+def test_a_swapped_request_leaves_the_blocks_a_waiting_p0_can_take() -> None:
+    # The same with memory instead of seats: coming back, the P1 would take blocks the
+    # waiting P0 needs, and the P0 would wait for memory a lower tier holds.
+    eng = make_engine(blocks=100, swap_factor=1e9)  # P0: floor 15, ceiling 40 blocks
+    p1 = make_request(num_prompt=16 * 70 - 1, max_tokens=40, tier=Tier.P1)
+    start(eng, p1)
+    first = make_request(num_prompt=16 * 38 - 1, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(first)
+    eng.step()
+    assert p1.status is RequestStatus.SWAPPED and first.status is RequestStatus.RUNNING
+    second = make_request(num_prompt=16 * 38 - 1, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(second)
+    while first.status is RequestStatus.RUNNING:
+        eng.step()
+    eng.step()
+    assert second.status is RequestStatus.RUNNING and p1.status is RequestStatus.SWAPPED
+    run(eng)
+    assert p1.num_output_tokens == 40 and p1.num_preemptions == 1
+    assert second.num_memory_waits == 0
+
+
+def test_fcfs_brings_swapped_requests_back_oldest_first_whatever_their_tier() -> None:
+    # Every running request is of one tier, so that tier holds every used block of the
+    # flat pool: the oldest swapped request finding no room stops the others (a ceiling
+    # of the whole pool read as that tier's own let a newer, smaller one come back first).
+    eng = make_engine("fcfs", blocks=11, swap_factor=1e9)
+    a = make_request(num_prompt=16 * 5 + 2, max_tokens=8, tier=Tier.P2, arrival=0.0)  # 6 blocks
+    b = make_request(num_prompt=2, max_tokens=8, tier=Tier.P2, arrival=0.001)  # 1 block
+    growing = [
+        make_request(num_prompt=15, max_tokens=30, tier=Tier.P2, arrival=0.002 + i / 1000) for i in range(4)
+    ]  # 1 block each, a second one at their third pass
+    start(eng, a, b, *growing)
+    assert eng.preempt(a.request_id) and eng.preempt(b.request_id)
+    eng.step()
+    assert a.status is RequestStatus.SWAPPED and b.status is RequestStatus.SWAPPED
+    eng.step()  # the four grow into 4 of the 7 free blocks: 3 left, too few for `a`
+    assert eng.memory.num_free_blocks == 3
+    assert a.status is RequestStatus.SWAPPED and b.status is RequestStatus.SWAPPED
+    run(eng)
+    back = {r.request_id: next(e.time for e in r.events if e.kind is EventKind.SWAPPED_IN) for r in (a, b)}
+    assert back[a.request_id] <= back[b.request_id]

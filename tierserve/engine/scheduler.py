@@ -217,7 +217,8 @@ class Scheduler:
             i += 1
 
     def _swap_in(self, step: StepBudget, prefilling: list[Request], now: float) -> None:
-        """Swapped requests come back, in `running_key` order, before new admissions."""
+        """Swapped requests come back, in `running_key` order, before new admissions, but
+        not into room that a more urgent waiting request can take now."""
         life, memory = self.lifecycle, self.memory
         just_preempted = {r for r, _ in step.preempted}
         for req in list(life.swapped):
@@ -225,6 +226,8 @@ class Scheduler:
                 break
             if not self.policy.may_swap_in(req):
                 continue  # held out by its policy; others may still come back
+            if self._yields_to_head(req, step, now):
+                continue
             mapping = memory.swap_in(req)
             if mapping is Alloc.OVER_CEILING:
                 continue  # its tier is full; others may still come back
@@ -237,6 +240,30 @@ class Scheduler:
                 prefilling.append(req)
             elif step.tokens_left >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
                 step.add_decode(req)
+
+    def _yields_to_head(self, req: Request, step: StepBudget, now: float) -> bool:
+        """Whether swapped-out `req` stays out this pass for the policy's waiting head: one
+        it does not come back before (`returns_first`), which this pass admits into a seat
+        or blocks that `req` coming back would take. (Swapped in, `req` was preempted again
+        for the head at the next pass: a swap each way for nothing, and the head a step late
+        and counted as waiting for memory a lower tier held.)"""
+        policy, life, memory = self.policy, self.lifecycle, self.memory
+        head = policy.peek(now)
+        if head is None or policy.returns_first(req, head):
+            return False
+        if step.tokens_left < 1 or not step.has_prefill_room(head.tier):
+            return False  # `_admit` would not take the head this pass: `req` may use the room
+        if step.preempted and not policy.admits_after_preemption:
+            return False
+        if any(policy.returns_first(s, head) for s in life.swapped) or not policy.may_admit(head, memory):
+            return False
+        if memory.admit_status_after(head, [0] * len(ALL_TIERS)) is not Alloc.OK:
+            return False  # the head cannot come in now, with or without `req`
+        if len(life.running) + 1 >= step.seats:
+            return True
+        taken = [0] * len(ALL_TIERS)
+        taken[req.tier] = len(req.host_block_ids)
+        return memory.admit_status_after(head, taken) is not Alloc.OK
 
     def _prefill_running(self, step: StepBudget, prefilling: list[Request]) -> None:
         for req in prefilling:
