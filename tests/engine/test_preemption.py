@@ -274,16 +274,20 @@ def test_a_p0_that_waits_for_memory_a_lower_tier_holds_is_counted() -> None:
         assert p3.num_memory_waits == 0  # it never waited: it was first
 
 
-def test_a_swapped_request_leaves_the_only_seat_to_a_waiting_p0() -> None:
-    # One seat: a P1 swapped out for one P0 does not come back into the seat a second,
-    # waiting P0 takes in the same pass (swapped in, it was swapped out again for that P0
-    # a pass later: two swaps for nothing, and the P0 a step late).
+def one_seat_engine() -> Engine:
     executor = NullExecutor(num_device_blocks=100, num_host_blocks=200, block_size=16)
     config = EngineConfig(
         scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=1),
         policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
     )
-    eng = Engine(config, "hybrid", executor, VirtualClock())
+    return Engine(config, "hybrid", executor, VirtualClock())
+
+
+def test_a_swapped_request_leaves_the_only_seat_to_a_waiting_p0() -> None:
+    # One seat: a P1 swapped out for one P0 does not come back into the seat a second,
+    # waiting P0 takes in the same pass (swapped in, it was swapped out again for that P0
+    # a pass later: two swaps for nothing, and the P0 a step late).
+    eng = one_seat_engine()
     p1 = make_request(num_prompt=50, max_tokens=40, tier=Tier.P1)
     start(eng, p1)
     first = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
@@ -301,6 +305,26 @@ def test_a_swapped_request_leaves_the_only_seat_to_a_waiting_p0() -> None:
     assert p1.num_output_tokens == 40 and p1.num_preemptions == 1
     assert [e.kind for e in p1.events].count(EventKind.PREEMPTED_SWAP) == 1
     assert second.num_memory_waits == 0
+
+
+def test_a_swapped_request_comes_back_before_a_head_that_may_not_take_its_place() -> None:
+    # Hybrid's P2 takes no seat from P3 (while P3 does not step aside): the P3 swapped out
+    # for a P0 comes back when the P0 ends, before a P2 that arrived meanwhile.
+    eng = one_seat_engine()
+    p3 = make_request(num_prompt=50, max_tokens=10, tier=Tier.P3)
+    start(eng, p3)
+    p0 = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p3.status is RequestStatus.SWAPPED
+    p2 = make_request(num_prompt=20, max_tokens=3, tier=Tier.P2, arrival=eng.clock.now())
+    eng.add_request(p2)
+    while p0.status is RequestStatus.RUNNING:
+        eng.step()
+    eng.step()
+    assert p3.status is RequestStatus.RUNNING and p2.status is RequestStatus.WAITING
+    run(eng)
+    assert p3.num_preemptions == 1 and p2.num_output_tokens == 3
 
 
 def test_a_swapped_request_leaves_the_blocks_a_waiting_p0_can_take() -> None:

@@ -242,11 +242,12 @@ class Scheduler:
                 step.add_decode(req)
 
     def _yields_to_head(self, req: Request, step: StepBudget, now: float) -> bool:
-        """Whether swapped-out `req` stays out this pass for the policy's waiting head: one
-        it does not come back before (`returns_first`), which this pass admits into a seat
-        or blocks that `req` coming back would take. (Swapped in, `req` was preempted again
-        for the head at the next pass: a swap each way for nothing, and the head a step late
-        and counted as waiting for memory a lower tier held.)"""
+        """Whether swapped-out `req` stays out this pass for the policy's waiting head: a
+        head that this pass admits into a seat or blocks that `req` coming back would take,
+        and that may preempt `req` for them. (Swapped in, `req` was preempted again for the
+        head at the next pass: a swap each way for nothing, the head a step late and counted
+        as waiting for memory a lower tier held.) Where the head may not take `req`'s place,
+        `req` comes back first, as a running request would keep its place."""
         policy, life, memory = self.policy, self.lifecycle, self.memory
         head = policy.peek(now)
         if head is None or policy.returns_first(req, head):
@@ -260,10 +261,15 @@ class Scheduler:
         if memory.admit_status_after(head, [0] * len(ALL_TIERS)) is not Alloc.OK:
             return False  # the head cannot come in now, with or without `req`
         if len(life.running) + 1 >= step.seats:
-            return True
+            return policy.preempts_for_seat(head) and policy.seat_victim_ok(head, req, memory)
         taken = [0] * len(ALL_TIERS)
         taken[req.tier] = len(req.host_block_ids)
-        return memory.admit_status_after(head, taken) is not Alloc.OK
+        if memory.admit_status_after(head, taken) is Alloc.OK:
+            return False
+        num_blocks = memory.blocks_to_admit(head, {})
+        return policy.preempts_for_admission(head, memory, num_blocks) and policy.admission_victim_ok(
+            head, req, memory
+        )
 
     def _prefill_running(self, step: StepBudget, prefilling: list[Request]) -> None:
         for req in prefilling:
