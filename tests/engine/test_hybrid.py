@@ -581,6 +581,23 @@ def test_a_p0_head_held_by_its_own_ceiling_does_not_hold_up_the_other_tiers() ->
     assert all(r.finish_reason is FinishReason.LENGTH for r in (*p0s, p1))
 
 
+def test_a_p1_head_whose_own_tier_fills_the_pool_does_not_hold_up_the_other_tiers() -> None:
+    # P1's ceiling is the whole pool: a P1 request of 80 blocks runs, the next P1 needs 30
+    # and the pool has 20 free, so only P1's own running request can make room; the small
+    # P2 behind it fits and goes in (a review's repro: a change that read a ceiling of the
+    # whole pool as no tier's own limit kept it waiting for the P1).
+    eng = engine(blocks=100)
+    big = make_request(num_prompt=16 * 80 - 1, max_tokens=30, tier=Tier.P1)
+    assert eng.add_request(big)
+    eng.step()
+    p1 = make_request(num_prompt=16 * 30 - 1, max_tokens=3, tier=Tier.P1, arrival=eng.clock.now())
+    p2 = make_request(num_prompt=16 * 4 - 1, max_tokens=3, tier=Tier.P2, arrival=eng.clock.now())
+    assert eng.add_request(p1) and eng.add_request(p2)
+    eng.step()
+    assert p1.status is RequestStatus.WAITING and p2.status is RequestStatus.RUNNING
+    run(eng)
+
+
 def test_a_long_p0_chunk_beside_a_shorter_p0_prompt_is_held_to_the_step_bound() -> None:
     # A short P0 prompt that arrives while a long one prefills deep into its context goes
     # first by tokens; its step must not take a long chunk's time too (70B on 8 x A100:

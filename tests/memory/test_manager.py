@@ -110,22 +110,6 @@ def test_ceiling_caps_a_tier_even_with_free_memory() -> None:
     assert mem.check(Tier.P1, 1) is Alloc.OK
 
 
-def test_a_ceiling_of_the_whole_pool_is_no_limit_of_the_tier() -> None:
-    # One tier holding every used block of a flat pool is short of space, as any tier
-    # would be, not over a ceiling of its own (fcfs must not tell the tiers apart).
-    mem = KVCacheManager(8, 4, 8)
-    p2 = make_request(num_prompt=4 * 6, tier=Tier.P2)
-    assert mem.admit(p2) is Alloc.OK
-    for tier in (Tier.P2, Tier.P3):
-        assert mem.check(tier, 3) is Alloc.NO_SPACE
-        assert mem.check_after(tier, 2, [0, 0, 1, 0]) is Alloc.NO_SPACE
-    assert not mem.fits_each([(Tier.P2, 3)]) and mem.fits_each([(Tier.P2, 2)])
-    other = make_request(num_prompt=4 * 2, tier=Tier.P2)
-    assert mem.admit(other) is Alloc.OK and mem.swap_out(other) is not None
-    mem.grow(p2, 4 * 7)
-    assert mem.swap_in(other) is Alloc.NO_SPACE
-
-
 def test_borrowing_is_attributed_to_the_least_urgent_tiers() -> None:
     mem = tiered()  # shared = 55 blocks, P1 reserve 30
     p2 = make_request(num_prompt=4 * 40, tier=Tier.P2)
@@ -142,7 +126,7 @@ def test_borrowing_is_attributed_to_the_least_urgent_tiers() -> None:
 def test_failed_allocations_change_nothing() -> None:
     mem = KVCacheManager(4, 4)
     big = make_request(num_prompt=40)
-    assert mem.admit(big) is Alloc.NO_SPACE  # a flat partition: the pool is every tier's limit
+    assert mem.admit(big) is Alloc.OVER_CEILING  # a flat partition caps every tier at the pool
     first = make_request(num_prompt=4, tier=Tier.P2)
     assert mem.admit(first) is Alloc.OK
     second = make_request(num_prompt=16)

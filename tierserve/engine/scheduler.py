@@ -219,18 +219,23 @@ class Scheduler:
     def _swap_in(self, step: StepBudget, prefilling: list[Request], now: float) -> None:
         """Swapped requests come back, in `running_key` order, before new admissions, but
         not into room that a more urgent waiting request can take now."""
-        life, memory = self.lifecycle, self.memory
+        life, memory, policy = self.lifecycle, self.memory, self.policy
         just_preempted = {r for r, _ in step.preempted}
+        head: Request | None = None
         for req in list(life.swapped):
             if len(life.running) >= step.seats or req in just_preempted:
                 break
-            if not self.policy.may_swap_in(req):
+            if not policy.may_swap_in(req):
                 continue  # held out by its policy; others may still come back
-            if self._yields_to_head(req, step, now):
+            head = head or policy.peek(now)  # the queue does not change in this loop
+            if head is not None and self._yields_to_head(req, head, step):
                 continue
             mapping = memory.swap_in(req)
-            if mapping is Alloc.OVER_CEILING:
-                continue  # its tier is full; others may still come back
+            if mapping is Alloc.OVER_CEILING and policy.tiered_memory:
+                # Its tier is full: only its own running requests can make room, and others
+                # may still come back. (In one pool for every tier, a ceiling of the whole
+                # pool is no tier's own: fcfs had brought a newer request back past it.)
+                continue
             if isinstance(mapping, Alloc):
                 break
             life.swapped_in(req, len(mapping), now)
@@ -241,16 +246,17 @@ class Scheduler:
             elif step.tokens_left >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
                 step.add_decode(req)
 
-    def _yields_to_head(self, req: Request, step: StepBudget, now: float) -> bool:
-        """Whether swapped-out `req` stays out this pass for the policy's waiting head: a
-        head that this pass admits into a seat or blocks that `req` coming back would take,
-        and that may preempt `req` for them. (Swapped in, `req` was preempted again for the
-        head at the next pass: a swap each way for nothing, the head a step late and counted
-        as waiting for memory a lower tier held.) Where the head may not take `req`'s place,
-        `req` comes back first, as a running request would keep its place."""
+    def _yields_to_head(self, req: Request, head: Request, step: StepBudget) -> bool:
+        """Whether swapped-out `req` stays out this pass for the policy's waiting `head`: a
+        more urgent head that could come in now, into a seat or blocks that `req` coming
+        back would take, and that may preempt `req` for them. (Swapped in, `req` was
+        preempted again for the head at the next pass: a swap each way for nothing, the head
+        a step late and counted as waiting for memory a lower tier held.) Where the head may
+        not take `req`'s place, `req` comes back first, as a running request keeps its
+        place. The running requests' prompt chunks, scheduled after the swaps, may still
+        take the step's last tokens: the head then comes in at a later pass."""
         policy, life, memory = self.policy, self.lifecycle, self.memory
-        head = policy.peek(now)
-        if head is None or policy.returns_first(req, head):
+        if policy.returns_first(req, head):
             return False
         if step.tokens_left < 1 or not step.has_prefill_room(head.tier):
             return False  # `_admit` would not take the head this pass: `req` may use the room
@@ -342,7 +348,7 @@ class Scheduler:
             status = memory.check_after(req.tier, len(req.host_block_ids), taken)
             if status is Alloc.OK:
                 return False  # it would come back
-            if status is not Alloc.OVER_CEILING:
+            if status is not Alloc.OVER_CEILING or not policy.tiered_memory:
                 break
         waited = self._admits_nobody(step, taken, now)
         if waited is False:

@@ -87,18 +87,10 @@ class KVCacheManager:
         queried = self._prefix_queried[tier]
         return self._prefix_hit[tier] / queried if queried else 0.0
 
-    def _over_ceiling(self, tier: Tier, num_used: int) -> bool:
-        """Whether `num_used` blocks would put `tier` over a ceiling of its own. A ceiling of
-        the whole pool is no tier's limit: there a shortage is `NO_SPACE`, whoever holds the
-        blocks (a flat pool that one tier filled answered OVER_CEILING, and fcfs brought a
-        newer swapped request back past an older one)."""
-        ceiling = self.partition.ceiling[tier]
-        return num_used > ceiling and ceiling < self.pool.num_blocks
-
     def check(self, tier: Tier, num_new_blocks: int) -> Alloc:
         """Could `tier` take `num_new_blocks` more blocks right now?"""
         used = self.pool.used_by_tier
-        if self._over_ceiling(tier, used[tier] + num_new_blocks):
+        if used[tier] + num_new_blocks > self.partition.ceiling[tier]:
             return Alloc.OVER_CEILING
         if self.pool.num_free - num_new_blocks < self.partition.protected_free(tier, used):
             return Alloc.NO_SPACE
@@ -117,7 +109,7 @@ class KVCacheManager:
         for tier, n in needs:
             if n <= 0:
                 continue
-            if self._over_ceiling(tier, used[tier] + n):
+            if used[tier] + n > self.partition.ceiling[tier]:
                 return False
             if num_free - n < self.partition.protected_free(tier, used):
                 return False
@@ -129,7 +121,7 @@ class KVCacheManager:
         """`check` as it would answer once `taken[t]` more blocks had gone to each tier t
         (a step's decodes, before they take them)."""
         used = [u + n for u, n in zip(self.pool.used_by_tier, taken, strict=True)]
-        if self._over_ceiling(tier, used[tier] + num_new_blocks):
+        if used[tier] + num_new_blocks > self.partition.ceiling[tier]:
             return Alloc.OVER_CEILING
         if self.pool.num_free - sum(taken) - num_new_blocks < self.partition.protected_free(tier, used):
             return Alloc.NO_SPACE
