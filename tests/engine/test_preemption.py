@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from tests.conftest import make_request
 from tierserve.clock import VirtualClock
 from tierserve.config import EngineConfig, SchedulerConfig
@@ -368,3 +370,42 @@ def test_fcfs_brings_swapped_requests_back_oldest_first_whatever_their_tier() ->
     run(eng)
     back = {r.request_id: next(e.time for e in r.events if e.kind is EventKind.SWAPPED_IN) for r in (a, b)}
     assert back[a.request_id] <= back[b.request_id]
+
+
+def _three_running_one_swapped(eng: Engine, s_blocks: int) -> tuple[Request, Request, Request]:
+    """A P3 (40 blocks) and a P1 (10) run beside a P2 (`s_blocks`) that is then swapped out."""
+    p3 = make_request(num_prompt=16 * 40 - 20, max_tokens=19, tier=Tier.P3)
+    p1 = make_request(num_prompt=16 * 10 - 20, max_tokens=19, tier=Tier.P1)
+    p2 = make_request(num_prompt=16 * s_blocks - 20, max_tokens=19, tier=Tier.P2)
+    start(eng, p3, p1, p2)
+    assert eng.preempt(p2.request_id)
+    eng.step()
+    assert p2.status is RequestStatus.SWAPPED
+    return p3, p1, p2
+
+
+@pytest.mark.parametrize("room", ["seat", "blocks"])
+def test_a_swapped_request_comes_back_where_the_head_would_take_another_first(room: str) -> None:
+    # A P0 arrives needing the one seat left (3 seats) or more blocks than the P2 would
+    # leave free (100 blocks): it would take the running P3's first, by the victim order,
+    # so the P2 comes back and the P3 makes room (a review's repro: held out for the P0,
+    # the P2 waited swapped out while the P3 kept its place).
+    if room == "seat":
+        executor = NullExecutor(num_device_blocks=1000, num_host_blocks=1000, block_size=16)
+        config = EngineConfig(
+            scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=3),
+            policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+        )
+        eng = Engine(config, "hybrid", executor, VirtualClock())
+        p0_blocks = 2
+    else:
+        eng = make_engine(blocks=100, swap_factor=1e9)
+        p0_blocks = 35
+    p3, p1, p2 = _three_running_one_swapped(eng, 30)
+    p0 = make_request(num_prompt=16 * p0_blocks - 1, max_tokens=10, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p2.status is RequestStatus.RUNNING and p0.status is RequestStatus.RUNNING
+    assert p3.status is not RequestStatus.RUNNING and p1.status is RequestStatus.RUNNING
+    run(eng)
+    assert p2.num_preemptions == 1

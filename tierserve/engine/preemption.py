@@ -84,6 +84,24 @@ class Preemptor:
         candidates.sort(key=lambda r: victim_key(r, borrowed))
         return candidates
 
+    def first_victim(
+        self,
+        req: Request,
+        swapped: Request,
+        step: StepBudget,
+        ok: Callable[[Request, Request, KVCacheManager], bool],
+    ) -> bool:
+        """Whether `swapped`, were it running, would come before every running request that
+        `ok` lets `req` take, in the policy's victim order."""
+        self._choosing()
+        key, borrowed, memory = self.policy.victim_key, self._borrowed(), self.memory
+        first = key(swapped, borrowed)
+        return all(
+            first <= key(r, borrowed)
+            for r in self.lifecycle.running
+            if r not in step.fresh and ok(req, r, memory)
+        )
+
     def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
         """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
         if not self.policy.preempts_for_seat(req):

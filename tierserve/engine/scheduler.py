@@ -249,12 +249,14 @@ class Scheduler:
     def _yields_to_head(self, req: Request, head: Request, step: StepBudget) -> bool:
         """Whether swapped-out `req` stays out this pass for the policy's waiting `head`: a
         more urgent head that could come in now, into a seat or blocks that `req` coming
-        back would take, and that may preempt `req` for them. (Swapped in, `req` was
-        preempted again for the head at the next pass: a swap each way for nothing, the head
-        a step late and counted as waiting for memory a lower tier held.) Where the head may
-        not take `req`'s place, `req` comes back first, as a running request keeps its
-        place. The running requests' prompt chunks, scheduled after the swaps, may still
-        take the step's last tokens: the head then comes in at a later pass."""
+        back would take, and that would take them from `req` first, were it running (its
+        victim rules and order). Swapped in, `req` is not the head's victim in this pass
+        (it is fresh), so the head waited, and at the next pass preempted `req`: a swap each
+        way for nothing, the head a step late and counted as waiting for memory a lower tier
+        held. Where the head would take another request's place first, or may not take
+        `req`'s, `req` comes back, as a running request keeps its place. The running
+        requests' prompt chunks, scheduled after the swaps, may still take the step's last
+        tokens: the head then comes in at a later pass."""
         policy, life, memory = self.policy, self.lifecycle, self.memory
         if policy.returns_first(req, head):
             return False
@@ -267,15 +269,18 @@ class Scheduler:
         if memory.admit_status_after(head, [0] * len(ALL_TIERS)) is not Alloc.OK:
             return False  # the head cannot come in now, with or without `req`
         if len(life.running) + 1 >= step.seats:
-            return policy.preempts_for_seat(head) and policy.seat_victim_ok(head, req, memory)
-        taken = [0] * len(ALL_TIERS)
-        taken[req.tier] = len(req.host_block_ids)
-        if memory.admit_status_after(head, taken) is Alloc.OK:
-            return False
-        num_blocks = memory.blocks_to_admit(head, {})
-        return policy.preempts_for_admission(head, memory, num_blocks) and policy.admission_victim_ok(
-            head, req, memory
-        )
+            ok = policy.seat_victim_ok
+            if not policy.preempts_for_seat(head):
+                return False
+        else:
+            taken = [0] * len(ALL_TIERS)
+            taken[req.tier] = len(req.host_block_ids)
+            if memory.admit_status_after(head, taken) is Alloc.OK:
+                return False
+            ok = policy.admission_victim_ok
+            if not policy.preempts_for_admission(head, memory, memory.blocks_to_admit(head, {})):
+                return False
+        return ok(head, req, memory) and self.preemptor.first_victim(head, req, step, ok)
 
     def _prefill_running(self, step: StepBudget, prefilling: list[Request]) -> None:
         for req in prefilling:
