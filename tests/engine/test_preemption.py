@@ -409,3 +409,58 @@ def test_a_swapped_request_comes_back_where_the_head_would_take_another_first(ro
     assert p3.status is not RequestStatus.RUNNING and p1.status is RequestStatus.RUNNING
     run(eng)
     assert p2.num_preemptions == 1
+
+
+def test_once_one_stays_out_for_the_head_no_later_swapped_request_takes_its_room() -> None:
+    # 3 seats: a P3 runs beside a P1, two P3s are swapped out, a P0 arrives for the last
+    # seat. The older swapped P3 (its first victim) stays out for it; the newer one must
+    # not come back into that seat past it (a review's repro: it did, and the P0 took the
+    # running P3's seat instead, so the hold spared nobody).
+    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=1000, block_size=16)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=3),
+        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    )
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    running = make_request(num_prompt=100, max_tokens=300, tier=Tier.P3)
+    older = make_request(num_prompt=20, max_tokens=300, tier=Tier.P3)
+    newer = make_request(num_prompt=300, max_tokens=300, tier=Tier.P3, arrival=0.001)
+    start(eng, running, older, newer)
+    assert eng.preempt(older.request_id) and eng.preempt(newer.request_id)
+    p1 = make_request(num_prompt=50, max_tokens=300, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(p1)
+    eng.step()
+    assert older.status is RequestStatus.SWAPPED and newer.status is RequestStatus.SWAPPED
+    p0 = make_request(num_prompt=20, max_tokens=30, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p0.status is RequestStatus.RUNNING and running.status is RequestStatus.RUNNING
+    assert older.status is RequestStatus.SWAPPED and newer.status is RequestStatus.SWAPPED
+    run(eng)
+
+
+def test_no_request_stays_out_for_a_head_that_the_running_prompts_leave_no_tokens() -> None:
+    # 2 seats, 32 tokens a step: a running P0 prefills a long prompt, whose chunk takes
+    # every token of each step, so the waiting P0 cannot come in until it is done; the P2
+    # swapped out comes back meanwhile (held out for that head, it lost a step per pass).
+    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=1000, block_size=16)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=2, max_num_batched_tokens=32),
+        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    )
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    p2 = make_request(num_prompt=20, max_tokens=100, tier=Tier.P2)
+    eng.add_request(p2)
+    while p2.num_output_tokens == 0:
+        eng.step()
+    long_p0 = make_request(num_prompt=400, max_tokens=5, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(long_p0)
+    assert eng.preempt(p2.request_id)
+    eng.step()
+    assert p2.status is RequestStatus.SWAPPED and long_p0.status is RequestStatus.RUNNING
+    short_p0 = make_request(num_prompt=20, max_tokens=5, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(short_p0)
+    eng.step()
+    assert long_p0.is_prefilling and short_p0.status is RequestStatus.WAITING
+    assert p2.status is RequestStatus.RUNNING
+    run(eng)

@@ -30,6 +30,8 @@ from tierserve.scheduling.errors import PolicyOrderError
 from tierserve.scheduling.step import PreemptMode, StepBudget
 from tierserve.tiers import ALL_TIERS
 
+NO_BLOCKS = (0,) * len(ALL_TIERS)
+
 
 @dataclass
 class SchedulerOutput:
@@ -218,24 +220,32 @@ class Scheduler:
 
     def _swap_in(self, step: StepBudget, prefilling: list[Request], now: float) -> None:
         """Swapped requests come back, in `running_key` order, before new admissions, but
-        not into room that a more urgent waiting request can take now."""
+        not into room that a more urgent waiting request can take now (`_yields_to_head`)."""
         life, memory, policy = self.lifecycle, self.memory, self.policy
         just_preempted = {r for r, _ in step.preempted}
         head: Request | None = None
+        held = False  # one stayed out for the head: the rest may not take the head's room
         for req in list(life.swapped):
             if len(life.running) >= step.seats or req in just_preempted:
                 break
             if not policy.may_swap_in(req):
                 continue  # held out by its policy; others may still come back
-            head = head or policy.peek(now)  # the queue does not change in this loop
-            if head is not None and self._yields_to_head(req, head, step):
-                continue
-            mapping = memory.swap_in(req)
-            if mapping is Alloc.OVER_CEILING and policy.tiered_memory:
+            status = memory.check(req.tier, len(req.host_block_ids))
+            if status is Alloc.OVER_CEILING and policy.tiered_memory:
                 # Its tier is full: only its own running requests can make room, and others
                 # may still come back. (In one pool for every tier, a ceiling of the whole
                 # pool is no tier's own: fcfs had brought a newer request back past it.)
                 continue
+            if status is not Alloc.OK:
+                break
+            head = head or policy.peek(now)  # the queue does not change in this loop
+            if head is not None and not policy.returns_first(req, head):
+                if held and self._crowds_out(req, head, step):
+                    continue
+                if self._yields_to_head(req, head, step, prefilling):
+                    held = True
+                    continue
+            mapping = memory.swap_in(req)
             if isinstance(mapping, Alloc):
                 break
             life.swapped_in(req, len(mapping), now)
@@ -246,41 +256,51 @@ class Scheduler:
             elif step.tokens_left >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
                 step.add_decode(req)
 
-    def _yields_to_head(self, req: Request, head: Request, step: StepBudget) -> bool:
-        """Whether swapped-out `req` stays out this pass for the policy's waiting `head`: a
-        more urgent head that could come in now, into a seat or blocks that `req` coming
-        back would take, and that would take them from `req` first, were it running (its
-        victim rules and order). Swapped in, `req` is not the head's victim in this pass
+    def _yields_to_head(
+        self, req: Request, head: Request, step: StepBudget, prefilling: list[Request]
+    ) -> bool:
+        """Whether swapped-out `req` stays out this pass for the policy's more urgent waiting
+        `head`: one that this pass would admit, were `req` to stay out, into a seat or blocks
+        that `req` coming back would take, and that would take them from `req` first, were
+        it running (its victim rules and order). Swapped in, `req` is no victim in this pass
         (it is fresh), so the head waited, and at the next pass preempted `req`: a swap each
         way for nothing, the head a step late and counted as waiting for memory a lower tier
         held. Where the head would take another request's place first, or may not take
-        `req`'s, `req` comes back, as a running request keeps its place. The running
-        requests' prompt chunks, scheduled after the swaps, may still take the step's last
-        tokens: the head then comes in at a later pass."""
-        policy, life, memory = self.policy, self.lifecycle, self.memory
-        if policy.returns_first(req, head):
+        `req`'s, `req` comes back, as a running request keeps its place."""
+        policy, memory = self.policy, self.memory
+        if not self._admits_head(head, step, prefilling) or not self._crowds_out(req, head, step):
             return False
-        if step.tokens_left < 1 or not step.has_prefill_room(head.tier):
-            return False  # `_admit` would not take the head this pass: `req` may use the room
-        if step.preempted and not policy.admits_after_preemption:
-            return False
-        if any(policy.returns_first(s, head) for s in life.swapped) or not policy.may_admit(head, memory):
-            return False
-        if memory.admit_status_after(head, [0] * len(ALL_TIERS)) is not Alloc.OK:
-            return False  # the head cannot come in now, with or without `req`
-        if len(life.running) + 1 >= step.seats:
+        if len(self.lifecycle.running) + 1 >= step.seats:
             ok = policy.seat_victim_ok
             if not policy.preempts_for_seat(head):
                 return False
         else:
-            taken = [0] * len(ALL_TIERS)
-            taken[req.tier] = len(req.host_block_ids)
-            if memory.admit_status_after(head, taken) is Alloc.OK:
-                return False
             ok = policy.admission_victim_ok
             if not policy.preempts_for_admission(head, memory, memory.blocks_to_admit(head, {})):
                 return False
         return ok(head, req, memory) and self.preemptor.first_victim(head, req, step, ok)
+
+    def _admits_head(self, head: Request, step: StepBudget, prefilling: list[Request]) -> bool:
+        """Whether `_admit` would take `head` in this pass as the memory and seats stand:
+        with step tokens left after the running requests' prompt chunks (at most all their
+        prompts), nothing swapped that must come back first, and room for its blocks."""
+        policy, memory = self.policy, self.memory
+        prompts = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
+        if step.tokens_left - prompts < 1 or not step.has_prefill_room(head.tier):
+            return False
+        if step.preempted and not policy.admits_after_preemption:
+            return False
+        if any(policy.returns_first(s, head) for s in self.lifecycle.swapped):
+            return False
+        return policy.may_admit(head, memory) and memory.admit_status_after(head, NO_BLOCKS) is Alloc.OK
+
+    def _crowds_out(self, req: Request, head: Request, step: StepBudget) -> bool:
+        """Whether swapped-out `req` coming back would leave `head` no seat or no room."""
+        if len(self.lifecycle.running) + 1 >= step.seats:
+            return True
+        taken = [0] * len(ALL_TIERS)
+        taken[req.tier] = len(req.host_block_ids)
+        return self.memory.admit_status_after(head, taken) is not Alloc.OK
 
     def _prefill_running(self, step: StepBudget, prefilling: list[Request]) -> None:
         for req in prefilling:
