@@ -285,23 +285,29 @@ def one_seat_engine() -> Engine:
     return Engine(config, "hybrid", executor, VirtualClock())
 
 
+def swapped_out_for_a_p0(eng: Engine, victim: Request, p0_prompt: int, then: Tier) -> Request:
+    """`victim` runs, a P0 of `p0_prompt` tokens swaps it out, a request of tier `then`
+    arrives while the P0 runs; returns that request after the pass that follows the P0's end."""
+    start(eng, victim)
+    p0 = make_request(num_prompt=p0_prompt, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert victim.status is RequestStatus.SWAPPED and p0.status is RequestStatus.RUNNING
+    waiting = make_request(num_prompt=p0_prompt, max_tokens=3, tier=then, arrival=eng.clock.now())
+    eng.add_request(waiting)
+    while p0.status is RequestStatus.RUNNING:
+        eng.step()
+    eng.step()  # the pass after the P0 ended
+    return waiting
+
+
 def test_a_swapped_request_leaves_the_only_seat_to_a_waiting_p0() -> None:
     # One seat: a P1 swapped out for one P0 does not come back into the seat a second,
     # waiting P0 takes in the same pass (swapped in, it was swapped out again for that P0
     # a pass later: two swaps for nothing, and the P0 a step late).
     eng = one_seat_engine()
     p1 = make_request(num_prompt=50, max_tokens=40, tier=Tier.P1)
-    start(eng, p1)
-    first = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
-    eng.add_request(first)
-    eng.step()
-    assert p1.status is RequestStatus.SWAPPED and first.status is RequestStatus.RUNNING
-    second = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
-    eng.add_request(second)
-    while first.status is RequestStatus.RUNNING:
-        assert second.status is RequestStatus.WAITING
-        eng.step()
-    eng.step()  # the pass after the first P0 ended
+    second = swapped_out_for_a_p0(eng, p1, 20, Tier.P0)
     assert second.status is RequestStatus.RUNNING and p1.status is RequestStatus.SWAPPED
     run(eng)
     assert p1.num_output_tokens == 40 and p1.num_preemptions == 1
@@ -314,16 +320,7 @@ def test_a_swapped_request_comes_back_before_a_head_that_may_not_take_its_place(
     # for a P0 comes back when the P0 ends, before a P2 that arrived meanwhile.
     eng = one_seat_engine()
     p3 = make_request(num_prompt=50, max_tokens=10, tier=Tier.P3)
-    start(eng, p3)
-    p0 = make_request(num_prompt=20, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
-    eng.add_request(p0)
-    eng.step()
-    assert p3.status is RequestStatus.SWAPPED
-    p2 = make_request(num_prompt=20, max_tokens=3, tier=Tier.P2, arrival=eng.clock.now())
-    eng.add_request(p2)
-    while p0.status is RequestStatus.RUNNING:
-        eng.step()
-    eng.step()
+    p2 = swapped_out_for_a_p0(eng, p3, 20, Tier.P2)
     assert p3.status is RequestStatus.RUNNING and p2.status is RequestStatus.WAITING
     run(eng)
     assert p3.num_preemptions == 1 and p2.num_output_tokens == 3
@@ -334,16 +331,7 @@ def test_a_swapped_request_leaves_the_blocks_a_waiting_p0_can_take() -> None:
     # waiting P0 needs, and the P0 would wait for memory a lower tier holds.
     eng = make_engine(blocks=100, swap_factor=1e9)  # P0: floor 15, ceiling 40 blocks
     p1 = make_request(num_prompt=16 * 70 - 1, max_tokens=40, tier=Tier.P1)
-    start(eng, p1)
-    first = make_request(num_prompt=16 * 38 - 1, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
-    eng.add_request(first)
-    eng.step()
-    assert p1.status is RequestStatus.SWAPPED and first.status is RequestStatus.RUNNING
-    second = make_request(num_prompt=16 * 38 - 1, max_tokens=3, tier=Tier.P0, arrival=eng.clock.now())
-    eng.add_request(second)
-    while first.status is RequestStatus.RUNNING:
-        eng.step()
-    eng.step()
+    second = swapped_out_for_a_p0(eng, p1, 16 * 38 - 1, Tier.P0)
     assert second.status is RequestStatus.RUNNING and p1.status is RequestStatus.SWAPPED
     run(eng)
     assert p1.num_output_tokens == 40 and p1.num_preemptions == 1
