@@ -93,14 +93,9 @@ class Preemptor:
     ) -> bool:
         """Whether `swapped`, were it running, would come before every running request that
         `ok` lets `req` take, in the policy's victim order."""
-        self._choosing()
-        key, borrowed, memory = self.policy.victim_key, self._borrowed(), self.memory
-        first = key(swapped, borrowed)
-        return all(
-            first <= key(r, borrowed)
-            for r in self.lifecycle.running
-            if r not in step.fresh and ok(req, r, memory)
-        )
+        candidates = self._admission_candidates(req, step, ok)
+        key, borrowed = self.policy.victim_key, self._borrowed()
+        return not candidates or key(swapped, borrowed) <= key(candidates[0], borrowed)
 
     def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
         """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
