@@ -452,3 +452,63 @@ def test_no_request_stays_out_for_a_head_that_the_running_prompts_leave_no_token
     assert long_p0.is_prefilling and short_p0.status is RequestStatus.WAITING
     assert p2.status is RequestStatus.RUNNING
     run(eng)
+
+
+@pytest.mark.parametrize("policy", ["strict", "article", "hybrid"])
+def test_once_one_stays_out_for_the_head_no_later_swapped_prompt_takes_its_tokens(policy: str) -> None:
+    # 64 tokens a step: a P3 (X) swapped out would take the blocks a waiting P0 needs and
+    # stays out for it; a newer P3 (Y), swapped out early in its prompt, holds few blocks
+    # but its next chunk would take every token of the step. It must stay out too: it came
+    # back, and under strict and article its chunks took every token until its prompt was
+    # done, the P0 waiting, X back in the meantime. (Hybrid keeps a waiting P0's tokens from
+    # the other tiers' chunks: there Y came back to do nothing.)
+    executor = NullExecutor(num_device_blocks=100, num_host_blocks=1000, block_size=16)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(swap_factor=1e9, max_num_batched_tokens=64),
+        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    )
+    eng = Engine(config, policy, executor, VirtualClock())
+    r = make_request(num_prompt=16 * 35 - 1, max_tokens=300, tier=Tier.P3)
+    x = make_request(num_prompt=16 * 32 - 20, max_tokens=300, tier=Tier.P3, arrival=0.001)
+    for req in (r, x):
+        eng.add_request(req)
+        while req.num_output_tokens == 0:
+            eng.step()
+    y = make_request(num_prompt=250, max_tokens=300, tier=Tier.P3, arrival=eng.clock.now())
+    eng.add_request(y)
+    eng.step()
+    assert y.is_prefilling and y.num_computed_tokens > 0
+    assert eng.preempt(x.request_id) and eng.preempt(y.request_id)
+    eng.step()
+    assert x.status is RequestStatus.SWAPPED and y.status is RequestStatus.SWAPPED
+    p0 = make_request(num_prompt=16 * 35 - 1, max_tokens=5, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    eng.step()
+    assert p0.status is RequestStatus.RUNNING and p0.num_computed_tokens > 0
+    assert x.status is RequestStatus.SWAPPED and y.status is RequestStatus.SWAPPED
+    run(eng)
+
+
+def test_a_swapped_request_is_judged_a_victim_with_its_own_blocks_counted() -> None:
+    # Hybrid's P1 takes blocks only from a borrowing tier. A P3 (X, 25 blocks) is swapped
+    # out beside a running P3 (40): only with X's blocks back does P3 borrow (65 blocks
+    # past the 55 shared). A P1 needing 25 blocks arrives: X, back, would crowd it out and
+    # be its first victim (least work lost), so X stays out and the running P3 runs on. (A
+    # review's repro: the victim rule read P3's use without X's blocks, X came back, and
+    # the P1 then took the running P3's 40 blocks instead.)
+    eng = make_engine(blocks=100, swap_factor=1e9)  # P0: floor 15; P1: reserve 30
+    r = make_request(num_prompt=16 * 40 - 20, max_tokens=100, tier=Tier.P3)
+    x = make_request(num_prompt=16 * 25 - 20, max_tokens=100, tier=Tier.P3)
+    start(eng, r, x)
+    assert eng.preempt(x.request_id)
+    eng.step()
+    assert x.status is RequestStatus.SWAPPED and not eng.memory.is_borrowing(Tier.P3)
+    with eng.memory.as_if_back(x):
+        assert eng.memory.is_borrowing(Tier.P3)
+    assert not eng.memory.is_borrowing(Tier.P3)
+    p1 = make_request(num_prompt=16 * 25 - 1, max_tokens=5, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(p1)
+    eng.step()
+    assert p1.status is RequestStatus.RUNNING and x.status is RequestStatus.SWAPPED
+    assert r.status is RequestStatus.RUNNING and r.num_preemptions == 0
+    run(eng)

@@ -240,7 +240,7 @@ class Scheduler:
                 break
             head = head or policy.peek(now)  # the queue does not change in this loop
             if head is not None and not policy.returns_first(req, head):
-                if held and self._crowds_out(req, head, step):
+                if held and self._takes_head_room(req, head, step, prefilling):
                     continue
                 if self._yields_to_head(req, head, step, prefilling):
                     held = True
@@ -270,29 +270,40 @@ class Scheduler:
         policy, memory = self.policy, self.memory
         if not self._admits_head(head, step, prefilling) or not self._crowds_out(req, head, step):
             return False
-        if len(self.lifecycle.running) + 1 >= step.seats:
-            ok = policy.seat_victim_ok
-            if not policy.preempts_for_seat(head):
-                return False
-        else:
-            ok = policy.admission_victim_ok
-            if not policy.preempts_for_admission(head, memory, memory.blocks_to_admit(head, {})):
-                return False
-        return ok(head, req, memory) and self.preemptor.first_victim(head, req, step, ok)
+        with memory.as_if_back(req):  # the victim rules read its tier's use with it running
+            if len(self.lifecycle.running) + 1 >= step.seats:
+                ok = policy.seat_victim_ok
+                if not policy.preempts_for_seat(head):
+                    return False
+            else:
+                ok = policy.admission_victim_ok
+                if not policy.preempts_for_admission(head, memory, memory.blocks_to_admit(head, {})):
+                    return False
+            return ok(head, req, memory) and self.preemptor.first_victim(head, req, step, ok)
 
     def _admits_head(self, head: Request, step: StepBudget, prefilling: list[Request]) -> bool:
         """Whether `_admit` would take `head` in this pass as the memory and seats stand:
         with step tokens left after the running requests' prompt chunks (at most all their
         prompts), nothing swapped that must come back first, and room for its blocks."""
         policy, memory = self.policy, self.memory
-        prompts = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
-        if step.tokens_left - prompts < 1 or not step.has_prefill_room(head.tier):
+        if not _prompt_room_after(head, step, prefilling):
             return False
         if step.preempted and not policy.admits_after_preemption:
             return False
         if any(policy.returns_first(s, head) for s in self.lifecycle.swapped):
             return False
         return policy.may_admit(head, memory) and memory.admit_status_after(head, NO_BLOCKS) is Alloc.OK
+
+    def _takes_head_room(
+        self, req: Request, head: Request, step: StepBudget, prefilling: list[Request]
+    ) -> bool:
+        """Whether swapped-out `req` coming back would leave `head` no seat, no blocks, or
+        no step token after the running prompts' chunks and its own (or its decode)."""
+        if self._crowds_out(req, head, step):
+            return True
+        if req.is_prefilling:
+            return not _prompt_room_after(head, step, [*prefilling, req])
+        return not _prompt_room_after(head, step, prefilling, num_decodes=1)
 
     def _crowds_out(self, req: Request, head: Request, step: StepBudget) -> bool:
         """Whether swapped-out `req` coming back would leave `head` no seat or no room."""
@@ -412,3 +423,17 @@ class Scheduler:
         lower = ALL_TIERS[req.tier + 1 :]
         if status is Alloc.NO_SPACE and any(self.memory.used_blocks(t) for t in lower):
             req.num_memory_waits += 1
+
+
+def _prompt_room_after(head: Request, step: StepBudget, prompts: list[Request], num_decodes: int = 0) -> bool:
+    """Whether a prompt of `head`'s tier could still get a token in `step` once `num_decodes`
+    decodes and the chunks of `prompts` had taken theirs (at most each prompt's whole rest,
+    and at most the cap on its tier's prompts)."""
+    tokens, capped = step.tokens_left - num_decodes, step.capped_tokens_left
+    for req in prompts:
+        n = min(req.num_tokens - req.num_computed_tokens, tokens)
+        if req.tier in step.capped_tiers:
+            n = min(n, capped)
+            capped -= n
+        tokens -= n
+    return tokens >= 1 and (head.tier not in step.capped_tiers or capped >= 1)

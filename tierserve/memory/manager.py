@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 
 from tierserve.memory.block_pool import BlockKey, BlockPool, HashFn, hash_block, hash_blocks, salt_key
 from tierserve.memory.errors import KVIntegrityError
@@ -157,6 +158,19 @@ class KVCacheManager:
 
     def is_borrowing(self, tier: Tier) -> bool:
         return self.borrowed_blocks(tier) > 0
+
+    @contextmanager
+    def as_if_back(self, req: Request) -> Iterator[None]:
+        """Inside, the tiers' use (`used_blocks`, `borrowed_blocks`, `is_borrowing`,
+        `within_entitlement`) counts swapped-out `req`'s blocks as its tier's again, as if it
+        had come back: what a victim rule reads when it asks whether `req`, running, could be
+        taken. Free blocks are not counted again, so nothing may be allocated inside."""
+        used, n = self.pool.used_by_tier, len(req.host_block_ids)
+        used[req.tier] += n
+        try:
+            yield
+        finally:
+            used[req.tier] -= n
 
     # ---- device blocks -------------------------------------------------------------------
 
