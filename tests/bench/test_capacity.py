@@ -67,3 +67,19 @@ def test_requests_finishing_in_waves_are_not_counted_twice(tmp_path: Path) -> No
     short = measure_capacity(str(trace), SMALL, seed=0, num_measured=64).requests_per_s
     long = measure_capacity(str(trace), SMALL, seed=0, num_measured=200).requests_per_s
     assert short == pytest.approx(long, rel=0.01)
+
+
+def test_a_trace_that_runs_out_before_the_clients_turn_over_gets_no_capacity(tmp_path: Path) -> None:
+    """32 clients (16 seats): 60 rows leave 12 completions past the start-up transient. Read
+    from them, the rate was 20 % under the long run's; a trace's capacity now needs a whole
+    turnover of the clients, and 400 such rows give it."""
+    rows = [{"timestamp": 1000 * i, "input_length": 1000, "output_length": 200} for i in range(400)]
+    short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    short.write_text("".join(json.dumps(row) + "\n" for row in rows[:60]))
+    long.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    full = measure_capacity(str(long), SMALL, seed=0, num_measured=300, whole_turnover=True)
+    assert full.num_requests >= 32
+    with pytest.raises(RuntimeError, match=r"too few requests finished .* 32 needed"):
+        measure_capacity(str(short), SMALL, seed=0, num_measured=300, whole_turnover=True)
+    loose = measure_capacity(str(short), SMALL, seed=0, num_measured=300)  # the synthetic rule
+    assert loose.num_requests < 32

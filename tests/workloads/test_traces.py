@@ -39,6 +39,8 @@ def test_azure_rows_become_arrivals_from_the_first_row(tmp_path: Path) -> None:
         ("2023-11-16 18:17:04.0,twelve,3\n", "ContextTokens must be an integer"),
         ("2023-11-16 18:17:04.0,0,3\n", "ContextTokens must be >= 1"),
         ("2023-11-16 18:17:04.0,12,-3\n", "GeneratedTokens must be >= 0"),
+        # a 401-digit count was read, and overflowed a float in `bench engine`, far from the file
+        ("2023-11-16 18:17:04.0,1" + "0" * 400 + ",3\n", "ContextTokens must be <= 2147483647"),
         ("2023-11-16 18:17:02.0,12,3\n", "back in time"),
         ("2023-11-16 18:17:04.0+00:00,12,3\n", "both have a UTC offset or both have none"),
     ],
@@ -198,6 +200,10 @@ def test_mooncake_rows_without_hash_ids_share_no_prefix(tmp_path: Path) -> None:
         # ValueError that named neither file nor line.
         ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1}', "timestamp must be"),
         ('{"timestamp": 1, "input_length": 1' + "0" * 5000 + ', "output_length": 1}', "invalid JSON"),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1' + "0" * 12 + "}",
+            "output_length must be <=",
+        ),
     ],
 )
 def test_mooncake_malformed_row_names_file_and_line(tmp_path: Path, row: str, message: str) -> None:
@@ -494,3 +500,27 @@ def test_a_csv_whose_every_row_has_no_prompt_says_so(tmp_path: Path) -> None:
     path = write(tmp_path, "b.csv", BURSTGPT_HEADER + "3,ChatGPT,0,0,0,API log\n" * 50)
     with pytest.raises(TraceFormatError, match=r"no rows \(the 50 there had 0 Request tokens\)"):
         load_trace(path)
+
+
+def test_a_run_of_six_traces_parses_each_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bench reads each trace several times (setup, capacity, cells): with four files kept,
+    # six traces read in turn were parsed again at every read, their warnings repeated.
+    from tierserve.workloads import traces
+
+    parsed: list[str] = []
+
+    def counting(path: Path, max_rows: int | None = None) -> list[traces.TraceRecord]:
+        parsed.append(path.name)
+        return load_csv(path, max_rows)
+
+    monkeypatch.setattr(traces, "load_csv", counting)
+    monkeypatch.setattr(traces, "_cache", {})
+    files = []
+    for i in range(6):
+        f = tmp_path / f"t{i}.csv"
+        f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,10,3\n")
+        files.append(f)
+    for _ in range(3):
+        for f in files:
+            assert len(load_trace(f)) == 1
+    assert sorted(parsed) == [f.name for f in files]

@@ -66,12 +66,13 @@ def _capacity(args: tuple[str, BenchSetup, int]) -> Capacity | None:
     """The workload's capacity; None for a trace too short to saturate the engine (its
     offered load is then not reported; a synthetic workload always has enough)."""
     workload = args[0]
+    trace = get_preset(workload).trace_file is not None
     try:
-        return measure_capacity(*args)
-    except RuntimeError:
-        if get_preset(workload).trace_file is None:
+        return measure_capacity(*args, whole_turnover=trace)
+    except RuntimeError as e:
+        if not trace:
             raise
-        print(f"capacity of {workload}: too few rows to measure; offered load not reported", file=sys.stderr)
+        print(f"{e}; offered load not reported", file=sys.stderr)
         return None
 
 

@@ -55,7 +55,13 @@ _EPOCH_US = (1e15, 1e16)
 # The longest span of arrivals a replay takes: past it float seconds keep too few digits for
 # a step's milliseconds, and no request trace covers it.
 MAX_SPAN_S = 10 * 365 * 86_400.0
-_CACHE_ENTRIES = 4
+# The most tokens a row may count: past every model's context by far (a 401-digit count
+# was read, and overflowed a float in `bench engine` far from the file).
+MAX_TOKEN_COUNT = 2**31 - 1
+# Parsed files kept, newest first, up to this many rows in all (a bench reads each file
+# several times; at 4 files, six traces in one run were parsed 6-7 times each, their
+# warnings repeated). The newest file stays whatever its size.
+_CACHE_ROWS = 1_000_000
 
 log = logging.getLogger(__name__)
 _cache: dict[tuple[str, int, int, int | None], list[TraceRecord]] = {}
@@ -92,7 +98,7 @@ def _int_field(where: str, name: str, text: str, minimum: int) -> int:
         value = int(text)
     except ValueError:
         raise TraceFormatError(f"{where}: {name} must be an integer, got {_shown(text)}") from None
-    return _count(where, name, value, minimum)
+    return _count(where, name, value, minimum, MAX_TOKEN_COUNT)
 
 
 def _check_order(where: str, stamp: object, arrival_s: float, previous_s: float) -> None:
@@ -341,7 +347,7 @@ def _mooncake_row(
     # an int with a float is exact, and NaN fails it too.
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < 1e300:
         raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {_shown(stamp)}")
-    num_prompt = _count(where, "input_length", row["input_length"], 1)
+    num_prompt = _count(where, "input_length", row["input_length"], 1, MAX_TOKEN_COUNT)
     hash_ids = row.get("hash_ids")
     if hash_ids is None:
         hash_ids = []
@@ -355,7 +361,7 @@ def _mooncake_row(
             f"{where}: input_length {num_prompt} needs {num_blocks} hash ids "
             f"of {TRACE_BLOCK_TOKENS} tokens, got {len(hash_ids)}"
         )
-    num_output = _count(where, "output_length", row["output_length"], 0)
+    num_output = _count(where, "output_length", row["output_length"], 0, MAX_TOKEN_COUNT)
     return stamp, num_prompt, num_output, tuple(hash_ids)
 
 
@@ -469,9 +475,9 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
         except (gzip.BadGzipFile, EOFError) as e:
             raise TraceFormatError(f"{p}: not a readable gzip file ({e})") from None
         check_span(p, cached)
-        if len(_cache) >= _CACHE_ENTRIES:
-            del _cache[next(iter(_cache))]
         _cache[key] = cached
+        while sum(map(len, _cache.values())) > _CACHE_ROWS and len(_cache) > 1:
+            del _cache[next(iter(_cache))]
     return list(cached)
 
 
