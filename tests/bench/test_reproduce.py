@@ -348,11 +348,16 @@ def test_a_servers_config_given_to_the_bench_says_what_it_does_not_read(
     config = tmp_path / "server.toml"
     config.write_text(
         "[tiers.P0]\nfloor = 0.1\n[limits]\nrequests_per_s = 5\n[tenants.a]\napi_keys = ['k']\n"
+        "[scheduler]\nmax_num_seqs = 8\nswap_factor = 0.5\n"
     )
     out = tmp_path / "out"
     argv = ["--config", str(config), "--policies", "fcfs", "--patterns", "closed", "--clients", "4"]
     assert run(parse(*argv, "--requests", "20", "--out", str(out))) == 0
     err = capsys.readouterr().err
     assert f"note: {config}: [tenants], [limits] not read" in err
-    setup = json.loads((out / "results.json").read_text())["setup"]
-    assert setup["config_sections_not_read"] == ["tenants", "limits"]
+    # The engine limits replaced the file's max_num_seqs without a word.
+    assert f"note: {config}: [scheduler] max_num_seqs replaced by the engine limits" in err
+    results = json.loads((out / "results.json").read_text())
+    setup = results["setup"]
+    assert setup["config_sections_not_read"] == ["tenants", "limits", "scheduler.max_num_seqs"]
+    assert setup["scheduler"]["max_num_seqs"] == 256 and setup["scheduler"]["swap_factor"] == 0.5

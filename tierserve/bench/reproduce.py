@@ -247,15 +247,24 @@ def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
             raise ValueError(f"{flag} applies to {' and '.join(used_by)} cells, and none runs")
 
 
+# [scheduler] keys of a --config file that the engine limits replace (the same for every policy).
+LIMIT_KEYS = ("max_num_batched_tokens", "max_num_seqs")
+
+
 def config_not_read(path: str | None) -> list[str]:
     """The sections of a --config file that the bench does not read (a server's config given
-    to it: its [server], [limits] and [tenants] were left out without a word)."""
+    to it: its [server], [limits] and [tenants] were left out without a word), and as
+    `scheduler.KEY` the [scheduler] keys that the engine limits replace (they were too)."""
     from tierserve.config import FOREIGN_SECTIONS, load_raw
 
     if path is None:
         return []
     raw = load_raw(path)
-    return [section for section in FOREIGN_SECTIONS if section in raw]
+    unread = [section for section in FOREIGN_SECTIONS if section in raw]
+    scheduler = raw.get("scheduler")
+    if isinstance(scheduler, dict):
+        unread += [f"scheduler.{key}" for key in LIMIT_KEYS if key in scheduler]
+    return unread
 
 
 def check_traces(matrix: Matrix) -> list[str]:
@@ -370,10 +379,19 @@ def run(args: argparse.Namespace) -> int:
     for line in read:
         print(line, file=sys.stderr)
     unread = config_not_read(args.config)
-    if unread:
+    sections = [u for u in unread if "." not in u]
+    if sections:
         print(
-            f"note: {args.config}: [{'], ['.join(unread)}] not read: the bench simulates the engine "
+            f"note: {args.config}: [{'], ['.join(sections)}] not read: the bench simulates the engine "
             "alone (a file's [tiers], [scheduler] and [policy] are read)",
+            file=sys.stderr,
+        )
+    if len(sections) < len(unread):
+        keys = ", ".join(u.partition(".")[2] for u in unread if "." in u)
+        print(
+            f"note: {args.config}: [scheduler] {keys} replaced by the engine limits, the same for "
+            f"every policy ({matrix.setup.limits.label()}; set them with --engine-limits, "
+            "--max-num-batched-tokens, --max-num-seqs)",
             file=sys.stderr,
         )
     started = time.monotonic()
