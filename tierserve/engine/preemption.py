@@ -13,7 +13,7 @@ from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
 from tierserve.scheduling.step import PreemptMode, StepBudget
-from tierserve.tiers import ALL_TIERS
+from tierserve.tiers import ALL_TIERS, Tier
 
 
 class Preemptor:
@@ -84,18 +84,19 @@ class Preemptor:
         candidates.sort(key=lambda r: victim_key(r, borrowed))
         return candidates
 
-    def first_victim(
+    def victims_before(
         self,
         req: Request,
         swapped: Request,
         step: StepBudget,
         ok: Callable[[Request, Request, KVCacheManager], bool],
-    ) -> bool:
-        """Whether `swapped`, were it running, would come before every running request that
-        `ok` lets `req` take, in the policy's victim order."""
+    ) -> list[Request]:
+        """The running requests `ok` lets `req` take that come before `swapped`, were it
+        running, in the policy's victim order."""
         candidates = self._admission_candidates(req, step, ok)
         key, borrowed = self.policy.victim_key, self._borrowed()
-        return not candidates or key(swapped, borrowed) <= key(candidates[0], borrowed)
+        last = key(swapped, borrowed)
+        return [c for c in candidates if key(c, borrowed) < last]
 
     def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
         """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
@@ -111,14 +112,15 @@ class Preemptor:
         memory = self.memory
         if self.policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
             victims += self._admission_candidates(req, step, self.policy.admission_victim_ok)
-        if not self._fits_after(req, victims):
+        if not self.fits_after(req, victims):
             return False
         self.preempt(candidates[0], step, now)
         return True
 
-    def _fits_after(self, req: Request, victims: list[Request]) -> bool:
+    def fits_after(self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None) -> bool:
         """Whether `req`'s blocks would pass the memory check (its tier's ceiling, the
-        unfilled floors of more urgent tiers) once all of `victims` had freed theirs: those
+        unfilled floors of more urgent tiers) once all of `victims` had freed theirs (and,
+        with `back` = (tier, n), once a swapped request had taken n blocks of that tier): those
         no one else holds (a prefix two victims share is one block; one a request outside
         them holds stays). Counting free blocks alone, a victim went for a request that a
         floor or its ceiling still kept out. Its prefix hits on blocks someone else keeps
@@ -131,7 +133,10 @@ class Preemptor:
             if pool.ref_count[b] == n:
                 freed[pool.charged_tier[b]] += 1
         needed = self.memory.blocks_to_admit(req, holders)
-        return self.memory.check_after(req.tier, needed, [-n for n in freed]) is Alloc.OK
+        taken = [-n for n in freed]
+        if back is not None:
+            taken[back[0]] += back[1]
+        return self.memory.check_after(req.tier, needed, taken) is Alloc.OK
 
     def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:
         """Preempt running requests, as the policy allows, until `req` can be admitted.
@@ -142,7 +147,7 @@ class Preemptor:
         if not self.policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
             return Alloc.NO_SPACE
         candidates = self._admission_candidates(req, step, self.policy.admission_victim_ok)
-        if not self._fits_after(req, candidates):
+        if not self.fits_after(req, candidates):
             return Alloc.NO_SPACE
         status = Alloc.NO_SPACE
         for victim in candidates:

@@ -14,7 +14,7 @@ leaves the batch while a step runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -279,14 +279,19 @@ class Scheduler:
                 ok = policy.admission_victim_ok
                 if not policy.preempts_for_admission(head, memory, memory.blocks_to_admit(head, {})):
                     return False
-            return ok(head, req, memory) and self.preemptor.first_victim(head, req, step, ok)
+            if not ok(head, req, memory):
+                return False
+            before = self.preemptor.victims_before(head, req, step, ok)
+        # It comes back where the head would take others first and they alone make its room.
+        back = (req.tier, self._blocks_back(req, step))
+        return not before or not self.preemptor.fits_after(head, before, back)
 
     def _admits_head(self, head: Request, step: StepBudget, prefilling: list[Request]) -> bool:
         """Whether `_admit` would take `head` in this pass as the memory and seats stand:
         with step tokens left after the running requests' prompt chunks (at most all their
         prompts), nothing swapped that must come back first, and room for its blocks."""
         policy, memory = self.policy, self.memory
-        if not _prompt_room_after(head, step, prefilling):
+        if not _prompt_room_after(head, step, prefilling, policy.prefill_chunk_cap):
             return False
         if step.preempted and not policy.admits_after_preemption:
             return False
@@ -301,17 +306,25 @@ class Scheduler:
         no step token after the running prompts' chunks and its own (or its decode)."""
         if self._crowds_out(req, head, step):
             return True
+        cap = self.policy.prefill_chunk_cap
         if req.is_prefilling:
-            return not _prompt_room_after(head, step, [*prefilling, req])
-        return not _prompt_room_after(head, step, prefilling, num_decodes=1)
+            return not _prompt_room_after(head, step, [*prefilling, req], cap)
+        return not _prompt_room_after(head, step, prefilling, cap, num_decodes=1)
 
     def _crowds_out(self, req: Request, head: Request, step: StepBudget) -> bool:
         """Whether swapped-out `req` coming back would leave `head` no seat or no room."""
         if len(self.lifecycle.running) + 1 >= step.seats:
             return True
         taken = [0] * len(ALL_TIERS)
-        taken[req.tier] = len(req.host_block_ids)
+        taken[req.tier] = self._blocks_back(req, step)
         return self.memory.admit_status_after(head, taken) is not Alloc.OK
+
+    def _blocks_back(self, req: Request, step: StepBudget) -> int:
+        """The blocks swapped-out `req` takes coming back in this pass: its own, and for a
+        decode the one its next token may need (`_swap_in` grows it)."""
+        if req.is_prefilling or step.tokens_left < 1:
+            return len(req.host_block_ids)
+        return max(len(req.host_block_ids), self.memory.blocks_for(req.num_tokens))
 
     def _prefill_running(self, step: StepBudget, prefilling: list[Request]) -> None:
         for req in prefilling:
@@ -425,13 +438,22 @@ class Scheduler:
             req.num_memory_waits += 1
 
 
-def _prompt_room_after(head: Request, step: StepBudget, prompts: list[Request], num_decodes: int = 0) -> bool:
+def _prompt_room_after(
+    head: Request,
+    step: StepBudget,
+    prompts: list[Request],
+    chunk_cap: Callable[[Request], int | None],
+    num_decodes: int = 0,
+) -> bool:
     """Whether a prompt of `head`'s tier could still get a token in `step` once `num_decodes`
     decodes and the chunks of `prompts` had taken theirs (at most each prompt's whole rest,
-    and at most the cap on its tier's prompts)."""
+    its `chunk_cap` (the policy's) and the cap on its tier's prompts)."""
     tokens, capped = step.tokens_left - num_decodes, step.capped_tokens_left
     for req in prompts:
         n = min(req.num_tokens - req.num_computed_tokens, tokens)
+        cap = chunk_cap(req)
+        if cap is not None:
+            n = min(n, cap)
         if req.tier in step.capped_tiers:
             n = min(n, capped)
             capped -= n
