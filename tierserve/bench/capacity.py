@@ -52,7 +52,7 @@ def measure_capacity(
     """fcfs's saturated throughput on `workload`. `whole_turnover`: refuse a window with fewer
     completions than clients (a trace's rows can run out first: on a few hundred rows the
     window began inside the start-up transient and rested on a handful of requests, the
-    rate 7-18 % off the long run's)."""
+    rate 7-20 % off the long run's)."""
     config, executor = bench.engine_config(), bench.executor(workload)
     clock = VirtualClock()
     engine = Engine(config, CAPACITY_POLICY, executor, clock)

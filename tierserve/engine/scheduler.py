@@ -261,12 +261,13 @@ class Scheduler:
     ) -> bool:
         """Whether swapped-out `req` stays out this pass for the policy's more urgent waiting
         `head`: one that this pass would admit, were `req` to stay out, into a seat or blocks
-        that `req` coming back would take, and that would take them from `req` first, were
-        it running (its victim rules and order). Swapped in, `req` is no victim in this pass
-        (it is fresh), so the head waited, and at the next pass preempted `req`: a swap each
-        way for nothing, the head a step late and counted as waiting for memory a lower tier
-        held. Where the head would take another request's place first, or may not take
-        `req`'s, `req` comes back, as a running request keeps its place."""
+        that `req` coming back would take, and that may take them from `req`, were it
+        running (its victim rules, read with `req`'s blocks counted). Swapped in, `req` is no
+        victim in this pass (it is fresh), so the head waited, and at the next pass
+        preempted `req`: a swap each way for nothing, the head a step late and counted as
+        waiting for memory a lower tier held. Where the requests the head would take before
+        `req` (the victim order) make its room on their own with `req` back, or the head may
+        not take `req`'s place, `req` comes back, as a running request keeps its place."""
         policy, memory = self.policy, self.memory
         if not self._admits_head(head, step, prefilling) or not self._crowds_out(req, head, step):
             return False
@@ -289,7 +290,8 @@ class Scheduler:
     def _admits_head(self, head: Request, step: StepBudget, prefilling: list[Request]) -> bool:
         """Whether `_admit` would take `head` in this pass as the memory and seats stand:
         with step tokens left after the running requests' prompt chunks (at most all their
-        prompts), nothing swapped that must come back first, and room for its blocks."""
+        prompts, within the policy's chunk cap and the step's cap on their tier), nothing
+        swapped that must come back first, and room for its blocks."""
         policy, memory = self.policy, self.memory
         if not _prompt_room_after(head, step, prefilling, policy.prefill_chunk_cap):
             return False
