@@ -22,6 +22,8 @@ def make_engine(
     blocks: int = 100,
     host: int = 200,
     swap_factor: float = 0.3,
+    max_num_seqs: int = SchedulerConfig.max_num_seqs,
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
     **executor_kw: object,
 ) -> Engine:
     executor = NullExecutor(
@@ -32,7 +34,9 @@ def make_engine(
     )
     # p3_yields off: these tests start requests of several tiers in one step.
     config = EngineConfig(
-        scheduler=SchedulerConfig(swap_factor=swap_factor),
+        scheduler=SchedulerConfig(
+            swap_factor=swap_factor, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
         policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
     )
     return Engine(config, policy, executor, VirtualClock())
@@ -277,12 +281,7 @@ def test_a_p0_that_waits_for_memory_a_lower_tier_holds_is_counted() -> None:
 
 
 def one_seat_engine() -> Engine:
-    executor = NullExecutor(num_device_blocks=100, num_host_blocks=200, block_size=16)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=1),
-        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
-    )
-    return Engine(config, "hybrid", executor, VirtualClock())
+    return make_engine(blocks=100, host=200, swap_factor=1e9, max_num_seqs=1)
 
 
 def swapped_out_for_a_p0(eng: Engine, victim: Request, p0_prompt: int, then: Tier) -> Request:
@@ -379,12 +378,7 @@ def test_a_swapped_request_comes_back_where_the_head_would_take_another_first(ro
     # so the P2 comes back and the P3 makes room (a review's repro: held out for the P0,
     # the P2 waited swapped out while the P3 kept its place).
     if room == "seat":
-        executor = NullExecutor(num_device_blocks=1000, num_host_blocks=1000, block_size=16)
-        config = EngineConfig(
-            scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=3),
-            policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
-        )
-        eng = Engine(config, "hybrid", executor, VirtualClock())
+        eng = make_engine(blocks=1000, host=1000, swap_factor=1e9, max_num_seqs=3)
         p0_blocks = 2
     else:
         eng = make_engine(blocks=100, swap_factor=1e9)
@@ -404,12 +398,7 @@ def test_once_one_stays_out_for_the_head_no_later_swapped_request_takes_its_room
     # seat. The older swapped P3 (its first victim) stays out for it; the newer one must
     # not come back into that seat past it (a review's repro: it did, and the P0 took the
     # running P3's seat instead, so the hold spared nobody).
-    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=1000, block_size=16)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=3),
-        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
-    )
-    eng = Engine(config, "hybrid", executor, VirtualClock())
+    eng = make_engine(blocks=1000, host=1000, swap_factor=1e9, max_num_seqs=3)
     running = make_request(num_prompt=100, max_tokens=300, tier=Tier.P3)
     older = make_request(num_prompt=20, max_tokens=300, tier=Tier.P3)
     newer = make_request(num_prompt=300, max_tokens=300, tier=Tier.P3, arrival=0.001)
@@ -436,12 +425,9 @@ def test_a_swapped_request_stays_out_only_for_a_head_the_running_prompts_leave_t
     # shorter P0 prompt first (its `prefill_chunk_cap`), so the short P0 comes in at once
     # and the P2 stays out for it (judged by the step's tokens alone, the P2 came back and
     # the short P0 waited 14 passes for its first token).
-    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=1000, block_size=16)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(swap_factor=1e9, max_num_seqs=2, max_num_batched_tokens=32),
-        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    eng = make_engine(
+        policy, blocks=1000, host=1000, swap_factor=1e9, max_num_seqs=2, max_num_batched_tokens=32
     )
-    eng = Engine(config, policy, executor, VirtualClock())
     p2 = make_request(num_prompt=20, max_tokens=100, tier=Tier.P2)
     eng.add_request(p2)
     while p2.num_output_tokens == 0:
@@ -471,12 +457,7 @@ def test_once_one_stays_out_for_the_head_no_later_swapped_prompt_takes_its_token
     # done, the P0 waiting, X back in the meantime. (Hybrid keeps a waiting P0's tokens from
     # the other tiers' chunks, `prefill_chunk_cap`: there Y's chunk leaves the P0 its
     # tokens, so Y comes back, and is not swapped out again.)
-    executor = NullExecutor(num_device_blocks=100, num_host_blocks=1000, block_size=16)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(swap_factor=1e9, max_num_batched_tokens=64),
-        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
-    )
-    eng = Engine(config, policy, executor, VirtualClock())
+    eng = make_engine(policy, blocks=100, host=1000, swap_factor=1e9, max_num_batched_tokens=64)
     r = make_request(num_prompt=16 * 35 - 1, max_tokens=300, tier=Tier.P3)
     x = make_request(num_prompt=16 * 32 - 20, max_tokens=300, tier=Tier.P3, arrival=0.001)
     for req in (r, x):
@@ -531,9 +512,7 @@ def test_a_swapped_request_stays_out_where_the_victims_before_it_cannot_make_the
     # with X back its blocks alone cannot make room for the P1 head. X stays out, and the
     # head fits in the free blocks. (A review's repro: X came back for Q being first, the
     # head waited a pass and then preempted Q and X: X swapped each way, Q for nothing.)
-    executor = NullExecutor(num_device_blocks=100, num_host_blocks=1000, block_size=16)
-    config = EngineConfig(scheduler=SchedulerConfig(swap_factor=1e9, max_num_batched_tokens=64))
-    eng = Engine(config, "strict", executor, VirtualClock())
+    eng = make_engine("strict", blocks=100, host=1000, swap_factor=1e9, max_num_batched_tokens=64)
     q = make_request(num_prompt=50, max_tokens=300, tier=Tier.P3)
     x = make_request(num_prompt=16 * 19 - 20, max_tokens=300, tier=Tier.P3, arrival=0.001)
     for req in (q, x):
@@ -560,9 +539,7 @@ def test_a_swapped_decode_is_judged_with_the_block_its_next_token_takes() -> Non
     # it at the next pass: a swap each way.)
     r = make_request(num_prompt=16 * 20, max_tokens=300, tier=Tier.P1)
     x = make_request(num_prompt=16 * 24, max_tokens=300, tier=Tier.P3, arrival=0.001)
-    executor = NullExecutor(num_device_blocks=100, num_host_blocks=1000, block_size=16)
-    config = EngineConfig(scheduler=SchedulerConfig(swap_factor=1e9, max_num_batched_tokens=64))
-    eng = Engine(config, "strict", executor, VirtualClock())
+    eng = make_engine("strict", blocks=100, host=1000, swap_factor=1e9, max_num_batched_tokens=64)
     for req in (r, x):
         eng.add_request(req)
     while x.num_tokens < 401:

@@ -58,9 +58,9 @@ MAX_SPAN_S = 10 * 365 * 86_400.0
 # The most tokens a row may count: past every model's context by far (a 401-digit count
 # was read, and overflowed a float in `bench engine` far from the file).
 MAX_TOKEN_COUNT = 2**31 - 1
-# Parsed files kept, newest first, up to this many rows in all (a bench reads each file
-# several times; at 4 files, six traces in one run were parsed 6-7 times each, their
-# warnings repeated). The newest file stays whatever its size.
+# Parsed files kept up to this many rows in all, the oldest dropped first (a bench reads
+# each file several times; at 4 files, six traces in one run were parsed 6-7 times each,
+# their warnings repeated). The newest file stays whatever its size.
 _CACHE_ROWS = 1_000_000
 
 log = logging.getLogger(__name__)
