@@ -503,6 +503,109 @@ def test_a_waiting_p0_prompt_goes_ahead_of_lower_tiers_running_prefills() -> Non
     assert p0.first_token_time is not None, "P0's prompt waited for a P1 prefill chunk"
 
 
+@pytest.mark.parametrize(("waiting", "running"), [(Tier.P1, Tier.P2), (Tier.P1, Tier.P3), (Tier.P2, Tier.P3)])
+def test_a_waiting_request_goes_ahead_of_a_lower_tiers_running_prefill(waiting: Tier, running: Tier) -> None:
+    # A lower tier's long prompt runs (12 steps of 2 s: past a quarter of P1's and P2's TTFT
+    # targets); a more urgent request arrives: its first chunk goes in the next step,
+    # beside the long prompt's, which keeps the rest of the step.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0)
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=running)
+    eng.add_request(long_prompt)
+    eng.step()
+    urgent = make_request(num_prompt=100, max_tokens=2, tier=waiting, arrival=eng.clock.now())
+    eng.add_request(urgent)
+    before = long_prompt.num_computed_tokens
+    eng.step()
+    assert urgent.first_token_time is not None, f"{waiting.name} waited for a {running.name} prefill"
+    assert long_prompt.num_computed_tokens - before == 256 - 100
+    run(eng)
+
+
+def test_while_a_p0_is_likely_the_waiting_request_gets_its_chunk_of_the_capped_share() -> None:
+    # P1-P3 share 64 prompt tokens a step while a P0 is likely: the P2 prompt running
+    # leaves the P1 head its 40 of them, not only of the step's 4,096.
+    # (47 steps of 64 tokens, 0.1 s each: the P1 request would wait past a quarter of its target.)
+    eng = engine(
+        blocks=8000,
+        max_num_batched_tokens=4096,
+        hybrid={"p0_step_tokens": 64, "p0_likely_s": 1000.0},
+        step_s=0.1,
+    )
+    eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))
+    run(eng)
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2, arrival=eng.clock.now())
+    eng.add_request(long_prompt)
+    eng.step()
+    p1 = make_request(num_prompt=40, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(p1)
+    before = long_prompt.num_computed_tokens
+    eng.step()
+    assert p1.first_token_time is not None
+    assert long_prompt.num_computed_tokens - before == 64 - 40
+    run(eng)
+
+
+@pytest.mark.parametrize("policy", ["vllm-priority", "sglang-priority", "strict"])
+def test_running_prefills_keep_the_step_under_other_policies(policy: str) -> None:
+    # The other policies prefill their running prompts first (vLLM's and SGLang's order):
+    # the test above pins a choice of hybrid's, not of every policy's.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, policy=policy, step_s=2.0)
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
+    eng.add_request(long_prompt)
+    eng.step()
+    urgent = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(urgent)
+    eng.step()
+    assert urgent.first_token_time is None
+
+
+def test_a_running_lower_tier_prompt_keeps_its_chunk_where_the_wait_behind_it_is_short() -> None:
+    # 12 steps of 0.01 s: the P1 request waits 0.12 s, far inside its 5 s target.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=0.01)
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
+    eng.add_request(long_prompt)
+    eng.step()
+    p1 = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(p1)
+    before = long_prompt.num_computed_tokens
+    eng.step()
+    assert long_prompt.num_computed_tokens - before == 256 and p1.first_token_time is None
+    run(eng)
+    assert p1.first_token_time is not None
+
+
+def test_a_running_prompt_of_the_same_tier_keeps_its_chunk() -> None:
+    eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0)
+    first = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P1)
+    eng.add_request(first)
+    eng.step()
+    later = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(later)
+    before = first.num_computed_tokens
+    eng.step()
+    assert first.num_computed_tokens - before == 256 and later.status is RequestStatus.WAITING
+
+
+def test_a_head_that_cannot_come_in_does_not_hold_back_the_running_prompt() -> None:
+    # The P1 head needs more blocks than are free and may not take them from the P2 prompt
+    # (P2 borrows nothing): tokens kept for it in one pass are not kept again while the
+    # same requests run, so the P2 prompt keeps its whole step.
+    eng = engine(blocks=200, max_num_batched_tokens=256, step_s=2.0)
+    long_prompt = make_request(num_prompt=16 * 150, max_tokens=2, tier=Tier.P2)
+    eng.add_request(long_prompt)
+    eng.step()
+    big = make_request(num_prompt=16 * 100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(big)
+    chunks = []
+    for _ in range(4):
+        before = long_prompt.num_computed_tokens
+        eng.step()
+        chunks.append(long_prompt.num_computed_tokens - before)
+    assert big.status is RequestStatus.WAITING
+    assert chunks[1:] == [256, 256, 256], chunks
+    run(eng)
+
+
 def sim_70b_engine(bound_s: float) -> tuple[Engine, SimExecutor]:
     """Hybrid on the simulator's cost model (70B on 8 x A100, vLLM's limits), its step bound
     fixed at `bound_s` and holding at all times."""

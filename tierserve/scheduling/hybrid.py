@@ -44,6 +44,11 @@ longer P0 prompt's chunk in a step with a shorter one is held to the step bound 
 too (priced at its context): deep into a prompt of 50,000 tokens a chunk of the step's
 remaining tokens took 0.4 s, and the shorter prompt's first token waited for it.
 
+Running prompts prefill before anyone is admitted, and a P1 or P2 request at the queue's
+head that would wait past RESCUE_FRACTION of its target behind lower tiers' running
+prompts gets its first chunk ahead of theirs (`_head_kept_for`): on the Mooncake trace a
+P1 request waited 10 s behind a P2 prompt of 60,000 tokens.
+
 P3 steps aside while a P1 or P2 request that can still meet its target has waited over
 a third of it (DEFER_FRACTION, judged once a pass in `begin_step`): P3 is neither aged nor
 given its fair share ahead of P2, a P1 or P2 request short of a seat takes a running P3
@@ -92,7 +97,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
-from tierserve.request import Request
+from tierserve.request import Request, RequestStatus
 from tierserve.request import prefilling as prefilling_of
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper, tokens_left
@@ -222,6 +227,13 @@ class HybridPolicy(FairQueuePolicy):
         self._p0_stuck = False
         self._p0_running_when_stuck: int | None = None  # P0 requests running then
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
+        # The waiting P1 or P2 request the queue serves next, for which this pass's running
+        # prompts of lower tiers leave its first chunk (`_keeps_for`), and one for which a
+        # pass kept them and that did not come in, with the running requests then: not kept
+        # for again until fewer run.
+        self._head: Request | None = None
+        self._head_refused: tuple[Request, int] | None = None
+        self._num_running = 0
 
     def _choose(self, now: float) -> Choice | None:
         sfq, held = self._sfq, self._held
@@ -479,6 +491,64 @@ class HybridPolicy(FairQueuePolicy):
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)
         self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
+        self._num_running = len(running)
+        self._head = self._head_kept_for(step, len(running), prefilling, now)  # after the cap
+
+    def _head_kept_for(
+        self, step: StepBudget, num_running: int, prefilling: Sequence[Request], now: float
+    ) -> Request | None:
+        """The queue's next request where it is P1 or P2, may take a seat, can still meet
+        its TTFT target and would wait past RESCUE_FRACTION of it for the running prompts of
+        lower tiers: they leave it its first chunk in this pass. Prefilled first, as running
+        requests are, a P2 prompt of 60,000 tokens took every step's tokens for 30 steps
+        while a P1 request that had arrived after it waited 10 s for its first one. A
+        shorter wait is left alone: a P1 request that meets its target anyway gains nothing
+        from going first, and the prompts it overtakes lose (on the default workload, P2's
+        prompts of a few thousand tokens, P2's attainment fell and nobody's rose)."""
+        if not prefilling or self._p0_kept_for:
+            return None
+        head = self.peek(now)
+        if head is None or head.tier not in RESCUED_TIERS:
+            return None
+        behind = sum(tokens_left(r) for r in prefilling if r.tier > head.tier)
+        if not behind:
+            return None
+        refused = self._head_refused
+        if refused is not None:
+            if refused[0] is head and num_running >= refused[1]:
+                return None
+            self._head_refused = None
+        if num_running >= step.seats and not self.preempts_for_seat(head):
+            return None
+        waited_s, target_s = now - self._queued_since(head), self._target_s[head.tier]
+        if waited_s >= target_s:
+            return None
+        if step.estimate_s is not None:
+            budget = step.tokens_left  # of fresh tokens: a deep chunk costs more, which this ignores
+            if step.capped_tiers and head.tier + 1 in step.capped_tiers:  # P1-P3 share a cap
+                budget = min(budget, step.capped_tokens_left)
+            behind_s = math.ceil(behind / max(1, budget)) * step.estimate_s(budget, 0)
+            if waited_s + behind_s <= RESCUE_FRACTION * target_s:
+                return None
+        return head
+
+    def _room_beside_head(self, req: Request, step: StepBudget) -> int | None:
+        """The most of the step `req`'s chunk may take where it is of a lower tier than the
+        waiting head (`_head_kept_for`) and the head is not in the step yet: what leaves
+        the head its first chunk, of the step's tokens and of the capped share where both
+        tiers are capped (while a P0 is likely P1-P3 share one). None: no head to leave
+        room for."""
+        head = self._head
+        if head is None or req.tier <= head.tier or head in step.prefills:
+            return None
+        keep = tokens_left(head)
+        cap = super().prefill_chunk_cap(head)
+        if cap is not None:
+            keep = min(cap, keep)
+        room = max(0, step.tokens_left - keep)
+        if req.tier in step.capped_tiers and head.tier in step.capped_tiers:
+            room = min(room, step.capped_chunk(req, step.capped_tokens_left - keep))
+        return room
 
     def _still_stuck(self, running: Sequence[Request]) -> bool:
         """Whether waiting P0 prompts still go without kept tokens: until one comes in, none
@@ -505,7 +575,10 @@ class HybridPolicy(FairQueuePolicy):
             self._p0_stuck = True
         if not self._p0_stuck:
             self._p0_running_when_stuck = None
-        self._step, self._p0_by_length = None, []
+        head = self._head
+        if head is not None and head not in step.fresh and head.status is RequestStatus.WAITING:
+            self._head_refused = (head, self._num_running)
+        self._step, self._p0_by_length, self._head = None, [], None
         self._held.clear()
 
     def _more_urgent_queued(self, now: float) -> bool:
@@ -562,7 +635,12 @@ class HybridPolicy(FairQueuePolicy):
         P0_FLOOR_SHARE of the step, so a long one still moves."""
         cap = super().prefill_chunk_cap(req)
         step = self._step
-        if step is None or not self._p0_by_length:
+        if step is None:
+            return cap
+        beside_head = self._room_beside_head(req, step)
+        if beside_head is not None:
+            cap = beside_head if cap is None else min(cap, beside_head)
+        if not self._p0_by_length:
             return cap
         ahead = list(self._ahead_of(req))
         reserve = sum(tokens_left(r) for r in ahead if r not in step.prefills)

@@ -61,13 +61,20 @@ class StepBudget:
         """How many of `req`'s uncomputed tokens fit in this step (`cap`: the policy's own)."""
         n = min(req.num_tokens - req.num_computed_tokens, self.tokens_left)
         if req.tier in self.capped_tiers:
-            n = min(n, self.capped_tokens_left)
-            context = req.num_computed_tokens
-            if n > 1 and context and self.estimate_s is not None:
-                bound_s = self.estimate_s(self.capped_tokens_left, 0)
-                fit = tokens_at_context_within(self.estimate_s, n, context, bound_s)
-                n = max(fit, min(n, self.capped_at_least))
+            n = self.capped_chunk(req, self.capped_tokens_left, n)
         return n if cap is None else min(n, cap)
+
+    def capped_chunk(self, req: Request, capped_tokens: int, most: int | None = None) -> int:
+        """How many of `req`'s uncomputed tokens (at most `most`) a cap of `capped_tokens`
+        fresh tokens holds, priced at `req`'s context, but `capped_at_least`."""
+        n = req.num_tokens - req.num_computed_tokens if most is None else most
+        n = min(n, max(0, capped_tokens))
+        context = req.num_computed_tokens
+        if n > 1 and context and self.estimate_s is not None:
+            bound_s = self.estimate_s(capped_tokens, 0)
+            fit = tokens_at_context_within(self.estimate_s, n, context, bound_s)
+            n = max(fit, min(n, self.capped_at_least))
+        return n
 
     def has_prefill_room(self, tier: Tier) -> bool:
         """Whether a prompt of `tier` could get any token in this step."""
