@@ -521,6 +521,51 @@ def test_a_waiting_request_goes_ahead_of_a_lower_tiers_running_prefill(waiting: 
     run(eng)
 
 
+@pytest.mark.parametrize(("waiting", "running"), [(Tier.P1, Tier.P2), (Tier.P2, Tier.P3)])
+def test_no_tokens_are_kept_for_a_head_that_cannot_come_in_as_requests_end(
+    waiting: Tier, running: Tier
+) -> None:
+    # The head needs 100 blocks; the pool has 200, the long prompt takes 150 and the head
+    # may not take them (its tier borrows nothing). Short decoders end one by one: kept
+    # for at each end, the long prompt lost a whole step every time and the head, waiting
+    # for its blocks, came in later (a review's repro: 50 s instead of 38 s for a P2 head).
+    eng = engine(blocks=200, max_num_batched_tokens=256, max_num_seqs=16, step_s=2.0)
+    for i in range(6):
+        eng.add_request(make_request(num_prompt=8, max_tokens=4 + 2 * i, tier=Tier.P1))
+    eng.step()
+    long_prompt = make_request(num_prompt=16 * 150, max_tokens=2, tier=running)
+    eng.add_request(long_prompt)
+    eng.step()
+    big = make_request(num_prompt=16 * 100, max_tokens=2, tier=waiting, arrival=eng.clock.now())
+    eng.add_request(big)
+    chunks = []
+    while long_prompt.first_token_time is None:
+        before = long_prompt.num_computed_tokens
+        eng.step()
+        chunks.append(long_prompt.num_computed_tokens - before)
+    assert big.status is RequestStatus.WAITING
+    assert min(chunks[:-1]) >= 256 - 6, chunks  # each step but its last: the step, but the decodes
+    run(eng)
+
+
+def test_the_tokens_kept_for_a_head_leave_out_its_cached_prefix() -> None:
+    # The P1 head's first 240 tokens are cached: it prefills 16, and the P2 prompt keeps 240.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0, enable_prefix_caching=True)
+    shared = list(range(1000, 1240))
+    eng.add_request(make_request(tokens=[*shared, *[5] * 16], max_tokens=1, tier=Tier.P1))
+    run(eng)
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2, arrival=eng.clock.now())
+    eng.add_request(long_prompt)
+    eng.step()
+    head = make_request(tokens=[*shared, *[9] * 16], max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(head)
+    before = long_prompt.num_computed_tokens
+    eng.step()
+    assert head.first_token_time is not None
+    assert long_prompt.num_computed_tokens - before == 240
+    run(eng)
+
+
 def test_while_a_p0_is_likely_the_waiting_request_gets_its_chunk_of_the_capped_share() -> None:
     # P1-P3 share 64 prompt tokens a step while a P0 is likely: the P2 prompt running
     # leaves the P1 head its 40 of them, not only of the step's 4,096.
@@ -586,23 +631,23 @@ def test_a_running_prompt_of_the_same_tier_keeps_its_chunk() -> None:
     assert first.num_computed_tokens - before == 256 and later.status is RequestStatus.WAITING
 
 
-def test_a_head_that_cannot_come_in_does_not_hold_back_the_running_prompt() -> None:
-    # The P1 head needs more blocks than are free and may not take them from the P2 prompt
-    # (P2 borrows nothing): tokens kept for it in one pass are not kept again while the
-    # same requests run, so the P2 prompt keeps its whole step.
-    eng = engine(blocks=200, max_num_batched_tokens=256, step_s=2.0)
-    long_prompt = make_request(num_prompt=16 * 150, max_tokens=2, tier=Tier.P2)
+def test_no_tokens_are_kept_for_a_head_without_a_seat() -> None:
+    # Both seats are P2's and a P1 request takes only a P3 request's seat (once it has
+    # waited a third of its target, from the second step on): the long P2 prompt keeps its
+    # whole step.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, max_num_seqs=2, step_s=2.0)
+    eng.add_request(make_request(num_prompt=8, max_tokens=50, tier=Tier.P2))
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
     eng.add_request(long_prompt)
     eng.step()
-    big = make_request(num_prompt=16 * 100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
-    eng.add_request(big)
+    head = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(head)
     chunks = []
-    for _ in range(4):
+    for _ in range(3):
         before = long_prompt.num_computed_tokens
         eng.step()
         chunks.append(long_prompt.num_computed_tokens - before)
-    assert big.status is RequestStatus.WAITING
-    assert chunks[1:] == [256, 256, 256], chunks
+    assert chunks == [255, 255, 255] and head.status is RequestStatus.WAITING
     run(eng)
 
 

@@ -15,6 +15,8 @@ from tierserve.scheduling.base import Policy
 from tierserve.scheduling.step import PreemptMode, StepBudget
 from tierserve.tiers import ALL_TIERS, Tier
 
+NONE_TAKEN = (0,) * len(ALL_TIERS)  # `KVCacheManager.admit_status_after`: no blocks taken first
+
 
 class Preemptor:
     def __init__(
@@ -116,6 +118,26 @@ class Preemptor:
             return False
         self.preempt(candidates[0], step, now)
         return True
+
+    def could_admit(self, req: Request, step: StepBudget) -> bool:
+        """Whether `req` could come in in this pass as seats and memory stand, preempting
+        nobody: a seat, free or one `free_seat_for` may take, and its blocks, free or
+        those `reclaim_for` may take (their checks, without their effects)."""
+        policy, memory = self.policy, self.memory
+        seat_needed = len(self.lifecycle.running) >= step.seats
+        if not seat_needed and memory.admit_status_after(req, NONE_TAKEN) is Alloc.OK:
+            return True  # no victim to choose: the fast simulation's kept decoders stay kept
+        victims: list[Request] = []
+        if seat_needed:
+            if not policy.preempts_for_seat(req):
+                return False
+            seat = self._admission_candidates(req, step, policy.seat_victim_ok)
+            if not seat:
+                return False
+            victims.append(seat[0])
+        if policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
+            victims += self._admission_candidates(req, step, policy.admission_victim_ok)
+        return self.fits_after(req, victims)
 
     def fits_after(self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None) -> bool:
         """Whether `req`'s blocks would pass the memory check (its tier's ceiling, the

@@ -152,8 +152,24 @@ class Scheduler:
         for req, reason in self.policy.to_shed(now):
             self.lifecycle.end(req, FinishReason.SHED, reason)
             shed.append(req)
-        self.policy.begin_step(step, self.lifecycle.running, now, prefilling)
+        self.policy.begin_step(step, self.lifecycle.running, now, prefilling, self._first_chunk_for(step))
         return shed
+
+    def _first_chunk_for(self, step: StepBudget) -> Callable[[Request], int | None]:
+        """`Policy.begin_step`'s `first_chunk`: for a policy that keeps step tokens for a
+        waiting request, the prompt tokens it would prefill on coming in, or None where it
+        could not come in in this pass (nothing swapped returns first, its tier admits it,
+        a seat and blocks, free or those it may take)."""
+
+        def first_chunk(req: Request) -> int | None:
+            policy, memory = self.policy, self.memory
+            if any(policy.returns_first(s, req) for s in self.lifecycle.swapped):
+                return None
+            if not policy.may_admit(req, memory) or not self.preemptor.could_admit(req, step):
+                return None
+            return req.num_tokens - memory.cached_prefix_tokens(req)
+
+        return first_chunk
 
     def _decode_protected(self, step: StepBudget, now: float) -> list[Request]:
         """Decodes, most protected first (RunningPass.PROTECTED); a request that cannot grow

@@ -139,6 +139,10 @@ class KVCacheManager:
         num_new = self.blocks_for(req.num_tokens) - len(hits)
         return self.check_after(req.tier, num_new + num_revived, taken)
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """The leading tokens of waiting `req` its admission would find cached."""
+        return len(self._match_prefix(req)) * self.block_size
+
     def blocks_to_admit(
         self, req: Request, released: Mapping[int, int], taken: Sequence[int] | None = None
     ) -> int:

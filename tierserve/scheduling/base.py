@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, ClassVar
 
@@ -194,10 +194,13 @@ class Policy(ABC):
         running: Sequence[Request],
         now: float,
         prefilling: Sequence[Request] | None = None,
+        first_chunk: Callable[[Request], int | None] | None = None,
     ) -> None:
         """Called before a pass fills `step`; may cap some tiers' prefill (`step.cap_prefill`).
         `prefilling`: the running requests still prefilling, where the caller knows them
-        (None: `request.prefilling(running)`)."""
+        (None: `request.prefilling(running)`). `first_chunk(req)`, where the caller gives
+        it: the prompt tokens waiting `req` would prefill on coming in (less its cached
+        prefix), or None where it could not come in in this pass as seats and memory stand."""
         return None
 
     def end_step(self, step: StepBudget, now: float) -> None:

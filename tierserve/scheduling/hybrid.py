@@ -91,13 +91,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from tierserve.config import ConfigError, EngineConfig, PolicyOptions
-from tierserve.request import Request, RequestStatus
+from tierserve.request import Request
 from tierserve.request import prefilling as prefilling_of
 from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.scheduling.hybrid_step import StepShaper, tokens_left
@@ -228,12 +228,14 @@ class HybridPolicy(FairQueuePolicy):
         self._p0_running_when_stuck: int | None = None  # P0 requests running then
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
         # The waiting P1 or P2 request the queue serves next, for which this pass's running
-        # prompts of lower tiers leave its first chunk (`_keeps_for`), and one for which a
-        # pass kept them and that did not come in, with the running requests then: not kept
-        # for again until fewer run.
+        # prompts of lower tiers leave its first chunk (`_head_kept_for`), where it could
+        # come in (asked of `_first_chunk` once a lower tier's chunk is sized: choosing
+        # victims writes out the fast simulation's kept decoders, which `begin_step` may not
+        # do), and the tokens of that chunk at most (its prompt less its cached prefix).
         self._head: Request | None = None
-        self._head_refused: tuple[Request, int] | None = None
-        self._num_running = 0
+        self._head_asked = False
+        self._first_chunk: Callable[[Request], int | None] | None = None
+        self._head_tokens = 0
 
     def _choose(self, now: float) -> Choice | None:
         sfq, held = self._sfq, self._held
@@ -476,6 +478,7 @@ class HybridPolicy(FairQueuePolicy):
         running: Sequence[Request],
         now: float,
         prefilling: Sequence[Request] | None = None,
+        first_chunk: Callable[[Request], int | None] | None = None,
     ) -> None:
         self._step = step
         self._held.clear()
@@ -491,36 +494,28 @@ class HybridPolicy(FairQueuePolicy):
         p0_prefilling = any(r.tier is Tier.P0 for r in prefilling)
         num_decodes = len(running) - len(prefilling)
         self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
-        self._num_running = len(running)
-        self._head = self._head_kept_for(step, len(running), prefilling, now)  # after the cap
+        self._head = self._head_kept_for(step, prefilling, now)  # after the cap
+        self._head_asked, self._first_chunk = False, first_chunk
 
-    def _head_kept_for(
-        self, step: StepBudget, num_running: int, prefilling: Sequence[Request], now: float
-    ) -> Request | None:
-        """The queue's next request where it is P1 or P2, may take a seat, can still meet
-        its TTFT target and would wait past RESCUE_FRACTION of it for the running prompts of
-        lower tiers: they leave it its first chunk in this pass. Prefilled first, as running
-        requests are, a P2 prompt of 60,000 tokens took every step's tokens for 30 steps
-        while a P1 request that had arrived after it waited 10 s for its first one. A
-        shorter wait is left alone: a P1 request that meets its target anyway gains nothing
-        from going first, and the prompts it overtakes lose (on the default workload, P2's
-        prompts of a few thousand tokens, P2's attainment fell and nobody's rose)."""
+    def _head_kept_for(self, step: StepBudget, prefilling: Sequence[Request], now: float) -> Request | None:
+        """The queue's next request where it is P1 or P2, has no first token yet, can still
+        meet its TTFT target and would wait past RESCUE_FRACTION of it for the running
+        prompts of lower tiers: those prompts' chunks leave it its first chunk where it could
+        come in in this pass (`_room_beside_head`). Prefilled first, as running requests
+        are, a P2 prompt of 60,000 tokens took every step's tokens for 30 steps while a P1
+        request that had arrived after it waited 10 s for its first one. A shorter wait is
+        left alone: a P1 request that meets its target anyway gains nothing from going
+        first, and the prompts it overtakes lose (on the default workload, whose P2 prompts
+        take a step or two, P2's attainment fell and nobody's rose)."""
         if not prefilling or self._p0_kept_for:
             return None
         head = self.peek(now)
-        if head is None or head.tier not in RESCUED_TIERS:
+        if head is None or head.tier not in RESCUED_TIERS or head.first_token_time is not None:
             return None
         behind = sum(tokens_left(r) for r in prefilling if r.tier > head.tier)
         if not behind:
             return None
-        refused = self._head_refused
-        if refused is not None:
-            if refused[0] is head and num_running >= refused[1]:
-                return None
-            self._head_refused = None
-        if num_running >= step.seats and not self.preempts_for_seat(head):
-            return None
-        waited_s, target_s = now - self._queued_since(head), self._target_s[head.tier]
+        waited_s, target_s = now - head.arrival_time, self._target_s[head.tier]
         if waited_s >= target_s:
             return None
         if step.estimate_s is not None:
@@ -541,7 +536,15 @@ class HybridPolicy(FairQueuePolicy):
         head = self._head
         if head is None or req.tier <= head.tier or head in step.prefills:
             return None
-        keep = tokens_left(head)
+        if not self._head_asked:
+            self._head_asked = True
+            first_chunk = self._first_chunk
+            tokens = tokens_left(head) if first_chunk is None else first_chunk(head)
+            if tokens is None:
+                self._head = None
+                return None
+            self._head_tokens = tokens
+        keep = self._head_tokens
         cap = super().prefill_chunk_cap(head)
         if cap is not None:
             keep = min(cap, keep)
@@ -575,10 +578,7 @@ class HybridPolicy(FairQueuePolicy):
             self._p0_stuck = True
         if not self._p0_stuck:
             self._p0_running_when_stuck = None
-        head = self._head
-        if head is not None and head not in step.fresh and head.status is RequestStatus.WAITING:
-            self._head_refused = (head, self._num_running)
-        self._step, self._p0_by_length, self._head = None, [], None
+        self._step, self._p0_by_length, self._head, self._first_chunk = None, [], None, None
         self._held.clear()
 
     def _more_urgent_queued(self, now: float) -> bool:
