@@ -16,6 +16,7 @@ from tierserve.executors.sim.executor import SimExecutor
 from tierserve.request import EventKind, FinishReason, Request, RequestStatus, SamplingParams
 from tierserve.scheduling.hybrid import P0_FLOOR_SHARE
 from tierserve.scheduling.hybrid_step import SHAPING_WINDOW
+from tierserve.scheduling.step import StepBudget
 from tierserve.tiers import Tier
 
 
@@ -588,6 +589,51 @@ def test_while_a_p0_is_likely_the_waiting_request_gets_its_chunk_of_the_capped_s
     assert p1.first_token_time is not None
     assert long_prompt.num_computed_tokens - before == 64 - 40
     run(eng)
+
+
+def test_a_deep_chunk_cut_for_the_head_leaves_it_the_capped_share() -> None:
+    # P1-P3 share 64 tokens a step while a P0 is likely; a P3 prompt 12,000 tokens deep is
+    # charged its chunk at its context. Cut to the share less the head's 20 tokens but kept
+    # at the cap's floor, it took the whole share: the P1 found no token in it, pass after
+    # pass, until the P3 prompt ended (a review's repro: 91 steps, 2.0 s).
+    from tierserve.executors.sim.executor import build_sim_executor
+
+    base = parse_config({"policy": {"hybrid": {"p0_likely_s": 1000.0}}})
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        tiers=base.tiers,
+        policy_options=base.policy_options,
+    )
+    executor = build_sim_executor("llama-3.1-70b", "a100-80gb", 8, block_size=16, num_device_blocks=4000)
+    eng = Engine(config, "hybrid", executor, VirtualClock())
+    eng.add_request(make_request(num_prompt=20, max_tokens=1, tier=Tier.P0))
+    eng.step()
+    p3 = make_request(num_prompt=16000, max_tokens=1, tier=Tier.P3, arrival=eng.clock.now())
+    eng.add_request(p3)
+    while p3.num_computed_tokens < 12000:
+        eng.step()
+    p1 = make_request(num_prompt=20, max_tokens=1, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(p1)
+    eng.step()
+    assert p1.first_token_time is not None
+    assert p3.status is RequestStatus.RUNNING and p3.first_token_time is None
+
+
+def test_whether_the_head_could_come_in_is_asked_again_once_the_running_requests_change() -> None:
+    # Asked while a seat was free, the answer held after a swapped request came back into
+    # it: a lower tier's chunk was cut for a head that then had no seat.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, max_num_seqs=2)
+    eng.add_request(make_request(num_prompt=8, max_tokens=50, tier=Tier.P2))
+    eng.step()
+    head = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(head)
+    step = StepBudget(256, 2)
+    first_chunk = eng.scheduler._first_chunk_for(step)
+    assert first_chunk(head) == 100
+    eng.add_request(make_request(num_prompt=8, max_tokens=50, tier=Tier.P0))
+    eng.step()  # the P0 takes the second seat (the P1 head may not take a P0's or a P2's)
+    assert eng.num_running() == 2 and head.status is RequestStatus.WAITING
+    assert first_chunk(head) is None
 
 
 @pytest.mark.parametrize("policy", ["vllm-priority", "sglang-priority", "strict"])

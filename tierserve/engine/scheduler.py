@@ -161,7 +161,18 @@ class Scheduler:
         could not come in in this pass (nothing swapped returns first, its tier admits it,
         a seat and blocks, free or those it may take)."""
 
+        asked: dict[Request, tuple[int, int | None]] = {}  # by the running and swapped sets' version
+
         def first_chunk(req: Request) -> int | None:
+            version = self.lifecycle.version
+            known = asked.get(req)
+            if known is not None and known[0] == version:
+                return known[1]
+            answer = ask(req)
+            asked[req] = (version, answer)
+            return answer
+
+        def ask(req: Request) -> int | None:
             policy, memory = self.policy, self.memory
             if any(policy.returns_first(s, req) for s in self.lifecycle.swapped):
                 return None

@@ -229,13 +229,11 @@ class HybridPolicy(FairQueuePolicy):
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
         # The waiting P1 or P2 request the queue serves next, for which this pass's running
         # prompts of lower tiers leave its first chunk (`_head_kept_for`), where it could
-        # come in (asked of `_first_chunk` once a lower tier's chunk is sized: choosing
+        # come in: asked of `_first_chunk` when a lower tier's chunk is sized (choosing
         # victims writes out the fast simulation's kept decoders, which `begin_step` may not
-        # do), and the tokens of that chunk at most (its prompt less its cached prefix).
+        # do), and asked again once the running or swapped requests change in the pass.
         self._head: Request | None = None
-        self._head_asked = False
         self._first_chunk: Callable[[Request], int | None] | None = None
-        self._head_tokens = 0
 
     def _choose(self, now: float) -> Choice | None:
         sfq, held = self._sfq, self._held
@@ -495,7 +493,7 @@ class HybridPolicy(FairQueuePolicy):
         num_decodes = len(running) - len(prefilling)
         self._shaper.begin(step, self.num_waiting(Tier.P0), p0_prefilling, num_decodes, now)
         self._head = self._head_kept_for(step, prefilling, now)  # after the cap
-        self._head_asked, self._first_chunk = False, first_chunk
+        self._first_chunk = first_chunk
 
     def _head_kept_for(self, step: StepBudget, prefilling: Sequence[Request], now: float) -> Request | None:
         """The queue's next request where it is P1 or P2, has no first token yet, can still
@@ -536,21 +534,20 @@ class HybridPolicy(FairQueuePolicy):
         head = self._head
         if head is None or req.tier <= head.tier or head in step.prefills:
             return None
-        if not self._head_asked:
-            self._head_asked = True
-            first_chunk = self._first_chunk
-            tokens = tokens_left(head) if first_chunk is None else first_chunk(head)
-            if tokens is None:
-                self._head = None
-                return None
-            self._head_tokens = tokens
-        keep = self._head_tokens
+        first_chunk = self._first_chunk
+        keep = tokens_left(head) if first_chunk is None else first_chunk(head)
+        if keep is None:
+            return None
         cap = super().prefill_chunk_cap(head)
         if cap is not None:
             keep = min(cap, keep)
         room = max(0, step.tokens_left - keep)
         if req.tier in step.capped_tiers and head.tier in step.capped_tiers:
-            room = min(room, step.capped_chunk(req, step.capped_tokens_left - keep))
+            # Without the cap's floor: a chunk deep into a long prompt is charged at its
+            # context, and with the floor it took the whole share, the head found no
+            # token in it, and pass after pass the prompt lost tokens for nothing.
+            share = step.capped_tokens_left - keep
+            room = min(room, step.capped_chunk(req, share, at_least=False))
         return room
 
     def _still_stuck(self, running: Sequence[Request]) -> bool:

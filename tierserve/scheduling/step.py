@@ -64,16 +64,19 @@ class StepBudget:
             n = self.capped_chunk(req, self.capped_tokens_left, n)
         return n if cap is None else min(n, cap)
 
-    def capped_chunk(self, req: Request, capped_tokens: int, most: int | None = None) -> int:
+    def capped_chunk(
+        self, req: Request, capped_tokens: int, most: int | None = None, *, at_least: bool = True
+    ) -> int:
         """How many of `req`'s uncomputed tokens (at most `most`) a cap of `capped_tokens`
-        fresh tokens holds, priced at `req`'s context, but `capped_at_least`."""
+        fresh tokens holds, priced at `req`'s context, but `capped_at_least` (unless not
+        `at_least`: then never more than the cap holds)."""
         n = req.num_tokens - req.num_computed_tokens if most is None else most
         n = min(n, max(0, capped_tokens))
         context = req.num_computed_tokens
         if n > 1 and context and self.estimate_s is not None:
             bound_s = self.estimate_s(capped_tokens, 0)
             fit = tokens_at_context_within(self.estimate_s, n, context, bound_s)
-            n = max(fit, min(n, self.capped_at_least))
+            n = max(fit, min(n, self.capped_at_least)) if at_least else fit
         return n
 
     def has_prefill_room(self, tier: Tier) -> bool:
