@@ -620,8 +620,9 @@ def test_a_deep_chunk_cut_for_the_head_leaves_it_the_capped_share() -> None:
 
 
 def test_whether_the_head_could_come_in_is_asked_again_once_the_running_requests_change() -> None:
-    # Asked while a seat was free, the answer held after a swapped request came back into
-    # it: a lower tier's chunk was cut for a head that then had no seat.
+    # The answer is kept while the running and swapped requests stay as they are, and asked
+    # again once they change: kept after a swapped request came back into the last seat,
+    # a lower tier's chunk was cut for a head that then had no seat (here a P0 comes in).
     eng = engine(blocks=4000, max_num_batched_tokens=256, max_num_seqs=2)
     eng.add_request(make_request(num_prompt=8, max_tokens=50, tier=Tier.P2))
     eng.step()
@@ -663,6 +664,21 @@ def test_a_running_lower_tier_prompt_keeps_its_chunk_where_the_wait_behind_it_is
     assert long_prompt.num_computed_tokens - before == 256 and p1.first_token_time is None
     run(eng)
     assert p1.first_token_time is not None
+
+
+def test_a_head_past_its_target_does_not_go_ahead() -> None:
+    # It has waited 6 s of P1's 5: going first no longer makes its target, and the P2
+    # prompt running keeps its whole step.
+    eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0)
+    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
+    eng.add_request(long_prompt)
+    eng.step()
+    late = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now() - 6.0)
+    eng.add_request(late)
+    before = long_prompt.num_computed_tokens
+    eng.step()
+    assert long_prompt.num_computed_tokens - before == 256 and late.first_token_time is None
+    run(eng)
 
 
 def test_a_running_prompt_of_the_same_tier_keeps_its_chunk() -> None:

@@ -15,7 +15,7 @@ from tierserve.scheduling.base import Policy
 from tierserve.scheduling.step import PreemptMode, StepBudget
 from tierserve.tiers import ALL_TIERS, Tier
 
-NONE_TAKEN = (0,) * len(ALL_TIERS)  # `KVCacheManager.admit_status_after`: no blocks taken first
+NO_BLOCKS = (0,) * len(ALL_TIERS)  # `KVCacheManager.admit_status_after`: no blocks taken first
 
 
 class Preemptor:
@@ -125,7 +125,7 @@ class Preemptor:
         those `reclaim_for` may take (their checks, without their effects)."""
         policy, memory = self.policy, self.memory
         seat_needed = len(self.lifecycle.running) >= step.seats
-        if not seat_needed and memory.admit_status_after(req, NONE_TAKEN) is Alloc.OK:
+        if not seat_needed and memory.admit_status_after(req, NO_BLOCKS) is Alloc.OK:
             return True  # no victim to choose: the fast simulation's kept decoders stay kept
         victims: list[Request] = []
         if seat_needed:

@@ -21,7 +21,7 @@ from typing import Protocol
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle
-from tierserve.engine.preemption import Preemptor
+from tierserve.engine.preemption import NO_BLOCKS, Preemptor
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch, decode_seqs
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import FinishReason, Request, RequestStatus
@@ -29,8 +29,6 @@ from tierserve.scheduling.base import Policy, RunningPass
 from tierserve.scheduling.errors import PolicyOrderError
 from tierserve.scheduling.step import PreemptMode, StepBudget
 from tierserve.tiers import ALL_TIERS
-
-NO_BLOCKS = (0,) * len(ALL_TIERS)
 
 
 @dataclass

@@ -530,12 +530,13 @@ class HybridPolicy(FairQueuePolicy):
         waiting head (`_head_kept_for`) and the head is not in the step yet: what leaves
         the head its first chunk, of the step's tokens and of the capped share where both
         tiers are capped (while a P0 is likely P1-P3 share one). None: no head to leave
-        room for."""
+        room for, or it could not come in in this pass (`first_chunk`; without one, as where
+        no engine builds the step, nothing is kept)."""
         head = self._head
         if head is None or req.tier <= head.tier or head in step.prefills:
             return None
         first_chunk = self._first_chunk
-        keep = tokens_left(head) if first_chunk is None else first_chunk(head)
+        keep = None if first_chunk is None else first_chunk(head)
         if keep is None:
             return None
         cap = super().prefill_chunk_cap(head)
