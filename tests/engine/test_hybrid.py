@@ -504,21 +504,32 @@ def test_a_waiting_p0_prompt_goes_ahead_of_lower_tiers_running_prefills() -> Non
     assert p0.first_token_time is not None, "P0's prompt waited for a P1 prefill chunk"
 
 
+def _long_prompt_running(eng: Engine, tier: Tier, num_prompt: int = 3000) -> Request:
+    """A prompt of `tier` that has had its first step of prefill."""
+    long_prompt = make_request(num_prompt=num_prompt, max_tokens=2, tier=tier, arrival=eng.clock.now())
+    eng.add_request(long_prompt)
+    eng.step()
+    return long_prompt
+
+
+def _chunk_of_next_step(eng: Engine, req: Request) -> int:
+    """The prompt tokens `req` prefills in the next step."""
+    before = req.num_computed_tokens
+    eng.step()
+    return req.num_computed_tokens - before
+
+
 @pytest.mark.parametrize(("waiting", "running"), [(Tier.P1, Tier.P2), (Tier.P1, Tier.P3), (Tier.P2, Tier.P3)])
 def test_a_waiting_request_goes_ahead_of_a_lower_tiers_running_prefill(waiting: Tier, running: Tier) -> None:
     # A lower tier's long prompt runs (12 steps of 2 s: past a quarter of P1's and P2's TTFT
     # targets); a more urgent request arrives: its first chunk goes in the next step,
     # beside the long prompt's, which keeps the rest of the step.
     eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0)
-    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=running)
-    eng.add_request(long_prompt)
-    eng.step()
+    long_prompt = _long_prompt_running(eng, running)
     urgent = make_request(num_prompt=100, max_tokens=2, tier=waiting, arrival=eng.clock.now())
     eng.add_request(urgent)
-    before = long_prompt.num_computed_tokens
-    eng.step()
+    assert _chunk_of_next_step(eng, long_prompt) == 256 - 100
     assert urgent.first_token_time is not None, f"{waiting.name} waited for a {running.name} prefill"
-    assert long_prompt.num_computed_tokens - before == 256 - 100
     run(eng)
 
 
@@ -555,15 +566,11 @@ def test_the_tokens_kept_for_a_head_leave_out_its_cached_prefix() -> None:
     shared = list(range(1000, 1240))
     eng.add_request(make_request(tokens=[*shared, *[5] * 16], max_tokens=1, tier=Tier.P1))
     run(eng)
-    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2, arrival=eng.clock.now())
-    eng.add_request(long_prompt)
-    eng.step()
+    long_prompt = _long_prompt_running(eng, Tier.P2)
     head = make_request(tokens=[*shared, *[9] * 16], max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
     eng.add_request(head)
-    before = long_prompt.num_computed_tokens
-    eng.step()
+    assert _chunk_of_next_step(eng, long_prompt) == 240
     assert head.first_token_time is not None
-    assert long_prompt.num_computed_tokens - before == 240
     run(eng)
 
 
@@ -579,15 +586,11 @@ def test_while_a_p0_is_likely_the_waiting_request_gets_its_chunk_of_the_capped_s
     )
     eng.add_request(make_request(num_prompt=16, max_tokens=1, tier=Tier.P0))
     run(eng)
-    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2, arrival=eng.clock.now())
-    eng.add_request(long_prompt)
-    eng.step()
+    long_prompt = _long_prompt_running(eng, Tier.P2)
     p1 = make_request(num_prompt=40, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
     eng.add_request(p1)
-    before = long_prompt.num_computed_tokens
-    eng.step()
+    assert _chunk_of_next_step(eng, long_prompt) == 64 - 40
     assert p1.first_token_time is not None
-    assert long_prompt.num_computed_tokens - before == 64 - 40
     run(eng)
 
 
@@ -642,26 +645,19 @@ def test_running_prefills_keep_the_step_under_other_policies(policy: str) -> Non
     # The other policies prefill their running prompts first (vLLM's and SGLang's order):
     # the test above pins a choice of hybrid's, not of every policy's.
     eng = engine(blocks=4000, max_num_batched_tokens=256, policy=policy, step_s=2.0)
-    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
-    eng.add_request(long_prompt)
-    eng.step()
+    long_prompt = _long_prompt_running(eng, Tier.P2)
     urgent = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
     eng.add_request(urgent)
-    eng.step()
-    assert urgent.first_token_time is None
+    assert _chunk_of_next_step(eng, long_prompt) == 256 and urgent.first_token_time is None
 
 
 def test_a_running_lower_tier_prompt_keeps_its_chunk_where_the_wait_behind_it_is_short() -> None:
     # 12 steps of 0.01 s: the P1 request waits 0.12 s, far inside its 5 s target.
     eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=0.01)
-    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
-    eng.add_request(long_prompt)
-    eng.step()
+    long_prompt = _long_prompt_running(eng, Tier.P2)
     p1 = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
     eng.add_request(p1)
-    before = long_prompt.num_computed_tokens
-    eng.step()
-    assert long_prompt.num_computed_tokens - before == 256 and p1.first_token_time is None
+    assert _chunk_of_next_step(eng, long_prompt) == 256 and p1.first_token_time is None
     run(eng)
     assert p1.first_token_time is not None
 
@@ -670,27 +666,19 @@ def test_a_head_past_its_target_does_not_go_ahead() -> None:
     # It has waited 6 s of P1's 5: going first no longer makes its target, and the P2
     # prompt running keeps its whole step.
     eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0)
-    long_prompt = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P2)
-    eng.add_request(long_prompt)
-    eng.step()
+    long_prompt = _long_prompt_running(eng, Tier.P2)
     late = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now() - 6.0)
     eng.add_request(late)
-    before = long_prompt.num_computed_tokens
-    eng.step()
-    assert long_prompt.num_computed_tokens - before == 256 and late.first_token_time is None
+    assert _chunk_of_next_step(eng, long_prompt) == 256 and late.first_token_time is None
     run(eng)
 
 
 def test_a_running_prompt_of_the_same_tier_keeps_its_chunk() -> None:
     eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0)
-    first = make_request(num_prompt=3000, max_tokens=2, tier=Tier.P1)
-    eng.add_request(first)
-    eng.step()
+    first = _long_prompt_running(eng, Tier.P1)
     later = make_request(num_prompt=100, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
     eng.add_request(later)
-    before = first.num_computed_tokens
-    eng.step()
-    assert first.num_computed_tokens - before == 256 and later.status is RequestStatus.WAITING
+    assert _chunk_of_next_step(eng, first) == 256 and later.status is RequestStatus.WAITING
 
 
 def test_no_tokens_are_kept_for_a_head_without_a_seat() -> None:
