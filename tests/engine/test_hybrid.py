@@ -560,6 +560,29 @@ def test_no_tokens_are_kept_for_a_head_that_cannot_come_in_as_requests_end(
     run(eng)
 
 
+def test_no_tokens_are_kept_for_a_head_a_swapped_request_must_come_back_before() -> None:
+    # A P1 request is swapped out and a P0 takes its blocks: it cannot come back, and no
+    # P1 may be admitted before it does. The P1 head that arrives then cannot come in, so
+    # the P3 prompt running keeps its chunk (it lost it, and the head still waited).
+    eng = engine(blocks=400, host=400, max_num_batched_tokens=1024, step_s=2.0)
+    swapped = make_request(num_prompt=16 * 90 - 1, max_tokens=400, tier=Tier.P1)
+    eng.add_request(swapped)
+    while swapped.first_token_time is None:
+        eng.step()
+    long_prompt = _long_prompt_running(eng, Tier.P3, num_prompt=16 * 250)
+    eng.scheduler.request_preemption(swapped)
+    p0 = make_request(num_prompt=16 * 100 - 1, max_tokens=400, tier=Tier.P0, arrival=eng.clock.now())
+    eng.add_request(p0)
+    while p0.first_token_time is None:
+        eng.step()
+    assert swapped.status is RequestStatus.SWAPPED
+    head = make_request(num_prompt=16 * 20, max_tokens=2, tier=Tier.P1, arrival=eng.clock.now())
+    eng.add_request(head)
+    assert _chunk_of_next_step(eng, long_prompt) > 0
+    assert head.status is RequestStatus.WAITING and swapped.status is RequestStatus.SWAPPED
+    run(eng)
+
+
 def test_the_tokens_kept_for_a_head_leave_out_its_cached_prefix() -> None:
     # The P1 head's first 240 tokens are cached: it prefills 16, and the P2 prompt keeps 240.
     eng = engine(blocks=4000, max_num_batched_tokens=256, step_s=2.0, enable_prefix_caching=True)
