@@ -102,42 +102,41 @@ class Preemptor:
 
     def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
         """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
-        if not self.policy.preempts_for_seat(req):
-            return False
-        candidates = self._admission_candidates(req, step, self.policy.seat_victim_ok)
-        if not candidates:
-            return False
+        victims = self._victims_to_admit(req, step, seat_needed=True)
         # Only if `req` could then get its blocks, from the free ones, the seat's victim's
         # and those `reclaim_for` may take: else the victim went for nothing (and waited
         # behind `req` until a seat came free).
-        victims = [candidates[0]]
-        memory = self.memory
-        if self.policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
-            victims += self._admission_candidates(req, step, self.policy.admission_victim_ok)
-        if not self.fits_after(req, victims):
+        if not victims or not self.fits_after(req, victims):
             return False
-        self.preempt(candidates[0], step, now)
+        self.preempt(victims[0], step, now)
         return True
 
     def could_admit(self, req: Request, step: StepBudget) -> bool:
         """Whether `req` could come in in this pass as seats and memory stand, preempting
         nobody: a seat, free or one `free_seat_for` may take, and its blocks, free or
         those `reclaim_for` may take (their checks, without their effects)."""
-        policy, memory = self.policy, self.memory
         seat_needed = len(self.lifecycle.running) >= step.seats
-        if not seat_needed and memory.admit_status_after(req, NO_BLOCKS) is Alloc.OK:
+        if not seat_needed and self.memory.admit_status_after(req, NO_BLOCKS) is Alloc.OK:
             return True  # no victim to choose: the fast simulation's kept decoders stay kept
+        victims = self._victims_to_admit(req, step, seat_needed=seat_needed)
+        return victims is not None and self.fits_after(req, victims)
+
+    def _victims_to_admit(self, req: Request, step: StepBudget, *, seat_needed: bool) -> list[Request] | None:
+        """The running requests `req` may take to come in: a seat's victim first where it
+        needs a seat, then those `reclaim_for` may take. None: it needs a seat and may take
+        none."""
+        policy, memory = self.policy, self.memory
         victims: list[Request] = []
         if seat_needed:
             if not policy.preempts_for_seat(req):
-                return False
+                return None
             seat = self._admission_candidates(req, step, policy.seat_victim_ok)
             if not seat:
-                return False
+                return None
             victims.append(seat[0])
         if policy.preempts_for_admission(req, memory, memory.blocks_to_admit(req, {})):
             victims += self._admission_candidates(req, step, policy.admission_victim_ok)
-        return self.fits_after(req, victims)
+        return victims
 
     def fits_after(self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None) -> bool:
         """Whether `req`'s blocks would pass the memory check (its tier's ceiling, the
