@@ -1051,6 +1051,28 @@ def test_a_p0_prompt_waiting_on_another_p0_requests_blocks_comes_in_once_they_ar
     assert long_p1.first_token_time is not None and waiting.first_token_time < long_p1.first_token_time - 0.5
 
 
+def test_a_p0_prompt_waiting_behind_another_p0_prefill_is_not_set_aside_as_stuck() -> None:
+    """A pass that kept tokens for a waiting P0 prompt and admitted none set P0 aside, as
+    if the prompt could not come in, even where a shorter P0 prompt running ahead of it had
+    taken the step's tokens. Nothing was kept for it then until that request ended: a
+    lower tier's chunks took each step, the waiting prompt got only what they left, and a
+    short P0 prompt behind it waited 0.55 s (Mooncake's synthetic trace, 0.15x)."""
+    config = {"scheduler": {"max_num_batched_tokens": 64}}
+    executor = NullExecutor(num_device_blocks=1000, num_host_blocks=0, block_size=16, step_s=0.01)
+    eng = Engine(parse_config(config), "hybrid", executor, VirtualClock())
+    long_p1 = _req(eng, "l", list(range(10000, 18000)), 2, Tier.P1)  # 125 chunks of 64 tokens
+    eng.step()
+    ahead = _req(eng, "a", list(range(1000, 1200)), 100, Tier.P0)
+    eng.step()
+    assert ahead.status is RequestStatus.RUNNING and ahead.first_token_time is None
+    behind = _req(eng, "b", list(range(2000, 2300)), 2, Tier.P0)  # longer: after a's prompt
+    run(eng)
+    assert ahead.first_token_time is not None and behind.first_token_time is not None
+    # Five steps of its own once a's prompt is in, not a's 100 tokens' worth of steps.
+    assert behind.first_token_time - ahead.first_token_time < 0.1
+    assert long_p1.finish_reason is FinishReason.LENGTH
+
+
 def test_a_p3_request_back_in_the_queue_is_shed_by_its_time_there() -> None:
     from tierserve.scheduling.hybrid import HybridPolicy
 

@@ -221,8 +221,8 @@ class HybridPolicy(FairQueuePolicy):
         self._p0_floor_tokens = max(1, int(config.scheduler.max_num_batched_tokens * P0_FLOOR_SHARE))
         self._deferred = False  # P3 steps aside in this pass (set by `begin_step`)
         self._held: set[Tier] = set()  # tiers set aside for the rest of the pass (`hold_tier`)
-        # A pass kept a step's tokens for waiting P0 prompts and admitted none: they are not
-        # kept again until a P0 request comes in, none waits, or a running one ends or
+        # A pass kept a step's tokens for waiting P0 prompts, admitted none and left tokens
+        # unused: they are not kept again until a P0 request comes in, none waits, or a running one ends or
         # leaves (`_still_stuck`).
         self._p0_stuck = False
         self._p0_running_when_stuck: int | None = None  # P0 requests running then
@@ -569,10 +569,13 @@ class HybridPolicy(FairQueuePolicy):
         p0_in = any(r.tier is Tier.P0 for r in step.fresh)  # admitted or swapped in
         if p0_in:
             self._p0_stuck = False
-        elif self._p0_kept_for and self.num_waiting(Tier.P0):
+        elif self._p0_kept_for and self.num_waiting(Tier.P0) and step.has_prefill_room(Tier.P0):
             # Tokens kept for a P0 prompt that could not come in (its tier over its ceiling,
             # say, where blocks charged to P0 are held by a lower tier's prompt that only
             # these tokens would finish): kept again, pass after pass, the engine stopped.
+            # Not where the step's tokens went to work (to a shorter P0 prompt running
+            # ahead of it): set aside then, a P0 prompt waiting behind another's prefill
+            # lost its kept tokens to lower tiers' chunks until that request had ended.
             self._p0_stuck = True
         if not self._p0_stuck:
             self._p0_running_when_stuck = None
