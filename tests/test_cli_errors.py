@@ -45,6 +45,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["serve", "--backend", "sim", "--model", "gpt-9"], 2, "unknown model 'gpt-9'"),
         (["generate", "--prompt", "x", "--max-tokens", "0"], 2, "--max-tokens: expected an integer >= 1"),
         (["generate", "--model", MISSING, "--prompt", "x"], 2, "not a directory"),
+        (["generate", "--prompt", "x", "--temperature", "1e9"], 2, "from 0 to 2"),  # the API's limit
         pytest.param(["generate", "--device", "cuda", "--prompt", "x"], 2, "no CUDA device", marks=cpu_only),
         (["profile", "--model", "gpt-9", "--gpu", "h200"], 2, "known models"),
         (["profile", "--model", "llama-3.1-70b", "--gpu", "h100-80gb"], 1, "does not fit"),
@@ -89,7 +90,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "reproduce", "--policies", "lottery"], 2, "unknown policies lottery"),
         (["bench", "reproduce", "--trace", MISSING], 2, "no such trace file"),
         (["bench", "reproduce", "--seed", "x"], 2, "--seed"),
-        (["bench", "reproduce", "--requests", "0"], 2, "--requests: expected an integer >= 1"),
+        (["bench", "reproduce", "--requests", "0"], 2, "--requests: expected an integer from 1 to 1,000,000"),
         (["bench", "reproduce", "--trace-rows", "-1"], 2, "--trace-rows: expected an integer >= 1"),
         (["bench", "reproduce", "--loads", "nan"], 2, "--loads: expected a finite number > 0"),
         (["bench", "reproduce", "--trace-scale", "inf"], 2, "--trace-scale: expected a finite number > 0"),
@@ -135,7 +136,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             "--min-replicas 5 exceeds --max-replicas 2",
         ),
         (["generate", "--prompt", "x", "--device", "tpu"], 2, "--device: expected cpu, cuda or cuda:N"),
-        (["generate", "--prompt", "x", "--temperature", "nan"], 2, "--temperature: expected a finite number"),
+        (["generate", "--prompt", "x", "--temperature", "nan"], 2, "from 0 to 2, got nan"),
         (["bench", "sim-speed", "--load", "1.5"], 2, "whole number of clients, got 1.5"),
         # A subcommand's unknown flag points at that subcommand's help, not the top one's.
         (
@@ -200,6 +201,10 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["bench", "engine", "--num-prompts", "100000000"], 2, "from 1 to 100,000"),
         (["bench", "engine", "--flood", "100000000"], 2, "from 1 to 100,000"),
         (["bench", "sim-speed", "--load", "1e9"], 2, "at most 100,000 closed-loop clients"),
+        (["bench", "reproduce", "--clients", "100000000"], 2, "from 1 to 100,000"),  # 1.7 GB in 25 s
+        (["bench", "reproduce", "--trace", TINY_TRACE, "--clients", "8"], 2, "only traces run"),
+        (["bench", "reproduce", "--requests", "100000000"], 2, "from 1 to 1,000,000"),
+        (["bench", "sim-speed", "--requests", "100000000"], 2, "from 1 to 1,000,000"),
         # A think time a trace ignored, unrecorded; a negative seed that repeated its absolute value.
         (["bench", "sim-speed", "--workload", TINY_TRACE, "--think-time", "5"], 2, "--think-time applies"),
         (["bench", "serve", "--seed", "-1"], 2, "--seed"),

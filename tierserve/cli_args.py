@@ -101,6 +101,23 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def float_between(low: float, high: float) -> Callable[[str], float]:
+    """A number from `low` to `high`."""
+
+    what = f"a number from {low:g} to {high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not low <= value <= high:  # nan fails too
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
+
+
 def device_name(text: str) -> str:
     """`cpu`, `cuda` or `cuda:N` (what the torch executor runs on)."""
     if re.fullmatch(r"cpu|cuda(:\d+)?", text.strip()) is None:

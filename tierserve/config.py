@@ -157,9 +157,13 @@ def _check_tier(tier: Tier, t: TierConfig) -> None:
         if not 0 <= getattr(t, name) <= 1:
             raise ConfigError(f"{p}.{name}: must be a fraction in [0, 1], got {getattr(t, name)}")
     if t.ceiling < t.floor + t.reserve - 1e-9:  # 0.1 + 0.2 is 0.30000000000000004
-        default = " (its default: set it too)" if t.ceiling == DEFAULT_TIERS[tier].ceiling else ""
+        # The defaults named, not guessed at: a ceiling set to its default value was said to
+        # be unset, while the culprit was the default reserve the file did not set.
+        d = DEFAULT_TIERS[tier]
         raise ConfigError(
-            f"{p}.ceiling: {t.ceiling}{default} is below floor + reserve ({t.floor} + {t.reserve})"
+            f"{p}.ceiling: {t.ceiling} is below floor + reserve ({t.floor} + {t.reserve}): raise the "
+            f"ceiling or lower the floor or the reserve ({tier.name}'s defaults, for any not set: "
+            f"floor {d.floor}, reserve {d.reserve}, ceiling {d.ceiling})"
         )
     if t.expected_output_tokens < 1:
         raise ConfigError(f"{p}.expected_output_tokens: must be >= 1")

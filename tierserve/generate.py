@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierserve.cli_args import device_name, non_negative_float, positive_int
+from tierserve.cli_args import device_name, float_between, positive_int
 
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
@@ -125,9 +125,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--temperature",
-        type=non_negative_float,
+        type=float_between(0.0, 2.0),
         default=0.0,
-        help="sampling temperature; 0 = greedy (default: 0)",
+        help="sampling temperature, 0..2 as in OpenAI's API and the server's; 0 = greedy (default: 0)",
     )
     p.add_argument(
         "--top-p", type=float, default=1.0, help="nucleus sampling: probability mass kept (default: 1)"

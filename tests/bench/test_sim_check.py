@@ -150,6 +150,15 @@ def test_command_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.Capt
         assert r["ratio"] == r["measured_s"] / r["predicted_s"]
     assert res["median_ratio"] == pytest.approx((res["rows"][0]["ratio"] + res["rows"][1]["ratio"]) / 2)
     assert "h200" in res["notes"][0]  # a CPU is not the GPU the prediction is for
+    assert isinstance(res["host"]["busy"], bool)  # a busy host is named, as `bench engine` names it
+
+
+def test_torch_runs_on_one_thread_unless_told_otherwise() -> None:
+    """torch's default (a thread a core) made steps 25-125x as long on a busy 2-core host."""
+    parser = argparse.ArgumentParser()
+    sim_check.register(parser.add_subparsers(dest="bench", required=True))
+    assert parser.parse_args(["sim-check"]).threads == 1
+    assert parser.parse_args(["sim-check", "--threads", "0"]).threads == 0
 
 
 def test_table_says_the_prediction_is_for_the_gpu(

@@ -99,7 +99,9 @@ def test_a_p3_request_never_started_fails_the_p3_target_and_one_shed_or_generati
         cut.met is False
         and "9 completed, 1 shed (10.00 %), 1 not yet started when the run ended" in cut.detail
     )
-    assert verdict("shed: P3 over its deadline").met is True
+    shed = verdict("shed: P3 over its deadline")
+    assert shed.met is True
+    assert "(1 shed: P3 over its deadline)" in shed.detail and "{" not in shed.detail  # words, not a dict
     assert verdict(RUN_ENDED).met is True  # a long answer still being generated: in progress
 
 

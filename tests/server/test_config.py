@@ -112,7 +112,11 @@ def test_missing_file_and_bad_toml_are_config_errors(tmp_path: Path) -> None:
         ({"tiers": {"realtime": {"floor": 0.1}, "P0": {"floor": 0.2}}}, "tier P0 is given twice"),
         ({"limits": {"queue_cap": {"realtime": 1, "P0": 5}}}, "tier P0 is given twice"),
         # The ceiling was named, though the file never set it: say that it is the default.
-        ({"tiers": {"P0": {"floor": 0.6}}}, r"tiers.P0.ceiling: 0.4 \(its default: set it too\)"),
+        ({"tiers": {"P0": {"floor": 0.6}}}, r"tiers.P0.ceiling: 0.4 is below .*defaults.* ceiling 0.4\)"),
+        (  # a ceiling set to its default value, and the default reserve the culprit
+            {"tiers": {"P1": {"floor": 0.9, "ceiling": 1.0}}},
+            r"tiers.P1.ceiling: 1.0 is below floor \+ reserve \(0.9 \+ 0.3\).*reserve 0.3",
+        ),
     ],
 )
 def test_errors_name_the_setting_and_what_it_takes(raw: dict[str, object], said: str) -> None:

@@ -50,6 +50,26 @@ def test_a_trace_file_is_a_workload_on_the_default_hardware(tmp_path: Path) -> N
         get_preset("nonesuch")
 
 
+def test_a_trace_named_by_its_file_name_points_at_the_data_folders_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path is read from the current folder; docs that named a trace by its file name
+    left a new user at "no such trace file" with the trace in the data folder."""
+    from tierserve.workloads.traces import load_trace
+
+    data, here = tmp_path / "data", tmp_path / "here"
+    data.mkdir()
+    here.mkdir()
+    (data / "mine.jsonl").write_text('{"timestamp": 0, "input_length": 8, "output_length": 2}\n')
+    monkeypatch.setenv("TIERSERVE_DATA", str(data))
+    monkeypatch.chdir(here)
+    for call in (get_preset, load_trace):
+        with pytest.raises((ValueError, FileNotFoundError), match=r"the data folder has .*data/mine\.jsonl"):
+            call("mine.jsonl")
+    with pytest.raises(ValueError, match=r"no such trace file$"):  # not in the data folder either
+        get_preset("other.jsonl")
+
+
 def test_a_file_here_that_is_no_trace_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file in the working folder with another suffix was an "unknown workload", and
     /dev/null "no such trace file": what `load_trace` says of them is said here too."""

@@ -21,7 +21,7 @@ from typing import Any
 from tierserve.bench.cell import SIM_MODES, BenchSetup, Pattern
 from tierserve.bench.limits import DEFAULT_LIMITS, NAMED_LIMITS, engine_limits
 from tierserve.bench.matrix import Group, Matrix
-from tierserve.cli_args import non_negative_int, out_path, positive_float, positive_int
+from tierserve.cli_args import int_between, non_negative_int, out_path, positive_float, positive_int
 from tierserve.config import EngineConfig
 from tierserve.scheduling.registry import BENCH_POLICIES
 
@@ -30,6 +30,10 @@ LOAD_FRACTIONS = (0.5, 0.8, 1.0, 1.2, 1.5)
 MIN_LOAD, MAX_LOAD = 0.001, 1000.0  # --loads, times capacity
 MAX_THINK_TIME_S = 86_400.0
 MAX_BURST_CV = 16.0
+# Counts past these ran for hours or filled memory before saying anything (10^8 clients:
+# 1.7 GB and still at 0 % after 25 s).
+MAX_CLIENTS = 100_000  # closed-loop clients
+MAX_REQUESTS = 1_000_000  # measured requests per cell and seed
 CLIENTS = (32, 64, 128, 256, 512)
 # The full matrix, sized to run in 30 minutes on two cores (docs/benchmark.md, "The matrix and
 # how it is sized").
@@ -84,14 +88,15 @@ def _add_cell_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workloads",
         nargs="+",
-        help="default, memory-pressure, mooncake, azure-code, or a trace file (default: the full plan)",
+        help="default, memory-pressure, mooncake, azure-code, or a trace file (default: the full plan; "
+        "default alone where a cell option is given, none where --trace is)",
     )
     p.add_argument(
         "--trace",
         nargs="+",
         metavar="FILE",
         help="trace files (an Azure or BurstGPT CSV, or Mooncake JSON lines) replayed at their own "
-        "timestamps on the default hardware, added to --workloads",
+        "timestamps on the default hardware, beside --workloads where given, else alone",
     )
     p.add_argument(
         "--patterns",
@@ -102,7 +107,12 @@ def _add_cell_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--loads", type=positive_float, nargs="+", help="open loop: fractions of capacity (0.001 to 1000)"
     )
-    p.add_argument("--clients", type=positive_int, nargs="+", help="closed loop: clients")
+    p.add_argument(
+        "--clients",
+        type=int_between(1, MAX_CLIENTS),
+        nargs="+",
+        help=f"closed loop: clients (at most {MAX_CLIENTS:,})",
+    )
     p.add_argument(
         "--trace-scale", type=positive_float, nargs="+", help="trace: speed-up factors (default: 1)"
     )
@@ -127,7 +137,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=positive_int, help="override the engine limits' token budget"
     )
     p.add_argument("--max-num-seqs", type=positive_int, help="override the engine limits' sequences")
-    p.add_argument("--requests", type=positive_int, help="measured requests per cell and seed")
+    p.add_argument(
+        "--requests",
+        type=int_between(1, MAX_REQUESTS),
+        help=f"measured requests per cell and seed (at most {MAX_REQUESTS:,})",
+    )
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument(
         "--drain-timeout", type=positive_float, default=900.0, help="virtual s after the last arrival"
@@ -242,9 +256,15 @@ def _check_used(args: argparse.Namespace, patterns: set[str]) -> None:
         "--trace-scale": (args.trace_scale, ("trace",)),
         "--trace-rows": (args.trace_rows, ("trace",)),
     }
+    only_traces = patterns == {"trace"}
     for flag, (value, used_by) in applies.items():
         if value is not None and not patterns & set(used_by):
-            raise ValueError(f"{flag} applies to {' and '.join(used_by)} cells, and none runs")
+            hint = (
+                " (only traces run, at their own timestamps: add --workloads default or memory-pressure)"
+                if only_traces
+                else ""
+            )
+            raise ValueError(f"{flag} applies to {' and '.join(used_by)} cells, and none runs{hint}")
 
 
 # [scheduler] keys of a --config file that the engine limits replace (the same for every policy).

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierserve.bench.host import HostMonitor
 from tierserve.bench.output import emit, make_out_folder
 from tierserve.cli_args import cpu_threads, positive_int
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch
@@ -443,7 +444,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help=f"one step, repeatable (default: {' '.join(DEFAULT_SHAPES)}); {SHAPE_FORMAT}",
     )
     p.add_argument("--seed", type=int, default=0, help="token ids of the steps' requests")
-    p.add_argument("--threads", type=cpu_threads, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument(
+        "--threads",
+        type=cpu_threads,
+        default=1,
+        help="torch CPU threads (0 = torch's default); 1, the default, is steadiest on a shared box "
+        "(with 2 threads on a busy 2-core host steps took 25-125x as long)",
+    )
     p.add_argument(
         "--out",
         default="bench-out/sim-check.json",
@@ -458,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    monitor = HostMonitor()
     try:
         setup = checked_setup(args.model, args.device, args.dtype, args.gpu, args.shapes, args.repeats)
         make_out_folder(args.out)
@@ -465,5 +473,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tierserve bench sim-check: {e}", file=sys.stderr)
         return 2
+    host = monitor.finish()
+    res["host"] = host.as_dict()
+    warning = host.warning()
+    if warning:
+        res["notes"].append(warning)
     emit(res, args.out, args.json, lambda: print_table(res))
     return 0

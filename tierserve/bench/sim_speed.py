@@ -24,14 +24,12 @@ from typing import Any
 from tierserve.bench import host
 from tierserve.bench.cell import BenchSetup, Cell, Driven, Pattern, cell_result, drive
 from tierserve.bench.output import emit, make_out_folder
-from tierserve.bench.reproduce import MAX_THINK_TIME_S
+from tierserve.bench.reproduce import MAX_CLIENTS, MAX_REQUESTS, MAX_THINK_TIME_S
 from tierserve.bench.summary import summarize
-from tierserve.cli_args import non_negative_int, positive_int
+from tierserve.cli_args import int_between, non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.workloads import get_preset
 from tierserve.workloads.traces import check_span, span_line
-
-MAX_CLIENTS = 100_000  # closed-loop clients
 
 DESCRIPTION = """\
 Simulate one benchmark cell twice, step by step and in the fast mode (which keeps the
@@ -174,7 +172,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--policy", choices=POLICIES, default="hybrid", help="(default: %(default)s)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument(
-        "--requests", type=positive_int, default=1000, help="measured requests (default: %(default)s)"
+        "--requests",
+        type=int_between(1, MAX_REQUESTS),
+        default=1000,
+        help=f"measured requests, at most {MAX_REQUESTS:,} (default: %(default)s)",
     )
     p.add_argument(
         "--repeats",

@@ -246,8 +246,10 @@ def _p3_shown(run: Run) -> str:
     share = f" ({100 * p3['shed'] / p3['requests']:.2f} %)" if p3["requests"] else ""
     cut = _p3_unfinished(run)
     unfinished = f", {cut} not yet started when the run ended" if cut else ""
-    reasons = run["p3_shed_reasons"] or ""
-    return f"{run['p3_completed']} completed, {run['p3_shed']} shed{share}{unfinished} {reasons}".rstrip()
+    # Each reason and its count, as words: a Python dict was printed into the report.
+    reasons = "; ".join(f"{n} {why}" for why, n in (run["p3_shed_reasons"] or {}).items())
+    reasons = f" ({reasons})" if reasons else ""
+    return f"{run['p3_completed']} completed, {run['p3_shed']} shed{share}{unfinished}{reasons}"
 
 
 def judge(runs: Sequence[Run]) -> list[Verdict]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tierserve.tiers import Tier
 from tierserve.workloads.lengths import DEFAULT_SHAPES, TierShape, lognormal, uniform
-from tierserve.workloads.traces import trace_suffix
+from tierserve.workloads.traces import in_data_folder, trace_suffix
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def get_preset(name: str) -> WorkloadPreset:
         if path.is_dir():
             raise ValueError(f"{name}: a folder, not a trace file")
         if not path.exists():
-            raise ValueError(f"{name}: no such trace file")
+            raise ValueError(f"{name}: no such trace file{in_data_folder(path)}")
         if not path.is_file():
             raise ValueError(f"{name}: not a regular file (a trace is read from a file)")
         if trace_suffix(path) is None:

@@ -444,6 +444,18 @@ def trace_suffix(path: Path) -> str | None:
     return next((s for s in TRACE_SUFFIXES if name.endswith(s)), None)
 
 
+def in_data_folder(path: Path) -> str:
+    """Where a trace named by a bare file name is in the data folder, for the error that it
+    is not here: a path is read as given, from the current folder, and docs that named a
+    trace by its file name left a new user at "no such trace file"."""
+    from tierserve.data_dir import find_data_dir
+
+    root = find_data_dir()
+    if path.parent != Path(".") or root is None or not (root / path.name).is_file():
+        return ""
+    return f" here (a path is read from the current folder; the data folder has {root / path.name})"
+
+
 def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]:
     """Pick the loader by extension: .csv (Azure or BurstGPT, by its header) or .jsonl
     (Mooncake), either gzipped or not; read at most `max_rows` rows. A new list each call
@@ -452,7 +464,7 @@ def load_trace(path: str | Path, max_rows: int | None = None) -> list[TraceRecor
     if p.is_dir():
         raise TraceFormatError(f"{p}: a folder, not a trace file")
     if not p.exists():
-        raise FileNotFoundError(f"{p}: no such trace file")
+        raise FileNotFoundError(f"{p}: no such trace file{in_data_folder(p)}")
     if not p.is_file():
         raise TraceFormatError(f"{p}: not a regular file (a trace is read from a file)")
     suffix = trace_suffix(p)
