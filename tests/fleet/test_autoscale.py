@@ -72,6 +72,7 @@ def _obs(**kw: object) -> Observation:
         p0_queued=0,
         p0_attainment=1.0,
         p0_samples=50,
+        kv_usage=[0.5, 0.5],
     )
     base.update(kw)
     return Observation(**base)  # type: ignore[arg-type]
@@ -85,8 +86,40 @@ def test_tier_policy_scales_out_when_p0_is_at_risk_and_utilization_policy_does_n
         assert tier.decide(at_risk) == 1
         assert util.decide(at_risk) == 0
         assert fixed.decide(at_risk) == 0
-    busy = _obs(utilization=[0.95, 0.9])
-    assert util.decide(busy) == 1 and tier.decide(busy) == 1 and fixed.decide(busy) == 0
+    full = _obs(utilization=[0.95, 0.9], kv_usage=[0.95, 0.9])
+    assert util.decide(full) == 1 and tier.decide(full) == 1 and fixed.decide(full) == 0
+
+
+def test_tier_policy_reads_how_full_the_replicas_are_not_how_busy() -> None:
+    """The busy fraction reads a replica with one request decoding as busy as a full one: on
+    Azure's conversation trace at 3x (about 16 requests/s) both policies grew a fleet of 1 to
+    16 replicas, P1 at 100 % from the second minute on."""
+    tier = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER))
+    util = Autoscaler(AutoscaleConfig(ScalingPolicy.UTILIZATION))
+    busy_not_full = _obs(utilization=[1.0, 1.0], kv_usage=[0.3, 0.2])
+    assert util.decide(busy_not_full) == 1 and tier.decide(busy_not_full) == 0
+    for full in (
+        _obs(kv_usage=[0.95, 0.9]),  # K/V caches nearly full
+        _obs(kv_usage=[0.3, 0.2], queued=1),  # the gateway holds a request back
+        _obs(kv_usage=[0.3, 0.2], urgent_waiting=4.0),  # P0-P2 requests wait on the replicas
+    ):
+        assert tier.decide(full) == 1, full
+    assert tier.decide(_obs(kv_usage=[0.3, 0.2], urgent_waiting=3.0)) == 0  # arrived mid-step
+    # A replica just ready, not yet scraped, counts as empty for scaling out.
+    assert tier.decide(_obs(num_serving=2, kv_usage=[0.95])) == 0
+
+
+def test_tier_policy_scales_in_only_when_nothing_waits_and_the_caches_are_mostly_empty() -> None:
+    def calm_for(obs_kw: dict[str, object]) -> int:
+        a = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER, idle_s=10.0))
+        a.decide(_obs(now=0.0, **obs_kw))
+        return a.decide(_obs(now=10.0, **obs_kw))
+
+    assert calm_for({"utilization": [1.0, 1.0], "kv_usage": [0.1, 0.2]}) == -1  # busy, nearly empty
+    assert calm_for({"kv_usage": [0.5, 0.5]}) == 0
+    assert calm_for({"kv_usage": [0.1, 0.1], "queued": 1}) == 1  # held back at the gateway: full
+    assert calm_for({"kv_usage": [0.1, 0.1], "num_waiting": [1, 0]}) == 0
+    assert calm_for({"kv_usage": [0.1]}) == 0  # a replica not yet scraped counts as full here
 
 
 def test_p0_attainment_scales_out_only_on_enough_requests_and_not_while_a_replica_loads() -> None:

@@ -1,9 +1,15 @@
 """When to add or remove replicas: never, on utilization alone, or by tier.
 
 The autoscaler sees what a real one would: the scraped load of each serving replica
-(busy fraction over the last interval, waiting requests), the gateway's queue depth per
-tier, and P0's recent SLO attainment at the gateway. It returns a decision; the fleet
-carries it out (a new replica serves only after `startup_delay_s`).
+(busy fraction over the last interval, waiting requests, K/V cache use), the gateway's
+queue depth, and P0's recent SLO attainment at the gateway. It returns a decision; the
+fleet carries it out (a new replica serves only after `startup_delay_s`).
+
+`utilization` scales on the busy fraction, as an autoscaler reading a GPU's utilization
+counter does. `tier` scales out when P0 is at risk or the fleet is full, and in when it is
+not nearly full; full is read from what the replicas hold (requests of P0-P2 waiting on
+them, their K/V caches, the gateway's queue), not from the busy fraction, which reads a
+replica with one request decoding as busy as one with a full batch.
 
 Default start-up delay: 265 s, the download-and-initialise time Anyscale measured for
 Llama-2-70B before their optimisations (4 min 25 s; "Loading Llama-2 70b 20x faster
@@ -37,6 +43,11 @@ class AutoscaleConfig:
     idle_s: float = 300.0
     p0_attainment_floor: float = 0.95  # tier policy: P0 attainment under this is at risk ...
     p0_min_samples: int = 20  # ... judged on at least this many P0 requests (see `_p0_at_risk`)
+    # Tier policy, in place of the busy fraction: the fleet is full at this mean K/V cache
+    # use (or with requests of P0-P2 waiting on its replicas, or any in the gateway's queue),
+    # and nearly idle under `scale_in_kv_usage` with nothing waiting anywhere.
+    scale_out_kv_usage: float = 0.9
+    scale_in_kv_usage: float = 0.4
     max_starting: int = 2  # replicas loading at once
 
     def __post_init__(self) -> None:
@@ -66,6 +77,9 @@ class Observation:
     # as Kubernetes' autoscaler counts pods without metrics.
     num_unread: int = 0
     p0_samples: int = 0
+    kv_usage: Sequence[float] = ()  # per serving replica read by a scrape, 0..1
+    urgent_waiting: float = 0.0  # P0-P2 requests waiting on the serving replicas, as scraped
+    queued: int = 0  # requests of any tier waiting in the gateway's queue
 
 
 class Autoscaler:
@@ -107,11 +121,22 @@ class Autoscaler:
 
     def _wants_more(self, obs: Observation, util: float) -> bool:
         c = self.config
-        if util >= c.scale_out_utilization:
-            return True
         if c.policy is ScalingPolicy.TIER:
-            return obs.p0_queued > 0 or self._p0_at_risk(obs)
-        return False
+            return obs.p0_queued > 0 or self._p0_at_risk(obs) or self._full(obs)
+        return util >= c.scale_out_utilization
+
+    def _full(self, obs: Observation) -> bool:
+        """Whether the serving replicas hold all they can: the gateway keeps requests back
+        (its flow control holds a tier whose upstreams are all saturated for it), requests
+        of P0-P2 wait on them (two a replica: a request that arrived during a step waits for
+        it, and with one a replica a light load of long P0 prompts scaled a fleet out), or
+        their K/V caches are nearly full on average."""
+        if obs.queued > 0 or (obs.num_serving and obs.urgent_waiting >= 2 * obs.num_serving):
+            return True
+        # A replica not yet read (just ready) counts as empty, as it counts as idle for
+        # `utilization`.
+        read = obs.kv_usage
+        return obs.num_serving > 0 and sum(read) / obs.num_serving >= self.config.scale_out_kv_usage
 
     def _p0_at_risk(self, obs: Observation) -> bool:
         """P0's attainment under its floor, judged on the fleet as it stands: on at least
@@ -129,8 +154,11 @@ class Autoscaler:
         )
 
     def _calm(self, obs: Observation, util: float) -> bool:
-        if util >= self.config.scale_in_utilization:
-            return False
-        if self.config.policy is ScalingPolicy.TIER:
-            return obs.p0_queued == 0 and sum(obs.num_waiting) == 0
-        return True
+        c = self.config
+        if c.policy is ScalingPolicy.TIER:
+            # A replica not yet read counts as full, as it counts as busy for `utilization`.
+            read = obs.kv_usage
+            unread = max(0, obs.num_serving - len(read))
+            mean = (sum(read) + unread) / obs.num_serving if obs.num_serving else 0.0
+            return obs.queued == 0 and sum(obs.num_waiting) == 0 and mean < c.scale_in_kv_usage
+        return util < c.scale_in_utilization

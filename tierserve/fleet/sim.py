@@ -355,6 +355,8 @@ class FleetSim:
         states = {s.name: s for s in self.dispatch.router.states}
         newest = max((r.ready_s for r in serving if r.ready_s is not None), default=-math.inf)
         p0_attainment, p0_samples = self.observer.p0_attainment(since=newest)
+        samples = [states[r.name].sample for r in serving]
+        read = [sample for sample in samples if sample is not None]
         obs = Observation(
             now,
             len(serving),
@@ -365,6 +367,9 @@ class FleetSim:
             p0_attainment,
             sum(r.utilization is None for r in serving),
             p0_samples,
+            kv_usage=[sample.kv_usage for sample in read],
+            urgent_waiting=sum(_urgent_waiting(sample) for sample in read),
+            queued=self.dispatch.depth(),
         )
         change = self.autoscaler.decide(obs)
         if change > 0:
@@ -393,3 +398,11 @@ class FleetSim:
             points[-1] = point
         elif final or not points or points[-1][1:] != point[1:]:
             points.append(point)
+
+
+def _urgent_waiting(sample: LoadSample) -> float:
+    """The requests of P0-P2 a scrape found waiting on a replica (all of its waiting ones
+    where it does not export them by tier)."""
+    if sample.waiting_by_tier is None:
+        return sample.num_waiting
+    return sum(sample.waiting_by_tier[: Tier.P3])
