@@ -222,8 +222,8 @@ class HybridPolicy(FairQueuePolicy):
         self._deferred = False  # P3 steps aside in this pass (set by `begin_step`)
         self._held: set[Tier] = set()  # tiers set aside for the rest of the pass (`hold_tier`)
         # A pass kept a step's tokens for waiting P0 prompts, admitted none and left tokens
-        # unused: they are not kept again until a P0 request comes in, none waits, or a running one ends or
-        # leaves (`_still_stuck`).
+        # unused: they are not kept again until a P0 request comes in, none waits, or a
+        # running one ends or leaves (`_still_stuck`).
         self._p0_stuck = False
         self._p0_running_when_stuck: int | None = None  # P0 requests running then
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
@@ -573,9 +573,10 @@ class HybridPolicy(FairQueuePolicy):
             # Tokens kept for a P0 prompt that could not come in (its tier over its ceiling,
             # say, where blocks charged to P0 are held by a lower tier's prompt that only
             # these tokens would finish): kept again, pass after pass, the engine stopped.
-            # Not where the step's tokens went to work (to a shorter P0 prompt running
-            # ahead of it): set aside then, a P0 prompt waiting behind another's prefill
-            # lost its kept tokens to lower tiers' chunks until that request had ended.
+            # Not where the step's tokens all went to work (decodes, P0 prompts' chunks: a
+            # shorter P0 prompt running ahead of it): set aside then, a P0 prompt waiting
+            # behind another's prefill lost its kept tokens to lower tiers' chunks until
+            # that request had ended.
             self._p0_stuck = True
         if not self._p0_stuck:
             self._p0_running_when_stuck = None
