@@ -187,3 +187,11 @@ def test_an_autoscaler_flag_on_a_fixed_fleet_is_refused(
     argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), *flag, "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     assert f"{flag[0]} applies to scaling runs (--autoscale)" in capsys.readouterr().err
+
+
+def test_one_row_cut_to_the_context_reads_as_one() -> None:
+    from tierserve.fleet.report import _cut_lines
+
+    meta = {"num_rows_cut_to_context": 1, "num_trace_rows": 12, "max_model_len": 4096}
+    assert _cut_lines(meta)[0].startswith("**1 of the trace's 12 rows was cut to fit")
+    assert "rows were cut" in _cut_lines({**meta, "num_rows_cut_to_context": 2})[0]

@@ -188,7 +188,8 @@ def _trace_notes(results: Mapping[str, Any]) -> list[str]:
     setup = results["setup"]
     read = setup.get("trace_rows_read", {})
     return [
-        f"**{cut} of {w}'s {read[w]} rows were cut to fit the model's context** (the output to at "
+        f"**{cut} of {w}'s {read[w]} rows {'was' if cut == 1 else 'were'} cut to fit the model's context** "
+        "(the output to at "
         "most half of it, the prompt to the rest): those requests are not the trace's."
         for w, cut in setup.get("trace_rows_cut_to_context", {}).items()
         if cut
@@ -232,7 +233,8 @@ def summary_text(results: Mapping[str, Any]) -> str:
     small = sum(bool(r["low_sample"]) for r in runs)
     if small:
         parts.append(
-            f"{small} runs (a cell under one policy) have fewer than {MIN_P0_REQUESTS} P0 requests "
+            f"{small} {'run' if small == 1 else 'runs'} (a cell under one policy) "
+            f"{'has' if small == 1 else 'have'} fewer than {MIN_P0_REQUESTS} P0 requests "
             "(report.md lists them)\n"
         )
     unmeasured = sum(bool(r.get("goodput_unmeasured")) for r in runs)

@@ -249,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     def table() -> None:
         r = result
         print(f"{cell.workload}, {pattern} {args.load:g}, {cell.policy}, seed {cell.seed}: ", end="")
-        print(f"{r['num_requests']} requests ({r['num_measured']} measured), ", end="")
+        n = r["num_requests"]
+        print(f"{n} {'request' if n == 1 else 'requests'} ({r['num_measured']} measured), ", end="")
         print(f"{r['num_steps']} steps: {r['leapt_share']:.1%} leapt, ", end="")
         print(f"{r['kept_share']:.1%} full beside the kept decoders, the rest full and ordinary")
         print("| mode | CPU s | requests per CPU-s |\n|---|---|---|")

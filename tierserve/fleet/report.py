@@ -78,7 +78,8 @@ def _cut_lines(meta: Mapping[str, Any]) -> list[str]:
     if not cut:
         return []
     return [
-        f"**{cut} of the trace's {meta['num_trace_rows']} rows were cut to fit the model's context** "
+        f"**{cut} of the trace's {meta['num_trace_rows']} rows {'was' if cut == 1 else 'were'} cut to fit "
+        "the model's context** "
         f"({meta['max_model_len']} tokens: the output to at most half of it, the prompt to the rest).",
         "",
     ]
