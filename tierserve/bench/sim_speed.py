@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     if pattern == "closed" and args.think_time is None:
         args.think_time = 2.0
     if pattern == "closed" and args.load > MAX_CLIENTS:  # a billion clients ran silently for minutes
-        raise ValueError(f"--load: at most {MAX_CLIENTS:,} closed-loop clients, got {args.load:g}")
+        raise ValueError(f"--load: at most {MAX_CLIENTS:,} closed-loop clients, got {args.load!r}")
     if args.think_time is not None and not 0 <= args.think_time <= MAX_THINK_TIME_S:
         # past a day a step's seconds vanish in the clock's
         raise ValueError(f"--think-time must be 0 to {MAX_THINK_TIME_S:g} s (a day), got {args.think_time:g}")
