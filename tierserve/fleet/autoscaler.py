@@ -38,14 +38,15 @@ class AutoscaleConfig:
     max_replicas: int = 32
     startup_delay_s: float = DEFAULT_STARTUP_DELAY_S
     interval_s: float = 15.0
-    scale_out_utilization: float = 0.85  # mean busy fraction over which to add a replica
-    scale_in_utilization: float = 0.4  # under which, held for `idle_s`, to remove one
+    scale_out_utilization: float = 0.85  # utilization policy: the mean busy fraction to add a replica at
+    scale_in_utilization: float = 0.4  # both: under which, held for `idle_s`, to remove one
     idle_s: float = 300.0
     p0_attainment_floor: float = 0.95  # tier policy: P0 attainment under this is at risk ...
     p0_min_samples: int = 20  # ... judged on at least this many P0 requests (see `_p0_at_risk`)
-    # Tier policy, in place of the busy fraction: the fleet is full at this mean K/V cache
-    # use (or with requests of P0-P2 waiting on its replicas, or any in the gateway's queue),
-    # and nearly idle under `scale_in_kv_usage` with nothing waiting anywhere.
+    # Tier policy, in place of the busy fraction for scaling out: the fleet is full at this
+    # mean K/V cache use (or with requests of P0-P2 waiting on its replicas, or any in the
+    # gateway's queue); it scales in under `scale_in_kv_usage` with nothing waiting anywhere
+    # and under `scale_in_utilization` busy.
     scale_out_kv_usage: float = 0.9
     scale_in_kv_usage: float = 0.4
     max_starting: int = 2  # replicas loading at once
