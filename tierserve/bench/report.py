@@ -189,8 +189,8 @@ def _trace_notes(results: Mapping[str, Any]) -> list[str]:
     read = setup.get("trace_rows_read", {})
     return [
         f"**{cut} of {w}'s {read[w]} rows {'was' if cut == 1 else 'were'} cut to fit the model's context** "
-        "(the output to at "
-        "most half of it, the prompt to the rest): those requests are not the trace's."
+        "(the output to at most half of it, the prompt to the rest): "
+        f"{'that request is' if cut == 1 else 'those requests are'} not the trace's."
         for w, cut in setup.get("trace_rows_cut_to_context", {}).items()
         if cut
     ]
