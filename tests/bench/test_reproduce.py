@@ -361,3 +361,12 @@ def test_a_servers_config_given_to_the_bench_says_what_it_does_not_read(
     setup = results["setup"]
     assert setup["config_sections_not_read"] == ["tenants", "limits", "scheduler.max_num_seqs"]
     assert setup["scheduler"]["max_num_seqs"] == 256 and setup["scheduler"]["swap_factor"] == 0.5
+
+
+def test_one_trace_row_cut_reads_in_the_singular() -> None:
+    from tierserve.bench.report import _trace_notes
+
+    setup = {"trace_rows_read": {"t.csv": 296}, "trace_rows_cut_to_context": {"t.csv": 1}}
+    (line,) = _trace_notes({"setup": setup})
+    assert line.startswith("**1 of t.csv's 296 rows was cut")
+    assert line.endswith("that request is not the trace's.")

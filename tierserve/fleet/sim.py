@@ -355,8 +355,7 @@ class FleetSim:
         states = {s.name: s for s in self.dispatch.router.states}
         newest = max((r.ready_s for r in serving if r.ready_s is not None), default=-math.inf)
         p0_attainment, p0_samples = self.observer.p0_attainment(since=newest)
-        samples = [states[r.name].sample for r in serving]
-        read = [sample for sample in samples if sample is not None]
+        read = [sample for r in serving if (sample := states[r.name].sample) is not None]
         obs = Observation(
             now,
             len(serving),

@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from tierserve.data_dir import find_data_dir
 from tierserve.workloads.tokens import TRACE_BLOCK_TOKENS
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -448,8 +449,6 @@ def in_data_folder(path: Path) -> str:
     """Where a trace named by a bare file name is in the data folder, for the error that it
     is not here: a path is read as given, from the current folder, and docs that named a
     trace by its file name left a new user at "no such trace file"."""
-    from tierserve.data_dir import find_data_dir
-
     root = find_data_dir()
     if path.parent != Path(".") or root is None or not (root / path.name).is_file():
         return ""
