@@ -42,6 +42,9 @@ class Exported:
     num_running: int = 0
     kv_usage: float = 0.0
     busy_s: float = 0.0  # GPU-busy seconds since start (a DCGM-like utilization counter)
+    # Prompt tokens computed and tokens generated since start (vLLM's prompt_tokens and
+    # generation_tokens counters).
+    num_tokens: int = 0
     waiting_by_tier: tuple[float, ...] = (0.0,) * len(ALL_TIERS)  # llm_scheduler_queue_depth
 
 
@@ -58,9 +61,17 @@ class Replica:
         self.pending: list[RequestOutput] = []  # outputs of the step in flight
         self.next_boundary: float | None = None  # None: idle, no step in flight or scheduled
         self.exported = Exported()
-        self._leapt_step = (0, 0, 0.0)  # (running, blocks held, busy s) as the last leapt step began
-        self.utilization: float | None = None  # busy fraction between the last two readings
-        self._busy_at_scrape = (launched_s, 0.0)  # (time, busy_s)
+        # (running, blocks held, busy s, tokens) as the last leapt step began
+        self._leapt_step = (0, 0, 0.0, 0)
+        # Tokens a second the replica computes in steps that fill its token budget with a
+        # prompt: what its compute can do, measured once per model and GPU.
+        budget = self.engine.config.scheduler.max_num_batched_tokens
+        self.token_capacity = budget / max(1e-9, self.engine.executor.estimate_prefill_s(budget))
+        # Read by the autoscaler at each of its ticks, over the interval since the last:
+        self.utilization: float | None = None  # the busy fraction
+        self.token_load: float | None = None  # tokens a second, as a share of `token_capacity`
+        self._busy_at_scrape = (launched_s, 0.0, 0)  # (time, busy_s, num_tokens)
+        self.least_waiting: int | None = None  # the fewest waiting requests a scrape found
 
     @property
     def serving(self) -> bool:
@@ -102,8 +113,10 @@ class Replica:
         ever read (nothing reads the replica's state inside a leap), and in a leap the
         waiting requests stay as they were, so the running count, the blocks held and the
         busy time say it all."""
-        engine = self.engine
-        self._leapt_step = (engine.num_running(), engine.memory.used_blocks_all_tiers(), engine.stats.busy_s)
+        engine, stats = self.engine, self.engine.stats
+        used_blocks = engine.memory.used_blocks_all_tiers()
+        num_tokens = stats.num_computed_prompt_tokens + stats.num_generated_tokens
+        self._leapt_step = (engine.num_running(), used_blocks, stats.busy_s, num_tokens)
 
     def _export_last_leapt_step(self) -> None:
         self._set_exported(self.engine.waiting_by_tier(), *self._leapt_step)
@@ -115,30 +128,37 @@ class Replica:
             engine.num_running(),
             engine.memory.used_blocks_all_tiers(),
             engine.stats.busy_s,
+            engine.stats.num_computed_prompt_tokens + engine.stats.num_generated_tokens,
         )
 
     def _set_exported(
-        self, waiting: tuple[int, ...], num_running: int, used_blocks: int, busy_s: float
+        self, waiting: tuple[int, ...], num_running: int, used_blocks: int, busy_s: float, num_tokens: int
     ) -> None:
-        num_blocks = max(1, self.engine.memory.num_blocks)
-        self.exported = Exported(
-            sum(waiting), num_running, used_blocks / num_blocks, busy_s, tuple(map(float, waiting))
-        )
+        kv_usage = used_blocks / max(1, self.engine.memory.num_blocks)
+        by_tier = tuple(map(float, waiting))
+        self.exported = Exported(sum(waiting), num_running, kv_usage, busy_s, num_tokens, by_tier)
 
     def make_ready(self, now: float) -> None:
         """The model is loaded: the replica takes requests, and its busy fraction is read
         from now (the loading time counted as idle, a replica ready and fully busy read 0.16)."""
         self.state = ReplicaState.READY
         self.ready_s = now
-        self._busy_at_scrape = (now, self.exported.busy_s)
+        self._busy_at_scrape = (now, self.exported.busy_s, self.exported.num_tokens)
 
     def observe_busy(self, now: float) -> None:
-        """Read the busy counter: the busy fraction since the previous reading (None until
-        some time has passed since the replica became ready)."""
-        then, busy = self._busy_at_scrape
+        """Read the counters: the busy fraction and the token load since the previous
+        reading (None until some time has passed since the replica became ready)."""
+        then, busy, num_tokens = self._busy_at_scrape
         if now > then:
-            self.utilization = min(1.0, (self.exported.busy_s - busy) / (now - then))
-            self._busy_at_scrape = (now, self.exported.busy_s)
+            e = self.exported
+            self.utilization = min(1.0, (e.busy_s - busy) / (now - then))
+            self.token_load = (e.num_tokens - num_tokens) / (now - then) / self.token_capacity
+            self._busy_at_scrape = (now, e.busy_s, e.num_tokens)
+
+    def note_waiting(self, num_waiting: int) -> None:
+        """A scrape found `num_waiting` requests waiting (`least_waiting`)."""
+        if self.least_waiting is None or num_waiting < self.least_waiting:
+            self.least_waiting = num_waiting
 
     def end(self, state: ReplicaState, now: float) -> None:
         self.state = state

@@ -318,6 +318,7 @@ class FleetSim:
             replica.name,
             LoadSample(e.num_waiting, e.num_running, e.kv_usage, self.clock.now(), e.waiting_by_tier),
         )
+        replica.note_waiting(e.num_waiting)
         if replica.state is ReplicaState.READY:
             router.record_success(replica.name)
 
@@ -350,7 +351,7 @@ class FleetSim:
         now = self.clock.now()
         serving = [r for r in self.replicas.values() if r.state is ReplicaState.READY]
         for replica in serving:
-            replica.observe_busy(now)  # the busy fraction over the autoscaler's interval
+            replica.observe_busy(now)  # its busy fraction and token load over the autoscaler's interval
         starting = [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
         states = {s.name: s for s in self.dispatch.router.states}
         newest = max((r.ready_s for r in serving if r.ready_s is not None), default=-math.inf)
@@ -361,7 +362,7 @@ class FleetSim:
             len(serving),
             len(starting),
             [r.utilization for r in serving if r.utilization is not None],
-            [s.sample.num_waiting if (s := states[r.name]).sample else 0.0 for r in serving],
+            [_waiting(r, states[r.name].sample) for r in serving],
             self.dispatch.depth(Tier.P0),
             p0_attainment,
             sum(r.utilization is None for r in serving),
@@ -369,7 +370,10 @@ class FleetSim:
             kv_usage=[sample.kv_usage for sample in read],
             urgent_waiting=sum(_urgent_waiting(sample) for sample in read),
             queued=self.dispatch.depth(),
+            token_load=[r.token_load for r in serving if r.token_load is not None],
         )
+        for replica in self.replicas.values():
+            replica.least_waiting = None  # the next interval's scrapes start afresh
         change = self.autoscaler.decide(obs)
         if change > 0:
             self._launch(self.config.autoscale.startup_delay_s)
@@ -397,6 +401,14 @@ class FleetSim:
             points[-1] = point
         elif final or not points or points[-1][1:] != point[1:]:
             points.append(point)
+
+
+def _waiting(replica: Replica, sample: LoadSample | None) -> float:
+    """A replica's waiting requests as the autoscaler reads them (`Observation.num_waiting`):
+    the fewest any scrape found since the last tick, or the last scrape's."""
+    if replica.least_waiting is not None:
+        return replica.least_waiting
+    return sample.num_waiting if sample is not None else 0.0
 
 
 def _urgent_waiting(sample: LoadSample) -> float:

@@ -201,7 +201,8 @@ def _idle_replica_seconds(
         serving += sum(at <= t for at in ready_at)
         ready_at = [at for at in ready_at if at > t]
         idle = [0.0] * serving
-        change = scaler.decide(Observation(t, serving, len(ready_at), idle, idle, 0, None, kv_usage=idle))
+        obs = Observation(t, serving, len(ready_at), idle, idle, 0, None, kv_usage=idle, token_load=idle)
+        change = scaler.decide(obs)
         if change > 0:
             ready_at.append(t + config.startup_delay_s)
         elif change < 0:
