@@ -136,6 +136,7 @@ def test_tier_policy_scales_in_only_when_nothing_waits_and_caches_and_compute_ar
     assert calm_for(token_load=low, kv_usage=[0.1]) == 0  # a replica not yet scraped counts as full
     # ... and one not yet read over an interval as busy and full.
     assert calm_for(utilization=[0.1], token_load=[0.05], num_unread=1, kv_usage=empty) == 0
+    assert calm_for(utilization=[0.1, 0.1], token_load=[], kv_usage=empty) == 0  # none read
     # Judged on the fleet one replica smaller: 2 at 0.3 would leave 1 at 0.6, over the 0.5
     # target; 4 at 0.3 would leave 3 at 0.4.
     assert calm_for(token_load=[0.3, 0.3], kv_usage=empty) == 0
