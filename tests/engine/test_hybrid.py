@@ -982,6 +982,32 @@ def test_a_p0_prompt_over_its_ceiling_does_not_keep_the_step_from_the_prompt_tha
     assert p1.finish_reason is FinishReason.LENGTH and late.finish_reason is FinishReason.LENGTH
 
 
+def test_p0_set_aside_over_its_ceiling_is_taken_up_again_once_the_prompt_holding_its_blocks_ends() -> None:
+    """P0 set aside because its tier is over its ceiling (blocks charged to P0 held by a P1
+    prompt) was taken up again only when a running P0 request ended or a P0 came in: once
+    the P1 prompt had ended and the P0 prompt could come in, nothing was kept for it, and a
+    long P2 prompt's chunks took every step until that prompt was in."""
+    p0 = {"floor": 0.025, "ceiling": 0.025}
+    config = {"scheduler": {"max_num_batched_tokens": 64}, "tiers": {"P0": p0}}
+    eng = _shared_prefix_engine(config, blocks=400, host=0, block_size=16)  # P0 may hold 10 blocks
+    shared = list(range(1000, 1016))
+    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
+    eng.step()
+    p1 = _req(eng, "b", [*shared, *range(3000, 3300)], 2, Tier.P1)  # shares the P0-charged block
+    while not first.status.is_final:
+        eng.step()
+    long_p2 = _req(eng, "c", list(range(5000, 8000)), 2, Tier.P2)  # 47 chunks of 64 tokens
+    late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)  # fits P0's ceiling alone, not now
+    while not p1.status.is_final:
+        eng.step()
+    assert late.first_token_time is None and long_p2.first_token_time is None
+    freed_s = eng.clock.now()
+    run(eng, limit=10_000)
+    assert late.first_token_time is not None and long_p2.first_token_time is not None
+    # Its 145 tokens take 3 steps of 64 once it may come in, not the P2 prompt's 47.
+    assert late.first_token_time - freed_s < 6 * 0.01 and late.first_token_time < long_p2.first_token_time
+
+
 def test_a_p0_request_swapped_out_over_its_ceiling_comes_back_once_the_sharing_prompts_end() -> None:
     """The same with a swapped-out P0 request: it cannot come back while P1 prompts hold
     blocks charged to P0, nothing is admitted ahead of it, and the tokens kept for a waiting

@@ -116,8 +116,15 @@ class Preemptor:
         nobody: a seat, free or one `free_seat_for` may take, and its blocks, free or
         those `reclaim_for` may take (their checks, without their effects)."""
         seat_needed = len(self.lifecycle.running) >= step.seats
-        if not seat_needed and self.memory.admit_status_after(req, NO_BLOCKS) is Alloc.OK:
-            return True  # no victim to choose: the fast simulation's kept decoders stay kept
+        if not seat_needed:
+            status = self.memory.admit_status_after(req, NO_BLOCKS)
+            if status is Alloc.OK:
+                return True  # no victim to choose: the fast simulation's kept decoders stay kept
+            if status is Alloc.OVER_CEILING:
+                # Admission reclaims for a request that finds no space, not for one whose
+                # tier holds all it may (`Scheduler._admit`): a P0 prompt over its ceiling,
+                # blocks charged to P0 held by a P1 prompt, read as one that could come in.
+                return False
         victims = self._victims_to_admit(req, step, seat_needed=seat_needed)
         return victims is not None and self.fits_after(req, victims)
 

@@ -222,10 +222,12 @@ class HybridPolicy(FairQueuePolicy):
         self._deferred = False  # P3 steps aside in this pass (set by `begin_step`)
         self._held: set[Tier] = set()  # tiers set aside for the rest of the pass (`hold_tier`)
         # A pass kept a step's tokens for waiting P0 prompts, admitted none and left tokens
-        # unused: they are not kept again until a P0 request comes in, none waits, or a
-        # running one ends or leaves (`_still_stuck`).
+        # unused: they are not kept again until a P0 request comes in, none waits, a running
+        # one ends or leaves, or the P0 prompt next in line could come in where it could not
+        # (`_still_stuck`).
         self._p0_stuck = False
         self._p0_running_when_stuck: int | None = None  # P0 requests running then
+        self._p0_head_could_when_stuck = True  # whether `first_chunk` let the P0 head in then
         self._p0_kept_for = False  # this pass keeps tokens for waiting P0 prompts
         # The waiting P1 or P2 request the queue serves next, for which this pass's running
         # prompts of lower tiers leave its first chunk (`_head_kept_for`), where it could
@@ -553,9 +555,10 @@ class HybridPolicy(FairQueuePolicy):
 
     def _still_stuck(self, running: Sequence[Request]) -> bool:
         """Whether waiting P0 prompts still go without kept tokens: until one comes in, none
-        waits, or a running P0 request ends or leaves (its blocks may be the room they
-        wait for: a P0 prompt waiting on another P0 request's blocks once waited for a whole
-        lower-tier prefill after they were freed)."""
+        waits, a running P0 request ends or leaves (its blocks may be the room they wait
+        for: a P0 prompt waiting on another P0 request's blocks once waited for a whole
+        lower-tier prefill after they were freed), or the P0 prompt next in line could come
+        in where it could not when P0 was set aside (`end_step`)."""
         if not self.num_waiting(Tier.P0):
             return False
         p0 = Tier.P0
@@ -578,10 +581,26 @@ class HybridPolicy(FairQueuePolicy):
             # behind another's prefill lost its kept tokens to lower tiers' chunks until
             # that request had ended.
             self._p0_stuck = True
+            self._p0_head_could_when_stuck = self._p0_head_could_come_in() is not False
+        elif self._p0_stuck and not self._p0_head_could_when_stuck and self._p0_head_could_come_in():
+            # P0 over its ceiling until a lower tier's prompt holding blocks charged to P0
+            # ended: the P0 prompt could come in then, yet nothing was kept for it, and a long
+            # P2 prompt's chunks took every step while it waited. Asked here, once the pass's
+            # decodes are placed (where the fast simulation may write its kept decoders out,
+            # as admission's victim choice does), for the next pass.
+            self._p0_stuck = False
         if not self._p0_stuck:
             self._p0_running_when_stuck = None
         self._step, self._p0_by_length, self._head, self._first_chunk = None, [], None, None
         self._held.clear()
+
+    def _p0_head_could_come_in(self) -> bool | None:
+        """Whether the P0 prompt next in line could come in as seats and memory stand (the
+        engine's `first_chunk`), or None where nothing can say."""
+        head, first_chunk = self._sfq.head_of(Tier.P0), self._first_chunk
+        if head is None or first_chunk is None:
+            return None
+        return first_chunk(head) is not None
 
     def _more_urgent_queued(self, now: float) -> bool:
         """Whether, after this pass, a P0 request still waits, or a P1 or P2 one that has
