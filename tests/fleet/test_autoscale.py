@@ -10,6 +10,7 @@ import pytest
 from tierserve.bench.idle import IdleTtft
 from tierserve.clock import VirtualClock
 from tierserve.fleet.autoscaler import AutoscaleConfig, Autoscaler, Observation, ScalingPolicy
+from tierserve.fleet.dispatch import FleetDispatch
 from tierserve.fleet.replica import Exported, Replica, ReplicaState
 from tierserve.fleet.requests import FleetRequest
 from tierserve.fleet.sim import FleetConfig, FleetSim
@@ -420,8 +421,22 @@ def test_the_autoscaler_reads_the_fewest_waiting_any_scrape_found_since_its_last
     assert checked >= 3 and differs >= 1  # some interval ended with a queue that came and went
 
 
-def test_p3_requests_waiting_on_a_replica_are_not_urgent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_p3_requests_waiting_on_a_replica_or_at_the_gateway_are_not_urgent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Background work buys no GPUs: under the tier-aware router P3-only traffic at 4x,
+    held at the gateway, bought 9 replicas where round-robin kept 2."""
+    held: list[int] = []
+    depth = FleetDispatch.depth
+
+    def recording(self: FleetDispatch, tier: Tier | None = None) -> int:
+        held.append(depth(self, Tier.P3))  # as the autoscaler reads the queue
+        return depth(self, tier)
+
+    monkeypatch.setattr(FleetDispatch, "depth", recording)
     workload = specs(800, seed=11, gap_s=0.01, prompt=(500, 3000), output=(100, 300))
     seen = _observations(monkeypatch, [replace(s, tier=Tier.P3) for s in workload])
     assert any(sum(o.num_waiting) > 0 for o in seen)
     assert all(o.urgent_waiting == 0 for o in seen)
+    assert all(o.queued == 0 for o in seen)
+    assert max(held, default=0) > 0, "the gateway never held a P3 request back"

@@ -33,8 +33,9 @@ def test_bench_fleet_writes_results_report_and_plots_for_each_router(
     assert main([*argv, "--out", str(out)]) == 0
     # A line a run on the terminal (it printed only where the files went).
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:5] == ["run", "P0", "P1", "P2", "P3"] and len(table) == 3
+    assert table[0].split()[:5] == ["run", "P0", "P1", "P2", "P3"] and len(table) in (3, 4)
     assert table[1].startswith("round-robin / fixed") and table[2].startswith("tier-aware / fixed")
+    assert len(table) == 3 or table[3].startswith("GPU-h: to each run's own end")
 
     results = json.loads((out / "results.json").read_text())
     meta, runs = results["meta"], results["runs"]
@@ -145,6 +146,7 @@ def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
 
     tiers = {t: {"slo_attainment": 1.0, "goodput_rps": 0.000694} for t in ("P0", "P1", "P2", "P3")}
     summary = {
+        "gpu_hours": 1.0,
         "gpu_hours_common": 1.0,
         "duration_s": 60.0,
         "tiers": tiers,
@@ -160,7 +162,8 @@ def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
 
     counts = {"num_refused": 0, "num_shed": 0, "num_rejected": 0, "num_unfinished": 0}
     tiers = {t: {**tiers[t], **counts} for t in tiers}
-    summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, "gpu_hours_common": 0.0012}
+    hours = {"gpu_hours": 0.0012, "gpu_hours_common": 0.0012}
+    summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, **hours}
     line = summary_table([{**run, "summary": summary}]).splitlines()[1]
     assert "0.00278" in line and "0.0012" in line
 
@@ -195,3 +198,47 @@ def test_one_row_cut_to_the_context_reads_as_one() -> None:
     meta = {"num_rows_cut_to_context": 1, "num_trace_rows": 12, "max_model_len": 4096}
     assert _cut_lines(meta)[0].startswith("**1 of the trace's 12 rows was cut to fit")
     assert "rows were cut" in _cut_lines({**meta, "num_rows_cut_to_context": 2})[0]
+
+
+def test_the_terminal_table_gives_each_runs_own_gpu_hours_beside_those_to_the_last_end() -> None:
+    """The same run read 77.4 GPU-hours beside overloaded fixed fleets that ran on to the
+    drain timeout, and 46.7 alone: only the figure to the latest end was printed."""
+    from tierserve.bench.fleet_bench import summary_table
+
+    counts = {"num_refused": 0, "num_shed": 0, "num_rejected": 0, "num_unfinished": 0}
+    tiers = {t: {"slo_attainment": 1.0, "goodput_rps": 1.0, **counts} for t in ("P0", "P1", "P2", "P3")}
+    base = {"tiers": tiers, "num_replicas_launched": 2, "num_lost": 0, "common_end_s": 1622.0}
+    fixed_hours = {"gpu_hours": 7.21, "gpu_hours_common": 7.21}
+    fixed = {"router": "round-robin", "scaling": "fixed", "summary": {**base, **fixed_hours}}
+    scaled_hours = {"gpu_hours": 46.7, "gpu_hours_common": 77.4}
+    scaled = {"router": "round-robin", "scaling": "tier", "summary": {**base, **scaled_hours}}
+    lines = summary_table([fixed, scaled]).splitlines()
+    assert "GPU-h  to last end" in lines[0]
+    assert "46.7" in lines[2] and "77.4" in lines[2]
+    assert lines[3].startswith("GPU-h: to each run's own end") and "1,622 s" in lines[3]
+    assert len(summary_table([fixed]).splitlines()) == 2  # no note where they agree
+
+
+def test_a_scale_interval_past_the_runs_end_is_warned_of(tmp_path: Path) -> None:
+    """The scaling rows read like any others while no decision had read any load."""
+    trace = _azure_trace(tmp_path / "trace.csv", 20, seed=3)
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--replicas", "1", "--trace", str(trace), "--autoscale", "tier"]
+    assert main([*argv, "--scale-interval-s", "100000", "--out", str(out)]) == 0
+    warned = json.loads((out / "results.json").read_text())["meta"]["input_warnings"]
+    assert any(line.startswith("--scale-interval-s 100000: the runs ended at") for line in warned)
+    assert main([*argv, "--scale-interval-s", "1", "--out", str(tmp_path / "ok")]) == 0
+    assert json.loads((tmp_path / "ok" / "results.json").read_text())["meta"]["input_warnings"] == []
+
+
+def test_rows_cut_and_kills_are_said_under_the_table() -> None:
+    from tierserve.bench.fleet_bench import _notes
+
+    meta = {"num_rows_cut_to_context": 10, "num_trace_rows": 3993}
+    faults = [[30.0, 0, "killed"], [5000.0, 1, "after the end"]]
+    runs = [{"router": "tier-aware", "scaling": "fixed", "summary": {"faults": faults}}]
+    assert _notes(meta, runs) == [
+        "10 of the trace's 3993 rows were cut to the model's context",
+        "faults, tier-aware / fixed: replica 0 at 30 s: killed; replica 1 at 5000 s: after the end",
+    ]
+    assert _notes({}, [{"router": "r", "scaling": "s", "summary": {"faults": []}}]) == []

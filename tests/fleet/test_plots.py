@@ -21,7 +21,9 @@ def _run(end_s: float, replicas: int) -> dict[str, Any]:
     summary = {
         "over_time": {"bin_s": 60.0, "t_s": t_s, "tiers": tiers},
         "replicas_over_time": [[0.0, replicas, 0], [end_s, replicas, 0]],
+        "gpu_hours": replicas * 8 * end_s / 3600,
         "gpu_hours_common": replicas * 8 * end_s / 3600,
+        "common_end_s": end_s,
     }
     return {"router": "tier-aware", "scaling": "fixed", "summary": summary}
 
@@ -63,6 +65,7 @@ def test_a_days_long_run_is_drawn_in_hours_on_one_axis_for_every_tier(
 def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float, shown: str) -> None:
     """Two decimals printed a short run's GPU-hours as 0.00."""
     summary: dict[str, Any] = {
+        "gpu_hours": gpu_hours,
         "gpu_hours_common": gpu_hours,
         "duration_s": 60.0,
         "tiers": {t: {"slo_attainment": None, "goodput_rps": 0.0} for t in ("P0", "P1", "P2", "P3")},
@@ -71,7 +74,7 @@ def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float,
         "num_lost": 0,
     }
     row = table([{"router": "tier-aware", "scaling": "fixed", "summary": summary}])[-1]
-    assert row.split(" | ")[2] == shown
+    assert row.split(" | ")[2] == row.split(" | ")[3] == shown
 
 
 def test_a_bin_without_requests_is_a_gap_and_a_lone_bin_is_drawn(

@@ -227,7 +227,7 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
         type=parse_kill,
         default=[],
         metavar="T[@I]",
-        help="replica I (0) dies at T s",
+        help="replica I (0) dies at T s; repeat the flag for more: --kill 10@0 --kill 20@1",
     )
 
 
@@ -292,6 +292,7 @@ def main(args: argparse.Namespace) -> int:
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
+        _warn_if_never_scaled(args, scalings, runs)
     align(runs, bench.preset.tp, bench.autoscale_config)
     meta = {**bench.meta(commit, time.process_time() - started), "input_warnings": warned}
     from tierserve.fleet.report import write_plots, write_report
@@ -305,7 +306,44 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps([{k: r[k] for k in ("router", "scaling")} | _brief(r["summary"]) for r in runs]))
     else:
         print(summary_table(runs))
+        for line in _notes(meta, runs):
+            print(line)
     return 0
+
+
+def _notes(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    """Under the table, what report.md says of rows cut to the context and of each run's
+    --kill (a new user's trial found them only there)."""
+    lines = []
+    if cut := meta.get("num_rows_cut_to_context"):
+        rows = "row was" if cut == 1 else "rows were"
+        lines.append(f"{cut} of the trace's {meta['num_trace_rows']} {rows} cut to the model's context")
+    for run in runs:
+        if faults := run["summary"].get("faults"):
+            said = "; ".join(f"replica {i} at {t:g} s: {what}" for t, i, what in faults)
+            lines.append(f"faults, {run['router']} / {run['scaling']}: {said}")
+    return lines
+
+
+def _warn_if_never_scaled(args: argparse.Namespace, scalings: list[str], runs: list[dict[str, Any]]) -> None:
+    """A scaling fleet whose run ended before the autoscaler's first decision ran as a fixed
+    one, and its row read as if it had scaled (a new user's trial: `--scale-interval-s
+    100000`)."""
+    if all(scaling == "fixed" for scaling in scalings):
+        return
+    end_s = max((run["summary"]["duration_s"] for run in runs), default=0.0)
+    if end_s < args.scale_interval_s:
+        import logging
+
+        from tierserve.bench.output import TRACE_LOGGER
+
+        logging.getLogger(TRACE_LOGGER).warning(
+            "--scale-interval-s %g: the runs ended at %.0f s, so the autoscaler decided only at "
+            "0 s, before any load was read, and every fleet kept its first size; give an interval "
+            "shorter than the run",
+            args.scale_interval_s,
+            end_s,
+        )
 
 
 def summary_table(runs: list[dict[str, Any]]) -> str:
@@ -313,7 +351,8 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
     not serve (report.md has the rest)."""
     from tierserve.fleet.report import rate_text
 
-    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "launched", "refused", "lost", "other"]
+    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "to last end", "launched", "refused"]
+    head += ["lost", "other"]
     rows = [head]
     for run in runs:
         s = run["summary"]
@@ -324,6 +363,7 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
                 f"{run['router']} / {run['scaling']}",
                 *(_share(tiers[name]["slo_attainment"]) for name in ("P0", "P1", "P2", "P3")),
                 "-" if None in goodput else rate_text(sum(goodput)),  # a sparse trace's 0.0417, not 0.042
+                rate_text(s["gpu_hours"]),
                 rate_text(s["gpu_hours_common"]),
                 str(s["num_replicas_launched"]),
                 str(sum(t["num_refused"] for t in tiers.values())),
@@ -335,13 +375,20 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return "\n".join(
+    lines = [
         "  ".join(
             cell.ljust(w) if i == 0 else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         )
         for row in rows
-    )
+    ]
+    if any(run["summary"]["gpu_hours"] != run["summary"]["gpu_hours_common"] for run in runs):
+        end_s = runs[0]["summary"]["common_end_s"]
+        lines.append(
+            f"GPU-h: to each run's own end; to last end: every fleet counted on to {end_s:,.0f} s, "
+            "the latest end among these runs, for comparing them (report.md says more)"
+        )
+    return "\n".join(lines)
 
 
 def _share(value: float | None) -> str:

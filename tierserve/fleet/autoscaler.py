@@ -89,7 +89,11 @@ class Observation:
     p0_samples: int = 0
     kv_usage: Sequence[float] = ()  # per serving replica read by a scrape, 0..1
     urgent_waiting: float = 0.0  # P0-P2 requests waiting on the serving replicas, as scraped
-    queued: int = 0  # requests of any tier waiting in the gateway's queue
+    # Requests of P0-P2 waiting in the gateway's queue: background work (P3) held there, for
+    # which the tier-aware router keeps no more than 4 waiting a replica, is not a reason to
+    # add GPUs (under the tier-aware router P3-only traffic at 4x bought 9 replicas where
+    # round-robin, which holds nothing back, kept 2).
+    queued: int = 0
     # Per serving replica read over an interval (as `utilization`): the tokens it computed a
     # second (prompt and generated), as a share of what it computes in steps full of prompt.
     token_load: Sequence[float] = ()
@@ -139,8 +143,8 @@ class Autoscaler:
         return util >= c.scale_out_utilization
 
     def _full(self, obs: Observation) -> bool:
-        """Whether the serving replicas hold all they can: the gateway keeps requests back
-        (its flow control holds a tier whose upstreams are all saturated for it), requests
+        """Whether the serving replicas hold all they can: the gateway keeps requests of
+        P0-P2 back (its flow control holds a tier whose upstreams are all saturated for it), requests
         of P0-P2 wait on them (two a replica: a request that arrived during a step waits for
         it, and with one a replica a light load of long P0 prompts scaled a fleet out), or
         their K/V caches are nearly full on average."""

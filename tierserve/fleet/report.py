@@ -32,14 +32,15 @@ def rate_text(x: float | None) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     tiers = [t.name for t in ALL_TIERS]
-    head = ["router", "scaling", "GPU-h", "ended at", *(f"{t} SLO" for t in tiers)]
+    head = ["router", "scaling", "GPU-h", "GPU-h to last end", "ended at", *(f"{t} SLO" for t in tiers)]
     head += [f"{t} goodput/s" for t in tiers]
     head += ["retried", "lost", "refused"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         s = r["summary"]
         refused = sum(v for k, v in s["outcomes"].items() if k.startswith("refused:"))
-        cells = [r["router"], r["scaling"], rate_text(s["gpu_hours_common"]), _s(s["duration_s"])]
+        cells = [r["router"], r["scaling"], rate_text(s["gpu_hours"]), rate_text(s["gpu_hours_common"])]
+        cells.append(_s(s["duration_s"]))
         cells += [_pct(s["tiers"][t]["slo_attainment"]) for t in tiers]
         cells += [rate_text(s["tiers"][t]["goodput_rps"]) for t in tiers]
         cells += [str(s["num_retried"]), str(s["num_lost"]), str(refused)]
@@ -64,7 +65,37 @@ def outcomes_table(runs: Sequence[Run]) -> list[str]:
 
 
 def _s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.3g} s"
+    """Three significant digits, and whole seconds with thousands separators from 1,000 s
+    up (a trace's hour read 3.48e+03 s)."""
+    if seconds is None:
+        return "-"
+    return f"{seconds:,.0f} s" if abs(seconds) >= 1000 else f"{seconds:.3g} s"
+
+
+# One style a run, so that runs whose curves coincide (fixed fleets of the same size, tiers
+# at 100 %) still show each: the colour cycle alone drew only the last one.
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "x")
+
+
+def _style(i: int) -> dict[str, Any]:
+    """The i-th run's line: its own dashes and marker, and thinner than the runs before it,
+    so that a later line drawn over an earlier one leaves the earlier one's edges showing."""
+    return {
+        "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "linewidth": max(0.8, 2.8 - 0.5 * i),
+    }
+
+
+def _legend_below(fig: Any, runs: Sequence[Run]) -> None:
+    """One legend for the figure, under its panels: inside them it covered the curves'
+    ends, where scaling in shows."""
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    ncol = min(len(labels), 4) or 1
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    rows = math.ceil(len(labels) / ncol)
+    fig.tight_layout(rect=(0.0, 0.04 + 0.05 * rows, 1.0, 1.0))
 
 
 def _scaled(meta: Mapping[str, Any]) -> str:
@@ -104,11 +135,12 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         *_cut_lines(meta),
         *_warning_lines(meta),
         "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
-        "Goodput: attaining requests per second. GPU-hours include model loading, and are taken "
+        "Goodput: attaining requests per second. GPU-hours include model loading: `GPU-h` to the "
+        "run's own end (the same run costs the same whatever runs beside it), `GPU-h to last end` "
         f"to the latest run's end ({_s(runs[0]['summary']['common_end_s']) if runs else '-'}) for "
-        "every run: after a run that ended sooner (its last request served or refused sooner) "
-        "its fleet stands on idle until then, as its autoscaler would keep it (a fixed fleet "
-        "whole, an autoscaling one scaling in). TTFT percentiles are over the requests "
+        "every run, for comparing them: after a run that ended sooner (its last request served "
+        "or refused sooner) its fleet stands on idle until then, as its autoscaler would keep it "
+        "(a fixed fleet whole, an autoscaling one scaling in). TTFT percentiles are over the requests "
         "that got a first token (lost ones included: they had one; refused ones are counted in "
         "the outcomes and in the SLO attainment, not in them).",
         "",
@@ -178,7 +210,7 @@ def _plot_over_time(
         1, len(ALL_TIERS), figsize=(4.2 * len(ALL_TIERS), 3.4), squeeze=False, sharex=True
     )
     for ax, tier in zip(axes.flat, ALL_TIERS, strict=True):
-        for r in runs:
+        for i, r in enumerate(runs):
             ot = r["summary"]["over_time"]
             ys = ot["tiers"].get(tier.name, {}).get(key, [])
             # A bin without requests is a gap, not a line drawn across it, and a marker on
@@ -187,9 +219,9 @@ def _plot_over_time(
             ax.plot(
                 [t / per for t, _ in pts],
                 [math.nan if y is None else y for _, y in pts],
-                marker="o",
                 markersize=3,
                 label=f"{r['router']} / {r['scaling']}",
+                **_style(i),
             )
         ax.set_title(f"{tier.name} {label}")
         if key == "slo_attainment":
@@ -197,8 +229,7 @@ def _plot_over_time(
         else:
             ax.set_ylim(bottom=0)  # a rate from zero: a dip of a tenth is not drawn as a fall
         ax.set_xlabel(f"arrival time ({unit})")
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
+    _legend_below(fig, runs)
     name = f"{key}_over_time.png"
     fig.savefig(out / name, dpi=90)
     plt.close(fig)
@@ -210,13 +241,16 @@ def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: flo
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, max(3.6, 0.3 * len(runs) + 1.2)))
-    for r in runs:
+    for i, r in enumerate(runs):
         rot = r["summary"]["replicas_over_time"]
+        style = _style(i)
         ax1.step(
             [x[0] / per for x in rot],
             [x[1] + x[2] for x in rot],
             where="post",
             label=f"{r['router']} / {r['scaling']}",
+            linestyle=style["linestyle"],
+            linewidth=style["linewidth"],
         )
     ax1.set_title("replicas (serving or draining, + starting)")
     ax1.set_xlabel(f"time ({unit})")
@@ -224,13 +258,16 @@ def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: flo
     ax1.yaxis.set_major_locator(MaxNLocator(integer=True))
     most = max((x[1] + x[2] for r in runs for x in r["summary"]["replicas_over_time"]), default=1)
     ax1.set_ylim(0, max(1, most) * 1.15)  # room above the top line
-    ax1.legend(fontsize=7)
     # Horizontal bars: one label a row stays readable for all twelve router x scaling runs.
     labels = [f"{r['router']} / {r['scaling']}" for r in runs]
-    ax2.barh(range(len(runs)), [r["summary"]["gpu_hours_common"] for r in runs])
-    ax2.set_yticks(range(len(runs)), labels, fontsize=7)
+    rows = range(len(runs))
+    common = [r["summary"]["gpu_hours_common"] for r in runs]
+    ax2.barh(rows, common, color="0.85", label="to the latest run's end")
+    ax2.barh(rows, [r["summary"]["gpu_hours"] for r in runs], height=0.5, label="to its own end")
+    ax2.set_yticks(rows, labels, fontsize=7)
     ax2.invert_yaxis()  # the first run on top, as in the tables
-    ax2.set_title("GPU-hours (to the latest run's end)")
-    fig.tight_layout()
+    ax2.set_title("GPU-hours")
+    ax2.legend(fontsize=7, loc="lower right")
+    _legend_below(fig, runs)
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
     plt.close(fig)
