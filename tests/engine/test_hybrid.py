@@ -1008,6 +1008,62 @@ def test_p0_set_aside_over_its_ceiling_is_taken_up_again_once_the_prompt_holding
     assert late.first_token_time - freed_s < 6 * 0.01 and late.first_token_time < long_p2.first_token_time
 
 
+def test_with_every_seat_taken_p0_over_its_ceiling_is_still_taken_up_once_its_blocks_are_freed() -> None:
+    """With three seats the lower tiers admitted after the P0 prompt was refused at its
+    ceiling took the last seat; the check then found the P1 holder of P0's block as the
+    seat's victim, read the P0 prompt as one that could come in, and the lift never came:
+    0.51 s after the holder ended, as with no lift at all (a review)."""
+    p0 = {"floor": 0.025, "ceiling": 0.025}
+    config = {"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 3}, "tiers": {"P0": p0}}
+    eng = _shared_prefix_engine(config, blocks=400, host=0, block_size=16)
+    shared = list(range(1000, 1016))
+    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
+    eng.step()
+    p1 = _req(eng, "b", [*shared, *range(3000, 3600)], 2, Tier.P1)
+    p3 = _req(eng, "x", list(range(9000, 9020)), 400, Tier.P3)
+    while not first.status.is_final:
+        eng.step()
+    long_p2 = _req(eng, "c", list(range(5000, 8000)), 2, Tier.P2)
+    late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)
+    while not p1.status.is_final:
+        eng.step()
+    freed_s = eng.clock.now()
+    run(eng, limit=100_000)
+    assert late.first_token_time is not None and long_p2.first_token_time is not None
+    assert late.first_token_time - freed_s < 6 * 0.01 and late.first_token_time < long_p2.first_token_time
+    assert p3.num_preemptions == 0
+
+
+def test_no_seat_is_taken_for_a_p0_prompt_its_ceiling_keeps_out() -> None:
+    """Every seat taken and P0 over its ceiling by a P1 prompt's hold on a P0-charged block:
+    a P3 request's seat was taken for the P0 prompt, which admission then set aside at its
+    ceiling, pass after pass (the P3 request recomputed 91 times, the P1 prompt's 3,000
+    tokens taking 182 steps instead of 92; a review)."""
+    p0 = {"floor": 0.025, "ceiling": 0.025}
+    limits = {"max_num_batched_tokens": 64, "max_num_seqs": 3}
+    limits |= {"long_prompt_tokens": 64, "long_prompt_chunk_tokens": 32}
+    eng = _shared_prefix_engine({"scheduler": limits, "tiers": {"P0": p0}}, blocks=400, host=0, block_size=16)
+    shared = list(range(1000, 1016))
+    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
+    eng.step()
+    p1 = _req(eng, "b", [*shared, *range(3000, 6000)], 2, Tier.P1)  # holds the P0-charged block
+    p3 = _req(eng, "x", list(range(9000, 9004)), 5000, Tier.P3)
+    while not first.status.is_final:
+        eng.step()
+    late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)  # over P0's ceiling while b runs
+    eng.step()
+    eng.step()
+    _req(eng, "z", list(range(9500, 9504)), 5000, Tier.P2)  # takes the last seat
+    steps = 0
+    while not p1.status.is_final:
+        eng.step()
+        steps += 1
+    assert p3.num_preemptions == 0
+    assert steps < 100  # its 2,984 tokens left in chunks of 32, about one a step
+    run(eng, limit=100_000)
+    assert late.finish_reason is FinishReason.LENGTH
+
+
 def test_a_p0_request_swapped_out_over_its_ceiling_comes_back_once_the_sharing_prompts_end() -> None:
     """The same with a swapped-out P0 request: it cannot come back while P1 prompts hold
     blocks charged to P0, nothing is admitted ahead of it, and the tokens kept for a waiting

@@ -103,13 +103,20 @@ class Preemptor:
     def free_seat_for(self, req: Request, step: StepBudget, now: float) -> bool:
         """Every seat (max_num_seqs) is taken: preempt one victim for `req` if the policy allows."""
         victims = self._victims_to_admit(req, step, seat_needed=True)
-        # Only if `req` could then get its blocks, from the free ones, the seat's victim's
-        # and those `reclaim_for` may take: else the victim went for nothing (and waited
-        # behind `req` until a seat came free).
-        if not victims or not self.fits_after(req, victims):
+        if not victims or not self._seat_pays(req, victims):
             return False
         self.preempt(victims[0], step, now)
         return True
+
+    def _seat_pays(self, req: Request, victims: list[Request]) -> bool:
+        """Whether taking the seat of `victims[0]` lets `req` in: it could then get its
+        blocks, from the free ones, the seat's victim's and those `reclaim_for` may take
+        (else the victim went for nothing, and waited behind `req` until a seat came free),
+        and the seat's victim alone does not leave its tier over its ceiling, where
+        admission sets the tier aside rather than reclaim (`Scheduler._admit`: a P3 request
+        was recomputed every other pass for a P0 prompt over P0's ceiling, a review found)."""
+        seat_alone = self._status_after(req, victims[:1])
+        return seat_alone is not Alloc.OVER_CEILING and self.fits_after(req, victims)
 
     def could_admit(self, req: Request, step: StepBudget) -> bool:
         """Whether `req` could come in in this pass as seats and memory stand, preempting
@@ -126,6 +133,8 @@ class Preemptor:
                 # blocks charged to P0 held by a P1 prompt, read as one that could come in.
                 return False
         victims = self._victims_to_admit(req, step, seat_needed=seat_needed)
+        if seat_needed:
+            return bool(victims) and self._seat_pays(req, victims or [])
         return victims is not None and self.fits_after(req, victims)
 
     def _victims_to_admit(self, req: Request, step: StepBudget, *, seat_needed: bool) -> list[Request] | None:
@@ -146,7 +155,12 @@ class Preemptor:
         return victims
 
     def fits_after(self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None) -> bool:
-        """Whether `req`'s blocks would pass the memory check (its tier's ceiling, the
+        return self._status_after(req, victims, back) is Alloc.OK
+
+    def _status_after(
+        self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None
+    ) -> Alloc:
+        """How `req`'s blocks would fare in the memory check (its tier's ceiling, the
         unfilled floors of more urgent tiers) once all of `victims` had freed theirs (and,
         with `back` = (tier, n), once a swapped request had taken n blocks of that tier): those
         no one else holds (a prefix two victims share is one block; one a request outside
@@ -164,7 +178,7 @@ class Preemptor:
         taken = [-n for n in freed]
         if back is not None:
             taken[back[0]] += back[1]
-        return self.memory.check_after(req.tier, needed, taken) is Alloc.OK
+        return self.memory.check_after(req.tier, needed, taken)
 
     def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:
         """Preempt running requests, as the policy allows, until `req` can be admitted.

@@ -581,7 +581,11 @@ class HybridPolicy(FairQueuePolicy):
             # behind another's prefill lost its kept tokens to lower tiers' chunks until
             # that request had ended.
             self._p0_stuck = True
-            self._p0_head_could_when_stuck = self._p0_head_could_come_in() is not False
+            # Refused at its ceiling in this pass (`hold_tier`) is could not, whatever the
+            # check says now: the seats the other tiers took since leave it only a victim
+            # holding blocks charged to P0, and it read as could, so the lift never came.
+            held = Tier.P0 in self._held
+            self._p0_head_could_when_stuck = not held and self._p0_head_could_come_in() is not False
         elif self._p0_stuck and not self._p0_head_could_when_stuck and self._p0_head_could_come_in():
             # P0 over its ceiling until a lower tier's prompt holding blocks charged to P0
             # ended: the P0 prompt could come in then, yet nothing was kept for it, and a long
