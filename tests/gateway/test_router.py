@@ -94,13 +94,26 @@ def test_once_seen_full_what_was_sent_past_its_free_seats_counts_as_waiting() ->
     assert not router.saturated(u0, Tier.P1)
 
 
-def test_p0_goes_where_it_starts_soonest_not_where_its_prefix_lives() -> None:
+def test_p0_goes_where_it_starts_soonest_and_among_those_where_its_prefix_lives() -> None:
+    """Where its prefix is cached its prefill is shorter: by the least KV in use alone, P0
+    went to another replica, and on Mooncake's synthetic trace plain prefix affinity met
+    P0's target in 65.6 % of cases against this router's 46.2 %."""
+    from tierserve.gateway.router import _affinity
+
     router, clock = _router()
     for name, waiting, kv in (("u0", 2, 0.2), ("u1", 0, 0.7), ("u2", 0, 0.3)):
         _load(router, clock, name, waiting, 5, kv)
-    for i in range(20):
-        decision = router.route(Tier.P0, f"p{i}", M)
-        assert decision is not None and (decision.upstream, decision.reason) == ("u2", "p0_soonest")
+    went = set()
+    for i in range(40):
+        prefix = f"p{i}"
+        home = max(("u0", "u1", "u2"), key=lambda name: _affinity(prefix, name))
+        # u0 starts two requests first: never there, whatever the prefix; between the two
+        # that start it at once, its prefix's home, else the one with the least KV in use.
+        expected = home if home != "u0" else "u2"
+        decision = router.route(Tier.P0, prefix, M)
+        assert decision is not None and (decision.upstream, decision.reason) == (expected, "p0_soonest")
+        went.add((home, expected))
+    assert {("u0", "u2"), ("u1", "u1"), ("u2", "u2")} <= went  # every branch taken
     assert {router.route(Tier.P2, f"p{i}", M).reason for i in range(20)} <= {"affinity", "least_loaded"}  # type: ignore[union-attr]
 
 
@@ -249,11 +262,17 @@ def test_a_burst_of_p0_between_two_scrapes_spreads_over_replicas_with_free_seats
         assert decision is not None
         router.started(decision.upstream, Tier.P0)
         picks.append(decision.upstream)
-    assert picks == ["u0", "u1", "u2"]
-    # Where the upstream orders by priority, lower tiers sent since the scrape start after a P0.
+    assert sorted(picks) == ["u0", "u1", "u2"]
+    # Where the upstream orders by priority, lower tiers sent since the scrape start after a
+    # P0: with one P0 seated on each, a P0 whose prefix lives on u0 still goes there.
+    from tierserve.gateway.router import _affinity
+
     for _ in range(5):
         router.started("u0", Tier.P2)
-    assert router.route(Tier.P0, "p3", M).upstream == "u0"  # type: ignore[union-attr]
+    names = ("u0", "u1", "u2")
+    homes = {f"q{i}": max(names, key=lambda n, p=f"q{i}": _affinity(p, n)) for i in range(100)}
+    prefix = next(p for p, home in homes.items() if home == "u0")
+    assert router.route(Tier.P0, prefix, M).upstream == "u0"  # type: ignore[union-attr]
 
 
 def test_a_first_come_first_served_upstream_counts_every_request_sent_since_the_scrape_before_a_p0() -> None:

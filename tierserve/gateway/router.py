@@ -283,12 +283,15 @@ class Router:
         free = [s for s in self.candidates(model, exclude) if not self.saturated(s, tier)]
         if not free:
             return None
-        if tier == Tier.P0:
-            # Soonest start: the fewest requests it will start first, then the least KV in use.
-            best = min(free, key=lambda s: (self.starting_before(s, tier), _kv(s), self.load(s), s.name))
-            return RouteDecision(best.name, "p0_soonest", tier)
-        least = min(free, key=lambda s: (self.load(s), s.name))
         preferred = max(free, key=lambda s: _affinity(prefix, s.name))
+        if tier == Tier.P0:
+            # Soonest start: the fewest requests it will start first, then the replica its
+            # prefix prefers (its cached prefix shortens the prefill), then the least KV in use.
+            def soonest(s: UpstreamState) -> tuple[float, bool, float, float, str]:
+                return (self.starting_before(s, tier), s is not preferred, _kv(s), self.load(s), s.name)
+
+            return RouteDecision(min(free, key=soonest).name, "p0_soonest", tier)
+        least = min(free, key=lambda s: (self.load(s), s.name))
         bound = self._settings.affinity_load_bound * (self.load(least) + 1)
         if self.load(preferred) <= bound:
             return RouteDecision(preferred.name, "affinity", tier)
