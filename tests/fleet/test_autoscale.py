@@ -425,7 +425,7 @@ def test_p3_requests_waiting_on_a_replica_or_at_the_gateway_are_not_urgent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Background work buys no GPUs: under the tier-aware router P3-only traffic at 4x,
-    held at the gateway, bought 9 replicas where round-robin kept 2."""
+    held at the gateway, bought 6 replicas where round-robin kept 2."""
     held: list[int] = []
     depth = FleetDispatch.depth
 

@@ -67,7 +67,7 @@ def test_what_the_trace_loader_warned_of_is_in_results_and_report(tmp_path: Path
                  "--out", str(out)]) == 0  # fmt: skip
     warned = json.loads((out / "results.json").read_text())["meta"]["input_warnings"]
     assert len(warned) == 1 and "skipped 4 rows with 0 Request tokens" in warned[0]
-    assert "**Warnings on the trace:**" in (out / "report.md").read_text()
+    assert "**Warnings:**" in (out / "report.md").read_text()
 
 
 def test_a_trace_scaled_into_a_burst_measures_no_goodput(tmp_path: Path) -> None:
@@ -226,7 +226,7 @@ def test_a_scale_interval_past_the_runs_end_is_warned_of(tmp_path: Path) -> None
     argv = ["bench", "fleet", "--replicas", "1", "--trace", str(trace), "--autoscale", "tier"]
     assert main([*argv, "--scale-interval-s", "100000", "--out", str(out)]) == 0
     warned = json.loads((out / "results.json").read_text())["meta"]["input_warnings"]
-    assert any(line.startswith("--scale-interval-s 100000: the runs ended at") for line in warned)
+    assert any(line.startswith("--scale-interval-s 100000: the scaling runs ended by") for line in warned)
     assert main([*argv, "--scale-interval-s", "1", "--out", str(tmp_path / "ok")]) == 0
     assert json.loads((tmp_path / "ok" / "results.json").read_text())["meta"]["input_warnings"] == []
 

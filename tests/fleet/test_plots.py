@@ -93,3 +93,11 @@ def test_a_bin_without_requests_is_a_gap_and_a_lone_bin_is_drawn(
     assert ys[0] == 0.75 and ys[3] == 1.0 and all(y != y for y in ys[1:3])  # NaN: no line between
     (p3_line,) = slo_fig.axes[3].get_lines()
     assert p3_line.get_marker() not in (None, "None", "", " ")  # one point, still seen
+
+
+def test_seconds_in_the_report_never_take_an_exponent() -> None:
+    """The trace's hour read 3.48e+03 s, and 999.5 s read 1e+03 s."""
+    from tierserve.fleet.report import _s
+
+    cases = {999.4: "999 s", 999.5: "1,000 s", 3480.2: "3,480 s", 0.0123: "0.0123 s", None: "-"}
+    assert {x: _s(x) for x in cases} == cases

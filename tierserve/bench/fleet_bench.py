@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -329,18 +330,17 @@ def _warn_if_never_scaled(args: argparse.Namespace, scalings: list[str], runs: l
     """A scaling fleet whose run ended before the autoscaler's first decision ran as a fixed
     one, and its row read as if it had scaled (a new user's trial: `--scale-interval-s
     100000`)."""
-    if all(scaling == "fixed" for scaling in scalings):
-        return
-    end_s = max((run["summary"]["duration_s"] for run in runs), default=0.0)
+    scaled = [run for run in runs if run["scaling"] != "fixed"]
+    end_s = max((run["summary"]["duration_s"] for run in scaled), default=math.inf)
     if end_s < args.scale_interval_s:
         import logging
 
         from tierserve.bench.output import TRACE_LOGGER
 
         logging.getLogger(TRACE_LOGGER).warning(
-            "--scale-interval-s %g: the runs ended at %.0f s, so the autoscaler decided only at "
-            "0 s, before any load was read, and every fleet kept its first size; give an interval "
-            "shorter than the run",
+            "--scale-interval-s %g: the scaling runs ended by %.0f s, so their autoscalers "
+            "decided only at 0 s, before any load was read, and scaled by nothing but dead "
+            "replicas' replacements; give an interval shorter than the run",
             args.scale_interval_s,
             end_s,
         )

@@ -91,7 +91,7 @@ class Observation:
     urgent_waiting: float = 0.0  # P0-P2 requests waiting on the serving replicas, as scraped
     # Requests of P0-P2 waiting in the gateway's queue: background work (P3) held there, for
     # which the tier-aware router keeps no more than 4 waiting a replica, is not a reason to
-    # add GPUs (under the tier-aware router P3-only traffic at 4x bought 9 replicas where
+    # add GPUs (under the tier-aware router P3-only traffic at 4x bought 6 replicas where
     # round-robin, which holds nothing back, kept 2).
     queued: int = 0
     # Per serving replica read over an interval (as `utilization`): the tokens it computed a

@@ -69,7 +69,8 @@ def _s(seconds: float | None) -> str:
     up (a trace's hour read 3.48e+03 s)."""
     if seconds is None:
         return "-"
-    return f"{seconds:,.0f} s" if abs(seconds) >= 1000 else f"{seconds:.3g} s"
+    rounded = float(f"{seconds:.3g}")  # 999.5 is 1,000 s, not 1e+03 s
+    return f"{seconds:,.0f} s" if abs(rounded) >= 1000 else f"{seconds:.3g} s"
 
 
 # One style a run, so that runs whose curves coincide (fixed fleets of the same size, tiers
@@ -119,7 +120,7 @@ def _cut_lines(meta: Mapping[str, Any]) -> list[str]:
 def _warning_lines(meta: Mapping[str, Any]) -> list[str]:
     """What the trace loader warned of (a unit that looks misread, rows skipped), kept here."""
     warned = meta.get("input_warnings") or []
-    return ["**Warnings on the trace:**", "", *(f"- {w}" for w in warned), ""] if warned else []
+    return ["**Warnings:**", "", *(f"- {w}" for w in warned), ""] if warned else []
 
 
 def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots: Sequence[str]) -> None:
@@ -262,12 +263,12 @@ def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: flo
     labels = [f"{r['router']} / {r['scaling']}" for r in runs]
     rows = range(len(runs))
     common = [r["summary"]["gpu_hours_common"] for r in runs]
-    ax2.barh(rows, common, color="0.85", label="to the latest run's end")
-    ax2.barh(rows, [r["summary"]["gpu_hours"] for r in runs], height=0.5, label="to its own end")
+    ax2.barh(rows, common, color="0.85")
+    ax2.barh(rows, [r["summary"]["gpu_hours"] for r in runs], height=0.5, color="0.35")
     ax2.set_yticks(rows, labels, fontsize=7)
     ax2.invert_yaxis()  # the first run on top, as in the tables
-    ax2.set_title("GPU-hours")
-    ax2.legend(fontsize=7, loc="lower right")
+    # Said in the title: a legend on the axes sat on the bars' ends, the figures compared.
+    ax2.set_title("GPU-hours: to its own end (dark), to the latest run's end (light)", fontsize=9)
     _legend_below(fig, runs)
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
     plt.close(fig)
