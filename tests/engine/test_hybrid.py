@@ -964,19 +964,32 @@ def _req(eng: Engine, rid: str, prompt: list[int], max_tokens: int, tier: Tier) 
     return req
 
 
+def _p1_sharing_a_p0_block(
+    scheduler: dict[str, int], p0_share: float, blocks: int, p1_tokens: int
+) -> tuple[Engine, Request, Request]:
+    """An engine where a P0 request ("a") computed a prefix block that a P1 request ("b",
+    `p1_tokens` more) shares: once "a" ends the block stays charged to P0 while "b" holds
+    it. Returns the engine, "a" (running) and "b"."""
+    config = {"scheduler": scheduler, "tiers": {"P0": {"floor": p0_share, "ceiling": p0_share}}}
+    eng = _shared_prefix_engine(config, blocks=blocks, host=0, block_size=16)
+    shared = list(range(1000, 1016))
+    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
+    eng.step()
+    return eng, first, _req(eng, "b", [*shared, *range(3000, 3000 + p1_tokens)], 2, Tier.P1)
+
+
+def _until_final(eng: Engine, req: Request) -> None:
+    while not req.status.is_final:
+        eng.step()
+
+
 def test_a_p0_prompt_over_its_ceiling_does_not_keep_the_step_from_the_prompt_that_would_free_it() -> None:
     """A prefix block computed by a P0 request stays charged to P0 while a P1 request shares
     it. A P0 prompt that then finds P0 over its ceiling is set aside, but the step's tokens
     were kept for it pass after pass: the P1 prompt, which alone could free the block, never
     prefilled again and the engine stood still (every later step empty)."""
-    config = {"scheduler": {"max_num_batched_tokens": 64}, "tiers": {"P0": {"floor": 0.25, "ceiling": 0.25}}}
-    eng = _shared_prefix_engine(config, blocks=40, host=0, block_size=16)  # P0 may hold 10 blocks
-    shared = list(range(1000, 1016))
-    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
-    eng.step()
-    p1 = _req(eng, "b", [*shared, *range(3000, 3300)], 2, Tier.P1)  # shares the P0-charged block
-    while not first.status.is_final:
-        eng.step()
+    eng, first, p1 = _p1_sharing_a_p0_block({"max_num_batched_tokens": 64}, 0.25, blocks=40, p1_tokens=300)
+    _until_final(eng, first)  # P0 may hold 10 blocks
     late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)  # fits P0's ceiling alone, not now
     run(eng, limit=10_000)
     assert p1.finish_reason is FinishReason.LENGTH and late.finish_reason is FinishReason.LENGTH
@@ -987,15 +1000,8 @@ def test_p0_set_aside_over_its_ceiling_is_taken_up_again_once_the_prompt_holding
     prompt) was taken up again only when a running P0 request ended or a P0 came in: once
     the P1 prompt had ended and the P0 prompt could come in, nothing was kept for it, and a
     long P2 prompt's chunks took every step until that prompt was in."""
-    p0 = {"floor": 0.025, "ceiling": 0.025}
-    config = {"scheduler": {"max_num_batched_tokens": 64}, "tiers": {"P0": p0}}
-    eng = _shared_prefix_engine(config, blocks=400, host=0, block_size=16)  # P0 may hold 10 blocks
-    shared = list(range(1000, 1016))
-    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
-    eng.step()
-    p1 = _req(eng, "b", [*shared, *range(3000, 3300)], 2, Tier.P1)  # shares the P0-charged block
-    while not first.status.is_final:
-        eng.step()
+    eng, first, p1 = _p1_sharing_a_p0_block({"max_num_batched_tokens": 64}, 0.025, blocks=400, p1_tokens=300)
+    _until_final(eng, first)  # P0 may hold 10 blocks
     long_p2 = _req(eng, "c", list(range(5000, 8000)), 2, Tier.P2)  # 47 chunks of 64 tokens
     late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)  # fits P0's ceiling alone, not now
     while not p1.status.is_final:
@@ -1013,16 +1019,10 @@ def test_with_every_seat_taken_p0_over_its_ceiling_is_still_taken_up_once_its_bl
     ceiling took the last seat; the check then found the P1 holder of P0's block as the
     seat's victim, read the P0 prompt as one that could come in, and the lift never came:
     0.51 s after the holder ended, as with no lift at all (a review)."""
-    p0 = {"floor": 0.025, "ceiling": 0.025}
-    config = {"scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 3}, "tiers": {"P0": p0}}
-    eng = _shared_prefix_engine(config, blocks=400, host=0, block_size=16)
-    shared = list(range(1000, 1016))
-    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
-    eng.step()
-    p1 = _req(eng, "b", [*shared, *range(3000, 3600)], 2, Tier.P1)
+    limits = {"max_num_batched_tokens": 64, "max_num_seqs": 3}
+    eng, first, p1 = _p1_sharing_a_p0_block(limits, 0.025, blocks=400, p1_tokens=600)
     p3 = _req(eng, "x", list(range(9000, 9020)), 400, Tier.P3)
-    while not first.status.is_final:
-        eng.step()
+    _until_final(eng, first)
     long_p2 = _req(eng, "c", list(range(5000, 8000)), 2, Tier.P2)
     late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)
     while not p1.status.is_final:
@@ -1039,17 +1039,11 @@ def test_no_seat_is_taken_for_a_p0_prompt_its_ceiling_keeps_out() -> None:
     a P3 request's seat was taken for the P0 prompt, which admission then set aside at its
     ceiling, pass after pass (the P3 request recomputed 91 times, the P1 prompt's 3,000
     tokens taking 182 steps instead of 92; a review)."""
-    p0 = {"floor": 0.025, "ceiling": 0.025}
     limits = {"max_num_batched_tokens": 64, "max_num_seqs": 3}
     limits |= {"long_prompt_tokens": 64, "long_prompt_chunk_tokens": 32}
-    eng = _shared_prefix_engine({"scheduler": limits, "tiers": {"P0": p0}}, blocks=400, host=0, block_size=16)
-    shared = list(range(1000, 1016))
-    first = _req(eng, "a", [*shared, *range(2000, 2016)], 3, Tier.P0)
-    eng.step()
-    p1 = _req(eng, "b", [*shared, *range(3000, 6000)], 2, Tier.P1)  # holds the P0-charged block
+    eng, first, p1 = _p1_sharing_a_p0_block(limits, 0.025, blocks=400, p1_tokens=3000)
     p3 = _req(eng, "x", list(range(9000, 9004)), 5000, Tier.P3)
-    while not first.status.is_final:
-        eng.step()
+    _until_final(eng, first)
     late = _req(eng, "d", list(range(4000, 4145)), 1, Tier.P0)  # over P0's ceiling while b runs
     eng.step()
     eng.step()
