@@ -133,9 +133,11 @@ class Preemptor:
                 # blocks charged to P0 held by a P1 prompt, read as one that could come in.
                 return False
         victims = self._victims_to_admit(req, step, seat_needed=seat_needed)
+        if victims is None:  # it needs a seat and may take none
+            return False
         if seat_needed:
-            return bool(victims) and self._seat_pays(req, victims or [])
-        return victims is not None and self.fits_after(req, victims)
+            return bool(victims) and self._seat_pays(req, victims)
+        return self.fits_after(req, victims)
 
     def _victims_to_admit(self, req: Request, step: StepBudget, *, seat_needed: bool) -> list[Request] | None:
         """The running requests `req` may take to come in: a seat's victim first where it

@@ -581,9 +581,10 @@ class HybridPolicy(FairQueuePolicy):
             # behind another's prefill lost its kept tokens to lower tiers' chunks until
             # that request had ended.
             self._p0_stuck = True
-            # Refused at its ceiling in this pass (`hold_tier`) is could not, whatever the
-            # check says now: the seats the other tiers took since leave it only a victim
-            # holding blocks charged to P0, and it read as could, so the lift never came.
+            # A P0 prompt refused at its ceiling in this pass (`hold_tier`) counts as one
+            # that could not come in, whatever the check says now: where the other tiers
+            # took the last seats since, the seat's victim left to it was the holder of the
+            # blocks charged to P0, it read as one that could, and the lift never came.
             held = Tier.P0 in self._held
             self._p0_head_could_when_stuck = not held and self._p0_head_could_come_in() is not False
         elif self._p0_stuck and not self._p0_head_could_when_stuck and self._p0_head_could_come_in():
