@@ -187,8 +187,9 @@ class Autoscaler:
         n = obs.num_serving
         if n < 2 or _mean_of_read(obs.token_load, n) * n / (n - 1) >= c.scale_in_token_load:
             return False
-        # Nothing waiting on any replica through the interval (one held at the gateway
-        # already made the fleet full), nor a queue building at its end (fewer P0-P2 requests
+        # Nothing waiting on any replica through the interval (a P0-P2 request held at the
+        # gateway already made the fleet full, and P3 is held there only while the replicas
+        # have requests waiting), nor a queue building at its end (fewer P0-P2 requests
         # waiting than replicas serving: a fleet drained at the start of a burst, by an interval
         # that read calm until its last seconds, lost 4.6 points of P1 on the code trace at
         # its own rate), and the caches mostly empty.
