@@ -135,6 +135,20 @@ def test_permissive_settings_are_each_named_in_a_warning(caplog: pytest.LogCaptu
     assert any("OPEN" in line for line in permissive_settings(ServeConfig()))
 
 
+def test_an_api_key_kept_from_the_example_config_is_warned_of() -> None:
+    """deploy/example-config.toml's keys end in 'change-me': a server started from a copy
+    that kept one serves anyone who has read the repository, and nothing said so."""
+    example = Path(__file__).resolve().parents[2] / "deploy" / "example-config.toml"
+    import tomllib
+
+    raw = tomllib.loads(example.read_text())
+    lines = permissive_settings(parse_serve_config(raw, source=str(example)))
+    kept = [line for line in lines if "'change-me' placeholder" in line]
+    assert len(kept) == 1 and "chat-frontend" in kept[0] and "sk-" not in kept[0]  # names, never keys
+    own = {"tenants": {"a": {"api_keys": ["k-1f9c"], "max_tier": "P0"}}, "limits": {"requests_per_s": 1}}
+    assert not any("placeholder" in line for line in permissive_settings(parse_serve_config(own, source="x")))
+
+
 def test_serve_refuses_to_start_with_tenants_but_no_keys(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

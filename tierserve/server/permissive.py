@@ -12,6 +12,9 @@ from tierserve.server.tenants import TenantResolver
 from tierserve.tiers import ALL_TIERS, Tier
 
 FD_HEADROOM = 64  # descriptors kept for the listening socket, logs, Redis, the model files
+# The example configs' API keys end in it (deploy/*.toml): a deployment started from one
+# that kept a key serves anyone who has read the repository.
+PLACEHOLDER_KEY_MARK = "change-me"
 
 
 def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> list[str]:
@@ -24,6 +27,14 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
         lines.append("no --config: the server is OPEN (no API keys, no rate limits, any tier for anyone)")
     elif not config.tenants:
         lines.append(f"no [tenants.*] in {config.source}: the server is OPEN (no API keys, any tier)")
+    mark = PLACEHOLDER_KEY_MARK
+    placeholders = sorted(n for n, t in config.tenants.items() if any(mark in k.lower() for k in t.api_keys))
+    if placeholders:
+        lines.append(
+            f"tenants {', '.join(placeholders)}: an API key still ends in the example config's "
+            f"'{PLACEHOLDER_KEY_MARK}' placeholder, which anyone who has read deploy/*.toml holds: "
+            "set keys of your own"
+        )
     if s.allow_anonymous:
         anon = TenantResolver(config).anonymous
         lines.append(
