@@ -173,8 +173,12 @@ def test_a_small_run_against_the_sim_server_reports_every_figure(
         ]
     )
     assert serve_bench.run(args) == 0
-    printed = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
     assert printed == json.loads(out.read_text())
+    # Each run says on stderr that it starts: the two take minutes at the defaults.
+    said = [line for line in captured.err.splitlines() if line.startswith("[bench serve] run")]
+    assert [line.split(":")[0] for line in said] == ["[bench serve] run 1 of 2", "[bench serve] run 2 of 2"]
     assert printed["num_sent"] == 16 and printed["num_ok"] == 16 and printed["rejections"] == {}
     assert printed["warmup_requests"] == 4 and printed["api_overhead_samples"] == 16 - 4
     for key in (

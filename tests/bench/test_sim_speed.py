@@ -14,9 +14,15 @@ def test_sim_speed_reports_both_rates_and_no_difference(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sim-speed.json"
-    argv = ["bench", "sim-speed", "--load", "8", "--requests", "20", "--repeats", "1", "--json"]
+    argv = ["bench", "sim-speed", "--load", "8", "--requests", "20", "--repeats", "2", "--json"]
     assert main([*argv, "--out", str(out)]) == 0
-    printed = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    # A line as each repeat starts, on stderr: the JSON on stdout stays whole.
+    assert [line for line in captured.err.splitlines() if line.startswith("[bench sim-speed] repeat")] == [
+        "[bench sim-speed] repeat 1 of 2: step mode, then fast ...",
+        "[bench sim-speed] repeat 2 of 2: step mode, then fast ...",
+    ]
     assert printed == json.loads(out.read_text())
     assert printed["max_rel_diff"] == 0.0 and printed["mismatches"] == 0
     assert printed["step_requests_per_cpu_s"] > 0 and printed["fast_requests_per_cpu_s"] > 0

@@ -273,10 +273,21 @@ def run_bench(args: argparse.Namespace, config: ServeConfig) -> BenchResult:
     `config` is `checked_config(args)`."""
     mix = [float(x) for x in args.tier_mix.split("/")]
     specs = make_specs(args.requests, args.seed, mix, tuple(args.prompt_tokens), tuple(args.max_tokens))
+    runs = 2 if args.flood_clients else 1
+    _say(f"run 1 of {runs}: {args.requests} requests over about {args.duration_s:g} s, alone")
     result = _run_once(args, specs, config, flood_clients=0)
     if args.flood_clients:
+        _say(
+            f"run 2 of 2: the same requests beside {args.flood_clients} clients posting ~1 MiB "
+            f"bodies, about {args.duration_s:g} s"
+        )
         result.with_flood = _run_once(args, specs, config, flood_clients=args.flood_clients)
     return result
+
+
+def _say(what: str) -> None:
+    """A line on stderr as each run starts: a run takes minutes, and the terminal was blank."""
+    print(f"[bench serve] {what} ...", file=sys.stderr, flush=True)
 
 
 def _run_once(

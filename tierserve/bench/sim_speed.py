@@ -116,12 +116,21 @@ def _timed(setup: BenchSetup, cell: Cell) -> tuple[Driven, float]:
     return driven, time.process_time() - started
 
 
+def _say(repeat: int, repeats: int) -> None:
+    """A line on stderr as each repeat starts (three repeats of the default cell take half a
+    minute or more, and the terminal was blank)."""
+    line = f"[bench sim-speed] repeat {repeat} of {repeats}: step mode, then fast ..."
+    print(line, file=sys.stderr, flush=True)
+
+
 def measure(setup: BenchSetup, cell: Cell, repeats: int = 1) -> dict[str, Any]:
     """Both modes `repeats` times, in turn; each mode's least CPU time counts (other jobs
     on the host only ever add to it). The first runs are compared."""
+    _say(1, repeats)
     step, step_cpu = _timed(replace(setup, sim_mode="step"), cell)
     fast, fast_cpu = _timed(replace(setup, sim_mode="fast"), cell)
-    for _ in range(repeats - 1):
+    for i in range(repeats - 1):
+        _say(i + 2, repeats)
         step_cpu = min(step_cpu, _timed(replace(setup, sim_mode="step"), cell)[1])
         fast_cpu = min(fast_cpu, _timed(replace(setup, sim_mode="fast"), cell)[1])
     num_requests = len(step.run.records)
