@@ -319,10 +319,9 @@ def _notes(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     if cut := meta.get("num_rows_cut_to_context"):
         rows = "row was" if cut == 1 else "rows were"
         lines.append(f"{cut} of the trace's {meta['num_trace_rows']} {rows} cut to the model's context")
-    for run in runs:
-        if faults := run["summary"].get("faults"):
-            said = "; ".join(f"replica {i} at {t:g} s: {what}" for t, i, what in faults)
-            lines.append(f"faults, {run['router']} / {run['scaling']}: {said}")
+    from tierserve.fleet.report import faults_text
+
+    lines += [f"faults, {r['router']} / {r['scaling']}: {said}" for r in runs if (said := faults_text(r))]
     return lines
 
 

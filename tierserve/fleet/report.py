@@ -170,13 +170,16 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
     if speeds:
         lines += [f"Simulation ({meta['sim_mode']} mode): " + "; ".join(speeds) + ".", ""]
     for r in runs:
-        # What each --kill did in this run: an autoscaling fleet may not have launched the
-        # replica by then, and a kill after the run's end does nothing.
-        if faults := r["summary"].get("faults"):
-            said = "; ".join(f"replica {i} at {t:g} s: {what}" for t, i, what in faults)
+        if said := faults_text(r):
             lines += [f"Replica faults ({r['router']} / {r['scaling']}): {said}.", ""]
     lines += [f"![{p}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")
+
+
+def faults_text(run: Run) -> str:
+    """What each --kill did in `run` ("" for none): an autoscaling fleet may not have
+    launched the replica by then, and a kill after the run's end does nothing."""
+    return "; ".join(f"replica {i} at {t:g} s: {what}" for t, i, what in run["summary"].get("faults") or ())
 
 
 def _time_unit(runs: Sequence[Run]) -> tuple[str, float]:
