@@ -162,6 +162,21 @@ def test_p0_attainment_scales_out_only_on_enough_requests_and_not_while_a_replic
     assert tier.decide(_obs(p0_queued=1, num_starting=1)) == 1  # a P0 queue still acts at once
 
 
+def test_p0_attainment_scales_out_only_a_fleet_that_is_not_calm() -> None:
+    """P0 missing its target while the fleet could do without a replica (little compute
+    used, nothing waiting, caches mostly empty) misses it for the step it arrives into: on
+    Azure's conversation trace at 3x, two such launches left P0's attainment where it was.
+    A P0 queue at the gateway acts whatever the load; so does a lone replica's miss."""
+    tier = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER))
+    calm = dict(token_load=[0.05, 0.02], kv_usage=[0.1, 0.2])
+    assert tier.decide(_obs(p0_attainment=0.5, **calm)) == 0
+    assert tier.decide(_obs(p0_attainment=0.5, **{**calm, "token_load": [0.3, 0.3]})) == 1  # 0.6 on one
+    assert tier.decide(_obs(p0_attainment=0.5, **{**calm, "num_waiting": [1, 0]})) == 1  # a queue
+    assert tier.decide(_obs(p0_queued=1, **calm)) == 1
+    lone = _obs(num_serving=1, utilization=[0.1], num_waiting=[0], token_load=[0.01], kv_usage=[0.1])
+    assert tier.decide(replace(lone, p0_attainment=0.5)) == 1
+
+
 def test_p0_attainment_counts_only_the_requests_since_the_fleet_last_grew() -> None:
     """Misses from before the newest replica was ready say nothing of the fleet as it is."""
     from tierserve.fleet.observe import FleetObserver
