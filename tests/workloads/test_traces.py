@@ -174,7 +174,9 @@ def test_mooncake_rows_without_hash_ids_share_no_prefix(tmp_path: Path) -> None:
     "row, message",
     [
         ("{not json", "invalid JSON"),
-        ("[1, 2]", "expected a JSON object"),
+        ("[1, 2]", "expected a JSON object, got an array"),
+        ("null", "expected a JSON object, got null"),  # it said "NoneType"
+        ('"row"', "expected a JSON object, got a string"),
         ('{"timestamp": 1, "input_length": 10, "hash_ids": [1]}', "missing 'output_length'"),
         ('{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
         (

@@ -317,8 +317,8 @@ def _notes(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     --kill (a new user's trial found them only there)."""
     lines = []
     if cut := meta.get("num_rows_cut_to_context"):
-        rows = "row was" if cut == 1 else "rows were"
-        lines.append(f"{cut} of the trace's {meta['num_trace_rows']} {rows} cut to the model's context")
+        was = "was" if cut == 1 else "were"
+        lines.append(f"{cut} of the trace's {meta['num_trace_rows']} rows {was} cut to the model's context")
     from tierserve.fleet.report import faults_text
 
     lines += [f"faults, {r['router']} / {r['scaling']}: {said}" for r in runs if (said := faults_text(r))]

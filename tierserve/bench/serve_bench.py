@@ -274,12 +274,12 @@ def run_bench(args: argparse.Namespace, config: ServeConfig) -> BenchResult:
     mix = [float(x) for x in args.tier_mix.split("/")]
     specs = make_specs(args.requests, args.seed, mix, tuple(args.prompt_tokens), tuple(args.max_tokens))
     runs = 2 if args.flood_clients else 1
-    _say(f"run 1 of {runs}: {args.requests} requests over about {args.duration_s:g} s, alone")
+    _say(f"run 1 of {runs}: {args.requests} requests, at most {args.duration_s:g} s, alone")
     result = _run_once(args, specs, config, flood_clients=0)
     if args.flood_clients:
         _say(
             f"run 2 of 2: the same requests beside {args.flood_clients} clients posting ~1 MiB "
-            f"bodies, about {args.duration_s:g} s"
+            f"bodies, at most {args.duration_s:g} s"
         )
         result.with_flood = _run_once(args, specs, config, flood_clients=args.flood_clients)
     return result

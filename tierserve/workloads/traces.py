@@ -84,6 +84,16 @@ def _shown(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (a `null` line read as "NoneType")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kinds = ((list, "an array"), (str, "a string"), ((int, float), "a number"))
+    return next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
+
+
 def _count(where: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(f"{where}: {name} must be an integer, got {_shown(value)}")
@@ -340,14 +350,16 @@ def _mooncake_row(
     except ValueError as e:  # an integer past Python's digit limit
         raise TraceFormatError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(row, dict):
-        got = "an array" if isinstance(row, list) else type(row).__name__
+        got = _json_kind(row)
         raise TraceFormatError(f"{where}: expected a JSON object, got {got} ({lines_hint})")
     _check_keys(where, row, unread)
     stamp = row["timestamp"]
     # An int too large for a float failed `math.isfinite` with an OverflowError; comparing
     # an int with a float is exact, and NaN fails it too.
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < 1e300:
-        raise TraceFormatError(f"{where}: timestamp must be a number of ms >= 0, got {_shown(stamp)}")
+        raise TraceFormatError(
+            f"{where}: timestamp must be a number of ms, >= 0 and < 1e300, got {_shown(stamp)}"
+        )
     num_prompt = _count(where, "input_length", row["input_length"], 1, MAX_TOKEN_COUNT)
     hash_ids = row.get("hash_ids")
     if hash_ids is None:
