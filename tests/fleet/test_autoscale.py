@@ -170,11 +170,23 @@ def test_p0_attainment_scales_out_only_a_fleet_that_is_not_calm() -> None:
     tier = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER))
     calm = dict(token_load=[0.05, 0.02], kv_usage=[0.1, 0.2])
     assert tier.decide(_obs(p0_attainment=0.5, **calm)) == 0
-    assert tier.decide(_obs(p0_attainment=0.5, **{**calm, "token_load": [0.3, 0.3]})) == 1  # 0.6 on one
+    assert tier.decide(_obs(p0_attainment=0.5, **{**calm, "token_load": [0.55, 0.6]})) == 1
     assert tier.decide(_obs(p0_attainment=0.5, **{**calm, "num_waiting": [1, 0]})) == 1  # a queue
     assert tier.decide(_obs(p0_queued=1, **calm)) == 1
     lone = _obs(num_serving=1, utilization=[0.1], num_waiting=[0], token_load=[0.01], kv_usage=[0.1])
     assert tier.decide(replace(lone, p0_attainment=0.5)) == 1
+
+
+def test_a_fleet_scaled_in_with_p0_missing_does_not_launch_again_at_the_next_tick() -> None:
+    """Room for P0 is judged on the fleet as it stands, scaling in on the fleet one replica
+    smaller: judged alike, 3 replicas at 0.3 went to 2 (0.45 each, calm on 3), which then
+    read as short of room (0.9 on one) and launched again on P0's misses (a review)."""
+    tier = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER, idle_s=0.0))
+    quiet = dict(p0_attainment=0.9, kv_usage=[0.1, 0.1, 0.1], num_waiting=[0, 0, 0])
+    three = _obs(num_serving=3, utilization=[0.9] * 3, token_load=[0.3] * 3, **quiet)
+    assert tier.decide(three) == -1
+    two = replace(three, now=15.0, num_serving=2, utilization=[0.9] * 2, token_load=[0.45] * 2)
+    assert tier.decide(replace(two, kv_usage=[0.1] * 2, num_waiting=[0, 0])) == 0
 
 
 def test_p0_attainment_counts_only_the_requests_since_the_fleet_last_grew() -> None:

@@ -8,7 +8,7 @@ out (a new replica serves only after `startup_delay_s`).
 
 `utilization` scales on the busy fraction, as an autoscaler reading a GPU's utilization
 counter does. `tier` scales out when P0 is at risk (P0 requests queued at the gateway, or
-its attainment low in a fleet that is not calm) or the fleet is full, read from what
+its attainment low in a fleet with no room to spare) or the fleet is full, read from what
 the replicas hold (requests of P0-P2 waiting on them, their K/V caches, the gateway's
 queue), not from the busy fraction, which reads a replica with one request decoding as
 busy as one with a full batch; it scales in only when nothing queued through the interval
@@ -140,11 +140,14 @@ class Autoscaler:
     def _wants_more(self, obs: Observation, util: float) -> bool:
         c = self.config
         if c.policy is ScalingPolicy.TIER:
-            # P0 missing its target in a fleet that could do without a replica misses it for
+            # P0 missing its target in a fleet with room to spare as it stands misses it for
             # the step it arrives into, not for want of GPUs: on Azure's conversation trace
             # such launches bought nothing (P0 89.8 % with them and without at 3x; at 1x 92.4
-            # against 93.1 %, for 24 % fewer GPU-hours), and each was scaled in again.
-            at_risk = self._p0_at_risk(obs) and not self._calm(obs, util)
+            # against 93.1 %, for 24 % fewer GPU-hours), and each was scaled in again. As it
+            # stands, not one replica smaller as for scaling in: else a fleet just scaled in
+            # read as short of room and launched again at the next tick (a review, 2026-12-07).
+            n = obs.num_serving
+            at_risk = self._p0_at_risk(obs) and not (n >= 2 and self._room_for_load(obs, n))
             return obs.p0_queued > 0 or at_risk or self._full(obs)
         return util >= c.scale_out_utilization
 
@@ -188,10 +191,17 @@ class Autoscaler:
         # under 25 % used even with a queue at the gateway) it scaled in between bursts while
         # replicas were 57-75 % busy with prompts, and lost 16 points of P1 on the code trace
         # at half its rate (a review, 2026-12-07). Judged on the fleet one replica smaller,
-        # as Kubernetes' autoscaler sizes a deployment to its target (ceil(n * load / target)):
-        # a fixed bar let 2 replicas at 0.35 go to 1, and the next burst found it alone.
+        # as Kubernetes' autoscaler sizes a deployment to its target (ceil(n * load /
+        # target)): a fixed bar let 2 replicas at 0.35 go to 1, and the next burst found it
+        # alone.
         n = obs.num_serving
-        if n < 2 or _mean_of_read(obs.token_load, n) * n / (n - 1) >= c.scale_in_token_load:
+        return n >= 2 and self._room_for_load(obs, n - 1)
+
+    def _room_for_load(self, obs: Observation, num_carrying: int) -> bool:
+        """Whether `num_carrying` replicas would carry the serving replicas' token load
+        under `scale_in_token_load`, with nothing waiting and the caches mostly empty."""
+        c, n = self.config, obs.num_serving
+        if _mean_of_read(obs.token_load, n) * n / num_carrying >= c.scale_in_token_load:
             return False
         # Nothing waiting on any replica through the interval (a P0-P2 request held at the
         # gateway already made the fleet full, and P3 is held there only while the replicas
