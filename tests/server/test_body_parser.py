@@ -156,6 +156,18 @@ time.sleep(120)
 """
 
 
+# A server killed while its worker still starts up: the worker then found pid 1 as its
+# parent, took it for its server, and ran for ever (an attack trial, 2026-12-07).
+_SERVER_DIES_AT_START = """
+import os
+from tierserve.server.body_parser import _spawn_pool, parse
+pool = _spawn_pool()
+pool.submit(parse, "completion", b'{"model": "m", "prompt": [0]}')
+print(*pool._processes, flush=True)
+os._exit(9)
+"""
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie waiting for a parent to reap it has ended)."""
     try:
@@ -166,13 +178,14 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
-def test_the_worker_exits_when_its_server_is_killed_outright() -> None:
+@pytest.mark.parametrize("script", [_SERVER, _SERVER_DIES_AT_START], ids=["started", "starting"])
+def test_the_worker_exits_when_its_server_is_killed_outright(script: str) -> None:
     """A server killed with SIGKILL never shuts its pool down; the worker, which holds both
     ends of its job queue, waited for a job for ever (found still running minutes later)."""
     import subprocess
     import sys
 
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         worker = int(server.stdout.readline())
@@ -180,10 +193,13 @@ def test_the_worker_exits_when_its_server_is_killed_outright() -> None:
     finally:
         server.kill()
         server.wait(timeout=10)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(worker)
+    orphaned = _alive(worker)
+    if orphaned:  # leave no worker behind a failed run
+        os.kill(worker, signal.SIGKILL)
+    assert not orphaned
 
 
 def test_the_large_body_gate_takes_its_share_and_queue_from_the_config() -> None:

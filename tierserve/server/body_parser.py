@@ -99,7 +99,7 @@ WORKER_NICENESS = 19
 PARENT_CHECK_S = 0.5  # how often the worker looks for its server
 
 
-def _worker_init() -> None:
+def _worker_init(server: int) -> None:
     """In the worker: the lowest CPU priority, no Ctrl-C, and an exit when the server is gone.
 
     It shares the server's CPUs (it inherits their affinity), and a token due on the event
@@ -108,11 +108,12 @@ def _worker_init() -> None:
     taken the signal itself, printed a KeyboardInterrupt traceback. A server killed outright
     (SIGKILL, a crash) never shuts the pool down, and the worker holds both ends of its own
     job queue, so it would wait for a job for ever: a thread watches for the server's exit
-    instead."""
+    instead. `server` is the server's pid, passed in: a server killed while the worker still
+    started up was no longer its parent when the worker asked, and the worker watched the
+    process it had been handed to (pid 1) for ever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):  # not permitted here: it runs at normal priority
         os.nice(WORKER_NICENESS)
-    server = os.getppid()
     threading.Thread(target=_exit_with, args=(server,), name="parent-watch", daemon=True).start()
 
 
@@ -122,6 +123,16 @@ def _exit_with(server: int) -> None:
     while os.getppid() == server:
         time.sleep(PARENT_CHECK_S)
     os._exit(1)
+
+
+def _spawn_pool() -> ProcessPoolExecutor:
+    """The pool of one worker (spawned at its first job)."""
+    return ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(os.getpid(),),
+    )
 
 
 class BodyParser:
@@ -142,9 +153,7 @@ class BodyParser:
         them); jobs go to it only once it has answered."""
         if self._pool is not None:
             return
-        pool = ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
-        )
+        pool = _spawn_pool()
         try:
             pool.submit(parse, "completion", b'{"model": "warm-up", "prompt": [0]}').result(timeout=120)
         except BaseException:
