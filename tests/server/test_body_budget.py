@@ -37,9 +37,10 @@ async def _noop_send(_message: Message) -> None:
     return None
 
 
-def test_a_body_past_the_budget_is_refused_unread_and_the_budget_comes_back() -> None:
-    """Two uploads of 600 bytes fit a 1,000-byte budget one at a time, not together; the
-    second is refused before a byte of it is read, and once the first is in, it fits."""
+def test_a_body_whose_size_would_pass_what_is_left_is_refused_unread_and_the_budget_comes_back() -> None:
+    """A first upload of 600 bytes holds what has arrived of it (300 bytes) in an 800-byte
+    budget: a second of 600 would pass what is left, and is refused before a byte of it is
+    read; once the first is in, it fits."""
 
     async def scenario() -> None:
         first_reading = asyncio.Event()
@@ -59,13 +60,13 @@ def test_a_body_past_the_budget_is_refused_unread_and_the_budget_comes_back() ->
             message = await receive()
             read_by_second.append(len(message.get("body", b"")))  # type: ignore[arg-type]
 
-        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=1000)  # type: ignore[arg-type]
+        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=800, uncharged_bytes=0)  # type: ignore[arg-type]
         headers = [(b"content-length", b"600")]
         first = asyncio.create_task(
             middleware({**_scope(headers), "path": "/first"}, _chunks(b"x" * 300, b"x" * 300), _noop_send)
         )
         await first_reading.wait()
-        assert middleware.budget is not None and middleware.budget.held == 600
+        assert middleware.budget is not None and middleware.budget.held == 300
         with pytest.raises(BodyBudgetSpent):
             await middleware(_scope(headers), _chunks(b"y" * 600), _noop_send)
         assert read_by_second == [], "the refused body was read"
@@ -78,13 +79,68 @@ def test_a_body_past_the_budget_is_refused_unread_and_the_budget_comes_back() ->
     asyncio.run(scenario())
 
 
-def test_a_chunked_body_takes_the_size_limit_and_a_failed_request_gives_it_back() -> None:
+def test_bodies_that_stall_hold_only_what_they_sent() -> None:
+    """64 connections that each sent one byte of a 1 MiB body, chunked or not, and stalled
+    took the whole 64 MiB budget when a body reserved its size: every other body, a 50-byte
+    P0 request too, got 503 `busy` for the body timeout (an attack trial)."""
+
+    async def scenario() -> None:
+        stalled = asyncio.Event()
+        read: list[int] = []
+
+        async def app(
+            scope: dict[str, object], receive: Callable[[], Awaitable[Message]], send: object
+        ) -> None:
+            message = await receive()
+            if scope["path"] == "/stall":
+                await stalled.wait()
+                return
+            read.append(len(message.get("body", b"")))  # type: ignore[arg-type]
+
+        middleware = BodyLimitMiddleware(app, max_bytes=1000, max_buffered_bytes=1000, uncharged_bytes=10)  # type: ignore[arg-type]
+        stalls = [
+            asyncio.create_task(
+                middleware({**_scope(headers), "path": "/stall"}, _chunks(b"s" * 11, b"s"), _noop_send)
+            )
+            for headers in [[(b"content-length", b"1000")], [(b"transfer-encoding", b"chunked")]] * 20
+        ]
+        await asyncio.sleep(0.01)
+        assert middleware.budget is not None and middleware.budget.held == 40  # 1 byte past 10 each
+        await middleware(_scope([(b"content-length", b"50")]), _chunks(b"p" * 50), _noop_send)
+        assert read == [50]
+        stalled.set()
+        await asyncio.gather(*stalls)
+        assert middleware.budget.held == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_body_that_grows_past_the_budget_is_cut_off_and_gives_back_what_it_held() -> None:
+    async def scenario() -> None:
+        async def app(scope: object, receive: Callable[[], Awaitable[Message]], send: object) -> None:
+            message = await receive()
+            while message.get("more_body"):
+                message = await receive()
+
+        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=800, uncharged_bytes=100)  # type: ignore[arg-type]
+        middleware.budget.held = 500  # type: ignore[union-attr]  # others' uploads
+        chunked = _scope([(b"transfer-encoding", b"chunked")])
+        with pytest.raises(BodyBudgetSpent):  # 100 uncharged, then 200 held, then 200 more: past
+            await middleware(chunked, _chunks(b"x" * 100, b"x" * 200, b"x" * 200, b"x"), _noop_send)
+        assert middleware.budget is not None and middleware.budget.held == 500
+        await middleware(chunked, _chunks(b"x" * 300, b"x" * 100), _noop_send)  # 300 past 100: fits
+        assert middleware.budget.held == 500
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_request_gives_back_what_its_body_held() -> None:
     async def scenario() -> None:
         async def broken(scope: object, receive: Callable[[], Awaitable[Message]], send: object) -> None:
             await receive()
             raise RuntimeError("the handler fell over mid-body")
 
-        middleware = BodyLimitMiddleware(broken, max_bytes=800, max_buffered_bytes=1000)  # type: ignore[arg-type]
+        middleware = BodyLimitMiddleware(broken, max_bytes=800, max_buffered_bytes=1000, uncharged_bytes=0)  # type: ignore[arg-type]
         chunked = _scope([(b"transfer-encoding", b"chunked")])
         with pytest.raises(RuntimeError):
             await middleware(chunked, _chunks(b"x" * 10, b"x" * 10), _noop_send)
@@ -116,9 +172,9 @@ def test_the_budget_cannot_be_under_the_size_limit() -> None:
     assert raised.server.max_buffered_body_bytes == 100 << 20
 
 
-def test_a_negative_content_length_takes_nothing_from_the_budget() -> None:
-    """One the HTTP layer let through would otherwise have added room to the budget while
-    its body was read."""
+def test_a_negative_content_length_adds_no_room_to_the_budget() -> None:
+    """One the HTTP layer let through once added room to the budget while its body was
+    read; the body takes what arrives of it, as any other."""
 
     async def scenario() -> None:
         seen: list[int] = []
@@ -128,8 +184,8 @@ def test_a_negative_content_length_takes_nothing_from_the_budget() -> None:
             seen.append(middleware.budget.held)  # type: ignore[union-attr]
             await receive()
 
-        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=800)  # type: ignore[arg-type]
+        middleware = BodyLimitMiddleware(app, max_bytes=800, max_buffered_bytes=800, uncharged_bytes=0)  # type: ignore[arg-type]
         await middleware(_scope([(b"content-length", b"-500")]), _chunks(b"x", b"x"), _noop_send)
-        assert seen == [0] and middleware.budget is not None and middleware.budget.held == 0
+        assert seen == [1] and middleware.budget is not None and middleware.budget.held == 0
 
     asyncio.run(scenario())

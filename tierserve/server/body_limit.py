@@ -8,11 +8,18 @@ connection: the rest of the body is never read.
 
 The size limit alone lets every open connection upload a body of the largest size at once
 (`max_connections` x `max_body_bytes`: 512 MiB with the defaults, gigabytes where the limit
-is raised for long contexts). So a body also takes its size (its Content-Length, or the
-size limit when chunked) from a budget shared by all requests when the application starts
-reading it, after the API key is checked, and gives it back once its last byte is in; a
-body that finds the budget spent is refused with 503 `busy` and Retry-After, unread (the
-connection is closed), and the client may send it again shortly.
+is raised for long contexts). So the bytes of a body past its first `UNCHARGED_BYTES` (64
+KiB, which the connection cap bounds: 32 MiB with the defaults) are taken from a budget
+shared by all requests as they arrive, once the application reads the body (after the API
+key is checked), and given back once its last byte is in. A body that would pass the budget
+is refused with 503 `busy` and Retry-After, the rest of it unread (the connection is
+closed), and the client may send it again shortly; one whose Content-Length alone would pass
+what is left is refused before a byte of it is read.
+
+Bytes as they arrive, not a body's size: reserving its Content-Length (a chunked one's, the
+size limit) when the application began reading it let 64 connections that each sent one
+byte of a 1 MiB body shut every other body out, a 50-byte P0 request too, for as long as the
+body timeout let them stall (an attack trial, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -59,6 +66,12 @@ class BodyBudget:
     def give(self, num_bytes: int) -> None:
         self.held -= num_bytes
 
+    def room(self) -> int:
+        return self.max_bytes - self.held
+
+
+UNCHARGED_BYTES = 64 << 10  # of each body, not taken from the budget: the connection cap bounds them
+
 
 class BodyLimitMiddleware:
     def __init__(
@@ -67,11 +80,13 @@ class BodyLimitMiddleware:
         max_bytes: int,
         max_buffered_bytes: int | None = None,
         count: Callable[[str], None] | None = None,
+        uncharged_bytes: int = UNCHARGED_BYTES,
     ) -> None:
         """`count`: told the reason of each refusal it answers itself (`tierserve_http_errors_total`)."""
         self._app = app
         self._count = count
         self._max = max_bytes
+        self._uncharged = uncharged_bytes
         self.budget = BodyBudget(max_buffered_bytes) if max_buffered_bytes is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -79,7 +94,6 @@ class BodyLimitMiddleware:
             await self._app(scope, receive, send)
             return
         declared: int | None = None
-        chunked = False
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:
@@ -97,26 +111,26 @@ class BodyLimitMiddleware:
                         self._count("request_too_large")
                     await error.response()(scope, receive, send)
                     return
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                chunked = True
-        received = 0
-        limit, budget = self._max, self.budget
-        # What this body takes from the budget once the app reads it: its declared size, or
-        # the size limit for a chunked one (its size is not known before its end).
-        cost = max(0, declared) if declared is not None else (limit if chunked else 0)
-        held = 0
+        received = held = 0
+        limit, budget, uncharged = self._max, self.budget, self._uncharged
+        first = True
 
         async def limited() -> Message:
-            nonlocal received, held, cost
-            if cost and budget is not None:
-                if not budget.take(cost):
+            nonlocal received, held, first
+            if first and budget is not None and declared is not None:
+                first = False  # a body whose declared size would pass what is left: unread
+                if declared - uncharged > budget.room():
                     raise BodyBudgetSpent(budget.max_bytes)
-                held, cost = cost, 0
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise BodyTooLarge(limit)
+                charge = received - uncharged - held
+                if charge > 0 and budget is not None:
+                    if not budget.take(charge):
+                        raise BodyBudgetSpent(budget.max_bytes)
+                    held += charge
             last = message["type"] != "http.request" or not message.get("more_body", False)
             if held and last and budget is not None:
                 budget.give(held)
