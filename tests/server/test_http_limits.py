@@ -441,14 +441,14 @@ def test_bytes_that_are_not_http_get_a_json_400_counted_and_logged_once(
     assert len(lines) == 1, [r.getMessage() for r in lines]
 
 
-@pytest.mark.parametrize("encoding", ["gzip", "br", "GZIP, deflate"])
-def test_a_compressed_body_is_refused_with_415_not_parsed_as_json(server: LiveServer, encoding: str) -> None:
+@pytest.mark.parametrize("encodings", [["gzip"], ["br"], ["GZIP, deflate"], ["identity", "gzip"]])
+def test_a_compressed_body_is_refused_with_415_not_parsed_as_json(
+    server: LiveServer, encodings: list[str]
+) -> None:
+    """Every Content-Encoding header counts: a second one after `identity` went unread."""
     body = gzip.compress(json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode())
-    r = httpx.post(
-        server.base_url + "/completions",
-        content=body,
-        headers={"content-type": "application/json", "content-encoding": encoding},
-    )
+    headers = [("content-type", "application/json"), *(("content-encoding", e) for e in encodings)]
+    r = httpx.post(server.base_url + "/completions", content=body, headers=headers)
     assert r.status_code == 415, r.text
     assert r.json()["error"]["code"] == "unsupported_content_encoding"
 

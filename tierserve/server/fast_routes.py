@@ -129,9 +129,14 @@ def unsupported_encoding(http: HttpRequest) -> ApiError | None:
     """The 415 for a compressed body, or None. It is refused, not decompressed: its size after
     inflating is the client's to choose (a few KiB of gzip can inflate to gigabytes), and
     OpenAI's API takes none."""
-    encoding = http.headers.get("content-encoding", "identity").strip().lower()
-    if encoding == "identity":
+    # Every Content-Encoding header, as one list (a second one, `gzip` after `identity`, went
+    # unread and its body was parsed as plain JSON).
+    codings = [
+        c.strip().lower() for value in http.headers.getlist("content-encoding") for c in value.split(",")
+    ]
+    if all(c in ("identity", "") for c in codings):
         return None
+    encoding = ", ".join(c for c in codings if c)
     e = ApiError(
         415,
         f"Content-Encoding {encoding!r} is not supported; send the body uncompressed.",
