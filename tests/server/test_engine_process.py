@@ -261,3 +261,19 @@ def test_a_stopped_engine_makes_one_scrape_wait_not_every_one(monkeypatch: pytes
             os.kill(engine.pid, signal.SIGCONT)
         assert took[0] >= 0.5 and max(took[1:]) < 0.5, took
         assert httpx.get(srv.url + "/metrics", timeout=10).status_code == 200
+
+
+def test_an_engine_killed_at_shutdown_is_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stopped engine that does not exit when asked is killed; that was an INFO line
+    like a clean exit's (an attack trial)."""
+    monkeypatch.setattr(engine_client, "STOP_TIMEOUT_S", 0.5)
+    state = make_state()
+    engine = state.engine
+    assert isinstance(engine, EngineClient)
+    with live_server(state):
+        os.kill(engine.pid, signal.SIGSTOP)
+    warned = [r for r in caplog.records if "did not exit cleanly" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING"]
+    assert not any("exited (status 0)" in r.getMessage() for r in caplog.records)

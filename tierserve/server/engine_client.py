@@ -57,6 +57,7 @@ from tierserve.tiers import ALL_TIERS, Tier
 log = logging.getLogger("tierserve.server")
 ENGINE_LOST = "the engine process is gone"
 SCRAPE_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 10.0  # for the engine process to exit when asked, before it is killed
 
 
 class EngineStartError(Exception):
@@ -164,10 +165,14 @@ class EngineClient:
         self._send(Shutdown())
         self._flush()
         self._stopping = True
-        await asyncio.to_thread(_end_process, self.process, 10.0)
+        await asyncio.to_thread(_end_process, self.process, STOP_TIMEOUT_S)
         self._stop_reading()
         self._fail_routes("server shutting down")
-        log.info("engine process exited (status %s)", self.process.exitcode)
+        status = self.process.exitcode
+        if status == 0:
+            log.info("engine process exited (status 0)")
+        else:  # killed after it did not exit in time (a stopped or hung engine), or failed
+            log.warning("engine process did not exit cleanly (status %s)", status)
 
     def kill(self) -> None:
         """End the engine process now if it is still there (the server stopped without `stop`)."""
