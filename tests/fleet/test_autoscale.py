@@ -166,7 +166,7 @@ def test_p0_attainment_scales_out_only_a_fleet_that_is_not_calm() -> None:
     """P0 missing its target while the fleet could do without a replica (little compute
     used, nothing waiting, caches mostly empty) misses it for the step it arrives into: on
     Azure's conversation trace at 3x, two such launches left P0's attainment where it was.
-    A P0 queue at the gateway acts whatever the load; so does a lone replica's miss."""
+    A P0 queue at the gateway acts whatever the load."""
     tier = Autoscaler(AutoscaleConfig(ScalingPolicy.TIER))
     calm = dict(token_load=[0.05, 0.02], kv_usage=[0.1, 0.2])
     assert tier.decide(_obs(p0_attainment=0.5, **calm)) == 0
@@ -174,7 +174,8 @@ def test_p0_attainment_scales_out_only_a_fleet_that_is_not_calm() -> None:
     assert tier.decide(_obs(p0_attainment=0.5, **{**calm, "num_waiting": [1, 0]})) == 1  # a queue
     assert tier.decide(_obs(p0_queued=1, **calm)) == 1
     lone = _obs(num_serving=1, utilization=[0.1], num_waiting=[0], token_load=[0.01], kv_usage=[0.1])
-    assert tier.decide(replace(lone, p0_attainment=0.5)) == 1
+    assert tier.decide(replace(lone, p0_attainment=0.5)) == 0
+    assert tier.decide(replace(lone, p0_attainment=0.5, token_load=[0.6])) == 1
 
 
 def test_a_fleet_scaled_in_with_p0_missing_does_not_launch_again_at_the_next_tick() -> None:
@@ -187,6 +188,11 @@ def test_a_fleet_scaled_in_with_p0_missing_does_not_launch_again_at_the_next_tic
     assert tier.decide(three) == -1
     two = replace(three, now=15.0, num_serving=2, utilization=[0.9] * 2, token_load=[0.45] * 2)
     assert tier.decide(replace(two, kv_usage=[0.1] * 2, num_waiting=[0, 0])) == 0
+    # Down to one: 2 at 0.2 (0.4 on one) scale in, and the one left at 0.4 has room too.
+    two = replace(two, now=30.0, token_load=[0.2] * 2, kv_usage=[0.1] * 2, num_waiting=[0, 0])
+    assert tier.decide(two) == -1
+    one = replace(two, now=45.0, num_serving=1, utilization=[0.9], token_load=[0.4], kv_usage=[0.1])
+    assert tier.decide(replace(one, num_waiting=[0])) == 0
 
 
 def test_p0_attainment_counts_only_the_requests_since_the_fleet_last_grew() -> None:

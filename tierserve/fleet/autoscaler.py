@@ -145,9 +145,10 @@ class Autoscaler:
             # such launches bought nothing (P0 89.8 % with them and without at 3x; at 1x 92.4
             # against 93.1 %, for 24 % fewer GPU-hours), and each was scaled in again. As it
             # stands, not one replica smaller as for scaling in: else a fleet just scaled in
-            # read as short of room and launched again at the next tick (a review, 2026-12-07).
+            # read as short of room and launched again at the next tick (a review, 2026-12-07);
+            # a lone replica too, or 2 went to 1 and launched again.
             n = obs.num_serving
-            at_risk = self._p0_at_risk(obs) and not (n >= 2 and self._room_for_load(obs, n))
+            at_risk = self._p0_at_risk(obs) and not (n >= 1 and self._room_for_load(obs, n))
             return obs.p0_queued > 0 or at_risk or self._full(obs)
         return util >= c.scale_out_utilization
 
