@@ -9,12 +9,13 @@ connection: the rest of the body is never read.
 The size limit alone lets every open connection upload a body of the largest size at once
 (`max_connections` x `max_body_bytes`: 512 MiB with the defaults, gigabytes where the limit
 is raised for long contexts). So the bytes of a body past its first `UNCHARGED_BYTES` (64
-KiB, which the connection cap bounds: 32 MiB with the defaults) are taken from a budget
-shared by all requests as they arrive, once the application reads the body (after the API
-key is checked), and given back once its last byte is in. A body that would pass the budget
-is refused with 503 `busy` and Retry-After, the rest of it unread (the connection is
-closed), and the client may send it again shortly; one whose Content-Length alone would pass
-what is left is refused before a byte of it is read.
+KiB, which the connection cap bounds: 32 MiB with the defaults; each part it arrives in
+counts `MESSAGE_COST` bytes at the least) are taken from a budget shared by all requests as
+they arrive, once the application reads the body (after the API key is checked), and given
+back once its last byte is in. A body that would pass the budget is refused with 503 `busy`
+and Retry-After, the rest of it unread (the connection is closed), and the client may send
+it again shortly; one whose Content-Length alone would pass what is left is refused before
+a byte of it is read.
 
 Bytes as they arrive, not a body's size: reserving its Content-Length (a chunked one's, the
 size limit) when the application began reading it let 64 connections that each sent one
@@ -71,6 +72,9 @@ class BodyBudget:
 
 
 UNCHARGED_BYTES = 64 << 10  # of each body, not taken from the budget: the connection cap bounds them
+# What a part of a body counts for at the least: the app keeps each as a bytes object (about
+# 40 bytes besides its own), and a body sent a byte a segment grew the server 40 times its size.
+MESSAGE_COST = 64
 
 
 class BodyLimitMiddleware:
@@ -111,22 +115,24 @@ class BodyLimitMiddleware:
                         self._count("request_too_large")
                     await error.response()(scope, receive, send)
                     return
-        received = held = 0
+        received = counted = held = 0
         limit, budget, uncharged = self._max, self.budget, self._uncharged
         first = True
 
         async def limited() -> Message:
-            nonlocal received, held, first
+            nonlocal received, counted, held, first
             if first and budget is not None and declared is not None:
                 first = False  # a body whose declared size would pass what is left: unread
                 if declared - uncharged > budget.room():
                     raise BodyBudgetSpent(budget.max_bytes)
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                size = len(message.get("body", b""))
+                received += size
                 if received > limit:
                     raise BodyTooLarge(limit)
-                charge = received - uncharged - held
+                counted += max(size, MESSAGE_COST)
+                charge = counted - uncharged - held
                 if charge > 0 and budget is not None:
                     if not budget.take(charge):
                         raise BodyBudgetSpent(budget.max_bytes)
