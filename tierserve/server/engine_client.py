@@ -402,11 +402,9 @@ class EngineClient:
 
 
 def _end_process(process: BaseProcess, timeout_s: float) -> None:
-    """Wait for `process` to exit; terminate it, then kill it, if it does not."""
+    """Wait for `process` to exit; kill it if it does not (the engine process ignores SIGTERM,
+    which the server's drain is for: a SIGTERM only added 2 s to a hung engine's end)."""
     process.join(timeout_s)
-    if process.is_alive():
-        process.terminate()
-        process.join(2.0)
     if process.is_alive():
         process.kill()
         process.join(2.0)
