@@ -59,6 +59,20 @@ def test_a_trace_file_replays_at_its_own_timestamps(
     assert printed["num_requests"] == 60 and printed["num_measured"] > 0
 
 
+def test_a_trace_that_runs_out_before_the_requests_asked_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--trace-rows 50 --requests 100` measured 45 without a word (a new user's trial)."""
+    argv = ["bench", "sim-speed", "--workload", str(_trace(tmp_path, 60)), "--repeats", "1", "--json"]
+    assert main([*argv, "--requests", "100", "--out", ""]) == 0
+    captured = capsys.readouterr()
+    measured = json.loads(captured.out)["num_measured"]
+    assert measured < 100
+    assert f"note: {measured} requests measured of the 100 asked" in captured.err
+    assert main([*argv, "--requests", str(measured), "--out", ""]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_a_trace_run_says_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Seconds read as milliseconds cannot be told from the rows: the span read is printed."""
     trace = _trace(tmp_path, 11)  # 400 ms apart: 4 s in all

@@ -254,6 +254,12 @@ def run(args: argparse.Namespace) -> int:
     result = measure(setup, cell, args.repeats)
     result["think_time_s"] = args.think_time  # None for a trace, replayed at its own times
     result["host"] = {"load_avg_1m_before": before.load_avg_1m}
+    if result["num_measured"] < args.requests:  # the trace (or its --trace-rows) ran out first
+        print(
+            f"note: {result['num_measured']} requests measured of the {args.requests} asked: "
+            f"the trace's rows ran out first (the first requests are a warm-up, not measured)",
+            file=sys.stderr,
+        )
 
     def table() -> None:
         r = result
