@@ -7,7 +7,9 @@ import socket
 import threading
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from tests.gateway.fakes import (
     spread_body,
 )
 from tierserve.gateway.config import GatewayConfig, parse_gateway_config
+from tierserve.gateway.state import GatewayState
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -43,6 +46,35 @@ def _one_vllm(url: str, upstream: str = "", gateway: str = "", head: str = "") -
             f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n{upstream}'
         )
     )
+
+
+@contextmanager
+def _one_seated_one_queued(
+    send: Callable[[str], None],
+) -> Iterator[tuple[Any, GatewayState, Callable[[], None]]]:
+    """A gateway over one upstream with one seat; `send(endpoint)` runs in two threads, the
+    first request taking the seat and the second waiting in the gateway's queue, until
+    `release()` (at the latest, the end of the block) lets the upstream answer both."""
+    hold = threading.Event()
+    with ExitStack() as stack:
+        url = stack.enter_context(fake_upstream(FakeUpstream("ok", hold=hold)))
+        gw, state = stack.enter_context(gateway_of(_one_vllm(url, upstream="max_in_flight = 1\n")))
+        endpoint = gw.url + "/v1/chat/completions"
+        senders = [threading.Thread(target=send, args=(endpoint,)) for _ in range(2)]
+        senders[0].start()  # takes the one seat
+        _until(lambda: state.router.state("f0").num_in_flight == 1)
+        senders[1].start()  # waits in the queue for it
+
+        def release() -> None:
+            hold.set()
+            for sender in senders:
+                sender.join(60)
+
+        _until(lambda: len(state.flow) == 1)
+        try:
+            yield gw, state, release
+        finally:
+            release()
 
 
 def test_a_mix_of_served_queued_gone_and_refused_requests_adds_up() -> None:
@@ -110,31 +142,18 @@ def test_a_wait_in_the_gateway_queue_is_not_counted_as_the_gateway_s_added_time(
     """The added time is the gateway's own work on the way to the first token; a stream that
     waited 1.5 s in its queue for a seat (flow control, shown in `queue_wait_seconds`) was
     counted as 1.5 s of overhead, and under a queue every panel of it read 1 s, its top bucket."""
-    hold = threading.Event()
-    upstream = FakeUpstream("ok", hold=hold)
-    with fake_upstream(upstream) as url:
-        config = _one_vllm(url, upstream="max_in_flight = 1\n")
-        with gateway_of(config) as (gw, state):
-            endpoint = gw.url + "/v1/chat/completions"
-            statuses: list[int] = []
+    statuses: list[int] = []
 
-            def send() -> None:
-                with httpx.stream("POST", endpoint, json={**CHAT, "stream": True}, timeout=60) as reply:
-                    reply.read()
-                    statuses.append(reply.status_code)
+    def send(endpoint: str) -> None:
+        with httpx.stream("POST", endpoint, json={**CHAT, "stream": True}, timeout=60) as reply:
+            reply.read()
+            statuses.append(reply.status_code)
 
-            first = threading.Thread(target=send)  # takes the one seat
-            first.start()
-            _until(lambda: state.router.state("f0").num_in_flight == 1)
-            second = threading.Thread(target=send)  # waits in the queue for it
-            second.start()
-            _until(lambda: len(state.flow) == 1)
-            time.sleep(1.5)
-            hold.set()
-            first.join(60)
-            second.join(60)
-            _until(lambda: state.num_in_flight == 0)
-            total_s, count = _added_sum(httpx.get(gw.url + "/metrics").text)
+    with _one_seated_one_queued(send) as (gw, state, release):
+        time.sleep(1.5)
+        release()
+        _until(lambda: state.num_in_flight == 0)
+        total_s, count = _added_sum(httpx.get(gw.url + "/metrics").text)
     assert statuses == [200, 200] and count == 2
     assert total_s < 0.5, f"{total_s:.3f} s added over two streams: the queue's wait was counted"
 
@@ -209,7 +228,6 @@ def test_a_failure_after_the_reply_was_read_gives_the_seat_back_once() -> None:
     had given its seat back, and the catch-all gave it back again: the other request's seat
     went with it (in flight 0 while it ran) and the request was counted twice."""
     import asyncio
-    from typing import Any
 
     from tests.gateway.fakes import serve_thread
 
@@ -277,26 +295,14 @@ def test_a_request_waiting_in_the_queue_holds_its_body_once_not_also_its_validat
         gc.collect()
         return sum(type(o) is ChatCompletionRequest for o in gc.get_objects())
 
-    hold = threading.Event()
-    upstream = FakeUpstream("ok", hold=hold)
-    with fake_upstream(upstream) as url:
-        config = _one_vllm(url, upstream="max_in_flight = 1\n")
-        with gateway_of(config) as (gw, state):
-            endpoint = gw.url + "/v1/chat/completions"
-            before = validated_alive()
-            replies: list[int] = []
+    replies: list[int] = []
 
-            def send() -> None:
-                replies.append(httpx.post(endpoint, json=CHAT, timeout=60).status_code)
+    def send(endpoint: str) -> None:
+        replies.append(httpx.post(endpoint, json=CHAT, timeout=60).status_code)
 
-            senders = [threading.Thread(target=send) for _ in range(2)]
-            senders[0].start()  # takes the one seat
-            _until(lambda: state.router.state("f0").num_in_flight == 1)
-            senders[1].start()  # waits in the queue for it
-            _until(lambda: len(state.flow) == 1)
-            during = validated_alive()
-            hold.set()
-            for sender in senders:
-                sender.join(60)
+    before = validated_alive()
+    with _one_seated_one_queued(send) as (_, _, release):
+        during = validated_alive()
+        release()
     assert replies == [200, 200]
     assert during == before, f"{during - before} validated requests kept while they waited or ran"
