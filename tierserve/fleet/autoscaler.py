@@ -143,7 +143,7 @@ class Autoscaler:
             # P0 missing its target in a fleet with room to spare as it stands misses it for
             # the step it arrives into, not for want of GPUs: on Azure's conversation trace
             # such launches bought nothing (P0 89.8 % with them and without at 3x; at 1x 92.4
-            # against 93.1 %, for 24 % fewer GPU-hours), and each was scaled in again. As it
+            # against 93.1 %, for 23 % fewer GPU-hours), and each was scaled in again. As it
             # stands, not one replica smaller as for scaling in: else a fleet just scaled in
             # read as short of room and launched again at the next tick (a review, 2026-12-07);
             # a lone replica too, or 2 went to 1 and launched again.

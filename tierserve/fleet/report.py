@@ -89,7 +89,7 @@ def _style(i: int) -> dict[str, Any]:
     }
 
 
-def _legend_below(fig: Any, runs: Sequence[Run]) -> None:
+def _legend_below(fig: Any) -> None:
     """One legend for the figure, under its panels: inside them it covered the curves'
     ends, where scaling in shows."""
     handles, labels = fig.axes[0].get_legend_handles_labels()
@@ -233,7 +233,7 @@ def _plot_over_time(
         else:
             ax.set_ylim(bottom=0)  # a rate from zero: a dip of a tenth is not drawn as a fall
         ax.set_xlabel(f"arrival time ({unit})")
-    _legend_below(fig, runs)
+    _legend_below(fig)
     name = f"{key}_over_time.png"
     fig.savefig(out / name, dpi=90)
     plt.close(fig)
@@ -272,6 +272,6 @@ def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: flo
     ax2.invert_yaxis()  # the first run on top, as in the tables
     # Said in the title: a legend on the axes sat on the bars' ends, the figures compared.
     ax2.set_title("GPU-hours: to its own end (dark), to the latest run's end (light)", fontsize=9)
-    _legend_below(fig, runs)
+    _legend_below(fig)
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
     plt.close(fig)

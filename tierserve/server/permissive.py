@@ -31,7 +31,7 @@ def permissive_settings(config: ServeConfig, redis_fail: str | None = None) -> l
     placeholders = sorted(n for n, t in config.tenants.items() if any(mark in k.lower() for k in t.api_keys))
     if placeholders:
         lines.append(
-            f"tenants {', '.join(placeholders)}: an API key still ends in the example config's "
+            f"tenants {', '.join(placeholders)}: an API key still holds the example config's "
             f"'{PLACEHOLDER_KEY_MARK}' placeholder, which anyone who has read deploy/*.toml holds: "
             "set keys of your own"
         )
