@@ -72,6 +72,32 @@ logger = logging.getLogger("vllm.tierserve")
 CEILING_VICTIM_PRIORITY = len(ALL_TIERS)
 
 
+# A request id no request has: sizing counts a request's blocks from scratch.
+_SIZING_ID = "\0tierserve-sizing"
+
+
+def blocks_to_hold(manager: Any, num_tokens: int, num_tokens_main_model: int) -> int:
+    """The pool blocks a request of `num_tokens` tokens holds, counted from scratch as vLLM's
+    own full-sequence admission gate counts them (`Scheduler._request_remaining_blocks`):
+    one block a `block_size` tokens in every KV-cache group, so a model with sliding-window
+    and full-attention layers (Gemma 2 and 3, gpt-oss, Llama 4) takes blocks in each group,
+    a sliding window's groups no more than vLLM's cap for them. `manager` is vLLM's
+    `KVCacheManager`."""
+    return int(
+        manager.coordinator.get_num_blocks_to_allocate(
+            request_id=_SIZING_ID,
+            num_tokens=num_tokens,
+            new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
+            num_encoder_tokens=0,
+            total_computed_tokens=0,
+            num_local_computed_tokens=0,
+            num_tokens_main_model=num_tokens_main_model,
+            apply_admission_cap=True,
+            prefill_end=num_tokens_main_model,
+        )
+    )
+
+
 class TierScheduler(Scheduler):
     kv_cache_manager: Any  # vLLM's manager, wrapped in a TierGuardedKVCacheManager
     max_num_scheduled_tokens: int  # vLLM's token budget of a step (cut for capped steps)
@@ -503,6 +529,8 @@ class TierScheduler(Scheduler):
             r
             for r in self.running
             if r not in chosen
+            # a deferred free (a KV connector writing to the blocks) makes no room this step
+            and self._request_blocks_can_be_freed(r)
             and self.tier_policy.admission_victim_ok(head, self.book.get(r.request_id).shadow, memory)
         ]
         policy = self.tier_policy
@@ -520,18 +548,24 @@ class TierScheduler(Scheduler):
         return True
 
     def _preempt_all(self, victims: Sequence[Request], now: float) -> None:
+        """Preempt `victims` at the step boundary, as vLLM preempts in its own pass: with a KV
+        connector that hands KV off (`requires_kv_delivery`), the output of a step in flight
+        is dropped, not delivered for blocks already freed. A victim may be resumed in this
+        same pass, so it is not one the previous step scheduled (as vLLM's
+        `reset_prefix_cache` has it): its tokens go to the model runner again."""
         for victim in victims:
             self.running.remove(victim)
-            self._preempt_request(victim, now)
+            self.prev_step_scheduled_req_ids.discard(victim.request_id)
+            self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
 
     def _blocks_to_admit(self, request: Request) -> int:
         return self._blocks_for(int(request.num_tokens))
 
     def _blocks_for(self, num_tokens: int) -> int:
         """Blocks vLLM wants free to admit a request of `num_tokens` tokens."""
-        num_tokens += int(self.num_lookahead_tokens)
-        watermark = int(self.kv_cache_manager.watermark_blocks)
-        return -(-num_tokens // int(self.block_size)) + watermark
+        inner = getattr(self.kv_cache_manager, "inner", self.kv_cache_manager)  # wrapped after start
+        lookahead = int(self.num_lookahead_tokens)
+        return blocks_to_hold(inner, num_tokens + lookahead, num_tokens) + int(inner.watermark_blocks)
 
     def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int, seats: int = 1) -> bool:
         """Whether `need` blocks and `seats` seats are free for `tier`, once `freed` blocks and
