@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,18 @@ from tierserve.tiers import Tier
 def test_supported_version_passes_and_local_builds_count() -> None:
     assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0]) == SUPPORTED_VLLM_VERSIONS[0]
     assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + "+cpu")
+
+
+@pytest.mark.parametrize("suffix", [".post1", "+cpu", ".post2+cu129"])
+def test_post_releases_and_local_builds_of_a_supported_release_pass(suffix: str) -> None:
+    assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + suffix) == SUPPORTED_VLLM_VERSIONS[0] + suffix
+
+
+@pytest.mark.parametrize("suffix", ["rc1", ".dev5+g1a2b3c", "a1", ".1"])
+def test_pre_releases_and_development_builds_are_refused(suffix: str) -> None:
+    """A development build of 0.32.0 comes before the release; it read as 0.32.0 and passed."""
+    with pytest.raises(UnsupportedVllmError, match=re.escape(SUPPORTED_VLLM_VERSIONS[0] + suffix)):
+        check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + suffix)
 
 
 def test_unsupported_version_names_installed_and_supported() -> None:

@@ -7,6 +7,7 @@ with a message naming both, rather than failing later in the middle of a step.
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
@@ -28,11 +29,17 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-def base_version(version: str) -> str:
-    """'0.32.0+cpu' and '0.32.0.post1' -> '0.32.0': local builds keep the scheduler interface."""
-    core = version.split("+", 1)[0]
-    parts = core.split(".")
-    return ".".join(parts[:3])
+# A release, a post release and a local build: '0.32.0', '0.32.0.post1', '0.32.0+cpu'.
+_RELEASE = re.compile(r"(\d+\.\d+\.\d+)(?:\.post\d+)?(?:\+[A-Za-z0-9.]+)?")
+
+
+def base_version(version: str) -> str | None:
+    """'0.32.0+cpu' and '0.32.0.post1' -> '0.32.0': local builds and post releases keep the
+    scheduler interface. None for a pre-release or a development build ('0.32.0rc1',
+    '0.32.0.dev5+g1a2b3c'): it comes before the release, and its interface may not be the
+    release's."""
+    match = _RELEASE.fullmatch(version.strip())
+    return match.group(1) if match else None
 
 
 def check_vllm_version(installed: str | None = None, distribution: str = "vllm") -> str:
