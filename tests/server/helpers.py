@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import subprocess
@@ -63,10 +64,13 @@ class TextExecutor(NullExecutor):
     `gate`: an event (multiprocessing's, to cross into the engine process) that the first
     step waits for; `fail_steps`: the steps (1 = the first) that raise."""
 
-    def __init__(self, *, gate: Any = None, fail_steps: tuple[int, ...] = (), **kw: object) -> None:
+    def __init__(
+        self, *, gate: Any = None, fail_steps: tuple[int, ...] = (), context_note: str = "", **kw: object
+    ) -> None:
         kw.setdefault("step_s", 0.002)
         kw.setdefault("per_token_s", 1e-6)
         super().__init__(**kw)  # type: ignore[arg-type]
+        self._spec = dataclasses.replace(self._spec, context_note=context_note)
         self.record = False
         self._reply = REPLY.encode()
         self._gate = gate

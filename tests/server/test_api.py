@@ -459,6 +459,20 @@ def test_a_prompt_beyond_its_tiers_share_of_the_cache_is_a_context_length_400() 
     assert f"tier P0 may hold at most {tokens} tokens" in error["message"]
 
 
+def test_a_refusal_for_the_models_context_says_why_the_context_is_what_it_is() -> None:
+    """A model whose context its sliding window caps: the 400 said "the model's context is
+    24", for a model of 131,072 positions, and nothing of the window."""
+    note = " (its sliding_window: attention past the window is not supported)"
+    with live_server(make_state(max_model_len=CONTEXT, context_note=note)) as srv:
+        long_prompt = {"model": MODEL, "prompt": [5] * CONTEXT, "max_tokens": 1}
+        too_long = httpx.post(srv.base_url + "/completions", json=long_prompt).json()["error"]
+        long_output = {"model": MODEL, "prompt": [5, 6], "max_tokens": CONTEXT}
+        too_much = httpx.post(srv.base_url + "/completions", json=long_output).json()["error"]
+    assert too_long["code"] == too_much["code"] == "context_length_exceeded"
+    assert f"the model's context is {CONTEXT}{note} (room is needed" in too_long["message"]
+    assert too_much["message"].endswith(f"exceeds the model's context of {CONTEXT} tokens{note}")
+
+
 def test_a_tier_turned_off_by_a_ceiling_of_0_is_closed_and_named_at_start_up() -> None:
     """Its every request read "the prompt is N tokens; tier P3 may hold at most 0 tokens",
     a context error for any prompt; and nothing said at start-up that the tier was off."""

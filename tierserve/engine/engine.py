@@ -88,11 +88,10 @@ class Engine:
         return True
 
     def _never_fits(self, req: Request) -> str:
-        limit = self.spec.max_model_len
-        if req.max_total_tokens > limit:
+        if req.max_total_tokens > self.spec.max_model_len:
             return (
                 f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.sampling.max_tokens}) "
-                f"exceeds the model's context of {limit} tokens"
+                f"exceeds {self.spec.context_said()}"
             )
         need = self.memory.blocks_for(req.max_total_tokens)
         most = self.memory.partition.max_blocks(req.tier)

@@ -74,6 +74,13 @@ class ExecutorSpec:
     max_model_len: int
     kv_bytes_per_block: int
     eos_token_ids: tuple[int, ...] = ()  # a sampled EOS ends a request unless it ignores EOS
+    # Why max_model_len is below the model's positions, to end a refusal with (e.g. " (its
+    # sliding_window: ...)"); "" where it is not.
+    context_note: str = ""
+
+    def context_said(self) -> str:
+        """ "the model's context of N tokens", and why where it is not the model's positions."""
+        return f"the model's context of {self.max_model_len} tokens{self.context_note}"
 
 
 class Executor(Protocol):

@@ -111,6 +111,7 @@ class EngineCore:
                 block_size=spec.block_size,
                 ceiling_blocks={t: engine.memory.partition.ceiling[t] for t in ALL_TIERS},
                 tokenizer=backend.tokenizer,
+                context_note=spec.context_note,
             )
         )
         return cls(engine, metrics, conn)

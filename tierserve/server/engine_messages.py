@@ -107,6 +107,7 @@ class EngineReady:
     block_size: int
     ceiling_blocks: Mapping[Tier, int]
     tokenizer: Tokenizer
+    context_note: str = ""  # why max_model_len is below the model's positions (`ExecutorSpec`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -297,8 +297,8 @@ def _max_tokens(
     if num_prompt >= context:
         raise ApiError(
             400,
-            f"{prompt_param}: the prompt is {num_prompt} tokens; the model's context is {context} "
-            "(room is needed for at least one output token)",
+            f"{prompt_param}: the prompt is {num_prompt} tokens; the model's context is {context}"
+            f"{state.model.context_note} (room is needed for at least one output token)",
             param=prompt_param,
             code="context_length_exceeded",
         )
@@ -319,7 +319,7 @@ def _max_tokens(
         raise ApiError(
             400,
             f"{field}: {max_tokens} + the prompt's {num_prompt} tokens exceeds the model's context "
-            f"of {context} tokens",
+            f"of {context} tokens{state.model.context_note}",
             param=field,
             code="context_length_exceeded",
         )

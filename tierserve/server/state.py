@@ -37,6 +37,7 @@ class ModelInfo:
     name: str  # the id clients pass as `model`
     max_model_len: int
     vocab_size: int
+    context_note: str = ""  # why max_model_len is below the model's positions, to end a refusal with
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -155,7 +156,7 @@ def spawn_state(
         client,
         metrics,
         meter,
-        ModelInfo(ready.model_name, ready.max_model_len, ready.vocab_size),
+        ModelInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.context_note),
         ready.tokenizer,
         clock,
         ready.block_size,

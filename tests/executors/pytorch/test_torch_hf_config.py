@@ -272,6 +272,42 @@ def test_a_context_capped_by_mistrals_window_says_so(tmp_path: Path) -> None:
     assert parse_hf_config(path).context_said() == "the model's context of 512 tokens"
 
 
+def test_a_mistral_file_with_layer_types_slides_no_window_where_no_layer_slides(tmp_path: Path) -> None:
+    """transformers builds a Mistral file that has layer_types as Ministral, whose layers slide
+    the window only where layer_types says so: every layer full attention, no window applies
+    (the loader capped such a model's context at the window)."""
+    path = tmp_path / "config.json"
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 24}
+    path.write_text(json.dumps(_base_config(**mistral, max_position_embeddings=512)))
+    assert parse_hf_config(path).max_model_len == 24  # without layer_types: the window caps it
+    layers = ["full_attention", "full_attention"]  # one a layer
+    path.write_text(json.dumps(_base_config(**mistral, max_position_embeddings=512, layer_types=layers)))
+    spec = parse_hf_config(path)
+    assert spec.max_model_len == 512 and spec.context_note == ""
+    sliding = ["sliding_attention", *layers[1:]]
+    path.write_text(json.dumps(_base_config(**mistral, max_position_embeddings=512, layer_types=sliding)))
+    with pytest.raises(ModelLoadError, match="only full_attention layers are supported"):
+        parse_hf_config(path)
+
+
+def test_a_refusal_for_length_says_the_window_is_why(make_checkpoint: Callable[..., Checkpoint]) -> None:
+    """A Mistral model's context capped at its sliding window: the engine's refusal said only
+    "the model's context of 24 tokens", for a model of 131,072 positions."""
+    from tierserve.clock import VirtualClock
+    from tierserve.config import EngineConfig
+    from tierserve.engine import Engine
+    from tierserve.request import Request, SamplingParams
+
+    ckpt = make_checkpoint(arch="mistral")
+    edit_config(ckpt, sliding_window=24, max_position_embeddings=4096)
+    executor, _ = build_torch_executor(ckpt.path, num_device_blocks=8)
+    assert executor.spec.max_model_len == 24 and "sliding_window" in executor.spec.context_note
+    engine = Engine(EngineConfig(), "fcfs", executor, VirtualClock())
+    request = Request("long", list(range(1, 21)), SamplingParams(max_tokens=8))
+    assert not engine.add_request(request)
+    assert "exceeds the model's context of 24 tokens (its sliding_window" in str(request.reject_reason)
+
+
 def test_transformers_dtype_key_wins_over_torch_dtype(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_base_config(dtype="bfloat16", torch_dtype="float16")))

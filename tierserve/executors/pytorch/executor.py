@@ -34,22 +34,29 @@ class TorchExecutor:
         pool: KVPool,
         *,
         max_model_len: int,
+        context_note: str = "",
         sampler: Sampler | None = None,
         eos_token_ids: Sequence[int] = (),
     ):
+        """`context_note`: why `max_model_len` is below the model's positions (its sliding
+        window), said in every refusal for length."""
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.sampler = sampler or Sampler()
         self.eos_token_ids = tuple(eos_token_ids)
         bs = pool.layout.block_size
+        pool_tokens = pool.num_device_blocks * bs
+        if pool_tokens < max_model_len:
+            context_note = f" (the KV cache holds {pool_tokens} tokens)"
         self._spec = ExecutorSpec(
             block_size=bs,
             num_device_blocks=pool.num_device_blocks,
             num_host_blocks=pool.num_host_blocks,
-            max_model_len=min(max_model_len, pool.num_device_blocks * bs),
+            max_model_len=min(max_model_len, pool_tokens),
             kv_bytes_per_block=pool.layout.bytes_per_block,
             eos_token_ids=self.eos_token_ids,
+            context_note=context_note,
         )
         self._workspace = Workspace()
         self._decode_group = CPU_DECODE_GROUP if self.device.type == "cpu" else None
@@ -170,6 +177,7 @@ def build_torch_executor(
         loaded.model,
         pool,
         max_model_len=loaded.max_model_len,
+        context_note=loaded.context_note,
         sampler=sampler,
         eos_token_ids=loaded.tokenizer.eos_token_ids,
     )

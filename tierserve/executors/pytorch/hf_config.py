@@ -412,6 +412,11 @@ def _context(
     window = raw.get("sliding_window", _default(arch, "sliding_window", None))
     if arch != "MistralForCausalLM" or window is None:
         return max_len, ""
+    if raw.get("layer_types"):
+        # transformers builds a Mistral file with layer_types as Ministral, whose layers slide
+        # the window only where layer_types says so; every one here is full attention (any
+        # other kind is refused), so no window applies.
+        return max_len, ""
     # Within the window, sliding attention is full attention: contexts are capped to it.
     window = _positive_int(path, "sliding_window", window)
     if window >= max_len:

@@ -39,6 +39,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     max_model_len: int
+    context_note: str = ""  # why max_model_len is below the model's positions (`HFModelSpec`)
 
 
 def make_demo_model(
@@ -366,7 +367,7 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
     _check_room(directory / "config.json", shapes, device, dtype)
     model = _unfilled_model(spec.config, device, dtype, spec.options)
     load_weights(model, directory, files)
-    return LoadedModel(model, tokenizer, spec.max_model_len)
+    return LoadedModel(model, tokenizer, spec.max_model_len, spec.context_note)
 
 
 def _check_room(
