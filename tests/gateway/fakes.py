@@ -56,6 +56,7 @@ class FakeUpstream:
     refusal_body: bytes = b'{"detail": "slow down"}'
     refusal_type: str = "application/json"
     retry_after: str = "7"
+    location: str | None = None  # set: the refusal carries this Location (a redirect, with a 3xx)
     num_clients_gone: int = 0
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
@@ -78,6 +79,8 @@ class FakeUpstream:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "refuse":
             headers = {"Retry-After": self.retry_after}
+            if self.location is not None:
+                headers["Location"] = self.location
             return Response(self.refusal_body, self.refusal_status, headers, media_type=self.refusal_type)
         if not await self._client_stays(request):
             self.num_clients_gone += 1

@@ -24,6 +24,7 @@ from tierserve.config import ConfigError
 from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.usage import EventTooLarge, SseUsageTap
 
+UNUSED_URL = "http://127.0.0.1:1"
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -227,3 +228,57 @@ def test_an_upstream_that_sends_headers_then_nothing_is_ejected_as_a_silent_one_
     assert (
         f'tierserve_gateway_upstream_ejections_total{{upstream="f0"}} {float(len(mute.bodies))}' in ejections
     )
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_an_upstream_redirect_is_not_followed_and_another_upstream_answers(status: int) -> None:
+    """A 307 was followed: the prompt, tier and tenant went to the host it named, whose answer
+    came back as the upstream's and counted `ok`; a 302 turned the POST into a GET (405)."""
+    elsewhere = FakeUpstream("ok")
+    with fake_upstream(elsewhere) as elsewhere_url:
+        redirecting = FakeUpstream(
+            "refuse", refusal_status=status, location=elsewhere_url + "/v1/chat/completions"
+        )
+        with fake_upstream(redirecting) as bad, fake_upstream(FakeUpstream("ok")) as good:
+            with gateway([bad, good], extra="ejection_hold_s = 30") as (gw, _):
+                replies = [
+                    httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30) for _ in range(4)
+                ]
+                metrics = httpx.get(gw.url + "/metrics").text
+            with gateway([bad]) as (gw, _):  # the only upstream: the redirect is its failure
+                alone = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert [r.status_code for r in replies] == [200] * 4 and redirecting.bodies
+    assert 'outcome="ok",upstream="f0"} 0.0' in metrics
+    assert alone.status_code == 502, alone.text
+    assert not elsewhere.bodies  # nothing went where the redirects pointed
+
+
+def test_idle_upstream_connections_are_closed_before_the_upstreams_close_them() -> None:
+    """aiohttp kept an idle connection for 15 s, an upstream under uvicorn closes it after 5:
+    a request sent on one the upstream had just closed failed (ServerDisconnectedError), a
+    502 where the model had one upstream, on every other request 1.3 s apart in a trial."""
+    import asyncio
+
+    import uvicorn
+
+    from tierserve.gateway.state import UPSTREAM_KEEPALIVE_S
+    from tierserve.server.http_limits import HttpLimits
+
+    assert (
+        min(HttpLimits().keep_alive_timeout_s, uvicorn.Config(None).timeout_keep_alive) > UPSTREAM_KEEPALIVE_S
+    )
+    config = parse_gateway_config(tomllib.loads(f'[[upstreams]]\nkind = "vllm"\nurl = "{UNUSED_URL}"\n'))
+
+    async def keepalive() -> float:
+        from types import SimpleNamespace
+
+        from tierserve.gateway.state import GatewayState
+
+        state = SimpleNamespace(config=config, streams=None)
+        session = GatewayState.open_streams(state)  # type: ignore[arg-type]
+        try:
+            return float(session.connector._keepalive_timeout)  # type: ignore[union-attr]
+        finally:
+            await session.close()
+
+    assert asyncio.run(keepalive()) == UPSTREAM_KEEPALIVE_S

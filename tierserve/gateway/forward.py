@@ -410,7 +410,10 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
     try:
         # Returns once the reply's status and headers are in; its body is read as it comes.
         reply = await gw.open_streams().post(
-            upstream.url + call.path, json=down.body, headers={**down.headers, **upstream.auth_headers}
+            upstream.url + call.path,
+            json=down.body,
+            headers={**down.headers, **upstream.auth_headers},
+            allow_redirects=False,  # the request (prompt, tier, tenant) goes to configured upstreams only
         )
     except (aiohttp.ClientError, TimeoutError) as e:
         why = f"{type(e).__name__}: {e}"
@@ -423,6 +426,12 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
             )
             raise _Retry(why) from None
         raise _Retry(why, fault=True) from None  # a connection dropped (a stale keep-alive, say)
+    if 300 <= reply.status < 400:
+        # Followed, a 307 re-sent the prompt to wherever it pointed and passed that host's
+        # answer on as the upstream's; a 302 turned the POST into a GET. An upstream answers
+        # a generation itself, or it is failing.
+        reply.release()
+        raise _Retry(f"HTTP {reply.status}: a redirect (not followed)", fault=True)
     if reply.status in RETRYABLE_STATUS:
         reply.release()
         wait_s = _retry_after_s(reply) if reply.status == 503 else None

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierserve.gateway")
 MAX_CONNECTIONS = 1024
+# An idle connection to an upstream is closed by the gateway before the upstream closes it:
+# uvicorn (tierserve, vLLM, SGLang) closes one idle for 5 s, and a request sent on a
+# connection the upstream had just closed failed with ServerDisconnectedError (aiohttp kept
+# idle connections for 15 s), a 502 where the model has a single upstream.
+UPSTREAM_KEEPALIVE_S = 4.0
 
 
 @dataclass
@@ -68,7 +73,9 @@ class GatewayState:
         if self.streams is None:
             settings = self.config.gateway
             self.streams = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0),
+                connector=aiohttp.TCPConnector(
+                    limit=MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+                ),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
                 ),
