@@ -243,7 +243,7 @@ def test_a_trace_slowed_past_ten_years_is_refused_before_any_cell_runs(
     trace = str(shared_data / "AzureLLMInferenceTrace_code.csv")
     out = tmp_path / "out"
     assert run(parse("--trace", trace, "--trace-scale", "1e-9", "--trace-rows", "50", "--out", str(out))) == 2
-    assert "years at 1e-09 times its rate; at most 10" in capsys.readouterr().err
+    assert "days at 1e-09 times its rate; at most 3,650.0 days" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -370,3 +370,18 @@ def test_one_trace_row_cut_reads_in_the_singular() -> None:
     (line,) = _trace_notes({"setup": setup})
     assert line.startswith("**1 of t.csv's 296 rows was cut")
     assert line.endswith("that request is not the trace's.")
+
+
+def test_rows_cut_to_the_context_are_said_on_the_console_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench fleet` printed it; `bench reproduce` wrote it to report.md and results.json only
+    (a new user's trial, on a trace with 10,000,000-token rows)."""
+    trace = tmp_path / "t.jsonl"
+    rows = [(i * 2.0, 10_000_000 if i == 3 else 100, 20) for i in range(12)]
+    trace.write_text(
+        "".join(f'{{"timestamp": {t}, "input_length": {p}, "output_length": {o}}}\n' for t, p, o in rows)
+    )
+    argv = ["--workloads", str(trace), "--policies", "fcfs", "--workers", "1"]
+    assert run(parse(*argv, "--requests", "10", "--out", str(tmp_path / "out"))) == 0
+    assert f"note: 1 of {trace}'s 12 rows was cut to the model's context" in capsys.readouterr().err

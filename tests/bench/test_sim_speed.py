@@ -42,6 +42,7 @@ def _trace(tmp_path: Path, num_rows: int) -> Path:
     rows = "".join(
         f'{{"timestamp": {i * 400}, "input_length": 300, "output_length": 20}}\n' for i in range(num_rows)
     )
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "t.jsonl"
     path.write_text(rows)
     return path
@@ -66,11 +67,20 @@ def test_a_trace_that_runs_out_before_the_requests_asked_says_so(
     argv = ["bench", "sim-speed", "--workload", str(_trace(tmp_path, 60)), "--repeats", "1", "--json"]
     assert main([*argv, "--requests", "100", "--out", ""]) == 0
     captured = capsys.readouterr()
-    measured = json.loads(captured.out)["num_measured"]
+    printed = json.loads(captured.out)
+    measured, warm_up = printed["num_measured"], printed["num_requests"] - printed["num_measured"]
     assert measured < 100
     assert f"note: {measured} requests measured of the 100 asked" in captured.err
+    # a warm-up named only where requests ran as one ("2 measured ... the first requests are a
+    # warm-up" read beside num_measured 2 of 2)
+    assert (f"({warm_up} more ran first as a warm-up, not measured)" in captured.err) == (warm_up > 0)
     assert main([*argv, "--requests", str(measured), "--out", ""]) == 0
     assert "note:" not in capsys.readouterr().err
+    two = ["bench", "sim-speed", "--workload", str(_trace(tmp_path / "two", 2)), "--repeats", "1", "--json"]
+    assert main([*two, "--out", ""]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert printed["num_measured"] == printed["num_requests"] and "warm-up" not in captured.err
 
 
 def test_a_trace_run_says_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,4 +105,16 @@ def test_a_trace_slowed_past_ten_years_is_refused(tmp_path: Path, capsys: pytest
     trace = str(_trace(tmp_path, 60))
     out = tmp_path / "out.json"
     assert main(["bench", "sim-speed", "--workload", trace, "--load", "1e-12", "--out", str(out)]) == 2
-    assert "years at 1e-12 times its rate" in capsys.readouterr().err and not out.exists()
+    assert "days at 1e-12 times its rate; at most 3,650.0 days" in capsys.readouterr().err and not out.exists()
+
+
+def test_rows_cut_to_the_context_are_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench fleet` said it; `bench sim-speed` said nothing (a new user's trial)."""
+    trace = tmp_path / "huge.jsonl"
+    rows = [(i * 400, 10_000_000 if i == 3 else 300, 20) for i in range(20)]
+    trace.write_text(
+        "".join(f'{{"timestamp": {t}, "input_length": {p}, "output_length": {o}}}\n' for t, p, o in rows)
+    )
+    argv = ["bench", "sim-speed", "--workload", str(trace), "--repeats", "1", "--json", "--out", ""]
+    assert main(argv) == 0
+    assert "note: 1 of the trace's 20 rows was cut to the model's context" in capsys.readouterr().err

@@ -287,8 +287,13 @@ def test_a_trace_spanning_more_than_ten_years_is_refused(tmp_path: Path) -> None
     """A row at 1e308 s ran, and its times had no digits left for a step's milliseconds."""
     far = write(tmp_path, "far.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
     far.write_text(far.read_text() + "1e308,ChatGPT,5,5,10,Conversation log\n")
-    with pytest.raises(TraceFormatError, match=r"span .* years; at most 10"):
+    with pytest.raises(TraceFormatError, match=r"span 1.16e\+303 days; at most 3,650.0 days"):
         load_trace(far)
+    # a day past the limit: it read "its rows span 10 years; at most 10"
+    near = write(tmp_path, "near.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
+    near.write_text(near.read_text() + f"{3651 * 86_400},ChatGPT,5,5,10,Conversation log\n")
+    with pytest.raises(TraceFormatError, match=r"span 3,651.0 days; at most 3,650.0 days"):
+        load_trace(near)
 
 
 def test_a_device_named_as_a_trace_is_not_a_missing_file(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.cli_args import non_negative_float, non_negative_int, out_path, positive_float, positive_int
-from tierserve.workloads.trace_stream import SCALE_BY
+from tierserve.workloads.trace_stream import SCALE_BY, cut_note
 from tierserve.workloads.traces import span_line
 
 TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
@@ -317,8 +317,7 @@ def _notes(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     --kill (a new user's trial found them only there)."""
     lines = []
     if cut := meta.get("num_rows_cut_to_context"):
-        was = "was" if cut == 1 else "were"
-        lines.append(f"{cut} of the trace's {meta['num_trace_rows']} rows {was} cut to the model's context")
+        lines.append(cut_note(cut, meta["num_trace_rows"]))
     from tierserve.fleet.report import faults_text
 
     lines += [f"faults, {r['router']} / {r['scaling']}: {said}" for r in runs if (said := faults_text(r))]

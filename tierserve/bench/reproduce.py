@@ -385,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
     from tierserve.bench import report
     from tierserve.bench.matrix import run_matrix
     from tierserve.bench.output import input_warnings, make_out_dir, release_out
+    from tierserve.workloads.trace_stream import cut_note
 
     if args.out is None:
         args.out = "bench-out/reproduce-quick" if args.quick else "bench-out/reproduce"
@@ -422,6 +423,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     setup = {**setup_json(matrix, args.quick), "input_warnings": warned}
+    for workload, cut in setup.get("trace_rows_cut_to_context", {}).items():
+        if cut:  # said in report.md too; a new user's trial found it only there
+            print(f"note: {cut_note(cut, setup['trace_rows_read'][workload], workload)}", file=sys.stderr)
     results = {"setup": setup, **run_matrix(matrix, max(1, args.workers))}
     out = Path(args.out)
     written = report.write_all(out, results)

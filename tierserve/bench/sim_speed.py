@@ -29,6 +29,7 @@ from tierserve.bench.summary import summarize
 from tierserve.cli_args import int_between, non_negative_int, positive_int
 from tierserve.scheduling import POLICIES
 from tierserve.workloads import get_preset
+from tierserve.workloads.trace_stream import cut_note, num_cut_to_fit
 from tierserve.workloads.traces import check_span, span_line
 
 DESCRIPTION = """\
@@ -249,15 +250,19 @@ def run(args: argparse.Namespace) -> int:
     make_out_folder(args.out)
     if pattern == "trace":  # once the folder is made: an error is its one line
         print(span_line(Path(args.workload), rows), file=sys.stderr)
+        if cut := num_cut_to_fit(rows, setup.executor(args.workload).spec.max_model_len):
+            print(f"note: {cut_note(cut, len(rows))}", file=sys.stderr)
     cell = Cell(args.workload, pattern, args.load, args.policy, args.seed)
     before = host.snapshot()  # through the module: tests replace it there
     result = measure(setup, cell, args.repeats)
     result["think_time_s"] = args.think_time  # None for a trace, replayed at its own times
     result["host"] = {"load_avg_1m_before": before.load_avg_1m}
     if result["num_measured"] < args.requests:  # the trace (or its --trace-rows) ran out first
+        warm_up = result["num_requests"] - result["num_measured"]
         print(
             f"note: {result['num_measured']} requests measured of the {args.requests} asked: "
-            f"the trace's rows ran out first (the first requests are a warm-up, not measured)",
+            f"the trace's rows ran out first"
+            + (f" ({warm_up} more ran first as a warm-up, not measured)" if warm_up else ""),
             file=sys.stderr,
         )
 

@@ -92,6 +92,13 @@ def num_cut_to_fit(records: Sequence[TraceRecord], max_model_len: int) -> int:
     )
 
 
+def cut_note(num_cut: int, num_rows: int, trace: str = "the trace") -> str:
+    """The line each bench prints where rows were cut to the model's context (their requests
+    are not the trace's)."""
+    was = "was" if num_cut == 1 else "were"
+    return f"{num_cut} of {trace}'s {num_rows} rows {was} cut to the model's context"
+
+
 def replay_count(
     records: Sequence[TraceRecord], seed: int, rate_scale: float = 1.0, scale_by: str = "time"
 ) -> int:

@@ -438,6 +438,13 @@ def span_line(path: Path, records: Sequence[TraceRecord]) -> str:
     return f"{path}: {rows} arriving over {span:,.6g} s ({rate} at 1x)"
 
 
+def _days(seconds: float) -> str:
+    """Days to a tenth, as digits up to a million (a span just past the limit read "10 years;
+    at most 10"); beyond, in powers of ten."""
+    days = seconds / 86_400
+    return f"{days:,.1f} days" if days < 1e6 else f"{days:.3g} days"
+
+
 def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -> None:
     """Refuse a trace spanning more than MAX_SPAN_S at `scale` times its rate: one row a
     lifetime later (a timestamp of 1e308 s) ran, and its times lost all their digits (a
@@ -446,8 +453,8 @@ def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -
     if scaled_s > MAX_SPAN_S:
         at = f" at {scale:g} times its rate" if scale != 1.0 else ""
         raise TraceFormatError(
-            f"{path}: its rows span {scaled_s / 86_400 / 365:.3g} years{at}; at most "
-            f"{MAX_SPAN_S / 86_400 / 365:g} (check the timestamps' unit, or the speed-up)"
+            f"{path}: its rows span {_days(scaled_s)}{at}; at most {_days(MAX_SPAN_S)} (check the "
+            "timestamps' unit, or the speed-up)"
         )
 
 
