@@ -13,7 +13,6 @@ from tests.conftest import make_request
 from tierserve.config import EngineConfig
 from tierserve.request import Request, SamplingParams
 from tierserve.scheduling import create_policy
-from tierserve.scheduling.hybrid import DEFER_FRACTION, RESCUE_FRACTION
 from tierserve.scheduling.overdue import OverdueByTenant
 from tierserve.tiers import Tier
 
@@ -227,19 +226,3 @@ def test_weights_decide_between_many_tenants_of_an_aged_tier() -> None:
     for w in range(1, 5):
         share = sum(n for tenant, n in released.items() if tenant.startswith(f"w{w}-")) / total
         assert abs(share - w / 10) < 0.04, (w, share, dict(released))
-
-
-def test_the_oldest_overdue_request_across_tenants() -> None:
-    # What decides whether P3 steps aside (DEFER_FRACTION, at least RESCUE_FRACTION, so
-    # every request it looks for is overdue for the rescue).
-    assert DEFER_FRACTION >= RESCUE_FRACTION
-    overdue = OverdueByTenant(after_s=1.0, until_s=5.0)
-    old, young = _request("b", 0.0), _request("a", 1.0)
-    overdue.add(young)
-    overdue.add(old)
-    tags = {"a": 0.0, "b": 9.0}.__getitem__
-    assert overdue.oldest(2.5, tags) is old
-    assert overdue.pick(2.5, tags) is young, "the fair pick is another tenant's"
-    overdue.discard(old)
-    assert overdue.oldest(2.5, tags) is young
-    assert overdue.oldest(6.0, tags) is None, "past until_s: none can be saved"

@@ -112,7 +112,7 @@ if TYPE_CHECKING:
     from tierserve.memory.manager import KVCacheManager
 
 RESCUE_FRACTION = 0.25  # of the TTFT target a P1-P2 request may wait before it is rescued
-DEFER_FRACTION = 1 / 3  # ... and before P3 steps aside for it (>= RESCUE_FRACTION: `_at_risk`)
+DEFER_FRACTION = 1 / 3  # ... and before P3 steps aside for it
 P0_FLOOR_SHARE = 1 / 8  # of a step's tokens a P0 prompt keeps while shorter P0 prompts go first
 HELD_BACK_AGINGS = 10  # a tenant with an aged request not served for this many `aging_s` goes first
 RESCUED_TIERS = (Tier.P1, Tier.P2)  # rescued when at risk
@@ -193,9 +193,9 @@ class HybridPolicy(FairQueuePolicy):
         self._target_s = [config.tiers[t].ttft_target_s for t in ALL_TIERS]
         self._waiting = OldestWaiting()  # every waiting request: aging
         # Those that can still meet their target: whether a tier is at risk (`_at_risk`), by
-        # a lazy peek. Asking the rescue's lists instead (`OverdueByTenant.oldest`) moved the
-        # newly overdue requests into their tenants' heaps on every pass: hybrid's P99 pass
-        # 5.2-5.6 ms against 1.4 (`tierserve bench overhead`, 2026-12-07), results the same.
+        # a lazy peek. Asking the rescue's lists instead moved the newly overdue requests into
+        # their tenants' heaps on every pass: hybrid's P99 pass 5.2-5.6 ms against 1.4
+        # (`tierserve bench overhead`, 2026-12-07), results the same.
         self._savable = OldestWaiting()
         # The rescue's and aging's requests, by tenant: each is served in its tier's tenant-fair order.
         self._rescuable = {
@@ -277,8 +277,7 @@ class HybridPolicy(FairQueuePolicy):
 
     def _at_risk(self, tier: Tier, now: float, fraction: float) -> bool:
         """Whether a waiting request of `tier` that can still meet its TTFT target has
-        waited over `fraction` of it (at least RESCUE_FRACTION: such a request is among
-        the rescue's)."""
+        waited over `fraction` of it."""
         if tier in self._held or not self._sfq.count(tier):
             return False
         target = self._target_s[tier]

@@ -125,17 +125,6 @@ class OverdueByTenant:
             self._list(tenant, key)
         return None
 
-    def oldest(self, now: float, start_tag: Callable[[str], float]) -> Request | None:
-        """The oldest overdue request at `now`, across tenants (`start_tag`: as for `pick`)."""
-        self._advance(now, start_tag)
-        expiring, live = self._expiring, self._token
-        while expiring:
-            _, token, req = expiring[0]
-            if live.get(req) == token:
-                return req
-            heapq.heappop(expiring)
-        return None
-
     def served(self, req: Request, now: float) -> None:
         """`req` was served (taken from the queue to run, by any rule): its tenant, if it
         still has an overdue request, is held back from `now` on."""
