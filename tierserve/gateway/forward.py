@@ -21,23 +21,28 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
-from pydantic import ValidationError
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
+from tierserve.gateway.body import ForwardBody, Refused, read_body
 from tierserve.gateway.priority import pass_down
-from tierserve.gateway.prompt import estimate_prompt_tokens, prefix_key
 from tierserve.gateway.relay import Relay
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import EventTooLarge, SseUsageTap, usage_of
+from tierserve.server.body_parser import Body, Kind
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, bad_request, invalid_body
-from tierserve.server.fast_routes import close_if_unread, refused_at_the_door, unsupported_encoding
-from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.fast_routes import (
+    OFFLOAD_BYTES,
+    close_if_unread,
+    refused_at_the_door,
+    unsupported_encoding,
+)
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
@@ -55,7 +60,7 @@ class _Call:
     """What one request carries through its attempts."""
 
     path: str
-    body: dict[str, Any]
+    body: ForwardBody
     stream: bool
     tier: Tier
     tenant: TenantConfig
@@ -90,37 +95,26 @@ def _give_back(gw: GatewayState, call: _Call) -> None:
         call.seat = None
 
 
-async def _read_body(
-    gw: GatewayState, http: HttpRequest, chat: bool
-) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
-    """The body as sent (forwarded as is) and as validated. It is validated from its bytes,
-    as `tierserve serve` validates it, so that the server's 400s are the gateway's too:
-    a lone surrogate escape ("\\ud800"), which Python's `json` lets through, is
-    `invalid_json` at every tier. A drain that begins while it comes in refuses it."""
+async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[ForwardBody, Body]:
+    """The body to forward and the validated one (`body.read_body`; a large one in the body
+    parser's process). A drain that begins while it comes in refuses it."""
     content = await gw.uploads.read(http)
     if content is None:
         gw.metrics.reject("draining", None)
         raise draining_error(unread=True)
-    try:
-        raw = json.loads(content)
-    except ValueError as e:
-        raise ApiError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "Invalid JSON body: nested too deeply.", code="invalid_json") from None
-    if not isinstance(raw, dict):
-        raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
-    xargs = raw.get("vllm_xargs")
-    if xargs is not None and not isinstance(xargs, dict):  # the gateway adds tier and tenant to it
-        raise bad_request(
-            f"vllm_xargs: expected an object of extra arguments, got {json.dumps(xargs)[:64]}",
-            "vllm_xargs",
-            "invalid_value",
-        )
-    model = ChatCompletionRequest if chat else CompletionRequest
-    try:
-        return raw, model.model_validate_json(content)
-    except ValidationError as e:
-        raise invalid_body(e.errors()) from None
+    kind: Kind = "chat" if chat else "completion"
+    job = partial(read_body, prefix_chars=gw.config.gateway.prefix_chars)
+    if len(content) > OFFLOAD_BYTES:
+        read = await gw.body_parser.run(job, kind, content)
+    else:
+        read = job(kind, content)
+    if isinstance(read, Refused):
+        if read.errors:
+            raise invalid_body(read.errors)
+        if read.param is not None:
+            raise bad_request(read.message, read.param, "invalid_value")
+        raise ApiError(400, read.message, code="invalid_json")
+    return read
 
 
 def _check_model(gw: GatewayState, model: str) -> None:
@@ -151,13 +145,13 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         return refused_at_the_door(e, gw.metrics.count_http_error)
     if (refused := unsupported_encoding(http)) is not None:
         return refused_at_the_door(refused, gw.metrics.count_http_error)
-    raw, body = await _read_body(gw, http, chat)
+    forwarded, body = await _read_body(gw, http, chat)
     _check_model(gw, body.model)
     declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
     tier = decide_tier(tenant, declared).effective
     requested, _ = body.requested_max_tokens()
     max_tokens = requested if requested is not None else gw.config.serve.server.default_max_tokens
-    num_reserved = estimate_prompt_tokens(raw) + max_tokens
+    num_reserved = forwarded.num_prompt_tokens + max_tokens
     num_default, param = body.reserved_output(max_tokens)  # as the server reserves
     rate = await gw.limiter.acquire(tenant, num_reserved, tier, num_default=num_default)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
@@ -170,7 +164,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         raise draining_error()
     call = _Call(
         "/v1/chat/completions" if chat else "/v1/completions",
-        raw,
+        forwarded,
         bool(body.stream),
         tier,
         tenant,
@@ -179,8 +173,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         arrived,
     )
     # The validated copy is not needed past here: kept through the request's wait in the
-    # queue and its attempts, it doubled what each held (a body of 1 MiB of token ids takes
-    # about 5 MiB parsed, and again as the validated model).
+    # queue and its attempts, it added to what each held.
     del body
     gw.num_in_flight += 1
     try:
@@ -230,7 +223,7 @@ async def _unless_client_leaves(gw: GatewayState, call: _Call, http: HttpRequest
 
 async def _attempts(gw: GatewayState, call: _Call) -> Response:
     settings = gw.config.gateway
-    prefix = prefix_key(call.body, settings.prefix_chars)
+    prefix = call.body.prefix
     tried: list[str] = []
     last_error = "no upstream tried"
     busy: list[float] = []  # the Retry-After of each attempt that said the upstream was full
@@ -239,7 +232,7 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
     # input an engine cannot take): counted, one such request retried by its client ejected
     # every upstream, and the fleet refused everything for the hold.
     faults: list[tuple[str, str]] = []
-    model = str(call.body.get("model", ""))
+    model = call.body.model
     for attempt in range(1, settings.max_attempts + 1):
         decision = await _route(gw, call, model, prefix, tried)
         call.not_ours_s += decision.waited_s
@@ -376,32 +369,32 @@ async def _try_unless_ejected(gw: GatewayState, call: _Call, decision: RouteDeci
 SALTED_KINDS = ("tierserve", "vllm")  # upstreams that take vLLM's `cache_salt`
 
 
-def _salted(gw: GatewayState, call: _Call, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-    """`body` with the `cache_salt` that keeps the request's tenant's cached prompt blocks
-    its own on the upstream (`TenantResolver.cache_salt`, as `tierserve serve` keys them):
-    an upstream sees one caller, the gateway, so its tenants shared each upstream's cache,
-    and a tenant's `cached_tokens` told it which prompts another had sent. Hashed to 64 hex
+def _salted(gw: GatewayState, call: _Call, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The body's rewritten `fields` with the `cache_salt` that keeps the request's tenant's
+    cached prompt blocks its own on the upstream (`TenantResolver.cache_salt`, as `tierserve
+    serve` keys them): an upstream sees one caller, the gateway, so its tenants shared each
+    upstream's cache, and a tenant's `cached_tokens` told it which prompts another had sent. Hashed to 64 hex
     characters, which vLLM takes (at most 128, no '/', '@' or '\\'). SGLang upstreams get
     the client's salt as sent."""
-    salt = gw.tenants.cache_salt(call.tenant, body.get("cache_salt"))
+    salt = gw.tenants.cache_salt(call.tenant, fields.get("cache_salt"))
     if salt is None or kind not in SALTED_KINDS:
-        return body
-    return {**body, "cache_salt": hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()}
+        return fields
+    return {**fields, "cache_salt": hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()}
 
 
 async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Response:
     upstream = gw.router.state(decision.upstream).config
-    body = call.body
-    options = body.get("stream_options") or {}
+    fields = call.body.fields  # the ones the gateway rewrites (`body.REWRITTEN`), as sent
+    options = fields.get("stream_options") or {}
     if call.stream and not options.get("include_usage"):
         # Asked for the count only: vLLM's continuous_usage_stats, which counts only with
         # include_usage, would put it in every chunk the client sees.
         options = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
-        body = {**body, "stream_options": {**options, "include_usage": True}}
-    body = _salted(gw, call, upstream.kind, body)
+        fields = {**fields, "stream_options": {**options, "include_usage": True}}
+    fields = _salted(gw, call, upstream.kind, fields)
     down = pass_down(
         upstream.kind,
-        body,
+        fields,
         call.tier,
         call.tenant.name,
         sglang_threshold=gw.config.gateway.sglang_preemption_threshold,
@@ -411,8 +404,8 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
         # Returns once the reply's status and headers are in; its body is read as it comes.
         reply = await gw.open_streams().post(
             upstream.url + call.path,
-            json=down.body,
-            headers={**down.headers, **upstream.auth_headers},
+            data=call.body.encode(down.body),
+            headers={"Content-Type": "application/json", **down.headers, **upstream.auth_headers},
             allow_redirects=False,  # the request (prompt, tier, tenant) goes to configured upstreams only
         )
     except (aiohttp.ClientError, TimeoutError) as e:
@@ -455,7 +448,7 @@ async def _stream(
     """A stream's reply: its first whole events read (a failure before them is a `_Retry`),
     then the rest passed on by a `Relay`. `sent`: when the upstream call went out."""
     chunks = reply.content.iter_any()
-    forward_usage = bool((call.body.get("stream_options") or {}).get("include_usage"))
+    forward_usage = bool((call.body.fields.get("stream_options") or {}).get("include_usage"))
     tap = SseUsageTap(forward_usage)
     try:
         first = await _first_events(chunks, tap)

@@ -18,6 +18,7 @@ from tierserve.gateway.dispatcher import Dispatcher
 from tierserve.gateway.flow import FlowControl
 from tierserve.gateway.metrics import GatewayMetrics
 from tierserve.gateway.router import Router
+from tierserve.server.body_parser import BodyParser
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.ratelimit import RateLimiter
 from tierserve.server.tenants import TenantResolver
@@ -52,6 +53,7 @@ class GatewayState:
     remote_buckets: Any = None  # RedisBuckets when configured (closed at shutdown)
     draining: bool = False
     uploads: Uploads = field(default_factory=Uploads)  # bodies coming in: draining refuses them
+    body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies, in a process of its own
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)
@@ -86,6 +88,7 @@ class GatewayState:
         await self.client.aclose()
         if self.streams is not None:
             await self.streams.close()
+        await self.body_parser.aclose()
 
     def record_failure(
         self,

@@ -33,9 +33,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import ValidationError
@@ -44,6 +45,7 @@ from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("tierserve.server")
 
+T = TypeVar("T")
 Body = ChatCompletionRequest | CompletionRequest
 Kind = Literal["chat", "completion"]
 KINDS: dict[Kind, type[Body]] = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
@@ -64,11 +66,11 @@ def parse(kind: Kind, raw: bytes) -> Parsed:
     try:
         body = KINDS[kind].model_validate_json(raw)
     except ValidationError as e:
-        return None, [_first_error(e)]
-    return _compact(body), None
+        return None, [first_error(e)]
+    return compact(body), None
 
 
-def _first_error(e: ValidationError) -> dict[str, Any]:
+def first_error(e: ValidationError) -> dict[str, Any]:
     """What `errors.invalid_body` reads of an error, as plain data (its `input` may be the
     whole body, and its `ctx` may hold an exception)."""
     first = e.errors(include_url=False)[0]
@@ -78,7 +80,7 @@ def _first_error(e: ValidationError) -> dict[str, Any]:
     return out
 
 
-def _compact(body: Body) -> Body:
+def compact(body: Body) -> Body:
     """The body with its prompt of token ids (flat, or the one nested prompt) as an array;
     ids beyond int64 stay a list (the vocabulary check refuses them)."""
     if not isinstance(body, CompletionRequest) or not isinstance(body.prompt, list) or not body.prompt:
@@ -174,22 +176,28 @@ class BodyParser:
 
     async def parse(self, kind: Kind, raw: bytes) -> Body:
         """The validated body; raises `BodyInvalid` with the first error if it is not valid."""
+        body, errors = await self.run(parse, kind, raw)
+        if body is None:
+            raise BodyInvalid(errors or [])
+        return body
+
+    async def run(self, job: Callable[[Kind, bytes], T], kind: Kind, raw: bytes) -> T:
+        """`job(kind, raw)` in the worker (a module-level function: it crosses by name), or
+        on a thread while there is none. The gateway reads its bodies through here too."""
         pool = self._pool
         if pool is None:
             if self._use_process and self._starting is None:
                 self._starting = asyncio.get_running_loop().create_task(self._start_in_background())
-            body, errors = await asyncio.to_thread(parse, kind, raw)
-        else:
-            try:
-                body, errors = await asyncio.get_running_loop().run_in_executor(pool, parse, kind, raw)
-                self.num_parsed_in_process += 1
-            except BrokenProcessPool:
-                log.error("the body parser process died; parsing on a thread while it restarts")
-                body, errors = await asyncio.to_thread(parse, kind, raw)
-                await self._restart(pool)
-        if body is None:
-            raise BodyInvalid(errors or [])
-        return body
+            return await asyncio.to_thread(job, kind, raw)
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(pool, job, kind, raw)
+        except BrokenProcessPool:
+            log.error("the body parser process died; parsing on a thread while it restarts")
+            done = await asyncio.to_thread(job, kind, raw)
+            await self._restart(pool)
+            return done
+        self.num_parsed_in_process += 1
+        return done
 
     async def _start_in_background(self) -> None:
         try:
