@@ -206,7 +206,9 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServe
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         with connect(server) as extra:
-            assert status_and_code(read_all(extra)) == (503, "connection_limit")
+            refused = read_all(extra)
+            assert status_and_code(refused) == (503, "connection_limit")
+            assert json.loads(refused.partition(b"\r\n\r\n")[2])["error"]["type"] == "server_error"
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         try:

@@ -294,6 +294,10 @@ def test_a_trace_spanning_more_than_ten_years_is_refused(tmp_path: Path) -> None
     near.write_text(near.read_text() + f"{3651 * 86_400},ChatGPT,5,5,10,Conversation log\n")
     with pytest.raises(TraceFormatError, match=r"span 3,651.0 days; at most 3,650.0 days"):
         load_trace(near)
+    nearer = write(tmp_path, "nearer.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
+    nearer.write_text(nearer.read_text() + f"{3650 * 86_400 + 7},ChatGPT,5,5,10,Conversation log\n")
+    with pytest.raises(TraceFormatError, match=r"span 315,360,007 s; at most 315,360,000 s"):
+        load_trace(nearer)
 
 
 def test_a_device_named_as_a_trace_is_not_a_missing_file(tmp_path: Path) -> None:

@@ -58,9 +58,10 @@ _REASONS = {
 
 
 def error_bytes(status: int, message: str, code: str) -> bytes:
-    body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    ).encode()
+    # typed as the API's other errors are (errors.py): a 503 (too many connections) is the
+    # server's, not the request's
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     # A 503 (too many connections) is worth retrying soon, and says so as the API's others do.
     retry = "retry-after: 1\r\n" if status == 503 else ""
     head = (

@@ -452,9 +452,11 @@ def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -
     scaled_s = span_s(records) / scale
     if scaled_s > MAX_SPAN_S:
         at = f" at {scale:g} times its rate" if scale != 1.0 else ""
+        said, limit = _days(scaled_s), _days(MAX_SPAN_S)
+        if said == limit:  # just past it: in seconds, which differ
+            said, limit = f"{scaled_s:,.0f} s", f"{MAX_SPAN_S:,.0f} s"
         raise TraceFormatError(
-            f"{path}: its rows span {_days(scaled_s)}{at}; at most {_days(MAX_SPAN_S)} (check the "
-            "timestamps' unit, or the speed-up)"
+            f"{path}: its rows span {said}{at}; at most {limit} (check the timestamps' unit, or the speed-up)"
         )
 
 

@@ -30,7 +30,7 @@ def test_supported_version_passes_and_local_builds_count() -> None:
     assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + "+cpu")
 
 
-@pytest.mark.parametrize("suffix", [".post1", "+cpu", ".post2+cu129"])
+@pytest.mark.parametrize("suffix", [".post1", "+cpu", ".post2+cu129", "+cpu_avx2", "post1", ".POST1"])
 def test_post_releases_and_local_builds_of_a_supported_release_pass(suffix: str) -> None:
     assert check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + suffix) == SUPPORTED_VLLM_VERSIONS[0] + suffix
 

@@ -102,3 +102,23 @@ def test_a_boundary_preemption_is_made_as_vllm_makes_its_own(delivery: bool) -> 
     TierScheduler._preempt_all(scheduler, [victim], 1.0)  # type: ignore[arg-type]
     assert made == [("v", delivery)]
     assert scheduler.running == [other] and scheduler.prev_step_scheduled_req_ids == {"w"}
+
+
+def test_sizing_leaves_no_entry_in_a_manager_that_indexes_a_defaultdict() -> None:
+    """vLLM's Mamba manager (mamba_cache_mode "align") indexes `req_to_blocks[request_id]`, a
+    defaultdict: sizing left an empty entry under its made-up request id."""
+    from collections import defaultdict
+
+    held: defaultdict[str, list[int]] = defaultdict(list)
+    held["a-request"].append(1)
+
+    def get_num_blocks_to_allocate(request_id: str, **_: Any) -> int:
+        return len(held[request_id]) + 3
+
+    group = SimpleNamespace(req_to_blocks=held)
+    coordinator = SimpleNamespace(
+        get_num_blocks_to_allocate=get_num_blocks_to_allocate, single_type_managers=[group]
+    )
+    manager = SimpleNamespace(coordinator=coordinator, empty_kv_cache_blocks=SimpleNamespace(blocks=()))
+    assert blocks_to_hold(manager, 100, 100) == 3
+    assert list(held) == ["a-request"]

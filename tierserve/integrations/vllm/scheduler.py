@@ -77,25 +77,31 @@ _SIZING_ID = "\0tierserve-sizing"
 
 
 def blocks_to_hold(manager: Any, num_tokens: int, num_tokens_main_model: int) -> int:
-    """The pool blocks a request of `num_tokens` tokens holds, counted from scratch as vLLM's
-    own full-sequence admission gate counts them (`Scheduler._request_remaining_blocks`):
-    one block a `block_size` tokens in every KV-cache group, so a model with sliding-window
-    and full-attention layers (Gemma 2 and 3, gpt-oss, Llama 4) takes blocks in each group,
-    a sliding window's groups no more than vLLM's cap for them. `manager` is vLLM's
-    `KVCacheManager`."""
-    return int(
-        manager.coordinator.get_num_blocks_to_allocate(
-            request_id=_SIZING_ID,
-            num_tokens=num_tokens,
-            new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
-            num_encoder_tokens=0,
-            total_computed_tokens=0,
-            num_local_computed_tokens=0,
-            num_tokens_main_model=num_tokens_main_model,
-            apply_admission_cap=True,
-            prefill_end=num_tokens_main_model,
-        )
+    """The pool blocks a request holds for `num_tokens` tokens (`num_tokens_main_model` of
+    them the model's own, the rest spec decode's lookahead), counted from scratch by vLLM's
+    KV-cache coordinator as its admission checks count them (`Scheduler`'s full-sequence
+    gate and `_request_remaining_blocks`): a block a `block_size` tokens in every KV-cache
+    group, so a model with sliding-window and full-attention layers (Gemma 2 and 3, gpt-oss,
+    Llama 4) takes blocks in each group, a sliding window's groups no more than vLLM's cap
+    for them. An encoder-decoder model's cross-attention blocks are not counted (vLLM's
+    checks count none either). `manager` is vLLM's `KVCacheManager`."""
+    coordinator = manager.coordinator
+    blocks = coordinator.get_num_blocks_to_allocate(
+        request_id=_SIZING_ID,
+        num_tokens=num_tokens,
+        new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
+        num_encoder_tokens=0,
+        total_computed_tokens=0,
+        num_local_computed_tokens=0,
+        num_tokens_main_model=num_tokens_main_model,
+        apply_admission_cap=True,
+        prefill_end=num_tokens_main_model,
     )
+    for group in coordinator.single_type_managers:  # Mamba's manager indexes a defaultdict
+        held = group.req_to_blocks
+        if not held.get(_SIZING_ID, True):
+            del held[_SIZING_ID]
+    return int(blocks)
 
 
 class TierScheduler(Scheduler):
@@ -518,7 +524,8 @@ class TierScheduler(Scheduler):
         freeing = Freeing(inner)
         freed = 0
         for r in chosen:
-            freed = freeing.add(r.request_id)  # the blocks all so far free
+            if self._request_blocks_can_be_freed(r):  # else a connector still writes them
+                freed = freeing.add(r.request_id)  # the blocks all so far free
         if self._fits(head.tier, need, freed, len(chosen), seats):
             self._preempt_all(chosen, now)
             return True

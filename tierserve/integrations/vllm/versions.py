@@ -29,8 +29,9 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-# A release, a post release and a local build: '0.32.0', '0.32.0.post1', '0.32.0+cpu'.
-_RELEASE = re.compile(r"(\d+\.\d+\.\d+)(?:\.post\d+)?(?:\+[A-Za-z0-9.]+)?")
+# A release, a post release and a local build, in PEP 440's spellings: '0.32.0',
+# '0.32.0.post1' ('0.32.0post1', '0.32.0-POST1'), '0.32.0+cpu' ('+cpu_avx2', '+cpu-avx2').
+_RELEASE = re.compile(r"(\d+\.\d+\.\d+)(?:[._-]?post[._-]?\d+)?(?:\+[A-Za-z0-9._-]+)?", re.IGNORECASE)
 
 
 def base_version(version: str) -> str | None:
