@@ -140,3 +140,13 @@ def test_prefill_in_one_chunk_is_cheaper_than_token_by_token() -> None:
     whole = cm.prefill_s(512)
     piecewise = sum(cm.prefill_s(1, k) for k in range(512))
     assert whole < piecewise / 10
+
+
+def test_a_gpu_is_found_by_its_family_name_as_the_readme_names_it() -> None:
+    """`--gpu a100` was refused (the names are a100-80gb, ...) where the README says A100."""
+    from tierserve.executors.sim.gpus import KNOWN_GPUS
+
+    assert get_gpu("A100") is KNOWN_GPUS["a100-80gb"] and get_gpu("h100") is KNOWN_GPUS["h100-80gb"]
+    assert get_gpu("H200") is KNOWN_GPUS["h200"]
+    with pytest.raises(ValueError, match="unknown GPU 'a10'"):
+        get_gpu("a10")

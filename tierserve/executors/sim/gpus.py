@@ -140,8 +140,14 @@ KNOWN_GPUS: dict[str, GpuProfile] = {g.name: g for g in (A100_80GB, H100_80GB, H
 
 
 def get_gpu(name: str) -> GpuProfile:
-    """The profile called `name` (case-insensitive); ValueError listing the known ones if none is."""
-    gpu = KNOWN_GPUS.get(name.lower())
+    """The profile called `name` (case-insensitive), or the one whose name it begins before a
+    '-' ("a100" for a100-80gb: the README names them A100, H100, H200); ValueError listing
+    the known ones if none is."""
+    key = name.lower()
+    gpu = KNOWN_GPUS.get(key)
+    if gpu is None:
+        family = [g for known, g in KNOWN_GPUS.items() if known.split("-")[0] == key]
+        gpu = family[0] if len(family) == 1 else None
     if gpu is None:
         raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(KNOWN_GPUS))}")
     return gpu

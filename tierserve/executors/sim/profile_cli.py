@@ -47,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help=f"one of: {', '.join(sorted(KNOWN_MODELS))}; or a local Hugging Face model directory "
         "(its config.json is read; no weights)",
     )
-    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(sorted(KNOWN_GPUS))}")
+    p.add_argument(
+        "--gpu", required=True, help=f"one of: {', '.join(sorted(KNOWN_GPUS))} (a100, h100: the 80 GB parts)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     p.add_argument(
         "--prefill-tokens", type=int, default=2048, help="prompt tokens of one prefill (default 2048)"
