@@ -111,6 +111,24 @@ def test_a_missing_or_malformed_trace_is_a_clear_error(
         assert err.startswith("tierserve bench engine: --lengths-from:") and message in err, err
 
 
+def test_one_huge_row_that_shrinks_every_prompt_is_said(
+    tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Scaled so the longest prompt fits, one row of 10,000,000 tokens made every other prompt
+    about a token long, without a word (a new user's trial)."""
+    trace = os.path.join(tmp_path, "huge.jsonl")
+    with open(trace, "w") as f:
+        for i in range(40):
+            prompt = 10_000_000 if i % 10 == 0 else 500
+            f.write(f'{{"timestamp": {i}, "input_length": {prompt}, "output_length": 8}}\n')
+    argv = ["engine", "--lengths-from", trace, "--num-prompts", "40", "--skip-hf"]
+    empty = os.path.join(tmp_path, "empty-model")
+    os.mkdir(empty)
+    args = _parser().parse_args([*argv, "--model", empty])
+    assert args.func(args) == 2  # stops at the model (no config.json), after the note
+    assert "note: --lengths-from: the longest drawn prompt is scaled to" in capsys.readouterr().err
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     engine_bench.register(parser.add_subparsers(dest="bench", required=True))

@@ -85,6 +85,9 @@ def prompt_token_ids(model: str, executor: TorchExecutor) -> Sequence[int]:
     return [i for i in range(config.vocab_size) if i not in special]
 
 
+MIN_MEDIAN_PROMPT = 4  # tokens: below, `--lengths-from` says that its scale shrank every prompt
+
+
 def trace_lengths(
     path: str, num_prompts: int, seed: int, prompt_max: int, output_max: int
 ) -> list[tuple[int, int]]:
@@ -535,6 +538,13 @@ def run(args: argparse.Namespace) -> int:
             )
         except (OSError, TraceFormatError, ValueError) as e:
             return fail(PROG, f"--lengths-from: {e}")
+        median = sorted(p for p, _ in lengths)[len(lengths) // 2]
+        if median < MIN_MEDIAN_PROMPT:  # one huge row set the scale (a new user's trial: 10M tokens)
+            print(
+                f"note: --lengths-from: the longest drawn prompt is scaled to {args.prompt_tokens[1]} "
+                f"tokens, and the median prompt comes to {median}: a few very long rows set the scale",
+                file=sys.stderr,
+            )
     monitor = HostMonitor()
     begin = time.perf_counter()
     try:
