@@ -23,6 +23,36 @@ def _read(body: object, kind: str = "completion") -> ForwardBody:
     return read[0]
 
 
+def test_what_is_read_of_the_validated_body_is_what_the_server_reads() -> None:
+    """A summary, not the validated body: taking a chat body's messages back from the body
+    parser's process rebuilt them on the event loop (about 100 ms for 20,000 messages)."""
+    read = read_body("chat", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', 8)
+    assert not isinstance(read, Refused)
+    summary = read[1]
+    assert (summary.model, summary.priority, summary.stream) == ("m", None, False)
+    assert summary.reserved_output(100) == (100, "messages")  # all of it the server's default
+    raw = b'{"model": "m", "prompt": [1], "max_completion_tokens": 5, "stream": true, "priority": 1}'
+    read = read_body("completion", raw, 8)
+    assert not isinstance(read, Refused)
+    summary = read[1]
+    assert summary.requested_max_tokens == 5 and summary.stream and summary.priority == 1
+    assert summary.reserved_output(5) == (0, "max_completion_tokens")
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_number_json_cannot_hold_is_refused_not_sent_on(number: str) -> None:
+    """An undeclared field's NaN (which Python's json reads) went to the upstream as `NaN`,
+    not JSON; 1e400 became `Infinity`."""
+    raw = f'{{"model": "m", "prompt": "x", "extra": {number}}}'.encode()
+    read = read_body("completion", raw, 8)
+    assert isinstance(read, Refused) and "not JSON" in read.message, read
+
+
+def test_the_body_is_stored_compact_with_text_as_utf8() -> None:
+    forward = _read({"model": "m", "prompt": "héllo, 世界", "max_tokens": 2})
+    assert forward.rest == '{"model":"m","prompt":"héllo, 世界","max_tokens":2}'.encode()
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -83,6 +113,7 @@ def test_a_large_body_is_read_off_the_event_loop_and_sent_on_whole() -> None:
         not_json = httpx.post(gw.url + "/v1/completions", content=b"{" + b" " * OFFLOAD_BYTES, timeout=60)
         in_process = state.body_parser.num_parsed_in_process
     assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert all(h["content-type"] == "application/json" for h in upstream.headers)
     assert in_process >= 2  # the second body and the refused one, at least
     assert len(upstream.bodies) == 2
     for sent in upstream.bodies:

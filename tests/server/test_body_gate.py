@@ -64,3 +64,26 @@ def test_past_max_waiting_the_gate_refuses_with_503() -> None:
         await asyncio.gather(first, second)
 
     asyncio.run(main())
+
+
+def test_a_body_read_for_a_request_leaves_no_copy_on_it() -> None:
+    """`Request.body()` keeps the bytes on the request, which the gateway holds through its
+    queue and every attempt: a 1 MiB body stayed beside the copy it forwards."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from tierserve.server.uploads import Uploads
+
+    async def read() -> tuple[bytes | None, Request]:
+        parts = [b'{"a": ', b"1}"]
+
+        async def receive() -> dict[str, object]:
+            chunk = parts.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+
+        request = Request({"type": "http", "method": "POST", "headers": [], "path": "/"}, receive)
+        return await Uploads().read(request), request
+
+    body, request = asyncio.run(read())
+    assert body == b'{"a": 1}' and "_body" not in vars(request)

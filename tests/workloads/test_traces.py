@@ -298,6 +298,10 @@ def test_a_trace_spanning_more_than_ten_years_is_refused(tmp_path: Path) -> None
     nearer.write_text(nearer.read_text() + f"{3650 * 86_400 + 7},ChatGPT,5,5,10,Conversation log\n")
     with pytest.raises(TraceFormatError, match=r"span 315,360,007 s; at most 315,360,000 s"):
         load_trace(nearer)
+    nearest = write(tmp_path, "nearest.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
+    nearest.write_text(nearest.read_text() + f"{3650 * 86_400 + 0.4},ChatGPT,5,5,10,Conversation log\n")
+    with pytest.raises(TraceFormatError, match=r"span 315,360,000.4 s; at most 315,360,000.0 s"):
+        load_trace(nearest)
 
 
 def test_a_device_named_as_a_trace_is_not_a_missing_file(tmp_path: Path) -> None:

@@ -539,7 +539,9 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, TraceFormatError, ValueError) as e:
             return fail(PROG, f"--lengths-from: {e}")
         median = sorted(p for p, _ in lengths)[len(lengths) // 2]
-        if median < MIN_MEDIAN_PROMPT:  # one huge row set the scale (a new user's trial: 10M tokens)
+        # A few huge rows set the scale (a new user's trial: one of 10M tokens); not said where
+        # the longest prompt asked for is itself that short.
+        if median < MIN_MEDIAN_PROMPT <= args.prompt_tokens[1] // 16:
             print(
                 f"note: --lengths-from: the longest drawn prompt is scaled to {args.prompt_tokens[1]} "
                 f"tokens, and the median prompt comes to {median}: a few very long rows set the scale",

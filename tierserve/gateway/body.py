@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tierserve.gateway.prompt import estimate_prompt_tokens, prefix_key
-from tierserve.server.body_parser import KINDS, Body, Kind, compact, first_error
+from tierserve.server.body_parser import KINDS, Kind, first_error
 
 # The top-level fields the gateway may rewrite: kept apart from the rest of the body.
 REWRITTEN = ("priority", "vllm_xargs", "stream_options", "cache_salt")
@@ -39,8 +39,32 @@ class ForwardBody:
         """The body to send, with `fields` (the rewritten ones, in place of `self.fields`)."""
         if not fields:
             return self.rest
-        tail = json.dumps(fields).encode()[1:]  # '"priority": 1, ...}'
-        return self.rest[:-1] + (b", " if self.rest != b"{}" else b"") + tail
+        tail = _dumps(fields)[1:]  # '"priority":1,...}'
+        return b"".join((memoryview(self.rest)[:-1], b"," if self.rest != b"{}" else b"", tail))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the gateway reads of the validated body (the body itself stays in the process
+    that validated it: taking back a chat body's messages rebuilt them on the event loop)."""
+
+    model: str
+    priority: int | None
+    stream: bool
+    requested_max_tokens: int | None  # the client's output limit, if it set one ...
+    max_tokens_field: str  # ... and the field it set it in (max_tokens or max_completion_tokens)
+    prompt_field: str  # "messages" or "prompt"
+
+    def reserved_output(self, max_tokens: int) -> tuple[int, str]:
+        """As `ChatCompletionRequest.reserved_output` (the server's own reservation)."""
+        if self.requested_max_tokens is not None:
+            return 0, self.max_tokens_field
+        return max_tokens, self.prompt_field
+
+
+def _dumps(value: Any) -> bytes:
+    """Compact JSON, text as UTF-8 (validation refused lone surrogates, so it encodes)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 @dataclass(frozen=True)
@@ -52,13 +76,13 @@ class Refused:
     param: str | None = None
 
 
-Read = tuple[ForwardBody, Body] | Refused
+Read = tuple[ForwardBody, Summary] | Refused
 
 
 def read_body(kind: Kind, raw: bytes, prefix_chars: int) -> Read:
     """Parse and validate `raw` as a `kind` body (in the body parser's process for a large
-    one; module-level, so it crosses by name): the body to forward and the validated one (a
-    prompt of token ids as an array, cheap to take back), or why it is refused. It is
+    one; module-level, so it crosses by name): the body to forward and what the gateway
+    reads of the validated one, or why it is refused. It is
     validated from its bytes, as `tierserve serve` validates it, so that the server's 400s
     are the gateway's too: a lone surrogate escape ("\\ud800"), which Python's `json` lets
     through, is `invalid_json`."""
@@ -79,11 +103,18 @@ def read_body(kind: Kind, raw: bytes, prefix_chars: int) -> Read:
     except ValidationError as e:
         return Refused(errors=(first_error(e),))
     fields = {k: parsed.pop(k) for k in REWRITTEN if k in parsed}
+    try:
+        rest = _dumps(parsed)
+        _dumps(fields)  # each attempt writes them again
+    except ValueError:  # an undeclared field's NaN, Infinity or 1e400, which JSON cannot hold
+        return Refused("Invalid JSON body: NaN, Infinity and numbers past a double's range are not JSON.")
     forward = ForwardBody(
-        json.dumps(parsed).encode(),
+        rest,
         fields,
         str(parsed.get("model", "")),
         prefix_key({**parsed, **fields}, prefix_chars),
         estimate_prompt_tokens(parsed),
     )
-    return forward, compact(body)
+    requested, field = body.requested_max_tokens()
+    summary = Summary(body.model, body.priority, bool(body.stream), requested, field, body.prompt_field)
+    return forward, summary

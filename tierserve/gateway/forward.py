@@ -28,13 +28,13 @@ import aiohttp
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from tierserve.gateway.body import ForwardBody, Refused, read_body
+from tierserve.gateway.body import ForwardBody, Refused, Summary, read_body
 from tierserve.gateway.priority import pass_down
 from tierserve.gateway.relay import Relay
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import EventTooLarge, SseUsageTap, usage_of
-from tierserve.server.body_parser import Body, Kind
+from tierserve.server.body_parser import Kind
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, bad_request, invalid_body
 from tierserve.server.fast_routes import (
@@ -95,9 +95,9 @@ def _give_back(gw: GatewayState, call: _Call) -> None:
         call.seat = None
 
 
-async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[ForwardBody, Body]:
-    """The body to forward and the validated one (`body.read_body`; a large one in the body
-    parser's process). A drain that begins while it comes in refuses it."""
+async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[ForwardBody, Summary]:
+    """The body to forward and what the gateway reads of it (`body.read_body`; a large one
+    in the body parser's process). A drain that begins while it comes in refuses it."""
     content = await gw.uploads.read(http)
     if content is None:
         gw.metrics.reject("draining", None)
@@ -149,7 +149,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     _check_model(gw, body.model)
     declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
     tier = decide_tier(tenant, declared).effective
-    requested, _ = body.requested_max_tokens()
+    requested = body.requested_max_tokens
     max_tokens = requested if requested is not None else gw.config.serve.server.default_max_tokens
     num_reserved = forwarded.num_prompt_tokens + max_tokens
     num_default, param = body.reserved_output(max_tokens)  # as the server reserves
@@ -172,9 +172,6 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         headers,
         arrived,
     )
-    # The validated copy is not needed past here: kept through the request's wait in the
-    # queue and its attempts, it added to what each held.
-    del body
     gw.num_in_flight += 1
     try:
         response = await _unless_client_leaves(gw, call, http)

@@ -36,7 +36,9 @@ class Uploads:
         if task is not None:
             self._tasks.add(task)
         try:
-            return await http.body()
+            # Read from the stream, not `http.body()`: that keeps a copy on the request, which
+            # lives as long as the request (through the gateway's queue and its attempts).
+            return b"".join([chunk async for chunk in http.stream()])
         except asyncio.CancelledError as e:
             if task is None or e.args != (DRAINING,):
                 raise

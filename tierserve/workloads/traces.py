@@ -453,8 +453,11 @@ def check_span(path: Path, records: Sequence[TraceRecord], scale: float = 1.0) -
     if scaled_s > MAX_SPAN_S:
         at = f" at {scale:g} times its rate" if scale != 1.0 else ""
         said, limit = _days(scaled_s), _days(MAX_SPAN_S)
-        if said == limit:  # just past it: in seconds, which differ
-            said, limit = f"{scaled_s:,.0f} s", f"{MAX_SPAN_S:,.0f} s"
+        if said == limit:  # just past it: in seconds, to the digit that differs
+            digits = 0
+            while digits < 9 and f"{scaled_s:,.{digits}f}" == f"{MAX_SPAN_S:,.{digits}f}":
+                digits += 1
+            said, limit = f"{scaled_s:,.{digits}f} s", f"{MAX_SPAN_S:,.{digits}f} s"
         raise TraceFormatError(
             f"{path}: its rows span {said}{at}; at most {limit} (check the timestamps' unit, or the speed-up)"
         )
