@@ -283,25 +283,22 @@ def test_a_folder_named_as_a_trace_is_called_a_folder(tmp_path: Path) -> None:
         get_preset(str(folder))
 
 
-def test_a_trace_spanning_more_than_ten_years_is_refused(tmp_path: Path) -> None:
-    """A row at 1e308 s ran, and its times had no digits left for a step's milliseconds."""
+@pytest.mark.parametrize(
+    ("last_s", "said"),
+    [
+        # a row at 1e308 s ran, and its times had no digits left for a step's milliseconds
+        ("1e308", r"span 1.16e\+303 days; at most 3,650.0 days"),
+        # just past the limit it read "its rows span 10 years; at most 10"
+        (f"{3651 * 86_400}", r"span 3,651.0 days; at most 3,650.0 days"),
+        (f"{3650 * 86_400 + 7}", r"span 315,360,007 s; at most 315,360,000 s"),
+        (f"{3650 * 86_400 + 0.4}", r"span 315,360,000.4 s; at most 315,360,000.0 s"),
+    ],
+)
+def test_a_trace_spanning_more_than_ten_years_is_refused(tmp_path: Path, last_s: str, said: str) -> None:
     far = write(tmp_path, "far.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
-    far.write_text(far.read_text() + "1e308,ChatGPT,5,5,10,Conversation log\n")
-    with pytest.raises(TraceFormatError, match=r"span 1.16e\+303 days; at most 3,650.0 days"):
+    far.write_text(far.read_text() + f"{last_s},ChatGPT,5,5,10,Conversation log\n")
+    with pytest.raises(TraceFormatError, match=said):
         load_trace(far)
-    # a day past the limit: it read "its rows span 10 years; at most 10"
-    near = write(tmp_path, "near.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
-    near.write_text(near.read_text() + f"{3651 * 86_400},ChatGPT,5,5,10,Conversation log\n")
-    with pytest.raises(TraceFormatError, match=r"span 3,651.0 days; at most 3,650.0 days"):
-        load_trace(near)
-    nearer = write(tmp_path, "nearer.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
-    nearer.write_text(nearer.read_text() + f"{3650 * 86_400 + 7},ChatGPT,5,5,10,Conversation log\n")
-    with pytest.raises(TraceFormatError, match=r"span 315,360,007 s; at most 315,360,000 s"):
-        load_trace(nearer)
-    nearest = write(tmp_path, "nearest.csv", BURSTGPT_HEADER + "0,ChatGPT,5,5,10,Conversation log\n")
-    nearest.write_text(nearest.read_text() + f"{3650 * 86_400 + 0.4},ChatGPT,5,5,10,Conversation log\n")
-    with pytest.raises(TraceFormatError, match=r"span 315,360,000.4 s; at most 315,360,000.0 s"):
-        load_trace(nearest)
 
 
 def test_a_device_named_as_a_trace_is_not_a_missing_file(tmp_path: Path) -> None:
