@@ -12,6 +12,7 @@ import pytest
 
 from tests.gateway.fakes import FAKE_MODEL, FakeUpstream, fake_upstream, gateway
 from tierserve.gateway.body import REWRITTEN, ForwardBody, Refused, read_body
+from tierserve.server.errors import invalid_body
 from tierserve.server.fast_routes import OFFLOAD_BYTES
 
 PREFIX_CHARS = 64
@@ -79,14 +80,29 @@ def test_an_empty_rest_takes_the_fields_without_a_comma() -> None:
 
 
 def test_refusals_say_what_the_servers_say() -> None:
-    assert read_body("completion", b"{", PREFIX_CHARS) == Refused(
-        "Invalid JSON body: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    """Validated first, as `tierserve serve` validates: its words for bad JSON, not Python's."""
+    assert (
+        invalid_body(_errors(b"{")).message
+        == "Invalid JSON body: EOF while parsing an object at line 1 column 1"
     )
-    assert read_body("completion", b"[1]", PREFIX_CHARS) == Refused("The body must be a JSON object.")
+    assert invalid_body(_errors(b"[1]")).message == "Input should be an object"
     xargs = read_body("completion", b'{"model": "m", "prompt": "x", "vllm_xargs": [1]}', PREFIX_CHARS)
     assert isinstance(xargs, Refused) and xargs.param == "vllm_xargs"
     wrong = read_body("completion", b'{"model": "m", "prompt": "x", "max_tokens": "many"}', PREFIX_CHARS)
     assert isinstance(wrong, Refused) and wrong.errors[0]["loc"] == ["max_tokens"]
+
+
+def _errors(raw: bytes) -> tuple[dict[str, Any], ...]:
+    read = read_body("completion", raw, PREFIX_CHARS)
+    assert isinstance(read, Refused) and read.errors, read
+    return read.errors
+
+
+def test_a_content_part_whose_text_is_null_is_read_not_a_crash() -> None:
+    """Its prompt text read `None` into a join: a 500 at the gateway where the server says 400."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}
+    forward = _read(body, kind="chat")
+    assert json.loads(forward.encode(forward.fields)) == body
 
 
 def _large_prompt(num_ids: int) -> list[int]:

@@ -86,26 +86,26 @@ def read_body(kind: Kind, raw: bytes, prefix_chars: int) -> Read:
     validated from its bytes, as `tierserve serve` validates it, so that the server's 400s
     are the gateway's too: a lone surrogate escape ("\\ud800"), which Python's `json` lets
     through, is `invalid_json`."""
-    try:
+    try:  # first: its refusals are the server's, word for word
+        body = KINDS[kind].model_validate_json(raw)
+    except ValidationError as e:
+        return Refused(errors=(first_error(e),))
+    try:  # what validation accepted, JSON reads too (its nesting limit is the lower)
         parsed = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return Refused(f"Invalid JSON body: {e}")
-    except RecursionError:
-        return Refused("Invalid JSON body: nested too deeply.")
     if not isinstance(parsed, dict):
         return Refused("The body must be a JSON object.")
     xargs = parsed.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):  # the gateway adds tier and tenant to it
         said = json.dumps(xargs)[:64]
         return Refused(f"vllm_xargs: expected an object of extra arguments, got {said}", param="vllm_xargs")
-    try:
-        body = KINDS[kind].model_validate_json(raw)
-    except ValidationError as e:
-        return Refused(errors=(first_error(e),))
     fields = {k: parsed.pop(k) for k in REWRITTEN if k in parsed}
     try:
         rest = _dumps(parsed)
         _dumps(fields)  # each attempt writes them again
+    except UnicodeEncodeError:  # a lone surrogate: validation refuses them, so not seen yet
+        return Refused("Invalid JSON body: a lone UTF-16 surrogate is not text.")
     except ValueError:  # an undeclared field's NaN, Infinity or 1e400, which JSON cannot hold
         return Refused("Invalid JSON body: NaN, Infinity and numbers past a double's range are not JSON.")
     forward = ForwardBody(

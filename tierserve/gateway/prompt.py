@@ -17,7 +17,8 @@ def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else "" for p in value)
+        # a part's "text" may be null (the upstream refuses it; reading it must not fail)
+        return "".join(t for p in value if isinstance(p, dict) and isinstance(t := p.get("text"), str))
     return ""
 
 

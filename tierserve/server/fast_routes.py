@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -90,14 +91,18 @@ class GenerationRoutes:
             if len(raw) > OFFLOAD_BYTES:
                 kind: Kind = "chat" if model is ChatCompletionRequest else "completion"
                 parser = self._state.body_parser
+                job = partial(parser.parse, kind, raw)
                 try:
-                    body = await self._gate.admit(lambda: parser.parse(kind, raw))
+                    body = await self._gate.admit(job)
                 except ApiError as e:
                     if e.code != "busy":
                         raise
                     return refused_at_the_door(e, count)
+                del raw, job  # not held through the generation beside the body parsed from it
                 return await generate(self._state, http, body, tenant, offload=self._gate)
-            return await generate(self._state, http, _validate(model, raw), tenant)
+            body = _validate(model, raw)
+            del raw
+            return await generate(self._state, http, body, tenant)
         except ValidationError as e:
             return invalid_body(e.errors()).response()
         except BodyInvalid as e:
