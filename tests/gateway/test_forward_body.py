@@ -138,3 +138,20 @@ def test_a_large_body_is_read_off_the_event_loop_and_sent_on_whole() -> None:
     assert refused.status_code == small_refused.status_code == 400
     assert refused.json()["error"] == small_refused.json()["error"]
     assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+
+
+def test_large_bodies_past_the_queue_are_refused_busy() -> None:
+    """The server's `large_body_queue` bounds the large bodies waiting for the parser's
+    process; the gateway queued them without bound."""
+    from tierserve.server.body_gate import BodyGate
+
+    body = {"model": FAKE_MODEL, "prompt": _large_prompt(40_000), "max_tokens": 4}
+    with fake_upstream(FakeUpstream("ok")) as url, gateway([url]) as (gw, state):
+        assert state.body_gate is not None
+        state.body_gate = BodyGate(share=1.0, max_waiting=0)  # none may wait
+        refused = httpx.post(gw.url + "/v1/completions", json=body, timeout=60)
+        small = httpx.post(gw.url + "/v1/completions", json={**body, "prompt": [1, 2]}, timeout=60)
+        metrics = httpx.get(gw.url + "/metrics").text
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "busy"
+    assert refused.headers["retry-after"] == "1" and small.status_code == 200
+    assert 'tierserve_http_errors_total{reason="busy"} 1.0' in metrics

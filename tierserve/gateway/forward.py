@@ -105,7 +105,11 @@ async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[F
     kind: Kind = "chat" if chat else "completion"
     job = partial(read_body, prefix_chars=gw.config.gateway.prefix_chars)
     if len(content) > OFFLOAD_BYTES:
-        read = await gw.body_parser.run(job, kind, content)
+        try:
+            read = await gw.body_gate.admit(partial(gw.body_parser.run, job, kind, content))
+        except ApiError as e:  # too many waiting: 503 `busy`, counted as the server counts it
+            gw.metrics.count_http_error(e.code or "busy")
+            raise
     else:
         read = job(kind, content)
     if isinstance(read, Refused):

@@ -18,6 +18,7 @@ from tierserve.gateway.dispatcher import Dispatcher
 from tierserve.gateway.flow import FlowControl
 from tierserve.gateway.metrics import GatewayMetrics
 from tierserve.gateway.router import Router
+from tierserve.server.body_gate import BodyGate
 from tierserve.server.body_parser import BodyParser
 from tierserve.server.buckets import BucketBackend
 from tierserve.server.ratelimit import RateLimiter
@@ -54,6 +55,9 @@ class GatewayState:
     draining: bool = False
     uploads: Uploads = field(default_factory=Uploads)  # bodies coming in: draining refuses them
     body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies, in a process of its own
+    # At most `[server] large_body_queue` of them waiting for it (more get 503 `busy`); not
+    # paced to a share of the time as the server paces them (no engine shares this process).
+    body_gate: BodyGate = field(default_factory=lambda: BodyGate(share=1.0))
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
     calls: set[asyncio.Task[Any]] = field(default_factory=set)  # non-streaming calls (likewise)
@@ -180,4 +184,5 @@ def build_gateway_state(
         metrics=metrics,
         client=client,
         remote_buckets=remote_buckets,
+        body_gate=BodyGate(share=1.0, max_waiting=serve.server.large_body_queue),
     )
