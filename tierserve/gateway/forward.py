@@ -1,13 +1,14 @@
 """One generation request through the gateway, from the HTTP body to the last byte.
 
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
-is read) -> Content-Encoding (415, unread) -> body (400) -> model (404) -> tier (400 for a
-tier header sent twice, differing) -> rate limits (429, or 503 when Redis is down and the
-tier fails closed; 400 for a request too large to ever fit) -> flow control (503) ->
-upstream. An upstream that fails before the first byte of its reply reaches the client
-(connect error, 5xx, a stream cut before its first whole event) is left for another one,
-up to `max_attempts`; once bytes have reached the client a broken stream ends with an
-error event. Reserved tokens are settled with the upstream's reported usage.
+is read) -> Content-Encoding (415, unread) -> body (400; 503 past `large_body_queue` large
+bodies) -> model (404) -> tier (400 for a tier header sent twice, differing) -> rate limits
+(429, or 503 when Redis is down and the tier fails closed; 400 for a request too large to
+ever fit) -> flow control (503) -> upstream. An upstream that fails before the first byte
+of its reply reaches the client (connect error, 5xx, a stream cut before its first whole
+event) is left for another one, up to `max_attempts`; once bytes have reached the client a
+broken stream ends with an error event. Reserved tokens are settled with the upstream's
+reported usage.
 """
 
 from __future__ import annotations
