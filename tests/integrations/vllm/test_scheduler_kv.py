@@ -13,7 +13,9 @@ pytest.importorskip("vllm")
 from tierserve.integrations.vllm.scheduler import TierScheduler, blocks_to_hold
 
 
-def _manager(groups: list[str], window: int = 256, block_size: int = 16, num_blocks: int = 4000) -> Any:
+def _manager(
+    groups: list[str], window: int = 256, block_size: int = 16, num_blocks: int = 4000, caching: bool = False
+) -> Any:
     """vLLM's own KV cache manager, one KV-cache group per entry of `groups` ("full" or "sliding")."""
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -45,7 +47,7 @@ def _manager(groups: list[str], window: int = 256, block_size: int = 16, num_blo
         max_model_len=4096,
         scheduler_block_size=block_size,
         hash_block_size=block_size,
-        enable_caching=False,
+        enable_caching=caching,
         max_in_flight_tokens=2048,
     )
 
@@ -122,3 +124,32 @@ def test_sizing_leaves_no_entry_in_a_manager_that_indexes_a_defaultdict() -> Non
     manager = SimpleNamespace(coordinator=coordinator, empty_kv_cache_blocks=SimpleNamespace(blocks=()))
     assert blocks_to_hold(manager, 100, 100) == 3
     assert list(held) == ["a-request"]
+
+
+def test_a_prefix_other_requests_hold_is_not_counted_again() -> None:
+    """A P0 request whose first 192 tokens (a system prompt, say) a running request holds
+    takes only the rest from the pool; sized from scratch it read all 13 blocks, and the
+    plug-in preempted lower tiers for 12 blocks it would not take."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    manager = _manager(["full"], caching=True)
+    system = list(range(1, 193))  # 12 blocks
+    running = Request("running", [*system, 500, 501], SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    blocks, num_hit, _ = manager.get_computed_blocks(running)
+    assert manager.allocate_slots(running, running.num_tokens, num_hit, blocks) is not None
+    head = Request("head", [*system, 600, 601, 602], SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    free = manager.block_pool.get_num_free_blocks()
+    blocks, num_hit, _ = manager.get_computed_blocks(head)
+    assert num_hit == 192
+    assert manager.allocate_slots(head, head.num_tokens - num_hit, num_hit, blocks) is not None
+    taken = free - manager.block_pool.get_num_free_blocks()
+    assert taken == 1  # its own last block: the 12 of the prompt are shared
+    manager.free(head)  # back to waiting, as the plug-in sees it before vLLM admits it
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(inner=manager), num_lookahead_tokens=0)
+    scheduler._blocks_for = lambda n, hit=None: TierScheduler._blocks_for(scheduler, n, hit)  # type: ignore[arg-type]
+    assert TierScheduler._blocks_to_admit(scheduler, head) == taken  # type: ignore[arg-type]

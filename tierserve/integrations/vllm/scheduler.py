@@ -76,7 +76,9 @@ CEILING_VICTIM_PRIORITY = len(ALL_TIERS)
 _SIZING_ID = "\0tierserve-sizing"
 
 
-def blocks_to_hold(manager: Any, num_tokens: int, num_tokens_main_model: int) -> int:
+def blocks_to_hold(
+    manager: Any, num_tokens: int, num_tokens_main_model: int, hit: tuple[Any, int] | None = None
+) -> int:
     """The pool blocks a request holds for `num_tokens` tokens (`num_tokens_main_model` of
     them the model's own, the rest spec decode's lookahead), counted from scratch by vLLM's
     KV-cache coordinator as its admission checks count them (`Scheduler`'s full-sequence
@@ -84,15 +86,19 @@ def blocks_to_hold(manager: Any, num_tokens: int, num_tokens_main_model: int) ->
     group, so a model with sliding-window and full-attention layers (Gemma 2 and 3, gpt-oss,
     Llama 4) takes blocks in each group, a sliding window's groups no more than vLLM's cap
     for them. An encoder-decoder model's cross-attention blocks are not counted (vLLM's
-    checks count none either). `manager` is vLLM's `KVCacheManager`."""
+    checks count none either). `hit`: the prefix cache's hit for the request (its blocks by
+    group, and the tokens they hold), as vLLM looks it up before it admits the request: blocks
+    other requests hold take none from the pool, cached free ones one each. `manager` is
+    vLLM's `KVCacheManager`."""
     coordinator = manager.coordinator
+    hit_blocks, num_hit_tokens = hit if hit is not None else (manager.empty_kv_cache_blocks.blocks, 0)
     blocks = coordinator.get_num_blocks_to_allocate(
         request_id=_SIZING_ID,
         num_tokens=num_tokens,
-        new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
+        new_computed_blocks=hit_blocks,
         num_encoder_tokens=0,
-        total_computed_tokens=0,
-        num_local_computed_tokens=0,
+        total_computed_tokens=num_hit_tokens,
+        num_local_computed_tokens=num_hit_tokens,
         num_tokens_main_model=num_tokens_main_model,
         apply_admission_cap=True,
         prefill_end=num_tokens_main_model,
@@ -566,13 +572,25 @@ class TierScheduler(Scheduler):
             self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
 
     def _blocks_to_admit(self, request: Request) -> int:
-        return self._blocks_for(int(request.num_tokens))
+        """Blocks vLLM wants free to admit `request`, its prefix cache hit counted as vLLM
+        counts it (a P0 request whose system prompt running requests hold preempted others for
+        those blocks too)."""
+        inner = self.kv_cache_manager.inner
+        hit = None
+        if inner.prefix_cache_lookup_enabled(request):  # a read: nothing is touched or counted
+            hit_blocks, num_hit_tokens, _ = inner.coordinator.find_longest_cache_hit(
+                request.block_hashes, int(request.num_tokens) - 1
+            )
+            hit = (hit_blocks, int(num_hit_tokens))
+        return self._blocks_for(int(request.num_tokens), hit)
 
-    def _blocks_for(self, num_tokens: int) -> int:
-        """Blocks vLLM wants free to admit a request of `num_tokens` tokens."""
+    def _blocks_for(self, num_tokens: int, hit: tuple[Any, int] | None = None) -> int:
+        """Blocks vLLM wants free to admit a request of `num_tokens` tokens (`hit`: its prefix
+        cache hit, `blocks_to_hold`)."""
         inner = getattr(self.kv_cache_manager, "inner", self.kv_cache_manager)  # wrapped after start
         lookahead = int(self.num_lookahead_tokens)
-        return blocks_to_hold(inner, num_tokens + lookahead, num_tokens) + int(inner.watermark_blocks)
+        held = blocks_to_hold(inner, num_tokens + lookahead, num_tokens, hit)
+        return held + int(inner.watermark_blocks)
 
     def _fits(self, tier: Tier, need: int, freed: int, seats_freed: int, seats: int = 1) -> bool:
         """Whether `need` blocks and `seats` seats are free for `tier`, once `freed` blocks and
