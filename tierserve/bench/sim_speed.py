@@ -219,8 +219,9 @@ def _pattern(workload: str, asked: Pattern | None) -> Pattern:
     return asked or ("trace" if trace else "closed")
 
 
-def run(args: argparse.Namespace) -> int:
-    pattern = _pattern(args.workload, args.pattern)
+def _check_args(args: argparse.Namespace, pattern: Pattern) -> None:
+    """Fill in --load's and --think-time's defaults for `pattern`, and refuse what does not
+    apply to it or is out of range (ValueError, one flag a message)."""
     if args.load is None:
         args.load = 256 if pattern == "closed" else 1.0
     # Each flag said alone: the message named both, whichever was wrong.
@@ -239,6 +240,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--trace-rows applies to a trace, and {args.workload} runs closed-loop clients")
     if pattern == "closed" and args.load != int(args.load):
         raise ValueError(f"--load: a closed loop has a whole number of clients, got {args.load:g}")
+
+
+def run(args: argparse.Namespace) -> int:
+    pattern = _pattern(args.workload, args.pattern)
+    _check_args(args, pattern)
     setup = BenchSetup(
         num_measured=args.requests,
         think_time_s=2.0 if args.think_time is None else args.think_time,
