@@ -24,3 +24,31 @@ def test_the_guards_smaller_free_count_ends_with_the_call_whatever_happens_in_it
         assert pool.get_num_free_blocks() == 6
         raise RuntimeError("vLLM failed inside allocate_slots")
     assert pool.get_num_free_blocks() == 10 and "get_num_free_blocks" not in vars(pool)
+
+
+def test_vllms_own_reserve_adds_to_the_tiers() -> None:
+    """vLLM asks an admission whose KV loads asynchronously to leave free what admitted
+    prompts still need; the tier's reserve (an unfilled P0 floor here) must stay free too.
+    Taking the larger of the two left room for one of them only."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from tests.integrations.vllm.test_scheduler_kv import _manager
+    from tierserve.integrations.vllm.book import RequestBook
+    from tierserve.integrations.vllm.kv_guard import TierGuardedKVCacheManager
+    from tierserve.integrations.vllm.ledger import TierLedger
+    from tierserve.memory.partition import TierPartition
+    from tierserve.tiers import Tier
+
+    manager = _manager(["full"], num_blocks=40)  # 39 free: vLLM keeps one null block
+    ledger = TierLedger(TierPartition(40, (15, 0, 0, 0), (0, 0, 0, 0), (40, 40, 40, 40)))
+    book = RequestBook()
+    guard = TierGuardedKVCacheManager(manager, ledger, book)
+    request = Request("p3", list(range(1, 161)), SamplingParams(max_tokens=8), None)  # 10 blocks
+    book.add(request, Tier.P3, "t")
+    free = manager.block_pool.get_num_free_blocks()
+    assert free - 15 >= 10 and free - 15 - 20 < 10  # fits beside either reserve, not both
+    assert guard.allocate_slots(request, request.num_tokens, reserved_blocks=20) is None
+    assert manager.block_pool.get_num_free_blocks() == free
+    assert guard.allocate_slots(request, request.num_tokens, reserved_blocks=5) is not None
+    assert ledger.used[Tier.P3] == 10

@@ -50,13 +50,13 @@ class TierLedger:
         headroom = max(0, self.partition.ceiling[tier] - self.used[tier])
         return max(protected, num_free - headroom)
 
-    def ceiling_binds(self, tier: Tier, num_free: int, reserved_blocks: int = 0) -> bool:
+    def ceiling_binds(self, tier: Tier, num_free: int) -> bool:
         """Whether an allocation for `tier` that found too few blocks was held back by the
-        tier's ceiling (`reserved_blocks`: what the caller itself asked to leave). Then no
-        other tier's blocks would make room (the part held back grows with every block
-        they free); only blocks of `tier` itself would."""
+        tier's ceiling. Then no other tier's blocks would make room (the part held back
+        grows with every block they free); only blocks of `tier` itself would. (A reserve of
+        the caller's own adds to the tier's and changes nothing here.)"""
         headroom = max(0, self.partition.ceiling[tier] - self.used[tier])
-        return num_free - headroom >= max(reserved_blocks, self.partition.protected_free(tier, self.used))
+        return num_free - headroom >= self.partition.protected_free(tier, self.used)
 
     def fits(self, tier: Tier, num_blocks: int, num_free: int) -> bool:
         return num_blocks <= num_free - self.reserved_blocks(tier, num_free)
