@@ -4,9 +4,11 @@ envelope, a 200 that is not JSON. Found by probing the gateway with a misbehavin
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import tomllib
+from typing import Any
 
 import httpx
 import pytest
@@ -22,7 +24,8 @@ from tests.gateway.fakes import (
 )
 from tierserve.config import ConfigError
 from tierserve.gateway.config import parse_gateway_config
-from tierserve.gateway.usage import EventTooLarge, SseUsageTap
+from tierserve.gateway.usage import MAX_QUOTED_CHARS, EventTooLarge, ReplyRead, SseUsageTap, read_reply
+from tierserve.server.fast_routes import OFFLOAD_BYTES
 
 UNUSED_URL = "http://127.0.0.1:1"
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -282,3 +285,48 @@ def test_idle_upstream_connections_are_closed_before_the_upstreams_close_them() 
             await session.close()
 
     assert asyncio.run(keepalive()) == UPSTREAM_KEEPALIVE_S
+
+
+def test_a_reply_is_read_for_what_the_gateway_needs_of_it() -> None:
+    usage = b'"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}'
+    read = read_reply("completion", b'{"choices": [], ' + usage + b"}")
+    assert read.is_object and not read.error_envelope and read.usage and read.usage.total == 7
+    assert read.message == ""
+    assert read_reply("completion", b"<html>oops</html>") == ReplyRead(False, False, None, "")
+    assert read_reply("completion", b"[1, 2]", status=500).message == "[1, 2]"
+    assert read_reply("completion", b'{"detail": "slow down"}', status=429).message == "slow down"
+    envelope = read_reply("completion", b'{"error": {"message": "no"}}', status=404)
+    assert envelope.error_envelope and envelope.message == ""
+    long = read_reply("completion", b'{"what": "' + b"x" * 5000 + b'"}', status=400)
+    assert len(long.message) == MAX_QUOTED_CHARS and long.message.startswith('{"what": "xx')
+    assert not read_reply("completion", b"[" * 100_000).is_object  # too deep: not an object
+
+
+def test_a_large_reply_is_read_off_the_event_loop_and_passed_on_intact() -> None:
+    """A non-streaming answer with logprobs runs to megabytes; json.loads on the gateway's
+    event loop held every stream it carries for as long."""
+    logprobs = [{"token": f"t{i}", "logprob": -0.5} for i in range(20_000)]
+    body = json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "logprobs": logprobs}
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 20_000, "total_tokens": 20_003},
+        }
+    ).encode()
+    assert len(body) > OFFLOAD_BYTES
+    fake = FakeUpstream("refuse", refusal_status=200, refusal_body=body)
+    with fake_upstream(fake) as url, gateway([url]) as (gw, state):
+        jobs: list[int] = []
+        run = state.body_parser.run
+
+        async def spy(job: Any, kind: Any, raw: bytes) -> Any:
+            jobs.append(len(raw))
+            return await run(job, kind, raw)
+
+        state.body_parser.run = spy  # type: ignore[method-assign]
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200 and r.content == body
+    assert jobs == [len(body)] and state.num_in_flight == 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import math
 import re
@@ -34,7 +33,7 @@ from tierserve.gateway.priority import pass_down
 from tierserve.gateway.relay import Relay
 from tierserve.gateway.router import RouteDecision
 from tierserve.gateway.state import GatewayState
-from tierserve.gateway.usage import EventTooLarge, SseUsageTap, usage_of
+from tierserve.gateway.usage import EventTooLarge, ReplyRead, SseUsageTap, read_reply
 from tierserve.server.body_parser import Kind
 from tierserve.server.config import TenantConfig
 from tierserve.server.errors import ApiError, bad_request, invalid_body
@@ -530,28 +529,35 @@ async def _whole(
         ) from None
     finally:
         reply.release()
-    payload = _json_object(content)
-    if reply.status == 200 and payload is None:
+    read = await _read_reply(gw, content, reply.status)
+    if reply.status == 200 and not read.is_object:
         raise _Retry("a 200 reply that is not a JSON object", fault=True)
     gw.router.record_request_success(name)  # it answered: a refusal passed on is an answer
     # The answer is built before the seat goes back and the outcome is counted: a header it
     # cannot carry (a Retry-After that is not latin-1) fails here, and is counted once.
     answer: Response | ApiError
-    if reply.status == 200 or (payload is not None and _is_error_envelope(payload)):
+    if reply.status == 200 or read.error_envelope:
         headers = {**call.headers, **_retry_after(reply)}
         answer = Response(content, status_code=reply.status, headers=headers, media_type="application/json")
     else:
-        answer = _upstream_refusal(name, reply, payload, content, call.headers)
+        answer = _upstream_refusal(name, reply, read.message, call.headers)
     _give_back(gw, call)
     gw.metrics.upstream_requests.labels(name, "ok" if reply.status == 200 else f"http_{reply.status}").inc()
     if reply.status == 200:
-        usage = usage_of(payload)
-        _settle(gw, call, usage.total if usage else None)  # no count: kept whole, as a stream's
+        _settle(gw, call, read.usage.total if read.usage else None)  # no count: kept whole, as a stream's
     else:
         _settle(gw, call, 0)
     if isinstance(answer, ApiError):
         raise answer
     return answer
+
+
+async def _read_reply(gw: GatewayState, content: bytes, status: int) -> ReplyRead:
+    """`read_reply`, in the body parser's process for a large reply (a non-streaming
+    answer with logprobs runs to megabytes: parsed here, it held every stream)."""
+    if len(content) > OFFLOAD_BYTES:
+        return await gw.body_parser.run(partial(read_reply, status=status), "completion", content)
+    return read_reply("completion", content, status)
 
 
 class ReplyTooLarge(Exception):
@@ -588,47 +594,21 @@ def _is_event_stream(reply: aiohttp.ClientResponse) -> bool:
     return "content-type" not in reply.headers or reply.content_type == "text/event-stream"
 
 
-def _json_object(content: bytes) -> dict[str, Any] | None:
-    try:
-        payload = json.loads(content)
-    except (ValueError, RecursionError):
-        return None
-    return payload if isinstance(payload, dict) else None
-
-
-def _is_error_envelope(payload: dict[str, Any]) -> bool:
-    """OpenAI's `{"error": {"message": ...}}`: passed on as the upstream wrote it."""
-    error = payload.get("error")
-    return isinstance(error, dict) and isinstance(error.get("message"), str)
-
-
 def _retry_after(reply: aiohttp.ClientResponse) -> dict[str, str]:
     value = reply.headers.get("retry-after")
     return {"Retry-After": value} if value else {}
 
 
-MAX_QUOTED_CHARS = 500  # of an upstream's error text, quoted in the envelope
-
-
 def _upstream_refusal(
-    name: str,
-    reply: aiohttp.ClientResponse,
-    payload: dict[str, Any] | None,
-    content: bytes,
-    headers: dict[str, str],
+    name: str, reply: aiohttp.ClientResponse, message: str, headers: dict[str, str]
 ) -> ApiError:
     """An upstream's error reply that is not in OpenAI's envelope (vLLM's older top-level
     `message`, FastAPI's `detail`, plain text or HTML), put in it: the same status, the
-    upstream's own message where there is one, and its Retry-After."""
-    if payload is None:
-        message = content.decode("utf-8", "replace").strip()
-    else:
-        found = payload.get("message", payload.get("detail"))
-        message = found if isinstance(found, str) else json.dumps(payload)
-    log.info("upstream %s answered HTTP %d: %s", name, reply.status, message[:MAX_QUOTED_CHARS])
+    upstream's own message (`ReplyRead.message`), and its Retry-After."""
+    log.info("upstream %s answered HTTP %d: %s", name, reply.status, message)
     return ApiError(
         reply.status,
-        message[:MAX_QUOTED_CHARS] or f"The upstream answered HTTP {reply.status}.",
+        message or f"The upstream answered HTTP {reply.status}.",
         type="invalid_request_error" if reply.status < 500 else "server_error",
         code="upstream_error",
         headers={**headers, **_retry_after(reply)},

@@ -1,5 +1,11 @@
 """Reading token usage out of an upstream's replies without touching the text.
 
+A reply read whole (not streamed) is parsed once, by `read_reply`, for what the gateway
+needs of it: whether it is a JSON object, OpenAI's error envelope, its usage, and the
+upstream's own message for a refusal. A large one is read in the body parser's process:
+the gateway's event loop carries every stream, and parsing megabytes of logprobs there
+held them all.
+
 A streamed reply is cut into whole SSE events (blank-line separated) and passed on as
 received; events that mention `"usage"` are parsed to learn the count. When the client
 did not ask for usage, the gateway asks the upstream anyway and drops the usage-only
@@ -17,9 +23,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
+MAX_QUOTED_CHARS = 500  # of an upstream's error text, quoted in the envelope
 MAX_EVENT_BYTES = 8 << 20  # one SSE event; a token's delta, even with logprobs, is a few KB
 _DONE = re.compile(rb"data:\s?\[DONE\]\s*")
 
@@ -42,6 +49,34 @@ def usage_of(payload: Any) -> TokenUsage | None:
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return TokenUsage(prompt, completion)
+
+
+class ReplyRead(NamedTuple):
+    """What the gateway reads of a reply read whole (`read_reply`)."""
+
+    is_object: bool  # a JSON object: a 200 that is not one is a failed attempt
+    error_envelope: bool  # OpenAI's `{"error": {"message": ...}}`: passed on as written
+    usage: TokenUsage | None
+    message: str  # a refusal's own text (at most `MAX_QUOTED_CHARS`), "" for a 200
+
+
+def read_reply(kind: str, content: bytes, status: int = 200) -> ReplyRead:
+    """Read a non-streaming reply of HTTP `status` (`kind` is unused: the body parser's
+    jobs take one). A refusal's text is its `message` or `detail`, else the reply itself."""
+    try:
+        payload = json.loads(content)
+    except (ValueError, RecursionError):
+        payload = None
+    if not isinstance(payload, dict):
+        text = "" if status == 200 else content.decode("utf-8", "replace").strip()
+        return ReplyRead(False, False, None, text[:MAX_QUOTED_CHARS])
+    error = payload.get("error")
+    envelope = isinstance(error, dict) and isinstance(error.get("message"), str)
+    if status == 200 or envelope:
+        return ReplyRead(True, envelope, usage_of(payload), "")
+    found = payload.get("message", payload.get("detail"))
+    text = found if isinstance(found, str) else json.dumps(payload)
+    return ReplyRead(True, False, None, text[:MAX_QUOTED_CHARS])
 
 
 class EventTooLarge(ValueError):
