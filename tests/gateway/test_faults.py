@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 import time
+import tomllib
 from collections.abc import Sequence
 
 import httpx
@@ -18,11 +19,13 @@ from tests.gateway.fakes import (
     FakeUpstream,
     fake_upstream,
     gateway,
+    gateway_of,
     gateway_over,
     metric_counts,
     spread_body,
 )
 from tierserve.gateway import forward
+from tierserve.gateway.config import parse_gateway_config
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -448,3 +451,46 @@ def test_an_upstream_ejected_while_it_still_answers_finishes_what_it_has(checks:
     assert codes == [200] * len(stuck.bodies) + [503] * (6 - len(stuck.bodies))
     assert 'tierserve_gateway_upstream_ejections_total{upstream="f0"} 1.0' in metrics
     assert 'tierserve_gateway_retries_total{upstream="f0"} 0.0' in metrics
+
+
+def test_a_second_signal_cuts_the_drain_short_and_queued_requests_count_as_cut() -> None:
+    """A second SIGTERM forced the exit at once: the clients got a plain-text 500 (and the
+    log a traceback each) instead of the drain timeout's 503 `aborted`; and a request cut at
+    the drain timeout, in the gateway's queue or at an upstream, was counted `client_left`."""
+    slow = FakeUpstream("ok", reply_after_s=20.0)
+    with fake_upstream(slow) as url:
+        config = parse_gateway_config(
+            tomllib.loads(
+                f'[gateway]\nscrape_interval_s = 0.2\n[[upstreams]]\nname = "f0"\nkind = "vllm"\n'
+                f'url = "{url}"\nmax_in_flight = 1\n'
+            )
+        )
+        with gateway_of(config, drain_timeout_s=60) as (gw, state):
+            answers: list[httpx.Response] = []
+
+            def send(stream: bool) -> None:
+                body = {**CHAT, "stream": stream}
+                answers.append(httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30))
+
+            clients = [threading.Thread(target=send, args=(s,)) for s in (False, False, True)]
+            for c in clients:  # one at the upstream, two in the gateway's queue
+                c.start()
+            deadline = time.monotonic() + 10
+            while len(state.calls) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            gw.server.handle_exit(signal.SIGTERM, None)
+            time.sleep(0.3)
+            assert not answers  # the drain waits (60 s)
+            started = time.monotonic()
+            gw.server.handle_exit(signal.SIGTERM, None)
+            for c in clients:
+                c.join(timeout=10)
+            assert time.monotonic() - started < 5
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [(503, "aborted")] * 3
+    assert not gw.server.force_exit and state.num_in_flight == 0
+    counted = state.metrics.registry.get_sample_value
+    upstream = "tierserve_gateway_upstream_requests_total"
+    assert counted(upstream, {"upstream": "f0", "outcome": "cut"}) == 1
+    assert not counted(upstream, {"upstream": "f0", "outcome": "client_left"})
+    assert counted("tierserve_rejections_total", {"reason": "cut", "priority": "P1"}) == 2
+    assert not counted("tierserve_rejections_total", {"reason": "client_left", "priority": "P1"})

@@ -48,6 +48,9 @@ class Dispatcher:
         self._router = router
         self._core: DispatchCore[_Handle] = DispatchCore(router, flow, clock)
         self._metrics = metrics
+        # Set when the gateway's drain cuts what is left: a request that leaves the queue (or
+        # an upstream) then was cut (`cut`), not given up by its client (`client_left`).
+        self.cutting = False
 
     def _counted(self, decision: RouteDecision) -> RouteDecision:
         self._metrics.decisions.labels(decision.reason).inc()
@@ -99,7 +102,7 @@ class Dispatcher:
                 if future.exception() is not None:
                     raise  # refused just as it left: counted as that refusal
                 self.finished(future.result())  # routed just as it left: it never went out
-            self._metrics.reject("client_left", tier)
+            self._metrics.reject("cut" if self.cutting else "client_left", tier)
             raise
         # Counted as it goes out, not as it is released: one released just as its client
         # left never reaches an upstream (and is counted `client_left` above).

@@ -1,10 +1,11 @@
 """Graceful shutdown of a gateway: SIGTERM stops admission, in-flight requests finish.
 
-New requests get 503 (`draining`) and /ready turns 503 while the requests already
-forwarded run to their end, up to the drain timeout; then the streams still open end
-with an error event (`aborted`) and `data: [DONE]`, the other requests with a 503
-`aborted`, uvicorn shuts down and the process exits with status 0. A second signal forces
-an immediate exit.
+New requests get 503 (`draining`) and /ready turns 503 while the requests already in
+the gateway run to their end, up to the drain timeout (those in its queue are forwarded as
+seats free up); then the streams still open end with an error event (`aborted`) and
+`data: [DONE]`, the other requests with a 503 `aborted`, uvicorn shuts down and the
+process exits with status 0. A second signal cuts the drain short in the same way, now;
+a third forces an immediate exit (as `tierserve serve`'s `DrainingServer`).
 """
 
 from __future__ import annotations
@@ -30,31 +31,45 @@ class DrainingGateway(uvicorn.Server):
         self._drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._hurry: asyncio.Event | None = None  # set by a second signal while draining
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_task is not None or self._loop is None:
+        loop = self._loop
+        if loop is None or (self._hurry is not None and self._hurry.is_set()):
             self.force_exit = True
             self.should_exit = True
-            return
-        self._loop.call_soon_threadsafe(self._begin_drain)
+        elif self._drain_task is not None:
+            loop.call_soon_threadsafe(self._hurry_drain)
+        else:
+            loop.call_soon_threadsafe(self._begin_drain)
 
     def _begin_drain(self) -> None:
         if self._drain_task is None:
             self._gw.begin_draining()
-            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+            self._hurry = asyncio.Event()
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(self._hurry))
 
-    async def _drain(self) -> None:
+    def _hurry_drain(self) -> None:
+        if self._hurry is not None:
+            self._hurry.set()
+
+    async def _drain(self, hurry: asyncio.Event) -> None:
         gw = self._gw
-        log.info("draining: admission stopped, requests in flight: %d", gw.num_in_flight)
+        log.info(
+            "draining: admission stopped, requests in flight: %d (timeout %.1f s)",
+            gw.num_in_flight,
+            self._drain_timeout_s,
+        )
         deadline = gw.clock.now() + self._drain_timeout_s
-        while gw.num_in_flight > 0 and gw.clock.now() < deadline:
+        while gw.num_in_flight > 0 and gw.clock.now() < deadline and not hurry.is_set():
             await asyncio.sleep(POLL_S)
         if gw.num_in_flight:
-            log.warning("drain timeout: %d requests still in flight are cut", gw.num_in_flight)
+            why = "second signal" if hurry.is_set() else "drain timeout"
+            log.warning("%s: %d requests still in flight are cut", why, gw.num_in_flight)
             await self._cut_streams()
         log.info("drained; shutting down")
         self.should_exit = True
@@ -64,6 +79,7 @@ class DrainingGateway(uvicorn.Server):
         non-streaming calls with a 503 `aborted`, and wait (briefly) for those to go out
         before uvicorn closes the connections."""
         gw = self._gw
+        gw.dispatcher.cutting = True  # a request leaving the queue now is cut, not left
         for relay in list(gw.relays):
             relay.cut()
         for call in list(gw.calls):

@@ -242,9 +242,10 @@ async def _attempts(gw: GatewayState, call: _Call) -> Response:
         tried_at = time.perf_counter()
         try:
             response = await _try_unless_ejected(gw, call, decision)
-        except asyncio.CancelledError:  # the client left (or the gateway is shutting down)
+        except asyncio.CancelledError:  # the client left, or the gateway's drain cut it
             _give_back(gw, call)
-            gw.metrics.upstream_requests.labels(decision.upstream, "client_left").inc()
+            outcome = "cut" if gw.dispatcher.cutting else "client_left"
+            gw.metrics.upstream_requests.labels(decision.upstream, outcome).inc()
             raise
         except _Retry as e:
             call.not_ours_s += time.perf_counter() - tried_at

@@ -98,6 +98,7 @@ REJECTION_REASONS = (
     "queue_timeout",
     "no_upstream",
     "client_left",
+    "cut",
     "upstream_overloaded",
     "upstream_unavailable",
 )
