@@ -4,6 +4,7 @@ envelope, a 200 that is not JSON. Found by probing the gateway with a misbehavin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -24,7 +25,14 @@ from tests.gateway.fakes import (
 )
 from tierserve.config import ConfigError
 from tierserve.gateway.config import parse_gateway_config
-from tierserve.gateway.usage import MAX_QUOTED_CHARS, EventTooLarge, ReplyRead, SseUsageTap, read_reply
+from tierserve.gateway.usage import (
+    MAX_QUOTED_CHARS,
+    EventTooLarge,
+    ReplyRead,
+    SseUsageTap,
+    read_reply,
+    usage_of,
+)
 from tierserve.server.fast_routes import OFFLOAD_BYTES
 
 UNUSED_URL = "http://127.0.0.1:1"
@@ -330,3 +338,35 @@ def test_a_large_reply_is_read_off_the_event_loop_and_passed_on_intact() -> None
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code == 200 and r.content == body
     assert jobs == [len(body)] and state.num_in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion", "total"),
+    [(3, 4, 7), (0, 0, 0), (True, True, None), (-500_000, 4, None), (10**400, 1, None), (3, "4", None)],
+)
+def test_a_usage_that_is_not_a_token_count_counts_as_none(
+    prompt: object, completion: object, total: object
+) -> None:
+    """A count of a billion left every tenant's tokens in debt for hours; a negative one
+    refunded tokens; `true` counted as 1; one of 400 digits failed the settling."""
+    usage = usage_of({"usage": {"prompt_tokens": prompt, "completion_tokens": completion}})
+    assert (usage.total if usage else None) == total
+
+
+def test_a_background_task_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from tierserve.gateway.state import build_gateway_state
+
+    upstream = f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{UNUSED_URL}"\n'
+    state = build_gateway_state(parse_gateway_config(tomllib.loads(upstream)))
+
+    async def fails() -> None:
+        raise OverflowError("int too large to convert to float")
+
+    async def scenario() -> None:
+        state.spawn(fails())
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.ERROR, logger="tierserve.gateway"):
+        asyncio.run(scenario())
+    (record,) = [r for r in caplog.records if "background task failed" in r.getMessage()]
+    assert record.exc_info and record.exc_info[0] is OverflowError

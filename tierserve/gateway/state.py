@@ -141,9 +141,16 @@ class GatewayState:
                 task.cancel()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` in the background; a failure is logged (not left for the event loop to
+        report, if ever, as an exception never retrieved)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("a background task failed", exc_info=error)
 
 
 def build_gateway_state(

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
+MAX_TOKEN_COUNT = 100_000_000  # in a reported usage: past any model's context (10M, Llama 4 Scout)
 MAX_QUOTED_CHARS = 500  # of an upstream's error text, quoted in the envelope
 MAX_EVENT_BYTES = 8 << 20  # one SSE event; a token's delta, even with logprobs, is a few KB
 _DONE = re.compile(rb"data:\s?\[DONE\]\s*")
@@ -46,9 +47,16 @@ def usage_of(payload: Any) -> TokenUsage | None:
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
-    return TokenUsage(prompt, completion)
+    if _count(prompt) and _count(completion):
+        return TokenUsage(prompt, completion)
+    return None
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    """A token count: an integer (JSON's `true` is not one), from 0 to `MAX_TOKEN_COUNT`. An
+    upstream's count past it, charged, left every tenant's tokens in debt for hours (and one
+    of 400 digits failed the settling)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT
 
 
 class ReplyRead(NamedTuple):
