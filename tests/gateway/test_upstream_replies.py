@@ -370,3 +370,28 @@ def test_a_background_task_that_fails_is_logged(caplog: pytest.LogCaptureFixture
         asyncio.run(scenario())
     (record,) = [r for r in caplog.records if "background task failed" in r.getMessage()]
     assert record.exc_info and record.exc_info[0] is OverflowError
+
+
+USAGE_JSON = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}'
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b"data: " + USAGE_JSON + b"\n\n",
+        b"data:" + USAGE_JSON + b"\n\n",  # no space after the colon: the same event (SSE)
+        b"id: 7\nevent: message\ndata: " + USAGE_JSON + b"\n\n",
+        b": a comment\ndata: " + USAGE_JSON[:15] + b"\ndata: " + USAGE_JSON[15:] + b"\n\n",  # two data lines
+    ],
+    ids=["usual", "no-space", "id-and-event", "two-lines"],
+)
+def test_the_usage_event_is_read_in_any_of_the_shapes_sse_allows(event: bytes) -> None:
+    """Only `data: {` was read: the usage went uncounted (the reservation charged whole), and
+    the usage-only event the client did not ask for reached it (`chunk.choices[0]` fails)."""
+    tap = SseUsageTap(forward_usage=False)
+    assert tap.feed(b'data: {"choices": [{"index": 0}], "usage": null}\n\n' + event) != b""
+    assert tap.usage is not None and tap.usage.total == 8
+    kept = SseUsageTap(forward_usage=True)
+    assert kept.feed(event) == event and kept.usage is not None
+    done = SseUsageTap(forward_usage=False)
+    assert done.feed(b"id: 9\ndata:[DONE]\n\n") and done.done

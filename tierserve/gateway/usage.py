@@ -146,24 +146,40 @@ class SseUsageTap:
             raise EventTooLarge(f"an event over {self._max_event_bytes:,} bytes")
 
     def _note_done(self, event: bytes) -> None:
-        if _DONE.fullmatch(event):
+        data = _data_of(event)
+        if data is not None and data.strip() == b"[DONE]":
             self.done = True
 
     def _event(self, event: bytes) -> bytes:
         if self.done:
             return b""  # nothing after `data: [DONE]` is for the client
         self._note_done(event)
+        data = _data_of(event)
         # With usage asked for, every chunk carries `"usage": null` (OpenAI's format, and
         # tierserve's and vLLM's): only one whose usage is not null is worth parsing.
-        if b'"usage"' not in event or not event.startswith(b"data: {") or _NULL_USAGE.search(event):
+        if data is None or b'"usage"' not in data or not data.startswith(b"{") or _NULL_USAGE.search(data):
             return event
         try:
-            payload = json.loads(event[len(b"data: ") :])
+            payload = json.loads(data)
         except ValueError:
             return event
         usage = usage_of(payload)
         if usage is not None:
             self.usage = usage
-            if not self._forward_usage and not payload.get("choices"):
+            if not self._forward_usage and isinstance(payload, dict) and not payload.get("choices"):
                 return b""
         return event
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """An SSE event's data: its `data:` lines' values (one leading space dropped) joined by
+    newlines; None where it has none. Other fields (`id:`, `event:`, comments) are skipped:
+    a usage event sent as `data:{...}` or after an `id:` line was passed on uncounted."""
+    if event.startswith(b"data: ") and event.find(b"\n") >= len(event) - 2:  # one line: the usual event
+        return event[6:].rstrip(b"\n")
+    values = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in event.rstrip(b"\n").split(b"\n")
+        if line.startswith(b"data:")
+    ]
+    return b"\n".join(values) if values else None
