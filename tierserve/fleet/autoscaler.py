@@ -89,7 +89,7 @@ class Observation:
     num_unread: int = 0
     p0_samples: int = 0
     kv_usage: Sequence[float] = ()  # per serving replica read by a scrape, 0..1
-    urgent_waiting: float = 0.0  # P0-P2 requests waiting on the serving replicas, as scraped
+    urgent_waiting: Sequence[float] = ()  # per serving replica scraped: its P0-P2 requests waiting
     # Requests of P0-P2 waiting in the gateway's queue: background work (P3) held there, for
     # which the tier-aware router keeps no more than 4 waiting a replica, is not a reason to
     # add GPUs (under the tier-aware router P3-only traffic at 4x bought 6 replicas where
@@ -154,11 +154,16 @@ class Autoscaler:
 
     def _full(self, obs: Observation) -> bool:
         """Whether the serving replicas hold all they can: the gateway keeps requests of
-        P0-P2 back (its flow control holds a tier whose upstreams are all saturated for it), requests
-        of P0-P2 wait on them (two a replica: a request that arrived during a step waits for
-        it, and with one a replica a light load of long P0 prompts scaled a fleet out), or
-        their K/V caches are nearly full on average."""
-        if obs.queued > 0 or (obs.num_serving and obs.urgent_waiting >= 2 * obs.num_serving):
+        P0-P2 back (its flow control holds a tier whose upstreams are all saturated for it),
+        requests of P0-P2 wait on most of them (two or more on each of over half: a request
+        that arrived during a step waits for it, and with one a replica a light load of long
+        P0 prompts scaled a fleet out), or their K/V caches are nearly full on average.
+        Counted replica by replica: a queue on one replica does not move to a new one, and
+        summed over the fleet, one replica's queue under prefix affinity read as a full fleet
+        and launched a replica every interval after the last arrival (25 launched where
+        utilization launched 8, for the same attainment: a trial, 2026-12-07)."""
+        queues = sum(waiting >= 2 for waiting in obs.urgent_waiting)
+        if obs.queued > 0 or (obs.num_serving and queues > obs.num_serving / 2):
             return True
         # A replica not yet read (just ready) counts as empty, as it counts as idle for
         # `utilization`.
@@ -210,7 +215,7 @@ class Autoscaler:
         # waiting than replicas serving: a fleet drained at the start of a burst, by an interval
         # that read calm until its last seconds, lost 4.6 points of P1 on the code trace at
         # its own rate), and the caches mostly empty.
-        if sum(obs.num_waiting) or obs.urgent_waiting >= n:
+        if sum(obs.num_waiting) or sum(obs.urgent_waiting) >= n:
             return False
         return _mean_of_read(obs.kv_usage, n) < c.scale_in_kv_usage
 

@@ -368,7 +368,7 @@ class FleetSim:
             sum(r.utilization is None for r in serving),
             p0_samples,
             kv_usage=[sample.kv_usage for sample in read],
-            urgent_waiting=sum(_urgent_waiting(sample) for sample in read),
+            urgent_waiting=[_urgent_waiting(sample) for sample in read],
             queued=sum(self.dispatch.depth(tier) for tier in (Tier.P0, Tier.P1, Tier.P2)),
             token_load=[r.token_load for r in serving if r.token_load is not None],
         )
