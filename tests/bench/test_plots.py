@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import pytest
 
-from tierserve.bench.plots import plot_against_load
+from tierserve.bench.plots import plot_against_load, short_names
 from tierserve.scheduling.registry import BENCH_POLICIES, POLICIES
 
 
@@ -36,3 +36,14 @@ def test_the_legend_of_a_one_or_two_panel_figure_shows_every_policy(
     assert [t.get_text() for t in legend.get_texts()] == list(policies)
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0
     assert box.y1 <= panel.y0  # below the panels and their labels, covering no data
+
+
+def test_panels_of_two_traces_named_alike_are_told_apart_by_their_folders() -> None:
+    """Two traces called conv.csv in two folders had panels titled the same."""
+    names = short_names(["default", "/data/a/conv.csv", "/data/b/conv.csv", "/data/b/code.csv"])
+    assert names == {
+        "default": "default",
+        "/data/a/conv.csv": "a/conv.csv",
+        "/data/b/conv.csv": "b/conv.csv",
+        "/data/b/code.csv": "code.csv",
+    }

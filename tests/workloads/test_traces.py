@@ -31,6 +31,25 @@ def test_azure_rows_become_arrivals_from_the_first_row(tmp_path: Path) -> None:
     assert records[1].line == 3
 
 
+def test_rows_with_no_output_are_served_as_one_token_and_said_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trace whose every output length was 0 ran as one of 1-token outputs, with nothing
+    said in the terminal or the report, while a prompt of 0 is refused."""
+    azure = write(
+        tmp_path,
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.0,4808,0\n2023-11-16 18:17:04.0,12,3\n2023-11-16 18:17:05.0,50,0\n",
+    )
+    mooncake = write(tmp_path, "m.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 0}\n')
+    with caplog.at_level(logging.WARNING):
+        assert [r.num_output_tokens for r in load_csv(azure)] == [0, 3, 0]
+        load_mooncake_jsonl(mooncake)
+    assert "2 rows have 0 GeneratedTokens: each is served as 1 output token" in caplog.text
+    assert "1 row has 0 output_length" in caplog.text
+
+
 @pytest.mark.parametrize(
     "row, message",
     [

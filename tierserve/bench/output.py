@@ -145,6 +145,8 @@ def _naming_out(out: str | Path) -> Iterator[None]:
     under /proc, and not which argument to change)."""
     try:
         yield
+    except FileExistsError as e:  # a file where a folder of the path should be
+        raise ValueError(f"--out {out}: cannot make its folder ({os.strerror(errno.ENOTDIR)})") from e
     except OSError as e:
         raise ValueError(f"--out {out}: cannot make its folder ({e.strerror or e})") from e
 

@@ -27,6 +27,7 @@ def plot_against_load(
     import matplotlib.pyplot as plt
 
     sections = list(dict.fromkeys((r["workload"], r["pattern"]) for r in runs))
+    names = short_names([w for w, _ in sections])
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     cols = min(3, len(sections))
     rows = math.ceil(len(sections) / cols)
@@ -55,8 +56,7 @@ def plot_against_load(
         ax.set_xlabel(
             "clients" if closed else ("trace speed-up" if pattern == "trace" else "load (x capacity)")
         )
-        # A trace's file name, not its path: a full path ran off the panel.
-        ax.set_title(f"{Path(workload).name}, {pattern}")
+        ax.set_title(f"{names[workload]}, {pattern}")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         if fraction:
@@ -72,6 +72,24 @@ def plot_against_load(
     fig.tight_layout(rect=(0, legend_in / (3.6 * rows + legend_in), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def short_names(workloads: Sequence[str]) -> dict[str, str]:
+    """Each workload's name for a panel title: a trace's file name, not its path (a full path
+    ran off the panel), with as many of its folders as tell it from the others (two traces
+    named alike in two folders had panels titled the same)."""
+
+    def tail(workload: str, n: int) -> str:
+        return str(Path(*Path(workload).parts[-n:]))
+
+    names: dict[str, str] = {}
+    for workload in dict.fromkeys(workloads):
+        others = [w for w in workloads if w != workload]
+        n = 1
+        while n < len(Path(workload).parts) and any(tail(w, n) == tail(workload, n) for w in others):
+            n += 1
+        names[workload] = tail(workload, n)
+    return names
 
 
 def _legend_below(fig: Any, handles: list[Any], labels: list[str]) -> float:

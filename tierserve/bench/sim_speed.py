@@ -264,9 +264,9 @@ def run(args: argparse.Namespace) -> int:
     result["think_time_s"] = args.think_time  # None for a trace, replayed at its own times
     result["host"] = {"load_avg_1m_before": before.load_avg_1m}
     if result["num_measured"] < args.requests:  # the trace (or its --trace-rows) ran out first
-        warm_up = result["num_requests"] - result["num_measured"]
+        warm_up, measured = result["num_requests"] - result["num_measured"], result["num_measured"]
         print(
-            f"note: {result['num_measured']} requests measured of the {args.requests} asked: "
+            f"note: {measured} request{'' if measured == 1 else 's'} measured of the {args.requests} asked: "
             f"the trace's rows ran out first"
             + (f" ({warm_up} more ran first as a warm-up, not measured)" if warm_up else ""),
             file=sys.stderr,

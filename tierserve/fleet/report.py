@@ -124,10 +124,12 @@ def _warning_lines(meta: Mapping[str, Any]) -> list[str]:
 
 
 def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots: Sequence[str]) -> None:
+    num = meta["num_requests"]
     lines = [
         "# Fleet simulation",
         "",
-        f"Trace `{meta['trace']}` x {meta['rate_scale']} {_scaled(meta)} ({meta['num_requests']} requests), "
+        f"Trace `{meta['trace']}` x {meta['rate_scale']} {_scaled(meta)} "
+        f"({num} request{'' if num == 1 else 's'}), "
         f"{meta['replicas']} replica{'' if meta['replicas'] == 1 else 's'} of {meta['model']} "
         f"on {meta['tp']} x {meta['gpu']} "
         f"(engine policy {meta['policy']}); commit {meta['commit'] or 'unknown (not a git checkout)'}; "

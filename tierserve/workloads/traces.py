@@ -262,6 +262,7 @@ def load_csv(path: str | Path, max_rows: int | None = None) -> list[TraceRecord]
         _warn_if_epoch(
             p, float(first_stamp), "seconds", (("milliseconds", _EPOCH_MS), ("microseconds", _EPOCH_US))
         )
+    _warn_if_no_output(p, records, layout.output)
     return records
 
 
@@ -310,6 +311,7 @@ def load_mooncake_jsonl(path: str | Path, max_rows: int | None = None) -> list[T
     if origin_ms is not None:
         _warn_if_epoch(p, origin_ms, "milliseconds", (("seconds", _EPOCH_S), ("microseconds", _EPOCH_US)))
     _warn_if_seconds(p, records)
+    _warn_if_no_output(p, records, "output_length")
     return records
 
 
@@ -403,6 +405,15 @@ def _warn_if_epoch(
                 fix,
             )
             return
+
+
+def _warn_if_no_output(p: Path, records: list[TraceRecord], name: str) -> None:
+    """Rows with 0 output tokens are served as 1 (a request's first token is its output):
+    said, as a row cut to the context is, since such requests are not quite the trace's."""
+    num_none = sum(r.num_output_tokens == 0 for r in records)
+    if num_none:
+        rows = "row has" if num_none == 1 else "rows have"
+        log.warning("%s: %d %s 0 %s: each is served as 1 output token", p, num_none, rows, name)
 
 
 def _warn_if_seconds(p: Path, records: list[TraceRecord]) -> None:
