@@ -251,7 +251,7 @@ CHAT = {"model": MODEL, "messages": MESSAGES}
         ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, "max_tokens"),  # no coercion, as OpenAI
         ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
-        ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, "prompt.0"),
+        ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, "prompt"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": CONTEXT}, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens"),
         ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),

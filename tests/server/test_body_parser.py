@@ -219,3 +219,37 @@ def test_the_large_body_gate_takes_its_share_and_queue_from_the_config() -> None
     for config, expected in ((ServeConfig(server=settings), [200, 200, 503]), (ServeConfig(), [200] * 3)):
         with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
             assert asyncio.run(three(srv.base_url)) == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "message"),
+    [
+        (
+            "completion",
+            {"prompt": ["x", 1]},
+            "prompt: Input should be a string, an array of strings, an array of integers (token ids), "
+            "or an array of arrays of integers (token ids)",
+        ),
+        ("completion", {"prompt": [[1, "a"]]}, "prompt.0.1: Input should be a valid integer"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content: Input should be a string or an array of content parts",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"text": "x"}]}]},
+            "messages.0.content.0.type: Field required",
+        ),
+    ],
+)
+def test_a_union_fields_error_names_what_it_takes_or_where_the_input_went_wrong(
+    kind: Any, body: dict[str, Any], message: str
+) -> None:
+    """The first member's error alone was reported: `["x", 1]` read `prompt.0: Input should be
+    a valid integer` (its element 0 is a valid string), and a content part without its `type`
+    read `content: Input should be a valid string`."""
+    from tierserve.server.errors import invalid_body
+
+    parsed, errors = parse(kind, _raw(**body))
+    assert parsed is None and errors and invalid_body(errors).message == message

@@ -41,6 +41,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 from pydantic import ValidationError
 
+from tierserve.server.errors import pick_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("tierserve.server")
@@ -72,8 +73,8 @@ def parse(kind: Kind, raw: bytes) -> Parsed:
 
 def first_error(e: ValidationError) -> dict[str, Any]:
     """What `errors.invalid_body` reads of an error, as plain data (its `input` may be the
-    whole body, and its `ctx` may hold an exception)."""
-    first = e.errors(include_url=False)[0]
+    whole body, and its `ctx` may hold an exception); `errors.pick_error` picks it."""
+    first = pick_error(e.errors(include_url=False))
     out: dict[str, Any] = {"type": first["type"], "loc": list(first["loc"]), "msg": first["msg"]}
     if "ctx" in first and "error" in first["ctx"]:
         out["ctx"] = {"error": str(first["ctx"]["error"])}

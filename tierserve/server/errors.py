@@ -74,8 +74,8 @@ def http_error(exc: HTTPException) -> ApiError:
 
 def invalid_body(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """A 400 naming the first invalid field of a body that failed validation (pydantic's or
-    FastAPI's error list); invalid JSON has a message of its own."""
-    first = errors[0] if errors else {}
+    FastAPI's error list, `pick_error`); invalid JSON has a message of its own."""
+    first = pick_error(errors) if errors else {}
     if first.get("type") == "json_invalid":
         why = str(first.get("ctx", {}).get("error", "cannot parse"))
         if "hex escape" in why:
@@ -89,6 +89,46 @@ def invalid_body(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     param = _param(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid request")
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+# How a 400 names the members of a union field (pydantic names them by their types).
+_MEMBERS = {
+    "str": "a string",
+    "list[str]": "an array of strings",
+    "list[int]": "an array of integers (token ids)",
+    "list[list[int]]": "an array of arrays of integers (token ids)",
+    "list[ContentPart]": "an array of content parts",
+}
+
+
+def pick_error(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The error a 400 reports: the first, or where it is in a union field, the error of the
+    member the input went furthest into, and where several went as far, one saying what the
+    field takes. The first member's error alone said `prompt.0: Input should be a valid
+    integer` of `["x", 1]`, whose element 0 is a valid string."""
+    loc = tuple(errors[0].get("loc", ()))
+    at = next((i for i, part in enumerate(loc) if isinstance(part, str) and part in _MEMBERS), None)
+    if at is None:
+        return errors[0]
+    field = loc[:at]
+    members = [e for e in errors if len(e.get("loc", ())) > at and tuple(e["loc"][:at]) == field]
+    deepest = max(len(e["loc"]) for e in members)
+    reached = [e for e in members if len(e["loc"]) == deepest]
+    if len({e["loc"][at] for e in reached}) == 1:
+        return reached[0]
+    order = list(_MEMBERS)
+    kinds = sorted(
+        {str(e["loc"][at]) for e in members}, key=lambda k: order.index(k) if k in order else len(order)
+    )
+    takes = _either([_MEMBERS.get(k, k) for k in kinds])
+    return {"type": "union_type", "loc": field, "msg": f"Input should be {takes}"}
+
+
+def _either(names: list[str]) -> str:
+    """Names joined as a list in words: "a", "a or b", "a, b, or c"."""
+    if len(names) < 3:
+        return " or ".join(names)
+    return ", ".join(names[:-1]) + ", or " + names[-1]
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
