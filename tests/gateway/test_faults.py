@@ -365,6 +365,7 @@ def test_a_whole_reply_past_the_limit_is_a_502_not_the_gateways_memory(
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
         metrics = httpx.get(gw.url + "/metrics").text
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_reply_too_large"
+    assert r.headers["x-tierserve-tier"] == "P1"  # as every other answer (it alone had none)
     assert 'tierserve_gateway_upstream_requests_total{outcome="too_large",upstream="f0"} 1.0' in metrics
 
 

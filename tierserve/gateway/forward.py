@@ -526,7 +526,11 @@ async def _whole(
         _settle(gw, call, None)
         log.warning("upstream %s sent a reply over %s bytes; not passed on", name, f"{MAX_REPLY_BYTES:,}")
         raise ApiError(
-            502, f"The upstream's reply was over {e}.", type="server_error", code="upstream_reply_too_large"
+            502,
+            f"The upstream's reply was over {e}.",
+            type="server_error",
+            code="upstream_reply_too_large",
+            headers=call.headers,  # the tier and rate-limit headers, as every other answer
         ) from None
     finally:
         reply.release()
