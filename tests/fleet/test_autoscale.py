@@ -106,13 +106,15 @@ def test_tier_policy_reads_how_full_the_replicas_are_not_how_busy() -> None:
         _obs(kv_usage=[0.95, 0.9]),  # K/V caches nearly full
         _obs(kv_usage=[0.3, 0.2], queued=1),  # the gateway holds a request back
         _obs(kv_usage=[0.3, 0.2], urgent_waiting=[2.0, 2.0]),  # P0-P2 requests wait on the replicas
-        _obs(kv_usage=[0.3, 0.2, 0.1], urgent_waiting=[3.0, 2.0, 0.0]),  # on most of them
+        _obs(kv_usage=[0.3, 0.2], urgent_waiting=[3.0, 1.0]),
     ):
         assert tier.decide(full) == 1, full
     assert tier.decide(_obs(kv_usage=[0.3, 0.2], urgent_waiting=[2.0, 1.0])) == 0  # arrived mid-step
     # A queue on one replica of two (prefix affinity holding a hot prompt there) does not
-    # move to a new replica: summed over the fleet, it launched one every interval.
+    # move to a new replica: counted whole, it launched one every interval.
     assert tier.decide(_obs(kv_usage=[0.3, 0.2], urgent_waiting=[40.0, 0.0])) == 0
+    lone = _obs(num_serving=1, utilization=[0.5], num_waiting=[0], kv_usage=[0.3], urgent_waiting=[40.0])
+    assert tier.decide(lone) == 1  # a lone replica's queue is the fleet's
     # A replica just ready, not yet scraped, counts as empty for scaling out.
     assert tier.decide(_obs(num_serving=2, kv_usage=[0.95])) == 0
 

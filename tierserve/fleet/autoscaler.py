@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_STARTUP_DELAY_S = 265.0
+QUEUE_COUNTED = 3  # of a replica's P0-P2 requests waiting, where the tier policy judges the fleet full
 
 
 class ScalingPolicy(enum.Enum):
@@ -155,15 +156,15 @@ class Autoscaler:
     def _full(self, obs: Observation) -> bool:
         """Whether the serving replicas hold all they can: the gateway keeps requests of
         P0-P2 back (its flow control holds a tier whose upstreams are all saturated for it),
-        requests of P0-P2 wait on most of them (two or more on each of over half: a request
-        that arrived during a step waits for it, and with one a replica a light load of long
-        P0 prompts scaled a fleet out), or their K/V caches are nearly full on average.
-        Counted replica by replica: a queue on one replica does not move to a new one, and
-        summed over the fleet, one replica's queue under prefix affinity read as a full fleet
-        and launched a replica every interval after the last arrival (25 launched where
-        utilization launched 8, for the same attainment: a trial, 2026-12-07)."""
-        queues = sum(waiting >= 2 for waiting in obs.urgent_waiting)
-        if obs.queued > 0 or (obs.num_serving and queues > obs.num_serving / 2):
+        requests of P0-P2 wait on them (two a replica: a request that arrived during a step
+        waits for it, and with one a replica a light load of long P0 prompts scaled a fleet
+        out), or their K/V caches are nearly full on average. A replica's queue counts up to
+        `QUEUE_COUNTED` (a little over the two that read full): a queue does not move to a
+        new replica, and counted whole, one replica's queue under prefix affinity read as a
+        full fleet and launched a replica every interval after the last arrival (25 launched
+        where utilization launched 8, for the same attainment: a trial, 2026-12-07)."""
+        queued = sum(min(waiting, QUEUE_COUNTED) for waiting in obs.urgent_waiting)
+        if obs.queued > 0 or (obs.num_serving and queued >= 2 * obs.num_serving):
             return True
         # A replica not yet read (just ready) counts as empty, as it counts as idle for
         # `utilization`.
