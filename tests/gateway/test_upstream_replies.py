@@ -330,9 +330,9 @@ def test_a_large_reply_is_read_off_the_event_loop_and_passed_on_intact() -> None
         jobs: list[int] = []
         run = state.body_parser.run
 
-        async def spy(job: Any, kind: Any, raw: bytes) -> Any:
+        async def spy(job: Any, kind: Any, raw: bytes, **options: Any) -> Any:
             jobs.append(len(raw))
-            return await run(job, kind, raw)
+            return await run(job, kind, raw, **options)
 
         state.body_parser.run = spy  # type: ignore[method-assign]
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=60)

@@ -66,6 +66,19 @@ def _worker_pid(parser: BodyParser) -> int:
     return int(pid)
 
 
+def test_a_job_that_waits_for_the_worker_is_not_run_on_a_thread_meanwhile() -> None:
+    """A parse on a thread holds the interpreter lock, and so the event loop: the gateway's
+    large replies wait for the worker to start instead."""
+
+    async def main() -> None:
+        parser = BodyParser()
+        read = await parser.run(parse, "completion", _raw(prompt="x"), wait_for_worker=True)
+        assert read[0] is not None and parser.num_parsed_in_process == 1
+        await parser.aclose()
+
+    asyncio.run(main())
+
+
 def test_the_worker_parses_in_another_process_and_a_dead_one_is_replaced() -> None:
     async def main() -> None:
         parser = BodyParser()

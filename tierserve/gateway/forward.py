@@ -561,7 +561,8 @@ async def _read_reply(gw: GatewayState, content: bytes, status: int) -> ReplyRea
     """`read_reply`, in the body parser's process for a large reply (a non-streaming
     answer with logprobs runs to megabytes: parsed here, it held every stream)."""
     if len(content) > OFFLOAD_BYTES:
-        return await gw.body_parser.run(partial(read_reply, status=status), "completion", content)
+        job = partial(read_reply, status=status)
+        return await gw.body_parser.run(job, "completion", content, wait_for_worker=True)
     return read_reply("completion", content, status)
 
 

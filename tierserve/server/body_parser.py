@@ -182,14 +182,24 @@ class BodyParser:
             raise BodyInvalid(errors or [])
         return body
 
-    async def run(self, job: Callable[[Kind, bytes], T], kind: Kind, raw: bytes) -> T:
+    async def run(
+        self, job: Callable[[Kind, bytes], T], kind: Kind, raw: bytes, wait_for_worker: bool = False
+    ) -> T:
         """`job(kind, raw)` in the worker (a module-level function: it crosses by name), or
-        on a thread while there is none. The gateway reads its bodies through here too."""
+        on a thread while there is none. The gateway reads its bodies through here too.
+        `wait_for_worker`: while the worker starts, wait for it rather than take a thread,
+        whose parse holds the interpreter lock (json.loads does) and so the event loop: a
+        job that must not be refused and need not be quick (a reply the gateway reads, which
+        four at a time on threads held its streams for 0.3-0.6 s)."""
         pool = self._pool
         if pool is None:
             if self._use_process and self._starting is None:
                 self._starting = asyncio.get_running_loop().create_task(self._start_in_background())
-            return await asyncio.to_thread(job, kind, raw)
+            if wait_for_worker and self._starting is not None and not self._starting.done():
+                await asyncio.shield(self._starting)
+                pool = self._pool
+            if pool is None:
+                return await asyncio.to_thread(job, kind, raw)
         try:
             done = await asyncio.get_running_loop().run_in_executor(pool, job, kind, raw)
         except BrokenProcessPool:
