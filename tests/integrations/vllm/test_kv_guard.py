@@ -26,10 +26,11 @@ def test_the_guards_smaller_free_count_ends_with_the_call_whatever_happens_in_it
     assert pool.get_num_free_blocks() == 10 and "get_num_free_blocks" not in vars(pool)
 
 
-def test_vllms_own_reserve_adds_to_the_tiers() -> None:
+def test_vllms_own_reserve_adds_to_the_floors_not_to_the_ceiling() -> None:
     """vLLM asks an admission whose KV loads asynchronously to leave free what admitted
-    prompts still need; the tier's reserve (an unfilled P0 floor here) must stay free too.
-    Taking the larger of the two left room for one of them only."""
+    prompts still need; an unfilled P0 floor must stay free too (taking the larger of the
+    two left room for one of them only). A tier's ceiling bounds its own blocks alone:
+    vLLM's reserve does not add to what it holds back."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -52,3 +53,13 @@ def test_vllms_own_reserve_adds_to_the_tiers() -> None:
     assert manager.block_pool.get_num_free_blocks() == free
     assert guard.allocate_slots(request, request.num_tokens, reserved_blocks=5) is not None
     assert ledger.used[Tier.P3] == 10
+
+    for num_blocks, fits in ((12, True), (13, False)):
+        capped = TierLedger(TierPartition(40, (0, 0, 0, 0), (0, 0, 0, 0), (40, 40, 40, 12)))  # P3: 12 at most
+        guard = TierGuardedKVCacheManager(_manager(["full"], num_blocks=40), capped, book)
+        asked = Request(
+            f"p3-{num_blocks}", list(range(1, 16 * num_blocks + 1)), SamplingParams(max_tokens=8), None
+        )
+        book.add(asked, Tier.P3, "t")
+        # 39 free less vLLM's 5 leave 34: the ceiling alone decides
+        assert (guard.allocate_slots(asked, asked.num_tokens, reserved_blocks=5) is not None) is fits

@@ -231,6 +231,7 @@ def test_a_tier_held_by_its_ceiling_is_told_apart_from_a_full_pool() -> None:
     assert not ledger.ceiling_binds(Tier.P3, num_free=0)
     ledger.reset([39, 0, 0, 50])  # P0 has 1 block of headroom among 11 free
     assert ledger.ceiling_binds(Tier.P0, num_free=11)
+    assert not ledger.ceiling_binds(Tier.P0, num_free=11, also=11)  # vLLM's own reserve binds first
 
 
 def test_every_tier_must_have_room_for_one_request_of_the_models_context() -> None:

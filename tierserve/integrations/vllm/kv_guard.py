@@ -92,9 +92,9 @@ class TierGuardedKVCacheManager:
         tier = self._book.tier(request.request_id)
         pool = self.inner.block_pool
         num_free = pool.get_num_free_blocks()
-        # vLLM's own reserve (the blocks admitted async-loading prompts still need) and the
-        # tier's are both blocks that must stay free: they add up.
-        reserve = reserved_blocks + self._ledger.reserved_blocks(tier, num_free)
+        # vLLM's own reserve (the blocks admitted async-loading prompts still need) adds to
+        # the other tiers' floors, not to what the tier's ceiling holds back.
+        reserve = self._ledger.reserved_blocks(tier, num_free, also=reserved_blocks)
         if reserve and kwargs.get("full_sequence_must_fit"):
             with _free_blocks_less(pool, reserve):
                 blocks = self.inner.allocate_slots(
@@ -116,7 +116,7 @@ class TierGuardedKVCacheManager:
         elif (
             self.on_ceiling is not None
             and request.status == RequestStatus.RUNNING
-            and self._ledger.ceiling_binds(tier, num_free)
+            and self._ledger.ceiling_binds(tier, num_free, also=reserved_blocks)
         ):
             self.on_ceiling(request, tier)
         return blocks

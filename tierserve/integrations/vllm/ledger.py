@@ -43,20 +43,23 @@ class TierLedger:
         pool at every step, and blocks vLLM frees late (deferred frees) may already be out."""
         self.used[tier] = max(0, self.used[tier] - num_blocks)
 
-    def reserved_blocks(self, tier: Tier, num_free: int) -> int:
+    def reserved_blocks(self, tier: Tier, num_free: int, also: int = 0) -> int:
         """Free blocks an allocation for `tier` must leave: the unfilled floors of more
-        urgent tiers, and whatever lies beyond the tier's ceiling."""
+        urgent tiers, and whatever lies beyond the tier's ceiling. `also`: blocks the caller
+        itself leaves free (vLLM's reserve for prompts whose KV loads asynchronously): they
+        add to the floors, which are the pool's too, but not to the ceiling, which bounds the
+        tier's own blocks alone."""
         protected = self.partition.protected_free(tier, self.used)
         headroom = max(0, self.partition.ceiling[tier] - self.used[tier])
-        return max(protected, num_free - headroom)
+        return max(also + protected, num_free - headroom)
 
-    def ceiling_binds(self, tier: Tier, num_free: int) -> bool:
+    def ceiling_binds(self, tier: Tier, num_free: int, also: int = 0) -> bool:
         """Whether an allocation for `tier` that found too few blocks was held back by the
-        tier's ceiling. Then no other tier's blocks would make room (the part held back
-        grows with every block they free); only blocks of `tier` itself would. (A reserve of
-        the caller's own adds to the tier's and changes nothing here.)"""
+        tier's ceiling (`also` as for `reserved_blocks`). Then no other tier's blocks would
+        make room (the part held back grows with every block they free); only blocks of
+        `tier` itself would."""
         headroom = max(0, self.partition.ceiling[tier] - self.used[tier])
-        return num_free - headroom >= self.partition.protected_free(tier, self.used)
+        return num_free - headroom >= also + self.partition.protected_free(tier, self.used)
 
     def fits(self, tier: Tier, num_blocks: int, num_free: int) -> bool:
         return num_blocks <= num_free - self.reserved_blocks(tier, num_free)
