@@ -9,6 +9,7 @@ import json
 import logging
 import socket
 import tomllib
+from functools import partial
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ from tests.gateway.fakes import (
     spread_body,
 )
 from tierserve.config import ConfigError
+from tierserve.gateway import forward
 from tierserve.gateway.config import parse_gateway_config
 from tierserve.gateway.usage import (
     MAX_QUOTED_CHARS,
@@ -33,7 +35,6 @@ from tierserve.gateway.usage import (
     read_reply,
     usage_of,
 )
-from tierserve.server.fast_routes import OFFLOAD_BYTES
 
 UNUSED_URL = "http://127.0.0.1:1"
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -324,7 +325,7 @@ def test_a_large_reply_is_read_off_the_event_loop_and_passed_on_intact() -> None
             "usage": {"prompt_tokens": 3, "completion_tokens": 20_000, "total_tokens": 20_003},
         }
     ).encode()
-    assert len(body) > OFFLOAD_BYTES
+    assert len(body) > forward.REPLY_OFFLOAD_BYTES
     fake = FakeUpstream("refuse", refusal_status=200, refusal_body=body)
     with fake_upstream(fake) as url, gateway([url]) as (gw, state):
         jobs: list[int] = []
@@ -395,3 +396,28 @@ def test_the_usage_event_is_read_in_any_of_the_shapes_sse_allows(event: bytes) -
     assert kept.feed(event) == event and kept.usage is not None
     done = SseUsageTap(forward_usage=False)
     assert done.feed(b"id: 9\ndata:[DONE]\n\n") and done.done
+
+
+def test_an_upstream_ejected_while_its_whole_reply_is_parsed_does_not_send_the_request_again() -> None:
+    """The reply was in hand, but its attempt still counted as awaiting one: an ejection
+    while the worker parsed it cut the attempt, and the request was answered by a second
+    upstream too."""
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}).encode()
+    body = body[:-1] + b', "pad": "' + b"x" * (forward.REPLY_OFFLOAD_BYTES + 1) + b'"}'
+    fakes = [FakeUpstream("refuse", refusal_status=200, refusal_body=body) for _ in range(2)]
+    with fake_upstream(fakes[0]) as u0, fake_upstream(fakes[1]) as u1, gateway([u0, u1]) as (gw, state):
+        run = state.body_parser.run
+
+        async def ejecting(job: Any, kind: Any, raw: bytes, **options: Any) -> Any:
+            (served,) = [f"f{i}" for i, fake in enumerate(fakes) if fake.bodies]
+            # From outside the attempt (a health check's, say): the attempt that ejects an
+            # upstream itself goes on.
+            eject = partial(state.record_failure, served, "silent", eject_now=True, unresponsive=True)
+            asyncio.get_running_loop().call_soon(eject)
+            await asyncio.sleep(0.05)
+            return await run(job, kind, raw, **options)
+
+        state.body_parser.run = ejecting  # type: ignore[method-assign]
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 200 and r.content == body
+    assert sum(len(fake.bodies) for fake in fakes) == 1

@@ -52,6 +52,7 @@ from tierserve.tiers import Tier
 log = logging.getLogger("tierserve.gateway")
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 MAX_REPLY_BYTES = 64 << 20  # a non-streaming reply, read whole before it is passed on
+REPLY_OFFLOAD_BYTES = 256 << 10  # a reply larger is parsed in the body parser's process
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away
 
 
@@ -534,6 +535,10 @@ async def _whole(
         ) from None
     finally:
         reply.release()
+    # The reply is in: an ejection of its upstream from now on has nothing to cut (a cut
+    # while the worker parsed it sent the answered request to another upstream, again).
+    if (task := asyncio.current_task()) is not None:
+        gw.awaiting_reply.get(name, set()).discard(task)
     read = await _read_reply(gw, content, reply.status)
     if reply.status == 200 and not read.is_object:
         raise _Retry("a 200 reply that is not a JSON object", fault=True)
@@ -559,8 +564,10 @@ async def _whole(
 
 async def _read_reply(gw: GatewayState, content: bytes, status: int) -> ReplyRead:
     """`read_reply`, in the body parser's process for a large reply (a non-streaming
-    answer with logprobs runs to megabytes: parsed here, it held every stream)."""
-    if len(content) > OFFLOAD_BYTES:
+    answer with logprobs runs to megabytes: parsed here, it held every stream). Replies
+    below `REPLY_OFFLOAD_BYTES` (about 2 ms of parsing) stay here: the worker is the large
+    request bodies' too, and most replies are small."""
+    if len(content) > REPLY_OFFLOAD_BYTES:
         job = partial(read_reply, status=status)
         return await gw.body_parser.run(job, "completion", content, wait_for_worker=True)
     return read_reply("completion", content, status)
