@@ -237,12 +237,19 @@ def test_the_large_body_gate_takes_its_share_and_queue_from_the_config() -> None
 @pytest.mark.parametrize(
     ("kind", "body", "message"),
     [
+        ("completion", {"prompt": ["x", 1]}, "prompt.1: Input should be a valid string"),
+        ("completion", {"prompt": [*range(99), "x"]}, "prompt.99: Input should be a valid integer"),
         (
             "completion",
-            {"prompt": ["x", 1]},
+            {"prompt": 5},
             "prompt: Input should be a string, an array of strings, an array of integers (token ids), "
             "or an array of arrays of integers (token ids)",
         ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5},
+            "tool_choice: Input should be a valid string",
+        ),  # a union this list does not name: its first member's error
         ("completion", {"prompt": [[1, "a"]]}, "prompt.0.1: Input should be a valid integer"),
         (
             "chat",
@@ -261,7 +268,8 @@ def test_a_union_fields_error_names_what_it_takes_or_where_the_input_went_wrong(
 ) -> None:
     """The first member's error alone was reported: `["x", 1]` read `prompt.0: Input should be
     a valid integer` (its element 0 is a valid string), and a content part without its `type`
-    read `content: Input should be a valid string`."""
+    read `content: Input should be a valid string`. The member whose first bad element comes
+    latest is the one meant: a token id gone wrong among thousands is named by its place."""
     from tierserve.server.errors import invalid_body
 
     parsed, errors = parse(kind, _raw(**body))

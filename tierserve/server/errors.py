@@ -103,25 +103,36 @@ _MEMBERS = {
 
 def pick_error(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The error a 400 reports: the first, or where it is in a union field, the error of the
-    member the input went furthest into, and where several went as far, one saying what the
-    field takes. The first member's error alone said `prompt.0: Input should be a valid
-    integer` of `["x", 1]`, whose element 0 is a valid string."""
+    member the input went furthest into (the later its first bad element, then the deeper),
+    and where several went as far, one saying what the field takes. The first member's
+    error alone said `prompt.0: Input should be a valid integer` of `["x", 1]`, whose element
+    0 is a valid string."""
     loc = tuple(errors[0].get("loc", ()))
     at = next((i for i, part in enumerate(loc) if isinstance(part, str) and part in _MEMBERS), None)
     if at is None:
         return errors[0]
     field = loc[:at]
-    members = [e for e in errors if len(e.get("loc", ())) > at and tuple(e["loc"][:at]) == field]
-    deepest = max(len(e["loc"]) for e in members)
-    reached = [e for e in members if len(e["loc"]) == deepest]
-    if len({e["loc"][at] for e in reached}) == 1:
+    firsts: dict[str, Mapping[str, Any]] = {}  # each member's first error
+    for e in errors:
+        where = tuple(e.get("loc", ()))
+        if len(where) > at and where[:at] == field:
+            firsts.setdefault(str(where[at]), e)
+    if any(member not in _MEMBERS for member in firsts):
+        return errors[0]  # a union this list does not name in words
+
+    def reach(e: Mapping[str, Any]) -> tuple[int, int]:
+        after = tuple(e["loc"])[at + 1 :]
+        return (after[0] if after and isinstance(after[0], int) else -1, len(after))
+
+    furthest = max(reach(e) for e in firsts.values())
+    reached = [e for e in firsts.values() if reach(e) == furthest]
+    if len(reached) == 1:
         return reached[0]
-    order = list(_MEMBERS)
-    kinds = sorted(
-        {str(e["loc"][at]) for e in members}, key=lambda k: order.index(k) if k in order else len(order)
-    )
-    takes = _either([_MEMBERS.get(k, k) for k in kinds])
-    return {"type": "union_type", "loc": field, "msg": f"Input should be {takes}"}
+    return {
+        "type": "union_type",
+        "loc": field,
+        "msg": f"Input should be {_either([_MEMBERS[m] for m in _MEMBERS if m in firsts])}",
+    }
 
 
 def _either(names: list[str]) -> str:
