@@ -382,9 +382,10 @@ USAGE_JSON = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens"
         b"data: " + USAGE_JSON + b"\n\n",
         b"data:" + USAGE_JSON + b"\n\n",  # no space after the colon: the same event (SSE)
         b"id: 7\nevent: message\ndata: " + USAGE_JSON + b"\n\n",
+        b"data:  " + USAGE_JSON + b"\n\n",  # two spaces: the data starts with one
         b": a comment\ndata: " + USAGE_JSON[:15] + b"\ndata: " + USAGE_JSON[15:] + b"\n\n",  # two data lines
     ],
-    ids=["usual", "no-space", "id-and-event", "two-lines"],
+    ids=["usual", "no-space", "id-and-event", "two-spaces", "two-lines"],
 )
 def test_the_usage_event_is_read_in_any_of_the_shapes_sse_allows(event: bytes) -> None:
     """Only `data: {` was read: the usage went uncounted (the reservation charged whole), and
@@ -396,6 +397,9 @@ def test_the_usage_event_is_read_in_any_of_the_shapes_sse_allows(event: bytes) -
     assert kept.feed(event) == event and kept.usage is not None
     done = SseUsageTap(forward_usage=False)
     assert done.feed(b"id: 9\ndata:[DONE]\n\n") and done.done
+    last = SseUsageTap(forward_usage=False)  # the last event, without its line end
+    assert last.feed(b"id: 9\ndata: [DONE]") == b"" and last.flush() == b"id: 9\ndata: [DONE]\n\n"
+    assert last.done and last.feed(b"data: {}\n\n") + last.flush() == b""
 
 
 def test_an_upstream_ejected_while_its_whole_reply_is_parsed_does_not_send_the_request_again() -> None:

@@ -29,7 +29,6 @@ _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
 MAX_TOKEN_COUNT = 100_000_000  # in a reported usage: past any model's context (10M, Llama 4 Scout)
 MAX_QUOTED_CHARS = 500  # of an upstream's error text, quoted in the envelope
 MAX_EVENT_BYTES = 8 << 20  # one SSE event; a token's delta, even with logprobs, is a few KB
-_DONE = re.compile(rb"data:\s?\[DONE\]\s*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +129,12 @@ class SseUsageTap:
         rest = b"".join(self._pieces) + (b"\r" if self._cr else b"")
         self._pieces, self._size, self._cr = [], 0, False
         rest = rest.replace(b"\r\n", b"\n")
-        whole = rest.endswith((b"\n", b"\r")) or _DONE.fullmatch(rest.strip()) is not None
-        if not rest.strip() or not whole:
+        if self.done or not rest.strip():  # nothing after `data: [DONE]` is for the client
             return b""
-        self._note_done(rest)
+        if _is_done(_data_of(rest)):
+            self.done = True
+        elif not rest.endswith((b"\n", b"\r")):
+            return b""
         return rest.rstrip(b"\r\n") + b"\n\n"
 
     def _keep(self, piece: bytes) -> None:
@@ -145,19 +146,20 @@ class SseUsageTap:
             self._pieces, self._size = [], 0
             raise EventTooLarge(f"an event over {self._max_event_bytes:,} bytes")
 
-    def _note_done(self, event: bytes) -> None:
-        data = _data_of(event)
-        if data is not None and data.strip() == b"[DONE]":
-            self.done = True
-
     def _event(self, event: bytes) -> bytes:
         if self.done:
             return b""  # nothing after `data: [DONE]` is for the client
-        self._note_done(event)
         data = _data_of(event)
+        if _is_done(data):
+            self.done = True
         # With usage asked for, every chunk carries `"usage": null` (OpenAI's format, and
         # tierserve's and vLLM's): only one whose usage is not null is worth parsing.
-        if data is None or b'"usage"' not in data or not data.startswith(b"{") or _NULL_USAGE.search(data):
+        if (
+            data is None
+            or b'"usage"' not in data
+            or _NULL_USAGE.search(data)
+            or not data.lstrip().startswith(b"{")
+        ):
             return event
         try:
             payload = json.loads(data)
@@ -169,6 +171,11 @@ class SseUsageTap:
             if not self._forward_usage and isinstance(payload, dict) and not payload.get("choices"):
                 return b""
         return event
+
+
+def _is_done(data: bytes | None) -> bool:
+    """Whether an event's data is the stream's last word, `[DONE]`."""
+    return data is not None and data.strip() == b"[DONE]"
 
 
 def _data_of(event: bytes) -> bytes | None:
