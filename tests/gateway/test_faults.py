@@ -495,3 +495,16 @@ def test_a_second_signal_cuts_the_drain_short_and_queued_requests_count_as_cut()
     assert not counted(upstream, {"upstream": "f0", "outcome": "client_left"})
     assert counted("tierserve_rejections_total", {"reason": "cut", "priority": "P1"}) == 2
     assert not counted("tierserve_rejections_total", {"reason": "client_left", "priority": "P1"})
+
+
+def test_a_signal_once_the_drain_is_over_forces_the_exit() -> None:
+    """After the drain, uvicorn may wait on connections; a second signal set only the drain's
+    hurry, which nothing read any more, and a third was needed."""
+    with fake_upstream(FakeUpstream("ok")) as url, gateway([url], drain_timeout_s=5) as (gw, _):
+        gw.server.handle_exit(signal.SIGTERM, None)
+        deadline = time.monotonic() + 10
+        while not gw.server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gw.server.should_exit and not gw.server.force_exit  # drained: nothing in flight
+        gw.server.handle_exit(signal.SIGTERM, None)
+        assert gw.server.force_exit

@@ -5,57 +5,33 @@ the gateway run to their end, up to the drain timeout (those in its queue are fo
 seats free up); then the streams still open end with an error event (`aborted`) and
 `data: [DONE]`, the other requests with a 503 `aborted`, uvicorn shuts down and the
 process exits with status 0. A second signal cuts the drain short in the same way, now;
-a third forces an immediate exit (as `tierserve serve`'s `DrainingServer`).
+a third, or any once the drain is over, forces an immediate exit (`GracefulServer`, as
+`tierserve serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-from types import FrameType
 
 import uvicorn
 
 from tierserve.gateway.state import GatewayState
+from tierserve.server.drain import GracefulServer
 
 log = logging.getLogger("tierserve.gateway")
 POLL_S = 0.05
 CUT_GRACE_S = 2.0  # for the last event of each stream cut at the drain timeout to go out
 
 
-class DrainingGateway(uvicorn.Server):
+class DrainingGateway(GracefulServer):
     def __init__(self, config: uvicorn.Config, gw: GatewayState, drain_timeout_s: float) -> None:
         super().__init__(config)
         self._gw = gw
         self._drain_timeout_s = drain_timeout_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task[None] | None = None
-        self._hurry: asyncio.Event | None = None  # set by a second signal while draining
 
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        loop = self._loop
-        if loop is None or (self._hurry is not None and self._hurry.is_set()):
-            self.force_exit = True
-            self.should_exit = True
-        elif self._drain_task is not None:
-            loop.call_soon_threadsafe(self._hurry_drain)
-        else:
-            loop.call_soon_threadsafe(self._begin_drain)
-
-    def _begin_drain(self) -> None:
-        if self._drain_task is None:
-            self._gw.begin_draining()
-            self._hurry = asyncio.Event()
-            self._drain_task = asyncio.get_running_loop().create_task(self._drain(self._hurry))
-
-    def _hurry_drain(self) -> None:
-        if self._hurry is not None:
-            self._hurry.set()
+    def _begin_draining(self) -> None:
+        self._gw.begin_draining()
 
     async def _drain(self, hurry: asyncio.Event) -> None:
         gw = self._gw

@@ -213,7 +213,7 @@ async def _unless_client_leaves(gw: GatewayState, call: _Call, http: HttpRequest
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # no one reads it
         raise ApiError(
             503,
-            "The gateway is shutting down (drain timeout).",
+            "The gateway is shutting down: its drain ended before this request did.",
             type="server_error",
             code="aborted",
             headers={"Retry-After": "1"},  # another gateway may take it

@@ -121,7 +121,9 @@ class Relay:
         """The last event of a stream that did not run to its end: cut by the gateway, or
         broken by the upstream (`error`: what broke it)."""
         if self._outcome == "cut":
-            return error_event("the gateway is shutting down (drain timeout)", code="aborted")
+            return error_event(
+                "the gateway is shutting down: its drain ended before this stream did", code="aborted"
+            )
         self._outcome = "broken"
         log.warning("upstream %s broke a stream midway: %s", self._name, error)
         # Which one is in the log line above: an upstream's name is often its address, which
