@@ -32,7 +32,7 @@ def test_queue_cap_refuses_with_the_depth() -> None:
     verdict = admission.check(Tier.P0, {Tier.P0: 4}, now=0.0)
     assert not verdict.admitted and verdict.reason == "queue_full" and verdict.queue_depth == 4
     assert verdict.retry_after_s >= 1.0
-    assert admission.check(Tier.P0, {Tier.P0: 3}, now=0.0).admitted
+    assert admission.check(Tier.P0, {Tier.P0: 3}, now=0.0, left_waiting={}).admitted
 
 
 def test_request_whose_estimated_wait_exceeds_its_deadline_is_refused_early() -> None:
@@ -52,12 +52,27 @@ def test_only_requests_ahead_count_towards_the_wait() -> None:
     assert not admission.check(Tier.P0, {Tier.P0: 3}, now=10.0).admitted  # 1.5 s > 0.5 s
 
 
-def test_background_tier_has_no_deadline_and_no_history_means_no_estimate() -> None:
+def test_background_tier_has_no_deadline() -> None:
     admission = AdmissionController(DEFAULT_TIERS, CAPS, _meter(rate_per_s=0.5))
     assert admission.check(Tier.P3, {Tier.P3: 99}, now=10.0).admitted
-    cold = AdmissionController(DEFAULT_TIERS, CAPS, ThroughputMeter())
-    verdict = cold.check(Tier.P1, {Tier.P1: 99}, now=10.0)
-    assert verdict.admitted and verdict.estimated_wait_s is None
+
+
+def test_with_few_starts_in_the_window_the_rate_is_that_few_over_the_window() -> None:
+    """An engine that starts under 8 requests in 10 s (one sequence, long outputs) had no
+    rate, so no deadline: P0 requests sent every 0.8 s were all admitted, and the last
+    waited 42 s for its first token against a 0.5 s target."""
+    meter = ThroughputMeter(window_s=10.0, min_events=8)
+    for t in (2.0, 7.0):  # two starts in the last 10 s: 0.2 a second
+        meter.record(t)
+    assert meter.rate(9.0) is None and meter.cautious_rate(9.0) == pytest.approx(0.2)
+    admission = AdmissionController(DEFAULT_TIERS, CAPS, meter)
+    verdict = admission.check(Tier.P0, {Tier.P0: 1}, now=9.0, left_waiting={Tier.P0: 1})
+    assert not verdict.admitted and verdict.reason == "deadline"
+    assert verdict.estimated_wait_s == pytest.approx(5.0)
+    # Room at the last pass: admitted whatever the history says (a burst after idle).
+    assert admission.check(Tier.P0, {Tier.P0: 1}, now=9.0, left_waiting={}).admitted
+    cold = AdmissionController(DEFAULT_TIERS, CAPS, ThroughputMeter())  # no start at all: 1 in 10 s
+    assert cold.check(Tier.P1, {Tier.P1: 99}, now=10.0, left_waiting={Tier.P1: 99}).estimated_wait_s == 990.0
 
 
 def test_no_deadline_refusal_while_the_engine_left_nobody_ahead_waiting() -> None:

@@ -4,8 +4,10 @@ The wait of a new request at tier t is estimated as the number of requests queue
 of it (waiting at tier t or a more urgent one) divided by the rate at which the engine
 has recently been starting requests (first tokens per second). When that estimate
 already exceeds the tier's TTFT target, waiting is pointless: reject now with 503 and a
-Retry-After, rather than time out later. Without enough recent history there is no
-estimate and nothing is rejected for its deadline.
+Retry-After, rather than time out later. With few starts in the window (under 8 in 10 s)
+the rate is taken as that few over the whole window, at least one (as the gateway prices
+its queue): an engine that starts under 0.8 requests a second (long outputs, a large
+model on few GPUs) had no estimate at all, and admitted P0 requests to 42 s of waiting.
 
 The start rate is the engine's capacity only while the engine is full; on a lightly
 loaded one it is the recent demand, and a burst would look like minutes of queue. So the
@@ -64,6 +66,12 @@ class ThroughputMeter:
             span = max(now - self._times[0], 1e-3)
         return n / span
 
+    def cautious_rate(self, now: float) -> float:
+        """`rate`, or where the window holds too few events to tell, that few over the whole
+        window, one at least: the most it can be said to have shown."""
+        rate = self.rate(now)
+        return rate if rate is not None else max(1, self.count(now)) / self._window_s
+
 
 @dataclass(frozen=True, slots=True)
 class AdmissionVerdict:
@@ -94,13 +102,13 @@ class AdmissionController:
         not known, taken as some)."""
         depth = queued.get(tier, 0)
         ahead = sum(queued.get(t, 0) for t in ALL_TIERS if t <= tier)
-        rate = self._meter.rate(now)
-        wait = None if rate is None else ahead / rate
+        rate = self._meter.cautious_rate(now)
+        wait = ahead / rate
         if depth >= self._caps[tier]:
-            retry = 1.0 if rate is None else max(1.0, (depth - self._caps[tier] + 1) / rate)
+            retry = max(1.0, (depth - self._caps[tier] + 1) / rate)
             return AdmissionVerdict(False, "queue_full", depth, wait, retry)
         target = self._targets[tier]
         full = left_waiting is None or any(left_waiting.get(t, 0) for t in ALL_TIERS if t <= tier)
-        if full and wait is not None and math.isfinite(target) and wait > target:
+        if full and math.isfinite(target) and wait > target:
             return AdmissionVerdict(False, "deadline", depth, wait, max(1.0, wait - target))
         return AdmissionVerdict(True, "", depth, wait, 0.0)
