@@ -306,3 +306,15 @@ def test_a_request_waiting_in_the_queue_holds_its_body_once_not_also_its_validat
         release()
     assert replies == [200, 200]
     assert during == before, f"{during - before} validated requests kept while they waited or ran"
+
+
+def test_a_tier_closed_by_a_queue_cap_of_0_is_a_400_at_the_gateway_too() -> None:
+    with (
+        fake_upstream(FakeUpstream("ok")) as url,
+        gateway_of(_one_vllm(url, head="[limits.queue_cap]\nP3 = 0\n")) as (gw, state),
+    ):
+        closed = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "priority": 3}, timeout=30)
+        served = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "priority": 2}, timeout=30)
+    assert closed.status_code == 400 and closed.json()["error"]["code"] == "tier_closed"
+    assert "retry-after" not in closed.headers and served.status_code == 200
+    assert state.num_in_flight == 0

@@ -300,4 +300,18 @@ def test_a_tier_closed_by_a_queue_cap_of_0_is_named_at_start_up(tmp_path: Path) 
         server.send_signal(signal.SIGTERM)
         server.communicate(timeout=60)
     closed = [line.split(": ", 1)[1].strip() for line in lines if "queue_cap" in line]
-    assert closed == ["limits.queue_cap.P0 = 0: every P0 request is refused (503 queue_full)"], lines
+    assert closed == ["limits.queue_cap.P0 = 0: every P0 request is refused (400 tier_closed)"], lines
+
+
+def test_a_tier_closed_by_a_queue_cap_of_0_is_a_400_not_a_503_to_retry() -> None:
+    """Every request of the tier was a 503 `queue_full` with a Retry-After: the OpenAI client
+    retries those, for a request that can never run (a ceiling of 0 gave a 400 already)."""
+    config = parse_serve_config({**CONFIG, "limits": {"queue_cap": {"P0": 0}}})
+    with live_server(make_state(config)) as srv:
+        asked = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        url, gold = srv.base_url + "/completions", {"authorization": "Bearer sk-gold"}
+        closed = httpx.post(url, json=asked, headers={**gold, "x-request-tier": "P0"})
+        served = httpx.post(url, json=asked, headers={**gold, "x-request-tier": "P1"})
+    assert closed.status_code == 400 and closed.json()["error"]["code"] == "tier_closed"
+    assert "limits.queue_cap.P0 = 0" in closed.json()["error"]["message"]
+    assert "retry-after" not in closed.headers and served.status_code == 200

@@ -2,7 +2,8 @@
 
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
 is read) -> Content-Encoding (415, unread) -> body (400; 503 past `large_body_queue` large
-bodies) -> model (404) -> tier (400 for a tier header sent twice, differing) -> rate limits
+bodies) -> model (404) -> tier (400 for a tier header sent twice, differing, or a tier
+whose queue cap is 0) -> rate limits
 (429, or 503 when Redis is down and the tier fails closed; 400 for a request too large to
 ever fit) -> flow control (503) -> upstream. An upstream that fails before the first byte
 of its reply reaches the client (connect error, 5xx, a stream cut before its first whole
@@ -44,7 +45,7 @@ from tierserve.server.fast_routes import (
     unsupported_encoding,
 )
 from tierserve.server.ratelimit import Reservation
-from tierserve.server.refusals import draining_error, rate_refusal
+from tierserve.server.refusals import draining_error, queue_closed, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.tenants import decide_tier, one_header, parse_declared_tier
 from tierserve.tiers import Tier
@@ -154,6 +155,8 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     _check_model(gw, body.model)
     declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
     tier = decide_tier(tenant, declared).effective
+    if gw.flow.is_closed(tier):
+        raise queue_closed(tier)
     requested = body.requested_max_tokens
     max_tokens = requested if requested is not None else gw.config.serve.server.default_max_tokens
     num_reserved = forwarded.num_prompt_tokens + max_tokens

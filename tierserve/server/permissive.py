@@ -81,7 +81,7 @@ def closed_tiers(config: ServeConfig, ceiling_blocks: Mapping[Tier, int] | None 
     config's ceiling: a policy without tiered memory serves a tier of ceiling 0, and a small
     ceiling may come to 0 blocks. The gateway, which holds no KV cache, gives none."""
     capped = [
-        f"limits.queue_cap.{tier.name} = 0: every {tier.name} request is refused (503 queue_full)"
+        f"limits.queue_cap.{tier.name} = 0: every {tier.name} request is refused (400 tier_closed)"
         for tier, cap in sorted(config.limits.queue_caps.items())
         if cap == 0
     ]

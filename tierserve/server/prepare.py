@@ -22,6 +22,7 @@ from tierserve.server.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from tierserve.server.refusals import queue_closed
 from tierserve.server.state import ServerState
 from tierserve.tiers import Tier
 
@@ -293,6 +294,8 @@ def _max_tokens(
             f"(tiers.{tier.name}.ceiling).",
             code="tier_closed",
         )
+    if state.config.limits.queue_caps[tier] == 0:
+        raise queue_closed(tier)
     context = state.model.max_model_len
     if num_prompt >= context:
         raise ApiError(

@@ -76,3 +76,14 @@ def overloaded(
         headers=headers,
         extra={"retry_after": retry, "current_queue_depth": queue_depth},
     )
+
+
+def queue_closed(tier: Tier) -> ApiError:
+    """The 400 for a tier whose queue cap is 0: no request of it may wait, so none is
+    served (a 503 `queue_full` told clients to retry, and the OpenAI client did, for ever)."""
+    return ApiError(
+        400,
+        f"Tier {tier.name} is not served here: its queue may hold no request "
+        f"(limits.queue_cap.{tier.name} = 0).",
+        code="tier_closed",
+    )
