@@ -26,6 +26,7 @@ from tests.gateway.fakes import (
 )
 from tierserve.gateway import forward
 from tierserve.gateway.config import parse_gateway_config
+from tierserve.server.drain import SAME_SIGNAL_S
 
 CHAT = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -480,7 +481,7 @@ def test_a_second_signal_cuts_the_drain_short_and_queued_requests_count_as_cut()
             while len(state.calls) < 3 and time.monotonic() < deadline:
                 time.sleep(0.02)
             gw.server.handle_exit(signal.SIGTERM, None)
-            time.sleep(0.3)
+            time.sleep(SAME_SIGNAL_S + 0.1)  # a signal again sooner is taken for the same one
             assert not answers  # the drain waits (60 s)
             started = time.monotonic()
             gw.server.handle_exit(signal.SIGTERM, None)
@@ -506,5 +507,6 @@ def test_a_signal_once_the_drain_is_over_forces_the_exit() -> None:
         while not gw.server.should_exit and time.monotonic() < deadline:
             time.sleep(0.02)
         assert gw.server.should_exit and not gw.server.force_exit  # drained: nothing in flight
+        time.sleep(SAME_SIGNAL_S)
         gw.server.handle_exit(signal.SIGTERM, None)
         assert gw.server.force_exit

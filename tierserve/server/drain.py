@@ -21,7 +21,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 import socket
+import time
 from types import FrameType
 
 import uvicorn
@@ -30,25 +32,33 @@ from tierserve.server.state import ServerState
 
 log = logging.getLogger("tierserve.server")
 ENGINE_LOST_LINGER_S = 1.0
+SAME_SIGNAL_S = 0.5  # a signal again within this is the same one, delivered twice
 
 
 class GracefulServer(uvicorn.Server, abc.ABC):
     """uvicorn's server, drained on a signal: the first begins the drain (`_begin_draining`
     stops admission, `_drain` waits and cuts what is left), a second cuts it short (the
     event `_drain` is given is set), and a third, or any once the drain is over (uvicorn
-    waiting on connections or its lifespan), forces an immediate exit."""
+    waiting on connections or its lifespan), forces an immediate exit. The same signal again
+    within `SAME_SIGNAL_S` counts once: `timeout 900 tierserve serve` cut its drain short at
+    once, GNU timeout sending SIGTERM to its child and then to the child's process group."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._hurry: asyncio.Event | None = None  # set by a second signal while draining
+        self._last_signal: tuple[int, float] = (0, -math.inf)  # (signal, monotonic time) of the last
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if sig == self._last_signal[0] and now - self._last_signal[1] < SAME_SIGNAL_S:
+            return  # one signal, delivered twice (GNU timeout signals its child, then its group)
+        self._last_signal = (sig, now)
         loop, drain = self._loop, self._drain_task
         hurried = self._hurry is not None and self._hurry.is_set()
         if loop is None or hurried or (drain is not None and drain.done()):
