@@ -277,3 +277,10 @@ def test_an_engine_killed_at_shutdown_is_a_warning(
     warned = [r for r in caplog.records if "did not exit cleanly" in r.getMessage()]
     assert [r.levelname for r in warned] == ["WARNING"]
     assert not any("exited (status 0)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_process_exit_is_said_in_words() -> None:
+    from tierserve.server.engine_client import how_it_ended
+
+    assert how_it_ended(-9) == "killed by SIGKILL" and how_it_ended(1) == "exit status 1"
+    assert how_it_ended(-200) == "killed by signal 200" and how_it_ended(None) == "exit status None"

@@ -21,6 +21,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -109,7 +110,7 @@ class EngineClient:
         while not ours.poll(0.1):
             if not process.is_alive() or time.monotonic() > deadline:
                 _end_process(process, 1.0)
-                raise EngineStartError(f"the engine process did not start (exit status {process.exitcode})")
+                raise EngineStartError(f"the engine process did not start ({how_it_ended(process.exitcode)})")
         try:
             first = ours.recv()
         except (EOFError, OSError):
@@ -119,7 +120,7 @@ class EngineClient:
             raise (BackendError if first.bad_setting else EngineStartError)(first.message)
         if not isinstance(first, EngineReady):
             _end_process(process, 1.0)
-            raise EngineStartError(f"the engine process did not start (exit status {process.exitcode})")
+            raise EngineStartError(f"the engine process did not start ({how_it_ended(process.exitcode)})")
         log.info("engine process started (pid %d)", first.pid)
         return cls(process, ours, first, meter)
 
@@ -172,7 +173,7 @@ class EngineClient:
         if status == 0:
             log.info("engine process exited (status 0)")
         else:  # killed after it did not exit in time (a stopped or hung engine), or failed
-            log.warning("engine process did not exit cleanly (status %s)", status)
+            log.warning("engine process did not exit cleanly (%s)", how_it_ended(status))
 
     def kill(self) -> None:
         """End the engine process now if it is still there (the server stopped without `stop`)."""
@@ -376,10 +377,12 @@ class EngineClient:
             return  # reported already, or the exit asked for
         self._died = True
         _end_process(self.process, 1.0)  # a broken pipe to a live engine: it is no use either
+        num = len(self._routes)
         log.error(
-            "the engine process died (exit status %s); failing %d requests",
-            self.process.exitcode,
-            len(self._routes),
+            "the engine process died (%s); failing %d request%s",
+            how_it_ended(self.process.exitcode),
+            num,
+            "" if num == 1 else "s",
         )
         self._fail_routes(ENGINE_LOST)
         for future in self._calls.values():
@@ -408,3 +411,13 @@ def _end_process(process: BaseProcess, timeout_s: float) -> None:
     if process.is_alive():
         process.kill()
         process.join(2.0)
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A process's exit in words: "killed by SIGKILL" rather than "exit status -9"."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"

@@ -127,7 +127,8 @@ class ServerState:
             else:
                 access = f"OPEN: no API keys in {c.source}; {anonymous}"
         else:
-            access = f"API keys required ({len(c.tenants)} tenants from {c.source})"
+            num = len(c.tenants)
+            access = f"API keys required ({num} tenant{'' if num == 1 else 's'} from {c.source})"
         return f"model {self.model.name!r} (context {self.model.max_model_len}); access: {access}"
 
 
