@@ -21,7 +21,7 @@ MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    config = parse_serve_config({"server": {"max_body_bytes": 64 * 1024}, "limits": {"queue_cap": {"P3": 0}}})
+    config = parse_serve_config({"server": {"max_body_bytes": 64 * 1024}, "limits": {"queue_cap": {"P3": 1}}})
     with live_server(make_state(config, max_model_len=CONTEXT)) as srv:
         yield srv
 
@@ -191,7 +191,11 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(
     assert r.json()["error"]["code"] == "not_found"
 
 
-def test_queue_cap_refuses_with_503_retry_after_and_queue_depth(client: openai.OpenAI) -> None:
+def test_queue_cap_refuses_with_503_retry_after_and_queue_depth(
+    server: LiveServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queued = {Tier.P0: 0, Tier.P1: 0, Tier.P2: 0, Tier.P3: 1}  # P3's cap is 1
+    monkeypatch.setattr(server.state.engine, "queued_by_tier", lambda: queued)
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(
             model=MODEL,
@@ -202,7 +206,7 @@ def test_queue_cap_refuses_with_503_retry_after_and_queue_depth(client: openai.O
     assert e.value.status_code == 503
     assert int(e.value.response.headers["retry-after"]) >= 1
     error = e.value.response.json()["error"]
-    assert error["code"] == "queue_full" and error["current_queue_depth"] == 0 and error["retry_after"] >= 1
+    assert error["code"] == "queue_full" and error["current_queue_depth"] == 1 and error["retry_after"] >= 1
 
 
 def test_estimated_wait_beyond_the_deadline_is_refused_early(
@@ -251,7 +255,7 @@ CHAT = {"model": MODEL, "messages": MESSAGES}
         ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, "max_tokens"),  # no coercion, as OpenAI
         ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
-        ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, "prompt.0"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": CONTEXT}, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens"),
         ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),

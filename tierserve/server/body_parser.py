@@ -74,7 +74,7 @@ def parse(kind: Kind, raw: bytes) -> Parsed:
 def first_error(e: ValidationError) -> dict[str, Any]:
     """What `errors.invalid_body` reads of an error, as plain data (its `input` may be the
     whole body, and its `ctx` may hold an exception); `errors.pick_error` picks it."""
-    first = pick_error(e.errors(include_url=False))
+    first = pick_error(e.errors(include_url=False, include_input=False))
     out: dict[str, Any] = {"type": first["type"], "loc": list(first["loc"]), "msg": first["msg"]}
     if "ctx" in first and "error" in first["ctx"]:
         out["ctx"] = {"error": str(first["ctx"]["error"])}

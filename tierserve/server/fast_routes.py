@@ -104,7 +104,7 @@ class GenerationRoutes:
             del raw
             return await generate(self._state, http, body, tenant)
         except ValidationError as e:
-            return invalid_body(e.errors()).response()
+            return invalid_body(e.errors(include_url=False, include_input=False)).response()
         except BodyInvalid as e:
             return invalid_body(e.errors).response()
         except ApiError as e:
