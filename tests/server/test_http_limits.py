@@ -220,6 +220,20 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServe
     raise AssertionError("the server did not accept connections again once the others closed")
 
 
+def test_at_the_cap_a_connection_still_waiting_for_its_headers_makes_room(server: LiveServer) -> None:
+    """One client's sockets that never finish their headers, opened again as the header
+    timeout closed them, kept the cap full: every new client got 503 `connection_limit`, a
+    load balancer's health checks too. The one that has waited longest is closed instead."""
+    with ExitStack() as stack:
+        held = [stack.enter_context(connect(server)) for _ in range(LIMITS["max_connections"])]
+        for sock in held:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")  # and no more of its headers
+            time.sleep(0.01)  # opened one after another: held[0] has waited longest
+        time.sleep(LIMITS["header_timeout_s"] / 2 + 0.05)
+        assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200
+        assert status_and_code(read_all(held[0])) == (408, "connection_limit")
+
+
 def test_pipelined_requests_are_answered_in_order(server: LiveServer) -> None:
     with connect(server) as sock:
         sock.sendall(

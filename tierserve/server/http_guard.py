@@ -10,7 +10,8 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
   byte of a later request on it: 408;
 * a body not complete `body_timeout_s` after its headers, or cut short by the client's
   end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
-* a connection beyond `max_connections`: 503;
+* a connection beyond `max_connections`: 503, unless a connection has waited a second for
+  its request's headers: the one that has waited longest is closed instead (408);
 * a transfer coding other than `chunked` (`Transfer-Encoding: gzip, chunked`): 501, as RFC
   9112 asks of a coding the server does not implement (the gzip was ignored, and the body
   then failed as JSON);
@@ -44,6 +45,7 @@ from tierserve.server.http_limits import HttpLimits
 log = logging.getLogger("tierserve.server")
 
 MAX_PIPELINED = 32  # requests queued on one connection behind the one being answered
+EVICT_AFTER_S = 1.0  # at the connection cap, a connection waiting this long for headers may be closed
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
 ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
 MALFORMED = "malformed_http"  # the parser refused the bytes
@@ -92,17 +94,48 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._refusal: bytes | None = None  # a refused pipelined request's answer, written last
         self._running: Any = None  # the request cycle being answered
+        self._headers_since = 0.0  # loop time the connection began waiting for headers
 
     # ---- connection ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         too_many = len(self.connections) >= self.settings.limits.max_connections
         super().connection_made(transport)
-        if too_many:
+        self._headers_since = self.loop.time()
+        if too_many and not self._make_room():
             limit = self.settings.limits.max_connections
             self._refuse(503, "connection_limit", f"More than {limit} open connections.")
             return
         self._arm(self.settings.limits.header_timeout_s, self._header_timeout)
+
+    def _make_room(self) -> bool:
+        """At the cap, close the connection that has waited longest for a request's headers
+        (at least `EVICT_AFTER_S`, or half the header timeout if less), nothing on it being
+        answered; False where there is none. One client's idle sockets, opened again as the
+        header timeout closed them (about 51 a second), kept the cap full before any key was
+        read, and every new client got 503 `connection_limit`, a load balancer's health
+        checks too. A client that sends its headers at once is never the one closed."""
+        limits = self.settings.limits
+        waited_s = min(EVICT_AFTER_S, limits.header_timeout_s / 2)
+        now = self.loop.time()
+        waiting = [
+            c
+            for c in self.connections
+            if isinstance(c, GuardedHttpProtocol)
+            and c is not self
+            and c._phase == "headers"
+            and not c._refused
+            and (c.cycle is None or c.cycle.response_complete)
+            and now - c._headers_since >= waited_s
+        ]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c._headers_since)
+        message = (
+            f"Request headers not received within {now - oldest._headers_since:.1f} s: closed at the cap"
+        )
+        oldest._refuse(408, "connection_limit", f"{message} of {limits.max_connections} open connections.")
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -216,6 +249,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _start_headers(self) -> None:
         self._phase = "headers"
+        self._headers_since = self.loop.time()
         self._arm(self.settings.limits.header_timeout_s, self._header_timeout)
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
