@@ -529,3 +529,9 @@ def test_an_output_beyond_its_tiers_share_of_the_cache_is_a_context_length_400()
     assert r.status_code == 400 and error["code"] == "context_length_exceeded", error
     assert error["param"] == "max_completion_tokens"
     assert f"the {tokens} tokens of KV cache tier P0 may hold" in error["message"]
+
+
+def test_a_404_for_a_model_does_not_echo_a_long_id(server: LiveServer) -> None:
+    """A 20 KB id in the path came back whole in the 404."""
+    r = httpx.get(server.url + "/v1/models/" + "x" * 20_000)
+    assert r.status_code == 404 and len(r.content) < 500 and "xxx..." in r.json()["error"]["message"]

@@ -30,7 +30,7 @@ from tierserve.gateway.poller import UpstreamPoller
 from tierserve.gateway.state import GatewayState
 from tierserve.server.app import HeadAsGet
 from tierserve.server.body_limit import BodyLimitMiddleware
-from tierserve.server.errors import ApiError, http_error
+from tierserve.server.errors import ApiError, http_error, quoted
 from tierserve.server.fast_routes import aborted_upload, refused_at_the_door
 from tierserve.server.ratelimit import redis_where
 
@@ -188,7 +188,7 @@ def _add_routes(app: FastAPI, gw: GatewayState) -> None:
         if card is None:
             raise ApiError(
                 404,
-                f"The model {model_id!r} does not exist (served here: {', '.join(cards) or 'none'}).",
+                f"The model {quoted(model_id)} does not exist (served here: {', '.join(cards) or 'none'}).",
                 param="model",
                 code="model_not_found",
             )

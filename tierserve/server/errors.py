@@ -101,6 +101,13 @@ _MEMBERS = {
 }
 
 
+def quoted(value: object) -> str:
+    """A value as an error message quotes it: its repr, cut to 64 characters (a model id in a
+    path may carry kilobytes, and a 404 echoed them all)."""
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
 def pick_error(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """The error a 400 reports: the first, or where it is in a union field, the error of the
     member the input went furthest into (the later its first bad element, then the deeper),

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tierserve.request import SamplingParams
-from tierserve.server.errors import ApiError, bad_request
+from tierserve.server.errors import ApiError, bad_request, quoted
 from tierserve.server.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -94,7 +94,7 @@ def check_model(state: ServerState, model: str) -> None:
     if model != state.model.name:
         raise ApiError(
             404,
-            f"The model '{model}' does not exist (this server serves '{state.model.name}').",
+            f"The model {quoted(model)} does not exist (this server serves '{state.model.name}').",
             param="model",
             code="model_not_found",
         )
@@ -114,7 +114,7 @@ def _check_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     for field, neutral in (UNSUPPORTED_FIELDS | own).items():
         value = _sent(body, field)
         if not _is_neutral(value, neutral):
-            raise bad_request(f"{field}: not supported by this server (got {_quote(value)})", field)
+            raise bad_request(f"{field}: not supported by this server (got {quoted(value)})", field)
 
 
 def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
@@ -123,11 +123,6 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
     if isinstance(value, float):
         return value in neutral
     return any(value == n and type(value) is type(n) for n in neutral)
-
-
-def _quote(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 64 else text[:61] + "..."
 
 
 def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -145,7 +140,7 @@ def _check_options(body: ChatCompletionRequest | CompletionRequest) -> None:
         for field in ("tool_choice", "function_call"):
             choice = _sent(body, field)
             if choice not in _NO_CALL:
-                raise bad_request(f"{field}: function calling is not supported (got {_quote(choice)})", field)
+                raise bad_request(f"{field}: function calling is not supported (got {quoted(choice)})", field)
         _check_content(body)
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
@@ -181,7 +176,7 @@ def _check_content(body: ChatCompletionRequest) -> None:
             if part.type in ("text", "refusal"):
                 raise bad_request(f"{where}: a part of type {part.type!r} needs its {part.type!r}", where)
             raise bad_request(
-                f"{where}: content of type {_quote(part.type)} is not supported (text only here)",
+                f"{where}: content of type {quoted(part.type)} is not supported (text only here)",
                 where,
             )
 
@@ -195,7 +190,7 @@ def _prompt_ids(
         template_kwargs = _sent(body, "chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise bad_request(
-                f"chat_template_kwargs: expected an object, got {_quote(template_kwargs)}",
+                f"chat_template_kwargs: expected an object, got {quoted(template_kwargs)}",
                 "chat_template_kwargs",
             )
         try:
