@@ -200,11 +200,12 @@ def test_an_upload_the_client_ends_early_is_a_400_counted_once_without_a_500(
 
 
 def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServer) -> None:
+    """None of the open connections is idle or slow with its headers yet: the newcomer is
+    refused."""
     with ExitStack() as stack:
         held = [stack.enter_context(connect(server)) for _ in range(LIMITS["max_connections"])]
-        for sock in held:  # each is accepted before the next is opened
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        for sock in held:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")  # its headers under way
         with connect(server) as extra:
             refused = read_all(extra)
             assert status_and_code(refused) == (503, "connection_limit")
@@ -220,18 +221,54 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServe
     raise AssertionError("the server did not accept connections again once the others closed")
 
 
-def test_at_the_cap_a_connection_still_waiting_for_its_headers_makes_room(server: LiveServer) -> None:
+@pytest.fixture(scope="module")
+def capped() -> Iterator[LiveServer]:
+    """A server of 4 connections whose header timeout (4 s) outlasts the wait (1 s) after which
+    a connection still sending its headers may be closed at the cap."""
+    limits = {**LIMITS, "max_connections": 4, "header_timeout_s": 4.0}
+    with live_server(make_state(parse_serve_config({"server": {"http": limits}}))) as srv:
+        yield srv
+
+
+def test_at_the_cap_a_connection_slow_with_its_headers_makes_room(capped: LiveServer) -> None:
     """One client's sockets that never finish their headers, opened again as the header
     timeout closed them, kept the cap full: every new client got 503 `connection_limit`, a
     load balancer's health checks too. The one that has waited longest is closed instead."""
     with ExitStack() as stack:
-        held = [stack.enter_context(connect(server)) for _ in range(LIMITS["max_connections"])]
+        held = [stack.enter_context(connect(capped)) for _ in range(4)]
         for sock in held:
-            sock.sendall(b"GET /health HTTP/1.1\r\n")  # and no more of its headers
-            time.sleep(0.01)  # opened one after another: held[0] has waited longest
-        time.sleep(LIMITS["header_timeout_s"] / 2 + 0.05)
-        assert httpx.get(server.url + "/health", timeout=WAIT_S).status_code == 200
-        assert status_and_code(read_all(held[0])) == (408, "connection_limit")
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")  # and no more of its headers
+        time.sleep(1.1)
+        assert httpx.get(capped.url + "/health", timeout=WAIT_S).status_code == 200
+        answers = []
+        for sock in held:  # one was closed to make room; the others finish and are served
+            sock.sendall(b"\r\n")
+            answers.append(sock.recv(65536))
+        evicted = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+        assert len(evicted) == 1 and status_and_code(
+            evicted[0] + read_all(held[answers.index(evicted[0])])
+        ) == (
+            408,
+            "evicted",
+        )
+        assert sum(a.startswith(b"HTTP/1.1 200") for a in answers) == 3
+
+
+def test_at_the_cap_an_idle_keep_alive_connection_makes_room(capped: LiveServer) -> None:
+    """Connections kept alive between requests (one cheap request per keep-alive timeout)
+    held the cap as well; HTTP lets a server close an idle one, the longest idle first."""
+    before = errors(capped, "evicted")  # read under the cap: a new connection at it would evict
+    with ExitStack() as stack:
+        held = [stack.enter_context(connect(capped)) for _ in range(4)]
+        for sock in held:
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(0.05)  # idle one after another: held[0] the longest
+        assert httpx.get(capped.url + "/health", timeout=WAIT_S).status_code == 200
+        assert read_all(held[0]) == b""  # closed quietly: no request of it was pending
+        held[3].sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert held[3].recv(65536).startswith(b"HTTP/1.1 200")
+        assert errors(capped, "evicted") == before + 1
 
 
 def test_pipelined_requests_are_answered_in_order(server: LiveServer) -> None:

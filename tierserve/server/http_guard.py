@@ -10,8 +10,9 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
   byte of a later request on it: 408;
 * a body not complete `body_timeout_s` after its headers, or cut short by the client's
   end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
-* a connection beyond `max_connections`: 503, unless a connection has waited a second for
-  its request's headers: the one that has waited longest is closed instead (408);
+* a connection beyond `max_connections`: 503, unless one open connection is idle (kept
+  alive between requests) or has waited a second for its request's headers: the longest
+  idle is closed, else the one that has waited longest (408), counted as `evicted`;
 * a transfer coding other than `chunked` (`Transfer-Encoding: gzip, chunked`): 501, as RFC
   9112 asks of a coding the server does not implement (the gzip was ignored, and the body
   then failed as JSON);
@@ -46,6 +47,8 @@ log = logging.getLogger("tierserve.server")
 
 MAX_PIPELINED = 32  # requests queued on one connection behind the one being answered
 EVICT_AFTER_S = 1.0  # at the connection cap, a connection waiting this long for headers may be closed
+CONNECTION_LIMIT = "connection_limit"
+EVICTED = "evicted"  # a connection closed at the cap to make room for a new one
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
 ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
 MALFORMED = "malformed_http"  # the parser refused the bytes
@@ -95,6 +98,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None  # a refused pipelined request's answer, written last
         self._running: Any = None  # the request cycle being answered
         self._headers_since = 0.0  # loop time the connection began waiting for headers
+        self._idle_since = 0.0  # loop time its last response was complete
 
     # ---- connection ----------------------------------------------------------------------
 
@@ -104,38 +108,52 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._headers_since = self.loop.time()
         if too_many and not self._make_room():
             limit = self.settings.limits.max_connections
-            self._refuse(503, "connection_limit", f"More than {limit} open connections.")
+            self._refuse(503, CONNECTION_LIMIT, f"More than {limit} open connections.")
             return
         self._arm(self.settings.limits.header_timeout_s, self._header_timeout)
 
     def _make_room(self) -> bool:
-        """At the cap, close the connection that has waited longest for a request's headers
-        (at least `EVICT_AFTER_S`, or half the header timeout if less), nothing on it being
-        answered; False where there is none. One client's idle sockets, opened again as the
-        header timeout closed them (about 51 a second), kept the cap full before any key was
-        read, and every new client got 503 `connection_limit`, a load balancer's health
-        checks too. A client that sends its headers at once is never the one closed."""
+        """At the cap, close an idle keep-alive connection (the longest idle; HTTP lets a
+        server close one at any time), else the connection that has waited longest for a
+        request's headers (`EVICT_AFTER_S` at least, or half the header timeout if less),
+        with nothing on it being answered; False where there is neither. One client's idle
+        sockets, or sockets that never finish their headers opened again as the header
+        timeout closed them (about 51 a second), kept the cap full before any key was read,
+        and every new client got 503 `connection_limit`, a load balancer's health checks too.
+        A client that sends its headers at once is never the one closed."""
         limits = self.settings.limits
-        waited_s = min(EVICT_AFTER_S, limits.header_timeout_s / 2)
         now = self.loop.time()
-        waiting = [
+        peers = [c for c in self.connections if isinstance(c, GuardedHttpProtocol) and c is not self]
+        idle = [c for c in peers if c._phase == "idle" and not c._refused and not c._answering()]
+        if idle:
+            min(idle, key=lambda c: c._idle_since)._close_idle()
+            return True
+        waited_s = min(EVICT_AFTER_S, limits.header_timeout_s / 2)
+        slow = [
             c
-            for c in self.connections
-            if isinstance(c, GuardedHttpProtocol)
-            and c is not self
-            and c._phase == "headers"
+            for c in peers
+            if c._phase == "headers"
             and not c._refused
-            and (c.cycle is None or c.cycle.response_complete)
+            and not c._answering()
             and now - c._headers_since >= waited_s
         ]
-        if not waiting:
+        if not slow:
             return False
-        oldest = min(waiting, key=lambda c: c._headers_since)
-        message = (
-            f"Request headers not received within {now - oldest._headers_since:.1f} s: closed at the cap"
-        )
-        oldest._refuse(408, "connection_limit", f"{message} of {limits.max_connections} open connections.")
+        oldest = min(slow, key=lambda c: c._headers_since)
+        waited = f"{now - oldest._headers_since:.1f} s"
+        cap = f"{limits.max_connections} open connections"
+        oldest._refuse(408, EVICTED, f"Request headers not received in {waited}: closed at the cap of {cap}.")
         return True
+
+    def _close_idle(self) -> None:
+        """Close this idle keep-alive connection to make room (no request of it is pending, so
+        nothing is answered)."""
+        self._refused = True
+        self._disarm()
+        self.transport.close()
+        if self.settings.report is not None:
+            self.settings.report(EVICTED)
+        log.debug("HTTP connection from %s closed idle at the connection cap", self.client)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -234,6 +252,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
         starts_another = bool(self.pipeline)
         super().on_response_complete()
         if self._refusal is not None and not starts_another and not self.transport.is_closing():
@@ -310,7 +329,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
         if self.settings.report is not None:
             self.settings.report(reason)
-        level = logging.DEBUG if reason == "connection_limit" else logging.INFO  # a flood: no log flood
+        level = logging.DEBUG if reason in (CONNECTION_LIMIT, EVICTED) else logging.INFO  # no log flood
         log.log(level, "HTTP %d %s from %s: %s", status, reason, self.client, message)
 
     def _answering(self) -> bool:

@@ -42,6 +42,7 @@ HTTP_ERROR_REASONS = (
     "header_timeout",
     "body_timeout",
     "connection_limit",
+    "evicted",
     "pipeline_limit",
     "aborted_upload",
     "malformed_http",
