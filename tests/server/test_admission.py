@@ -71,8 +71,10 @@ def test_with_few_starts_in_the_window_the_rate_is_that_few_over_the_window() ->
     assert verdict.estimated_wait_s == pytest.approx(5.0)
     # Room at the last pass: admitted whatever the history says (a burst after idle).
     assert admission.check(Tier.P0, {Tier.P0: 1}, now=9.0, left_waiting={}).admitted
-    cold = AdmissionController(DEFAULT_TIERS, CAPS, ThroughputMeter())  # no start at all: 1 in 10 s
-    assert cold.check(Tier.P1, {Tier.P1: 99}, now=10.0, left_waiting={Tier.P1: 99}).estimated_wait_s == 990.0
+    # No start at all in the window (idle until a burst): no estimate, nothing refused for it.
+    cold = AdmissionController(DEFAULT_TIERS, CAPS, ThroughputMeter())
+    verdict = cold.check(Tier.P1, {Tier.P1: 99}, now=10.0, left_waiting={Tier.P1: 99})
+    assert verdict.admitted and verdict.estimated_wait_s is None
 
 
 def test_no_deadline_refusal_while_the_engine_left_nobody_ahead_waiting() -> None:

@@ -283,4 +283,4 @@ def test_a_process_exit_is_said_in_words() -> None:
     from tierserve.server.engine_client import how_it_ended
 
     assert how_it_ended(-9) == "killed by SIGKILL" and how_it_ended(1) == "exit status 1"
-    assert how_it_ended(-200) == "killed by signal 200" and how_it_ended(None) == "exit status None"
+    assert how_it_ended(-200) == "killed by signal 200" and how_it_ended(None) == "not exited yet"

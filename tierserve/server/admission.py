@@ -5,9 +5,10 @@ of it (waiting at tier t or a more urgent one) divided by the rate at which the 
 has recently been starting requests (first tokens per second). When that estimate
 already exceeds the tier's TTFT target, waiting is pointless: reject now with 503 and a
 Retry-After, rather than time out later. With few starts in the window (under 8 in 10 s)
-the rate is taken as that few over the whole window, at least one (as the gateway prices
-its queue): an engine that starts under 0.8 requests a second (long outputs, a large
-model on few GPUs) had no estimate at all, and admitted P0 requests to 42 s of waiting.
+the rate is taken as that few over the whole window (as the gateway prices its queue): an
+engine that starts under 0.8 requests a second (long outputs, a large model on few GPUs)
+had no estimate at all, and admitted P0 requests to 42 s of waiting. With none in the
+window (an engine idle until now) there is no estimate, and nothing is refused for it.
 
 The start rate is the engine's capacity only while the engine is full; on a lightly
 loaded one it is the recent demand, and a burst would look like minutes of queue. So the
@@ -66,11 +67,15 @@ class ThroughputMeter:
             span = max(now - self._times[0], 1e-3)
         return n / span
 
-    def cautious_rate(self, now: float) -> float:
+    def cautious_rate(self, now: float) -> float | None:
         """`rate`, or where the window holds too few events to tell, that few over the whole
-        window, one at least: the most it can be said to have shown."""
+        window: the most it can be said to have shown. None for an empty window (an engine
+        idle until now: a burst on it would read as minutes of queue)."""
         rate = self.rate(now)
-        return rate if rate is not None else max(1, self.count(now)) / self._window_s
+        if rate is not None:
+            return rate
+        count = self.count(now)
+        return count / self._window_s if count else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +108,13 @@ class AdmissionController:
         depth = queued.get(tier, 0)
         ahead = sum(queued.get(t, 0) for t in ALL_TIERS if t <= tier)
         rate = self._meter.cautious_rate(now)
-        wait = ahead / rate
+        wait = None if rate is None else ahead / rate
         if depth >= self._caps[tier]:
-            retry = max(1.0, (depth - self._caps[tier] + 1) / rate)
+            known = self._meter.rate(now)  # a cautious guess would say 10 s where 1 s may do
+            retry = 1.0 if known is None else max(1.0, (depth - self._caps[tier] + 1) / known)
             return AdmissionVerdict(False, "queue_full", depth, wait, retry)
         target = self._targets[tier]
         full = left_waiting is None or any(left_waiting.get(t, 0) for t in ALL_TIERS if t <= tier)
-        if full and math.isfinite(target) and wait > target:
+        if full and wait is not None and math.isfinite(target) and wait > target:
             return AdmissionVerdict(False, "deadline", depth, wait, max(1.0, wait - target))
         return AdmissionVerdict(True, "", depth, wait, 0.0)

@@ -415,7 +415,9 @@ def _end_process(process: BaseProcess, timeout_s: float) -> None:
 
 def how_it_ended(exitcode: int | None) -> str:
     """A process's exit in words: "killed by SIGKILL" rather than "exit status -9"."""
-    if exitcode is not None and exitcode < 0:
+    if exitcode is None:
+        return "not exited yet"
+    if exitcode < 0:
         try:
             return f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:

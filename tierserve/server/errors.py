@@ -98,6 +98,7 @@ _MEMBERS = {
     "list[int]": "an array of integers (token ids)",
     "list[list[int]]": "an array of arrays of integers (token ids)",
     "list[ContentPart]": "an array of content parts",
+    "dict[str,any]": "an object",
 }
 
 
