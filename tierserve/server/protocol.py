@@ -47,13 +47,21 @@ def _prompt_form(value: Any) -> str | None:
     return "list[list[int]]" if isinstance(first, list) else "list[int]"
 
 
-def _str_or_list(list_tag: str) -> Callable[[Any], str | None]:
-    """The form of a string-or-list field: "str", or `list_tag` for a list."""
+def _by_form(form: Callable[[Any], str | None], takes: str) -> Discriminator:
+    """Validate a union as the member `form` names for the value (its tag); any other value
+    is refused with "Input should be `takes`"."""
+    return Discriminator(
+        form, custom_error_type="union_type", custom_error_message=f"Input should be {takes}"
+    )
+
+
+def _str_or_list(list_tag: str, takes: str) -> Discriminator:
+    """A string (tag "str"), or a list (tag `list_tag`)."""
 
     def form(value: Any) -> str | None:
         return "str" if isinstance(value, str) else list_tag if isinstance(value, list) else None
 
-    return form
+    return _by_form(form, takes)
 
 
 Prompt = Annotated[
@@ -61,20 +69,15 @@ Prompt = Annotated[
     | Annotated[str, Tag("str")]
     | Annotated[list[str], Tag("list[str]"), FAST]
     | Annotated[list[Annotated[list[int], FAST]], Tag("list[list[int]]"), FAST],
-    Discriminator(
+    _by_form(
         _prompt_form,
-        custom_error_type="union_type",
-        custom_error_message="Input should be a string, an array of strings, an array of integers "
-        "(token ids), or an array of arrays of integers (token ids)",
+        "a string, an array of strings, an array of integers (token ids), or an array of arrays of "
+        "integers (token ids)",
     ),
 ]
 Stop = Annotated[
     Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]"), FAST],
-    Discriminator(
-        _str_or_list("list[str]"),
-        custom_error_type="union_type",
-        custom_error_message="Input should be a string or an array of strings",
-    ),
+    _str_or_list("list[str]", "a string or an array of strings"),
 ]
 
 
@@ -103,11 +106,7 @@ class ContentPart(_Body):
 
 Content = Annotated[
     Annotated[str, Tag("str")] | Annotated[list[ContentPart], Tag("list[ContentPart]"), FAST],
-    Discriminator(
-        _str_or_list("list[ContentPart]"),
-        custom_error_type="union_type",
-        custom_error_message="Input should be a string or an array of content parts",
-    ),
+    _str_or_list("list[ContentPart]", "a string or an array of content parts"),
 ]
 
 
