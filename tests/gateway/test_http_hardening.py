@@ -123,9 +123,8 @@ def test_connections_past_the_cap_get_503(gateway: Proc) -> None:
             stack.enter_context(socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT_S))
             for _ in range(12)
         ]
-        for sock in held:  # each is accepted before the next is opened
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        for sock in held:  # each sending its body: none idle, none slow with its headers
+            sock.sendall(post_head(1000) + b'{"model": "')
         assert status_and_code(exchange(gateway, b"")) == (503, "connection_limit")
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:  # the cap frees up once they close

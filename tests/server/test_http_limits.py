@@ -200,12 +200,12 @@ def test_an_upload_the_client_ends_early_is_a_400_counted_once_without_a_500(
 
 
 def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServer) -> None:
-    """None of the open connections is idle or slow with its headers yet: the newcomer is
-    refused."""
+    """None of the open connections is idle or slow with its headers (each is sending its
+    body): the newcomer is refused."""
     with ExitStack() as stack:
         held = [stack.enter_context(connect(server)) for _ in range(LIMITS["max_connections"])]
         for sock in held:
-            sock.sendall(b"GET /health HTTP/1.1\r\n")  # its headers under way
+            sock.sendall(completion_head(1000) + b'{"model": "')
         with connect(server) as extra:
             refused = read_all(extra)
             assert status_and_code(refused) == (503, "connection_limit")
