@@ -183,3 +183,9 @@ def test_api_docs_are_not_served_where_keys_are_required(gateway: Proc) -> None:
 
 def test_start_up_warns_of_permissive_settings(gateway: Proc) -> None:
     assert "WARNING" in gateway.output() and "no rate limits" in gateway.output()
+
+
+def test_a_body_that_is_not_json_by_its_type_gets_415_unread(gateway: Proc) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    response = exchange(gateway, post_head(len(body)).replace(b"application/json", b"text/plain") + body)
+    assert status_and_code(response) == (415, "unsupported_content_type")

@@ -535,3 +535,28 @@ def test_a_404_for_a_model_does_not_echo_a_long_id(server: LiveServer) -> None:
     """A 20 KB id in the path came back whole in the 404."""
     r = httpx.get(server.url + "/v1/models/" + "x" * 20_000)
     assert r.status_code == 404 and len(r.content) < 500 and "xxx..." in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("text/plain", 415),  # what a web page may send anywhere without asking first
+        ("application/x-www-form-urlencoded", 415),  # a form's, and curl -d's
+        ("multipart/form-data; boundary=x", 415),
+        ("application/json", 200),
+        ("Application/JSON; charset=utf-8", 200),
+        ("application/vnd.tierserve+json", 200),
+        (None, 200),  # no header: taken as JSON
+    ],
+)
+def test_a_body_that_is_not_json_by_its_type_is_a_415(
+    server: LiveServer, content_type: str | None, status: int
+) -> None:
+    """A page a user of an open server on their own machine opened could POST text/plain to
+    it cross-origin, unasked, and start generations (FastAPI refuses such bodies)."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+    assert r.status_code == status, r.text
+    if status == 415:
+        assert r.json()["error"]["code"] == "unsupported_content_type"

@@ -1,7 +1,7 @@
 """One generation request through the gateway, from the HTTP body to the last byte.
 
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
-is read) -> Content-Encoding (415, unread) -> body (400; 503 past `large_body_queue` large
+is read) -> Content-Type, Content-Encoding (415, unread) -> body (400; 503 past `large_body_queue` large
 bodies) -> model (404) -> tier (400 for a tier header sent twice, differing, or a tier
 whose queue cap is 0) -> rate limits
 (429, or 503 when Redis is down and the tier fails closed; 400 for a request too large to
@@ -42,7 +42,7 @@ from tierserve.server.fast_routes import (
     OFFLOAD_BYTES,
     close_if_unread,
     refused_at_the_door,
-    unsupported_encoding,
+    unsupported_body,
 )
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, queue_closed, rate_refusal
@@ -149,7 +149,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     except ApiError as e:
         close_if_unread(e, http)
         return refused_at_the_door(e, gw.metrics.count_http_error)
-    if (refused := unsupported_encoding(http)) is not None:
+    if (refused := unsupported_body(http)) is not None:
         return refused_at_the_door(refused, gw.metrics.count_http_error)
     forwarded, body = await _read_body(gw, http, chat)
     _check_model(gw, body.model)

@@ -6,17 +6,16 @@ starts, on the event loop that also sends every token of every stream. This midd
 answers `POST /v1/chat/completions` and `POST /v1/completions` itself.
 
 Order: the API key, from the headers alone (a 401 goes out before a byte of the body is
-read, with `connection: close`); then the Content-Encoding (a compressed body gets 415,
-unread); then the body; then one validation pass with the same
-pydantic models (`model_validate_json`) and the same `generate`. A body larger than
-`OFFLOAD_BYTES` is validated in the body parser's process (body_parser.py) and prepared on
-a worker thread, both through a `BodyGate` (body_gate.py), so the event loop keeps sending
-tokens meanwhile. A client gone while
-sending its body is an aborted upload: one log line, a metric, nothing answered. Errors leave as the app's
-handlers would send them (400 naming the field, 413, the `ApiError` envelope); anything
-unexpected goes up to the app's 500 handler. The FastAPI routes stay declared, so the
-OpenAPI schema documents them.
-"""
+read, with `connection: close`); then the Content-Type and Content-Encoding (a body that
+is not JSON by its type, or compressed, gets 415, unread); then the body; then one
+validation pass with the same pydantic models (`model_validate_json`) and the same
+`generate`. A body larger than `OFFLOAD_BYTES` is validated in the body parser's process
+(body_parser.py) and prepared on a worker thread, both through a `BodyGate`
+(body_gate.py), so the event loop keeps sending tokens meanwhile. A client gone while
+sending its body is an aborted upload: one log line, a metric, nothing answered. Errors
+leave as the app's handlers would send them (400 naming the field, 413, the `ApiError`
+envelope); anything unexpected goes up to the app's 500 handler. The FastAPI routes stay
+declared, so the OpenAPI schema documents them."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ class GenerationRoutes:
         except ApiError as e:
             close_if_unread(e, http)
             return refused_at_the_door(e, count)
-        if (refused := unsupported_encoding(http)) is not None:
+        if (refused := unsupported_body(http)) is not None:
             return refused_at_the_door(refused, count)
         if self._state.draining:  # not worth its body: it cannot be admitted
             return self._draining()
@@ -130,10 +129,23 @@ def close_if_unread(e: ApiError, http: HttpRequest) -> None:
         e.headers.setdefault("connection", "close")
 
 
-def unsupported_encoding(http: HttpRequest) -> ApiError | None:
-    """The 415 for a compressed body, or None. It is refused, not decompressed: its size after
+def unsupported_body(http: HttpRequest) -> ApiError | None:
+    """The 415 for a body that is not JSON by its Content-Type, or compressed; None for one
+    to read. A Content-Type other than JSON (or none) is refused as FastAPI refuses it: a
+    browser's page may POST `text/plain` or a form to any address without asking first, so
+    any web page a user of an open server on their machine opened could start generations on
+    it (an attack trial). A compressed body is refused, not decompressed: its size after
     inflating is the client's to choose (a few KiB of gzip can inflate to gigabytes), and
     OpenAI's API takes none."""
+    kind = http.headers.get("content-type")
+    if kind is not None and not _is_json(kind):
+        e = ApiError(
+            415,
+            f"Content-Type {kind[:64]!r} is not supported; send the body as application/json.",
+            code="unsupported_content_type",
+        )
+        close_if_unread(e, http)  # the body is not read
+        return e
     # Every Content-Encoding header, as one list (a second one, `gzip` after `identity`, went
     # unread and its body was parsed as plain JSON).
     codings = [
@@ -149,6 +161,12 @@ def unsupported_encoding(http: HttpRequest) -> ApiError | None:
     )
     close_if_unread(e, http)  # the body is not read
     return e
+
+
+def _is_json(content_type: str) -> bool:
+    """`application/json`, or a `+json` type, with or without parameters (`; charset=utf-8`)."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _large_body(length: str | None, encoding: str | None) -> bool:

@@ -49,6 +49,7 @@ HTTP_ERROR_REASONS = (
     "unsupported_transfer_encoding",
     "invalid_api_key",
     "bad_header",
+    "unsupported_content_type",
     "unsupported_content_encoding",
     "request_too_large",
     "busy",
