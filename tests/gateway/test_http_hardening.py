@@ -26,7 +26,7 @@ CONFIG = f"""
 max_header_bytes = 4096
 max_headers = 20
 header_timeout_s = 0.5
-body_timeout_s = 0.5
+body_timeout_s = 2.0
 max_connections = 12
 
 [tenants.acme]

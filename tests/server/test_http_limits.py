@@ -199,11 +199,21 @@ def test_an_upload_the_client_ends_early_is_a_400_counted_once_without_a_500(
     assert len(lines) == 2 and not any(r.exc_info for r in lines)  # one line each, no traceback
 
 
-def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServer) -> None:
+@pytest.fixture(scope="module")
+def capped() -> Iterator[LiveServer]:
+    """A server of 4 connections whose header and body timeouts (4 s) outlast the wait (1 s)
+    after which a quiet connection may be closed at the cap."""
+    limits = {**LIMITS, "max_connections": 4, "header_timeout_s": 4.0, "body_timeout_s": 4.0}
+    with live_server(make_state(parse_serve_config({"server": {"http": limits}}))) as srv:
+        yield srv
+
+
+def test_connections_past_the_cap_get_503_and_the_cap_frees_up(capped: LiveServer) -> None:
     """None of the open connections is idle or slow with its headers (each is sending its
     body): the newcomer is refused."""
+    server = capped
     with ExitStack() as stack:
-        held = [stack.enter_context(connect(server)) for _ in range(LIMITS["max_connections"])]
+        held = [stack.enter_context(connect(server)) for _ in range(4)]
         for sock in held:
             sock.sendall(completion_head(1000) + b'{"model": "')
         with connect(server) as extra:
@@ -221,15 +231,6 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees_up(server: LiveServe
     raise AssertionError("the server did not accept connections again once the others closed")
 
 
-@pytest.fixture(scope="module")
-def capped() -> Iterator[LiveServer]:
-    """A server of 4 connections whose header timeout (4 s) outlasts the wait (1 s) after which
-    a connection still sending its headers may be closed at the cap."""
-    limits = {**LIMITS, "max_connections": 4, "header_timeout_s": 4.0}
-    with live_server(make_state(parse_serve_config({"server": {"http": limits}}))) as srv:
-        yield srv
-
-
 def test_at_the_cap_a_connection_slow_with_its_headers_makes_room(capped: LiveServer) -> None:
     """One client's sockets that never finish their headers, opened again as the header
     timeout closed them, kept the cap full: every new client got 503 `connection_limit`, a
@@ -238,7 +239,7 @@ def test_at_the_cap_a_connection_slow_with_its_headers_makes_room(capped: LiveSe
         held = [stack.enter_context(connect(capped)) for _ in range(4)]
         for sock in held:
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")  # and no more of its headers
-        time.sleep(1.1)
+        time.sleep(1.5)
         assert httpx.get(capped.url + "/health", timeout=WAIT_S).status_code == 200
         answers = []
         for sock in held:  # one was closed to make room; the others finish and are served
@@ -264,6 +265,10 @@ def test_at_the_cap_an_idle_keep_alive_connection_makes_room(capped: LiveServer)
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
             time.sleep(0.05)  # idle one after another: held[0] the longest
+        # Idle for a moment only, a pooled connection is about to carry its next request (closed
+        # then, the request failed): the newcomer waits its turn.
+        assert status_and_code(read_all(stack.enter_context(connect(capped)))) == (503, "connection_limit")
+        time.sleep(1.5)
         assert httpx.get(capped.url + "/health", timeout=WAIT_S).status_code == 200
         assert read_all(held[0]) == b""  # closed quietly: no request of it was pending
         held[3].sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")

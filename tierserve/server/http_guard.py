@@ -10,9 +10,9 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
   byte of a later request on it: 408;
 * a body not complete `body_timeout_s` after its headers, or cut short by the client's
   end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
-* a connection beyond `max_connections`: 503, unless one open connection is idle (kept
-  alive between requests) or has waited a second for its request's headers: the longest
-  idle is closed, else the one that has waited longest (408), counted as `evicted`;
+* a connection beyond `max_connections`: 503, unless an open connection has done nothing
+  for a second (idle between requests, or waiting for a request's headers): the one quiet
+  longest is closed instead (408 if it waited for headers), counted as `evicted`;
 * a transfer coding other than `chunked` (`Transfer-Encoding: gzip, chunked`): 501, as RFC
   9112 asks of a coding the server does not implement (the gzip was ignored, and the body
   then failed as JSON);
@@ -46,7 +46,7 @@ from tierserve.server.http_limits import HttpLimits
 log = logging.getLogger("tierserve.server")
 
 MAX_PIPELINED = 32  # requests queued on one connection behind the one being answered
-EVICT_AFTER_S = 1.0  # at the connection cap, a connection waiting this long for headers may be closed
+EVICT_AFTER_S = 1.0  # at the connection cap, a connection that did nothing this long may be closed
 CONNECTION_LIMIT = "connection_limit"
 EVICTED = "evicted"  # a connection closed at the cap to make room for a new one
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
@@ -113,37 +113,44 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._arm(self.settings.limits.header_timeout_s, self._header_timeout)
 
     def _make_room(self) -> bool:
-        """At the cap, close an idle keep-alive connection (the longest idle; HTTP lets a
-        server close one at any time), else the connection that has waited longest for a
-        request's headers (`EVICT_AFTER_S` at least, or half the header timeout if less),
-        with nothing on it being answered; False where there is neither. One client's idle
-        sockets, or sockets that never finish their headers opened again as the header
-        timeout closed them (about 51 a second), kept the cap full before any key was read,
-        and every new client got 503 `connection_limit`, a load balancer's health checks too.
-        A client that sends its headers at once is never the one closed."""
+        """At the cap, close the connection that has done nothing longest: idle between
+        requests, or waiting for a request's headers, for `EVICT_AFTER_S` at least (half the
+        header timeout, if less), nothing on it being answered; False where there is none.
+        One client's idle sockets, or sockets that never finish their headers opened again as
+        the header timeout closed them (about 51 a second), kept the cap full before any key
+        was read, and every new client got 503 `connection_limit`, a load balancer's health
+        checks too. The wait spares busy clients: a pooled connection idle for a moment is
+        about to carry the next request (closed then, its POST failed: aiohttp and httpx do
+        not retry one, and the gateway's health checks, 0.5 s apart, ejected its upstream)."""
         limits = self.settings.limits
         now = self.loop.time()
-        peers = [c for c in self.connections if isinstance(c, GuardedHttpProtocol) and c is not self]
-        idle = [c for c in peers if c._phase == "idle" and not c._refused and not c._answering()]
-        if idle:
-            min(idle, key=lambda c: c._idle_since)._close_idle()
-            return True
         waited_s = min(EVICT_AFTER_S, limits.header_timeout_s / 2)
-        slow = [
-            c
-            for c in peers
-            if c._phase == "headers"
+        candidates = [
+            (c._quiet_since(), c)
+            for c in self.connections
+            if isinstance(c, GuardedHttpProtocol)
+            and c is not self
+            and c._phase in ("idle", "headers")
             and not c._refused
             and not c._answering()
-            and now - c._headers_since >= waited_s
+            and not c.transport.is_closing()
         ]
-        if not slow:
+        quiet = [(since, c) for since, c in candidates if now - since >= waited_s]
+        if not quiet:
             return False
-        oldest = min(slow, key=lambda c: c._headers_since)
-        waited = f"{now - oldest._headers_since:.1f} s"
+        since, victim = min(quiet, key=lambda pair: pair[0])
+        if victim._phase == "idle":
+            victim._close_idle()
+            return True
+        waited = f"{now - since:.1f} s"
         cap = f"{limits.max_connections} open connections"
-        oldest._refuse(408, EVICTED, f"Request headers not received in {waited}: closed at the cap of {cap}.")
+        victim._refuse(408, EVICTED, f"Request headers not received in {waited}: closed at the cap of {cap}.")
         return True
+
+    def _quiet_since(self) -> float:
+        """Loop time since when this connection has done nothing: its last response, or the
+        start of the headers it waits for."""
+        return self._idle_since if self._phase == "idle" else self._headers_since
 
     def _close_idle(self) -> None:
         """Close this idle keep-alive connection to make room (no request of it is pending, so
