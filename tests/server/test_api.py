@@ -538,24 +538,27 @@ def test_a_404_for_a_model_does_not_echo_a_long_id(server: LiveServer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("content_type", "status"),
+    ("headers", "status"),
     [
-        ("text/plain", 415),  # what a web page may send anywhere without asking first
-        ("application/x-www-form-urlencoded", 415),  # a form's, and curl -d's
-        ("multipart/form-data; boundary=x", 415),
-        ("application/json", 200),
-        ("Application/JSON; charset=utf-8", 200),
-        ("application/vnd.tierserve+json", 200),
-        (None, 200),  # no header: taken as JSON
+        ([("content-type", "text/plain")], 415),  # what a web page may send anywhere unasked
+        ([("content-type", "application/x-www-form-urlencoded")], 415),  # a form's, and curl -d's
+        ([("content-type", "multipart/form-data; boundary=x")], 415),
+        ([("content-type", "application/json"), ("content-type", "text/plain")], 415),
+        ([("origin", "https://elsewhere.example")], 415),  # a page's untyped body (fetch, no-cors)
+        ([("sec-fetch-site", "cross-site")], 415),
+        ([("content-type", "application/json")], 200),
+        ([("content-type", "Application/JSON; charset=utf-8")], 200),
+        ([("content-type", "application/vnd.tierserve+json")], 200),
+        ([], 200),  # no type, and not from a browser: taken as JSON (scripts leave it out)
+        ([("sec-fetch-site", "same-origin")], 200),
     ],
 )
 def test_a_body_that_is_not_json_by_its_type_is_a_415(
-    server: LiveServer, content_type: str | None, status: int
+    server: LiveServer, headers: list[tuple[str, str]], status: int
 ) -> None:
-    """A page a user of an open server on their own machine opened could POST text/plain to
-    it cross-origin, unasked, and start generations (FastAPI refuses such bodies)."""
+    """A page a user of an open server on their own machine opened could POST text/plain (or
+    an untyped body) to it cross-origin, unasked, and start generations."""
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
-    headers = {} if content_type is None else {"content-type": content_type}
     r = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
     assert r.status_code == status, r.text
     if status == 415:

@@ -131,17 +131,20 @@ def close_if_unread(e: ApiError, http: HttpRequest) -> None:
 
 def unsupported_body(http: HttpRequest) -> ApiError | None:
     """The 415 for a body that is not JSON by its Content-Type, or compressed; None for one
-    to read. A Content-Type other than JSON (or none) is refused as FastAPI refuses it: a
-    browser's page may POST `text/plain` or a form to any address without asking first, so
-    any web page a user of an open server on their machine opened could start generations on
-    it (an attack trial). A compressed body is refused, not decompressed: its size after
-    inflating is the client's to choose (a few KiB of gzip can inflate to gigabytes), and
-    OpenAI's API takes none."""
-    kind = http.headers.get("content-type")
-    if kind is not None and not _is_json(kind):
+    to read. A Content-Type other than JSON is refused, as FastAPI refuses it, and so is no
+    Content-Type from a browser (a request with an `Origin`, or a `Sec-Fetch-Site` other than
+    same-origin): a web page may POST `text/plain`, a form or an untyped body to any address
+    without asking first, so a page a user of an open server on their machine opened could
+    start generations on it (an attack trial and a review). Other clients may leave the
+    type out. A compressed body is refused, not decompressed: its size after inflating is
+    the client's to choose (a few KiB of gzip can inflate to gigabytes), and OpenAI's API
+    takes none."""
+    kinds = http.headers.getlist("content-type")
+    if not all(_is_json(kind) for kind in kinds) or (not kinds and _from_a_browser(http)):
+        shown = ", ".join(kinds)[:64] or "none"
         e = ApiError(
             415,
-            f"Content-Type {kind[:64]!r} is not supported; send the body as application/json.",
+            f"Content-Type {shown!r} is not supported; send the body as application/json.",
             code="unsupported_content_type",
         )
         close_if_unread(e, http)  # the body is not read
@@ -161,6 +164,12 @@ def unsupported_body(http: HttpRequest) -> ApiError | None:
     )
     close_if_unread(e, http)  # the body is not read
     return e
+
+
+def _from_a_browser(http: HttpRequest) -> bool:
+    """Whether a browser sent the request from another page (it names the page's origin)."""
+    site = http.headers.get("sec-fetch-site")
+    return "origin" in http.headers or (site is not None and site not in ("same-origin", "none"))
 
 
 def _is_json(content_type: str) -> bool:
