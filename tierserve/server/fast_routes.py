@@ -142,13 +142,8 @@ def unsupported_body(http: HttpRequest) -> ApiError | None:
     kinds = http.headers.getlist("content-type")
     if not all(_is_json(kind) for kind in kinds) or (not kinds and _from_a_browser(http)):
         shown = ", ".join(kinds)[:64] or "none"
-        e = ApiError(
-            415,
-            f"Content-Type {shown!r} is not supported; send the body as application/json.",
-            code="unsupported_content_type",
-        )
-        close_if_unread(e, http)  # the body is not read
-        return e
+        message = f"Content-Type {shown!r} is not supported; send the body as application/json."
+        return _unread_415(http, message, "unsupported_content_type")
     # Every Content-Encoding header, as one list (a second one, `gzip` after `identity`, went
     # unread and its body was parsed as plain JSON).
     codings = [
@@ -157,11 +152,12 @@ def unsupported_body(http: HttpRequest) -> ApiError | None:
     if all(c in ("identity", "") for c in codings):
         return None
     encoding = ", ".join(c for c in codings if c)
-    e = ApiError(
-        415,
-        f"Content-Encoding {encoding!r} is not supported; send the body uncompressed.",
-        code="unsupported_content_encoding",
-    )
+    message = f"Content-Encoding {encoding!r} is not supported; send the body uncompressed."
+    return _unread_415(http, message, "unsupported_content_encoding")
+
+
+def _unread_415(http: HttpRequest, message: str, code: str) -> ApiError:
+    e = ApiError(415, message, code=code)
     close_if_unread(e, http)  # the body is not read
     return e
 
