@@ -10,8 +10,8 @@ Each request the dispatcher takes is counted once, by how it left it: a routing 
 (`affinity`, `least_loaded` or `p0_soonest`, when it is sent on, at once or after waiting;
 it then ends in one upstream outcome) or a rejection (`queue_full`, `queue_timeout`,
 `no_upstream`, `client_left` for a client gone while it waited, or `cut` for one still
-waiting when the gateway's drain ended), so that the counts add
-up to the requests (docs/gateway.md, "Metrics").
+waiting when the gateway's drain ended), so that the counts add up to the requests
+(docs/gateway.md, "Metrics").
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """One generation request through the gateway, from the HTTP body to the last byte.
 
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
-is read) -> Content-Type, Content-Encoding (415, unread) -> body (400; 503 past `large_body_queue` large
-bodies) -> model (404) -> tier (400 for a tier header sent twice, differing, or a tier
-whose queue cap is 0) -> rate limits
-(429, or 503 when Redis is down and the tier fails closed; 400 for a request too large to
-ever fit) -> flow control (503) -> upstream. An upstream that fails before the first byte
-of its reply reaches the client (connect error, 5xx, a stream cut before its first whole
-event) is left for another one, up to `max_attempts`; once bytes have reached the client a
-broken stream ends with an error event. Reserved tokens are settled with the upstream's
-reported usage.
+is read) -> Content-Type, Content-Encoding (415, unread) -> body (400; 503 past
+`large_body_queue` large bodies) -> model (404) -> tier (400 for a tier header sent twice,
+differing, or a tier whose queue cap is 0) -> rate limits (429, or 503 when Redis is down
+and the tier fails closed; 400 for a request too large to ever fit) -> flow control (503)
+-> upstream. An upstream that fails before the first byte of its reply reaches the client
+(connect error, 5xx, a stream cut before its first whole event) is left for another one,
+up to `max_attempts`; once bytes have reached the client a broken stream ends with an
+error event. Reserved tokens are settled with the upstream's reported usage.
 """
 
 from __future__ import annotations
@@ -377,11 +376,11 @@ SALTED_KINDS = ("tierserve", "vllm")  # upstreams that take vLLM's `cache_salt`
 
 def _salted(gw: GatewayState, call: _Call, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
     """The body's rewritten `fields` with the `cache_salt` that keeps the request's tenant's
-    cached prompt blocks its own on the upstream (`TenantResolver.cache_salt`, as `tierserve
-    serve` keys them): an upstream sees one caller, the gateway, so its tenants shared each
-    upstream's cache, and a tenant's `cached_tokens` told it which prompts another had sent. Hashed to 64 hex
-    characters, which vLLM takes (at most 128, no '/', '@' or '\\'). SGLang upstreams get
-    the client's salt as sent."""
+    cached prompt blocks its own on the upstream (`TenantResolver.cache_salt`, as
+    `tierserve serve` keys them): an upstream sees one caller, the gateway, so its
+    tenants shared each upstream's cache, and a tenant's `cached_tokens` told it which
+    prompts another had sent. Hashed to 64 hex characters, which vLLM takes (at most
+    128, no '/', '@' or '\\'). SGLang upstreams get the client's salt as sent."""
     salt = gw.tenants.cache_salt(call.tenant, fields.get("cache_salt"))
     if salt is None or kind not in SALTED_KINDS:
         return fields

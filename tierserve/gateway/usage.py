@@ -149,17 +149,17 @@ class SseUsageTap:
     def _event(self, event: bytes) -> bytes:
         if self.done:
             return b""  # nothing after `data: [DONE]` is for the client
-        data = _data_of(event)
-        if _is_done(data):
+        # Most events are a token's chunk: looked into (their data copied out) only where they
+        # may be the last word or carry a usage. With usage asked for, every chunk carries
+        # `"usage": null` (OpenAI's format, and tierserve's and vLLM's): only one whose usage
+        # is not null is worth parsing.
+        if b"[DONE]" in event and _is_done(_data_of(event)):
             self.done = True
-        # With usage asked for, every chunk carries `"usage": null` (OpenAI's format, and
-        # tierserve's and vLLM's): only one whose usage is not null is worth parsing.
-        if (
-            data is None
-            or b'"usage"' not in data
-            or _NULL_USAGE.search(data)
-            or not data.lstrip().startswith(b"{")
-        ):
+            return event
+        if b'"usage"' not in event or _NULL_USAGE.search(event):
+            return event
+        data = _data_of(event)
+        if data is None or not data.lstrip().startswith(b"{"):
             return event
         try:
             payload = json.loads(data)

@@ -91,15 +91,10 @@ def invalid_body(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
-# How a 400 names the members of a union field (pydantic names them by their types).
-_MEMBERS = {
-    "str": "a string",
-    "list[str]": "an array of strings",
-    "list[int]": "an array of integers (token ids)",
-    "list[list[int]]": "an array of arrays of integers (token ids)",
-    "list[ContentPart]": "an array of content parts",
-    "dict[str,any]": "an object",
-}
+# How a 400 names the members of a union field that is validated as every member (pydantic
+# names them by their types). The prompt, a message's content and `stop` are validated as the
+# one form their value has (protocol.py) and report that form's own error.
+_MEMBERS = {"str": "a string", "dict[str,any]": "an object"}
 
 
 def quoted(value: object) -> str:
@@ -110,36 +105,23 @@ def quoted(value: object) -> str:
 
 
 def pick_error(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    """The error a 400 reports: the first, or where it is in a union field, the error of the
-    member the input went furthest into (the later its first bad element, then the deeper),
-    and where several went as far, one saying what the field takes. The first member's
-    error alone said `prompt.0: Input should be a valid integer` of `["x", 1]`, whose element
-    0 is a valid string."""
+    """The error a 400 reports: the first, or where the first is one of the errors the members
+    of a union field gave, one saying what the field takes (the first member's alone said
+    `tool_choice: Input should be a valid string` of a field that takes an object too)."""
     loc = tuple(errors[0].get("loc", ()))
-    at = next((i for i, part in enumerate(loc) if isinstance(part, str) and part in _MEMBERS), None)
+    at = next((i for i, part in enumerate(loc) if part in _MEMBERS), None)
     if at is None:
         return errors[0]
     field = loc[:at]
-    firsts: dict[str, Mapping[str, Any]] = {}  # each member's first error
-    for e in errors:
-        where = tuple(e.get("loc", ()))
-        if len(where) > at and where[:at] == field:
-            firsts.setdefault(str(where[at]), e)
-    if any(member not in _MEMBERS for member in firsts):
-        return errors[0]  # a union this list does not name in words
-
-    def reach(e: Mapping[str, Any]) -> tuple[int, int]:
-        after = tuple(e["loc"])[at + 1 :]
-        return (after[0] if after and isinstance(after[0], int) else -1, len(after))
-
-    furthest = max(reach(e) for e in firsts.values())
-    reached = [e for e in firsts.values() if reach(e) == furthest]
-    if len(reached) == 1:
-        return reached[0]
+    members = dict.fromkeys(
+        str(e["loc"][at]) for e in errors if len(e.get("loc", ())) > at and tuple(e["loc"][:at]) == field
+    )
+    if len(members) < 2 or any(m not in _MEMBERS for m in members):
+        return errors[0]
     return {
         "type": "union_type",
         "loc": field,
-        "msg": f"Input should be {_either([_MEMBERS[m] for m in _MEMBERS if m in firsts])}",
+        "msg": f"Input should be {_either([_MEMBERS[m] for m in members])}",
     }
 
 

@@ -125,8 +125,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         limits = self.settings.limits
         now = self.loop.time()
         waited_s = min(EVICT_AFTER_S, limits.header_timeout_s / 2)
-        candidates = [
-            (c._quiet_since(), c)
+        quiet = [
+            (since, c)
             for c in self.connections
             if isinstance(c, GuardedHttpProtocol)
             and c is not self
@@ -134,8 +134,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             and not c._refused
             and not c._answering()
             and not c.transport.is_closing()
+            and now - (since := c._quiet_since()) >= waited_s
         ]
-        quiet = [(since, c) for since, c in candidates if now - since >= waited_s]
         if not quiet:
             return False
         since, victim = min(quiet, key=lambda pair: pair[0])
