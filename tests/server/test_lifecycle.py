@@ -140,6 +140,35 @@ def test_drain_timeout_aborts_what_is_left_and_exits() -> None:
         assert not srv.thread.is_alive()
 
 
+def test_a_stream_cut_by_the_drain_reports_its_usage_before_the_error() -> None:
+    """A client (or a gateway metering the stream) that asked for usage learns what the cut
+    stream used: the usage chunk comes before the error event, where OpenAI's client stops
+    reading. Without it a gateway charged the whole reservation."""
+    with live_server(make_state(), drain_timeout_s=0.3) as srv:
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 4000,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line)
+            events = [next(lines), next(lines)]  # the role, then a first token
+            srv.begin_drain()
+            events += lines
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    (usage_at,) = [i for i, p in enumerate(payloads) if p.get("usage")]
+    (error_at,) = [i for i, p in enumerate(payloads) if "error" in p]
+    assert usage_at == error_at - 1 and events[-1] == "data: [DONE]"
+    usage = payloads[usage_at]["usage"]
+    num_text_chunks = sum(
+        1 for p in payloads[:usage_at] if p["choices"] and p["choices"][0]["delta"].get("content")
+    )
+    assert payloads[usage_at]["choices"] == [] and usage["prompt_tokens"] > 0
+    assert usage["completion_tokens"] >= num_text_chunks >= 1
+
+
 def test_a_non_streaming_request_cut_at_the_drain_timeout_is_a_503_said_once() -> None:
     """Its message read "The request was aborted: aborted"."""
     with live_server(make_state(), drain_timeout_s=0.3) as srv:

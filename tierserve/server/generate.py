@@ -207,7 +207,7 @@ class GenerationRun:
                 if failed is not None:
                     if not started:
                         raise _failure(failed)
-                    yield error_event(failed.error or "request aborted", code="aborted") + DONE
+                    yield self._cut_tail(text, failed)
                     return
                 first = not started
                 usage = self._usage if fmt.continuous_usage else None
@@ -234,6 +234,20 @@ class GenerationRun:
                     return
         finally:
             self._close()
+
+    def _cut_tail(self, text: str, failed: Delta) -> bytes:
+        """How a stream the engine ended early (a drain's deadline, the engine stopping) ends:
+        the text it had, the usage so far where the client asked for usage, then the error
+        event. The usage comes before the error because clients stop reading at the error
+        (OpenAI's raises there); without it a gateway metering the stream would charge the
+        whole reservation for tokens never generated."""
+        fmt = self._fmt
+        usage = self._usage if fmt.continuous_usage else None
+        out = [fmt.text_chunk(text, usage)] if text else []
+        if fmt.include_usage:
+            out.append(fmt.usage_chunk(self._usage))
+        out.append(error_event(failed.error or "request aborted", code="aborted") + DONE)
+        return b"".join(out)
 
     async def collect(self) -> dict[str, Any]:
         parts: list[str] = []
