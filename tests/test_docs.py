@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 OUTSIDE = ("../shared", "DESIGN.md", "/work/")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

@@ -4,7 +4,7 @@ A worker thread keeps a parse off the event loop's turn, but not off its interpr
 pydantic holds the lock for the whole of `model_validate_json` (~13 ms for 1.8 MiB of
 token ids on the reference host), and a first token due in that time waits for it. Beside
 a flood of 1 MiB bodies at 200 streams, that put the API overhead's P99 at 6-8 ms in ten
-runs of ten (`tierserve bench serve`, docs/serving.md).
+runs of ten (`tierserve bench serve`, docs/measurements/serving.md).
 
 So a body larger than the server's offload size goes to one worker process, spawned when
 the first such body arrives (that one, and any while the worker starts, parse on a

@@ -7,7 +7,7 @@ load generator), the kernel often lets the running engine process go on with the
 other work before the task it woke may run: its metrics, the rest of the step's tokens,
 the next step's scheduling, ~2.5 ms of Python at 200 streams. The first tokens waited for
 it, and the API overhead P50 went from 0.57 ms (engine on a thread of the server, which
-waited the same way for the event loop) to 3.8 ms (docs/serving.md has the breakdown).
+waited the same way for the event loop) to 3.8 ms (docs/measurements/serving.md has the breakdown).
 So the engine waits, blocked, until the server says `FirstsHandled`, or for a bound that
 grows with the number of first tokens: a server that is slow to answer costs a step at
 most `HANDOFF_WAIT_MAX_S`. Sharing a CPU at 200 streams the wait was 0.7 ms at the median,
