@@ -13,7 +13,7 @@ OUTSIDE = ("../shared", "DESIGN.md", "/work/")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_pages_point_only_inside_the_repository(page: Path) -> None:
     text = page.read_text()
     for words in OUTSIDE:
