@@ -70,6 +70,9 @@ def test_tier_names_parse_in_every_spelling() -> None:
     assert Tier.parse("1") is Tier.P1
     with pytest.raises(ValueError, match="unknown tier"):
         Tier.parse("urgent")
+    for number in (4, -1):  # the message lists the tiers, as for a name (was the enum's own)
+        with pytest.raises(ValueError, match=f"unknown tier {number}; expected one of P0/realtime"):
+            Tier.parse(number)
 
 
 def test_policy_tables_hold_each_policys_own_settings() -> None:

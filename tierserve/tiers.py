@@ -19,11 +19,13 @@ class Tier(IntEnum):
     def parse(cls, value: str | int) -> Tier:
         """Accept 0..3, "P0".."P3" or a label such as "realtime"; raise ValueError otherwise."""
         if isinstance(value, int):
-            return cls(value)
-        text = value.strip().lower()
-        for tier in cls:
-            if text in (tier.name.lower(), tier.label, str(int(tier))):
-                return tier
+            if value in cls._value2member_map_:
+                return cls(value)
+        else:
+            text = value.strip().lower()
+            for tier in cls:
+                if text in (tier.name.lower(), tier.label, str(int(tier))):
+                    return tier
         names = ", ".join(f"{t.name}/{t.label}" for t in cls)
         raise ValueError(f"unknown tier {value!r}; expected one of {names}")
 

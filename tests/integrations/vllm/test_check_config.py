@@ -26,6 +26,21 @@ def test_a_good_file_says_what_the_plugin_runs(tmp_path: Path, capsys: pytest.Ca
     assert "0 -> P1 (the default tier), 5 -> P0" in out  # 0 (untagged) was left to be inferred
 
 
+def test_settings_vllm_decides_get_a_note_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config shared with `tierserve serve` may set the scheduler's limits; inside vLLM its
+    flags set them, and the check said nothing of it."""
+    path = tmp_path / "tiers.toml"
+    path.write_text("[scheduler]\nmax_num_seqs = 4\nswap_factor = 0.3\nenable_prefix_caching = false\n")
+    assert main([str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 1 and "policy hybrid" in captured.out
+    assert captured.err.splitlines() == [
+        f"note: {path}: scheduler.max_num_seqs is not read inside vLLM: its --max-num-seqs sets it",
+        f"note: {path}: scheduler.enable_prefix_caching is not read inside vLLM: its "
+        "--enable-prefix-caching / --no-enable-prefix-caching sets it",
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [

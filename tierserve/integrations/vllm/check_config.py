@@ -60,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(e)
         print(f"error: {message if raw is None else f'{path}: {message}'}", file=sys.stderr)
         return 2
+    for note in config.ignored:
+        print(f"note: {path}: {note}", file=sys.stderr)
     print(f"{path}: {describe(config)}")
     return 0
 

@@ -53,6 +53,8 @@ class PluginConfig:
     priority_tiers: Mapping[int, Tier] = field(default_factory=_default_priorities)
     default_tier: Tier = Tier.P1
     source: str = "the plug-in's defaults"  # where it came from, for errors found later
+    # Settings the config gives that vLLM's own flags decide, each with the flag to use.
+    ignored: tuple[str, ...] = ()
 
     def tier_for_priority(self, priority: int) -> Tier:
         """The mapped tier; an unmapped priority past every mapped one and vLLM's default 0
@@ -124,7 +126,28 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
     for tier in ALL_TIERS if tiered else ():
         if engine.tiers[tier].ceiling == 0:
             raise tier_turned_off(tier)
-    return PluginConfig(engine, policy, priorities, default_tier)
+    return PluginConfig(engine, policy, priorities, default_tier, ignored=_vllm_decides(raw))
+
+
+# [scheduler] keys that configure tierserve's own engine; inside vLLM its flags set them.
+_VLLM_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "enable_prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
+}
+
+
+def _vllm_decides(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """A note for each setting in `raw` that the plug-in does not read (a config shared with
+    `tierserve serve` may hold them): accepted without a word, they read as if they applied."""
+    scheduler = raw.get("scheduler")
+    if not isinstance(scheduler, Mapping):
+        return ()
+    return tuple(
+        f"scheduler.{key} is not read inside vLLM: its {flag} sets it"
+        for key, flag in _VLLM_FLAGS.items()
+        if key in scheduler
+    )
 
 
 # vLLM's additional config, as `vllm serve` and `LLM(...)` users each write it.

@@ -156,6 +156,8 @@ class TierScheduler(Scheduler):
                 "tierserve: PROMETHEUS_MULTIPROC_DIR is not set, so the per-tier metrics are not on "
                 "vLLM's /metrics (set it to an empty directory before `vllm serve` to export them)"
             )
+        for note in self.tier_config.ignored:
+            logger.warning("tierserve: %s: %s", self.tier_config.source, note)
         logger.info(
             "tierserve: policy %s, %d KV blocks, floors %s, ceilings %s",
             self.tier_config.policy,
