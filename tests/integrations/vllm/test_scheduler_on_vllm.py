@@ -457,6 +457,35 @@ def test_a_seat_for_p0_is_taken_from_the_request_with_least_work_done(plugin: Dr
     assert preempted[0][0] == latest and latest.startswith(f"seat-p3-{MAX_NUM_SEQS - 1}-")  # vLLM's id suffix
 
 
+def test_a_request_whose_blocks_a_connector_still_writes_is_not_preempted_for_p0(plugin: Driver) -> None:
+    """With an asynchronous KV connector vLLM frees a request's blocks only once the step that
+    may write them has been processed (`_request_blocks_can_be_freed`). Preempting such a
+    request makes no room this step, so the P0 takes the seat of another: here the latest
+    P3, the one it would otherwise take (the test above), is marked as still written."""
+    sched = scheduler_of(plugin.llm)
+    preempted: list[str] = []
+    original = sched._preempt_request
+
+    def spy(request: Any, *args: Any, **kwargs: Any) -> None:
+        preempted.append(request.request_id)
+        original(request, *args, **kwargs)
+
+    for i in range(MAX_NUM_SEQS):
+        plugin.submit(f"written-p3-{i}", prompt(5200 + i, 10), 150, Tier.P3)
+        plugin.steps(10)
+    latest = min(sched.running, key=lambda r: r.num_computed_tokens).request_id
+    assert latest.startswith(f"written-p3-{MAX_NUM_SEQS - 1}-")
+    sched._preempt_request = spy
+    sched._request_blocks_can_be_freed = lambda request: request.request_id != latest
+    try:
+        plugin.submit("written-p0", prompt(5300, 10), 5, Tier.P0)
+        plugin.run(5, until=lambda: "written-p0" in plugin.first_token_step)
+    finally:  # before the fixture aborts the rest: a deferred free would keep their blocks
+        del sched._preempt_request, sched._request_blocks_can_be_freed
+    assert preempted and latest not in preempted
+    assert plugin.ttft_steps("written-p0") <= 2
+
+
 def test_a_burst_of_p0_starts_together_through_a_full_batch(plugin: Driver) -> None:
     """P3 requests hold every seat; three P0 requests arrive at once. Room was made for the
     head of the queue only, and vLLM's pass never preempts for a waiting request, so the
