@@ -152,4 +152,4 @@ def test_a_prefix_other_requests_hold_is_not_counted_again() -> None:
     manager.free(head)  # back to waiting, as the plug-in sees it before vLLM admits it
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(inner=manager), num_lookahead_tokens=0)
     scheduler._blocks_for = lambda n, hit=None: TierScheduler._blocks_for(scheduler, n, hit)  # type: ignore[arg-type]
-    assert TierScheduler._blocks_to_admit(scheduler, head) == taken  # type: ignore[arg-type]
+    assert TierScheduler._blocks_to_admit(scheduler, head)[0] == taken  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.integrations.vllm.engines import (
+    BLOCK_SIZE,
     MAX_NUM_SEQS,
     PLUGIN,
     Driver,
@@ -484,6 +485,39 @@ def test_a_request_whose_blocks_a_connector_still_writes_is_not_preempted_for_p0
         del sched._preempt_request, sched._request_blocks_can_be_freed
     assert preempted and latest not in preempted
     assert plugin.ttft_steps("written-p0") <= 2
+
+
+def test_a_p0_burst_counts_a_prefix_it_shares_and_the_watermark_once(plugin: Driver) -> None:
+    """Three P0 prompts share three uncached blocks; vLLM caches a block as it allocates it,
+    so the second and third admissions of the pass find the first's. The room made for the
+    burst counted those blocks once a request, and vLLM's watermark once a request too (each
+    admission must leave it free, so the last one's check covers the group): up to twice
+    the blocks, and as many more requests preempted for them. Counted here against the
+    blocks vLLM takes, with a watermark of 2 blocks."""
+    sched = scheduler_of(plugin.llm)
+    inner = sched.kv_cache_manager.inner
+    counted: list[int] = []
+    original = sched._burst_need
+
+    def spy(group: Any) -> int:
+        counted.append(need := original(group))
+        return need
+
+    shared = prompt(5400, 3 * BLOCK_SIZE)
+    burst = [f"shared-p0-{i}" for i in range(3)]
+    sched._burst_need, watermark, inner.watermark_blocks = spy, inner.watermark_blocks, 2
+    try:
+        free = inner.block_pool.get_num_free_blocks()
+        for i, rid in enumerate(burst):
+            plugin.submit(rid, shared + prompt(5500 + i, 20), 4, Tier.P0)
+        plugin.step()
+        taken = free - inner.block_pool.get_num_free_blocks()
+    finally:
+        del sched._burst_need
+        inner.watermark_blocks = watermark
+    assert all(plugin.first_token_step.get(rid) == plugin.step_no for rid in burst)  # one pass
+    assert taken == 4 + 1 + 1  # the shared blocks once, a block of its own tail each
+    assert counted[0] == taken + 2
 
 
 def test_a_burst_of_p0_starts_together_through_a_full_batch(plugin: Driver) -> None:

@@ -43,6 +43,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -108,6 +109,21 @@ def blocks_to_hold(
         if not held.get(_SIZING_ID, True):
             del held[_SIZING_ID]
     return int(blocks)
+
+
+def _taken_again(request: Request, hit: tuple[Any, int] | None, taken: set[Any], block_size: int) -> int:
+    """Of `request`'s leading prompt blocks whose hashes are in `taken` (blocks an earlier
+    admission of the same pass holds), those its own count took from the pool: all but the
+    cache hit's blocks that running requests hold (those it counted as free of charge). Only
+    blocks before its last token count: vLLM computes that token, so the block holding it is
+    never a hit."""
+    num_leading = 0
+    for block_hash in request.block_hashes[: (int(request.num_tokens) - 1) // block_size]:
+        if block_hash not in taken:
+            break
+        num_leading += 1
+    hit_blocks = hit[0][0] if hit is not None else ()
+    return num_leading - sum(1 for block in hit_blocks[:num_leading] if block.ref_cnt > 0)
 
 
 class TierScheduler(Scheduler):
@@ -449,7 +465,7 @@ class TierScheduler(Scheduler):
         first = self.book.get(burst[0].request_id).shadow
         groups = [burst] if len(burst) == 1 else [burst, burst[:1]]  # the burst, else its first alone
         for group in groups:
-            need = sum(self._blocks_to_admit(r) for r in group)
+            need = self._burst_need(group)
             if self._preempt_for(first, need, len(group), now, slot_from):
                 return tier
         return None
@@ -573,10 +589,32 @@ class TierScheduler(Scheduler):
             self.prev_step_scheduled_req_ids.discard(victim.request_id)
             self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
 
-    def _blocks_to_admit(self, request: Request) -> int:
+    def _burst_need(self, group: Sequence[Request]) -> int:
+        """Blocks vLLM wants free to admit `group` in one pass: each request's own, and the
+        watermark once (each admission must leave it free, so the last one's check covers the
+        group). A prompt block that an earlier request of the group takes (the same block
+        hash) is not counted again: vLLM enters a block in its prefix cache as it allocates
+        it, and the next admission of the pass finds it. That holds where the model has one
+        full-attention KV-cache group; elsewhere a shared block is counted again, more than
+        vLLM takes (a burst of P0s sharing an uncached system prompt preempted others for
+        its blocks once a request)."""
+        inner = self.kv_cache_manager.inner
+        groups = inner.coordinator.single_type_managers
+        shares = len(groups) == 1 and isinstance(groups[0], FullAttentionManager)
+        taken: set[Any] = set()  # hashes of the prompt blocks the group's earlier requests hold
+        need = 0
+        for request in group:
+            blocks, hit = self._blocks_to_admit(request)
+            need += blocks - int(inner.watermark_blocks)
+            if shares and inner.prefix_cache_lookup_enabled(request):
+                need -= _taken_again(request, hit, taken, int(groups[0].block_size))
+                taken.update(request.block_hashes)
+        return need + int(inner.watermark_blocks)
+
+    def _blocks_to_admit(self, request: Request) -> tuple[int, tuple[Any, int] | None]:
         """Blocks vLLM wants free to admit `request`, its prefix cache hit counted as vLLM
         counts it (a P0 request whose system prompt running requests hold preempted others for
-        those blocks too)."""
+        those blocks too), and that hit (its blocks by group, the tokens they hold)."""
         inner = self.kv_cache_manager.inner
         hit = None
         if inner.prefix_cache_lookup_enabled(request):  # a read: nothing is touched or counted
@@ -584,7 +622,7 @@ class TierScheduler(Scheduler):
                 request.block_hashes, int(request.num_tokens) - 1
             )
             hit = (hit_blocks, int(num_hit_tokens))
-        return self._blocks_for(int(request.num_tokens), hit)
+        return self._blocks_for(int(request.num_tokens), hit), hit
 
     def _blocks_for(self, num_tokens: int, hit: tuple[Any, int] | None = None) -> int:
         """Blocks vLLM wants free to admit a request of `num_tokens` tokens (`hit`: its prefix
