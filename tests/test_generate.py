@@ -90,6 +90,10 @@ def test_cli_penalties_stop_the_demo_repeating_itself(capsys: pytest.CaptureFixt
     assert len(set(penalised)) > len(set(plain))  # the random demo model loves one token
     assert cli([*argv, "--presence-penalty", "3"]) == 2
     assert "--presence-penalty must be in [-2, 2], got 3" in capsys.readouterr().err
+    assert cli([*argv, "--repetition-penalty", "1.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] != plain
+    assert cli([*argv, "--repetition-penalty", "0"]) == 2
+    assert "--repetition-penalty must be > 0, got 0" in capsys.readouterr().err
 
 
 def test_visible_escapes_control_characters_but_keeps_lines_and_text() -> None:

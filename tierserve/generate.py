@@ -34,6 +34,7 @@ _SAMPLING_FIELDS = (
     "seed",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "ignore_eos",
 )
 
@@ -81,7 +82,11 @@ def generate(
         prompt_ids = tokenizer.encode(prompt)
     clock = WallClock()
     engine = Engine(EngineConfig(), "hybrid", executor, clock)
-    params = SamplingParams(**{"max_tokens": 64, **sampling})
+    # A repetition penalty from the model's generation_config.json applies, as it does to
+    # transformers' generate() (greedy or not); its temperature and top-p/k do not: greedy
+    # unless asked, as the flags say.
+    model_penalty = executor.spec.sampling_defaults.repetition_penalty
+    params = SamplingParams(**{"max_tokens": 64, "repetition_penalty": model_penalty or 1.0, **sampling})
     req = Request("generate-0", prompt_ids, params, arrival_time=clock.now())
     if not engine.add_request(req):
         raise ValueError(f"request rejected: {req.reject_reason}")
@@ -141,6 +146,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--frequency-penalty", type=float, default=0.0, help="-2..2, as in OpenAI's API (default: 0)"
     )
     p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="divides the logits of the tokens already in the prompt or output (multiplies negative "
+        "ones), as in transformers and vLLM; 1 = off (default: the model's generation_config.json, else 1)",
+    )
+    p.add_argument(
         "--stop", nargs="+", default=[], metavar="STR", help="stop strings (not included in the text)"
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -161,6 +173,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from tierserve.request import SamplingParams
 
     sampling = {field: getattr(args, field) for field in _SAMPLING_FIELDS}
+    if sampling["repetition_penalty"] is None:  # the model's, once it is loaded
+        del sampling["repetition_penalty"]
     try:
         SamplingParams(**sampling)
     except ValueError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class SamplingParams:
     # once for each token that has appeared, `frequency` once per appearance.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # transformers' and vLLM's: the logit of every token in the prompt or generated so far is
+    # divided by it where positive, multiplied where negative (1 = off).
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -84,10 +88,27 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """A model's own sampling settings (its generation_config.json), for the fields a request
+    leaves out; None where the model sets none."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    def said(self) -> str:
+        """ "temperature 0.7, top_p 0.8" ("" where none is set), for a log line."""
+        return ", ".join(f"{f}: {v:g}" for f in self.__slots__ if (v := getattr(self, f)) is not None)
 
 
 @dataclass(eq=False, slots=True)

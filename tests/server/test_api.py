@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -419,6 +420,33 @@ def test_sampling_fields_reach_the_engine_and_inert_ones_are_accepted(server: Li
     assert off.sampling.top_k == 0 and not off.sampling.penalized
     r = _post(server, "/v1/chat/completions", {**CHAT, "presence_penalty": 1.0, "tools": []})
     assert r.status_code == 200, r.text
+
+
+def test_the_models_sampling_defaults_fill_in_what_a_request_leaves_out(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As vLLM reads a model's generation_config.json: its settings for the fields a request
+    does not give, the request's own where it does; the API's defaults for the rest."""
+    from tierserve.request import SamplingDefaults
+    from tierserve.server.prepare import prepare
+    from tierserve.server.protocol import ChatCompletionRequest
+
+    def sampling(**fields: object) -> tuple[float, float, int, float]:
+        params = prepare(
+            server.state, ChatCompletionRequest.model_validate({**CHAT, **fields}), Tier.P1
+        ).sampling
+        return params.temperature, params.top_p, params.top_k, params.repetition_penalty
+
+    assert sampling() == (1.0, 1.0, 0, 1.0)  # OpenAI's temperature; the rest off
+    model = dataclasses.replace(server.state.model, sampling_defaults=SamplingDefaults(0.7, 0.8, 20, 1.05))
+    monkeypatch.setattr(server.state, "model", model)
+    assert sampling() == (0.7, 0.8, 20, 1.05)
+    assert sampling(temperature=0, top_p=1, top_k=-1, repetition_penalty=1) == (0.0, 1.0, 0, 1.0)
+    assert sampling(repetition_penalty=1.2) == (0.7, 0.8, 20, 1.2)
+    r = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "repetition_penalty": 1.3})
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "repetition_penalty": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
 
 
 def test_seed_minus_one_is_no_seed_as_vllm_reads_it(server: LiveServer) -> None:

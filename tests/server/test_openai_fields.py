@@ -42,8 +42,16 @@ def _chat(client: openai.OpenAI, **fields: Any) -> openai.types.chat.ChatComplet
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"min_p": 0.1}, "min_p"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"repetition_penalty": True}, "repetition_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        # vLLM 0.32's, accepted silently before: each changes the reply or the output.
+        ({"return_token_ids": True}, "return_token_ids"),
+        ({"return_token_offsets": True}, "return_token_offsets"),
+        ({"repetition_detection": {"min_pattern_size": 2}}, "repetition_detection"),
+        ({"watermarking": True}, "watermarking"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
+        ({"vllm_xargs": 5}, "vllm_xargs"),  # an object on vLLM and the gateway too
         ({"min_tokens": 4}, "min_tokens"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
@@ -84,6 +92,8 @@ def test_a_chat_field_that_would_change_the_answer_is_refused(
         ({"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
         ({"add_special_tokens": False}, "add_special_tokens"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ({"return_token_ids": True}, "return_token_ids"),
     ],
 )
 def test_a_completion_field_that_would_change_the_answer_is_refused(
@@ -98,7 +108,8 @@ def test_a_completion_field_that_would_change_the_answer_is_refused(
     "fields",
     [
         {"logit_bias": {}, "top_logprobs": 0, "modalities": ["text"], "echo": False},
-        {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": []},
+        {"min_p": 0.0, "repetition_penalty": 1.1, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": []},
+        {"return_token_ids": False, "watermarking": None, "request_id": "mine", "vllm_xargs": {"tier": "P0"}},
         {"tool_choice": "auto", "function_call": "none", "user": "u", "metadata": {"a": "b"}, "store": False},
         {"logit_bias": None, "top_logprobs": None, "tool_choice": None, "service_tier": "auto", "foo": 1},
         {"skip_special_tokens": True, "add_generation_prompt": True, "continue_final_message": False},

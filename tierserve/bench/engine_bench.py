@@ -118,10 +118,14 @@ def _engine(executor: TorchExecutor, config: EngineConfig) -> Any:
     return Engine(config, "hybrid", executor, WallClock())
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int, tier: Any, now: float) -> Any:
+def _request(
+    rid: str, prompt: list[int], max_tokens: int, tier: Any, now: float, repetition_penalty: float = 1.0
+) -> Any:
+    """`repetition_penalty`: the model's (generation_config.json), which Hugging Face's greedy
+    `generate()` applies too; the runs that time P0 beside a flood leave it off."""
     from tierserve.request import Request, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, repetition_penalty=repetition_penalty)
     return Request(rid, list(prompt), params, tier=tier, tenant="bench", arrival_time=now)
 
 
@@ -133,8 +137,9 @@ def run_tierserve(
     from tierserve.tiers import Tier
 
     engine = _engine(executor, config)
+    penalty = executor.spec.sampling_defaults.repetition_penalty or 1.0
     reqs = [
-        _request(f"r{i}", p, m, Tier.P1, engine.clock.now())
+        _request(f"r{i}", p, m, Tier.P1, engine.clock.now(), penalty)
         for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens, strict=True))
     ]
     start = time.perf_counter()

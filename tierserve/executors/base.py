@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import NamedTuple, Protocol, cast
 
-from tierserve.request import Request
+from tierserve.request import Request, SamplingDefaults
 
 
 class ScheduledSeq(NamedTuple):
@@ -77,6 +77,8 @@ class ExecutorSpec:
     # Why max_model_len is below the model's positions, to end a refusal with (e.g. " (its
     # sliding_window: ...)"); "" where it is not.
     context_note: str = ""
+    # The model's own sampling settings (generation_config.json), for what a request leaves out.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def context_said(self) -> str:
         """ "the model's context of N tokens", and why where it is not the model's positions."""

@@ -112,6 +112,7 @@ class EngineCore:
                 ceiling_blocks={t: engine.memory.partition.ceiling[t] for t in ALL_TIERS},
                 tokenizer=backend.tokenizer,
                 context_note=spec.context_note,
+                sampling_defaults=spec.sampling_defaults,
             )
         )
         return cls(engine, metrics, conn)

@@ -17,7 +17,7 @@ from typing import Any
 
 from tierserve.config import EngineConfig
 from tierserve.engine import Engine
-from tierserve.request import Request
+from tierserve.request import Request, SamplingDefaults
 from tierserve.server.backends import Backend
 from tierserve.server.state_metrics import EngineSnapshot
 from tierserve.server.streams import Delta
@@ -108,6 +108,7 @@ class EngineReady:
     ceiling_blocks: Mapping[Tier, int]
     tokenizer: Tokenizer
     context_note: str = ""  # why max_model_len is below the model's positions (`ExecutorSpec`)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # `ExecutorSpec`
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from tierserve.server.state import ServerState
 from tierserve.tiers import Tier
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+T = TypeVar("T")
 
 # Fields tierserve does not implement and whose effect a client would see (its output, or
 # what comes back with it): refused with a 400 naming the field unless absent or at one of
@@ -40,7 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "echo": (None, False),  # chat: vLLM's; completions: declared, refused the same way
     "best_of": (None, 1),  # chat: vLLM's; completions: declared
     "min_p": (None, 0),
-    "repetition_penalty": (None, 1),
     "min_tokens": (None, 0),
     "include_stop_str_in_output": (None, False),
     "use_beam_search": (None, False),
@@ -55,6 +55,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True),  # tierserve's text never shows special tokens
     "logits_processors": (None, []),
+    # vLLM 0.32's: what they add to a reply (token ids, offsets, the prompt's text), change
+    # the output (repetition detection, watermarking, a thinking budget, prompt embeddings)
+    # or ask for a KV hand-off between engines.
+    "return_token_ids": (None, False),
+    "return_token_offsets": (None, False),
+    "return_prompt_text": (None, False),
+    "return_mm_kwargs": (None, False),
+    "logprob_token_ids": (None, []),
+    "repetition_detection": (None,),
+    "watermarking": (None, False),
+    "thinking_token_budget": (None,),
+    "prompt_embeds": (None,),
+    "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),
 }
 # vLLM's extensions of one endpoint only, refused the same way: what shapes a chat's prompt
 # (its template and what goes into it), and on completions the prompt's special tokens and
@@ -70,10 +84,30 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "reasoning_effort": (None,),
     "verbosity": (None,),
     "web_search_options": (None,),
+    "add_special_tokens": (None, False),  # vLLM's chat default: the template writes them
 }
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "add_special_tokens": (None, True),
     "response_format": (None, {}, {"type": "text"}),
+}
+# vLLM's request fields that change nothing here, accepted and not read (the rest of vLLM's
+# fields are honoured, or refused above unless neutral): tests/integrations/vllm checks that
+# every field of the installed vLLM's requests is in one of these places.
+IGNORED_VLLM_FIELDS: dict[str, str] = {
+    "request_id": "the reply's id is the server's own",
+    "session_id": "no sessions",
+    "length_penalty": "beam search only, which is refused",
+    "truncation_side": "with truncate_prompt_tokens only, which is refused",
+    "return_tokens_as_token_ids": "logprobs only, which are refused",
+    "spaces_between_special_tokens": "special tokens are never in the text",
+    "stream_interval": "tokens are sent as they come",
+    "include_reasoning": "no reasoning parser: the text is all the model's",
+    "parallel_tool_calls": "no tool calls are made",
+    "media_io_kwargs": "no media input (such content parts are refused)",
+    "mm_processor_kwargs": "no media input",
+    "mm_payload": "no media input",
+    "routed_experts_prompt_start": "an expert-routing readout it is not asked for",
+    "vllm_xargs": "read by the vLLM plug-in; here the tier comes from priority or x-request-tier",
 }
 # `tool_choice` / `function_call` values that ask for no call (or leave it to the model, which
 # makes none here); anything else demands a call this server cannot make.
@@ -118,8 +152,8 @@ def _check_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
-    """`value` is one of `neutral`, of the same type (True == 1, yet `repetition_penalty:
-    true` is no penalty of 1), or a float equal to one (1.0 for 1)."""
+    """`value` is one of `neutral`, of the same type (True == 1, yet `best_of: true` is not
+    one candidate), or a float equal to one (1.0 for 1)."""
     if isinstance(value, float):
         return value in neutral
     return any(value == n and type(value) is type(n) for n in neutral)
@@ -332,6 +366,11 @@ def _max_tokens(
     return max_tokens
 
 
+def _given(asked: T | None, model_default: T | None, default: T) -> T:
+    """The request's value, else the model's default, else the API's."""
+    return asked if asked is not None else model_default if model_default is not None else default
+
+
 def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest, tier: Tier) -> Prepared:
     _check_options(body)
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -339,7 +378,8 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
     if len(ids) == 0:
         raise bad_request(f"{prompt_param}: the prompt is empty", prompt_param)
     max_tokens = _max_tokens(state, body, tier, len(ids), prompt_param)
-    temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    model = state.model.sampling_defaults  # generation_config.json's, where the request gives none
+    temperature = _given(body.temperature, model.temperature, OPENAI_DEFAULT_TEMPERATURE)
     stop_ids = tuple(body.stop_token_ids or ())
     vocab = state.model.vocab_size
     if stop_ids and (min(stop_ids) < 0 or max(stop_ids) >= vocab):
@@ -348,8 +388,9 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k or 0, 0),
+            top_p=_given(body.top_p, model.top_p, 1.0),
+            top_k=max(_given(body.top_k, model.top_k, 0), 0),
+            repetition_penalty=_given(body.repetition_penalty, model.repetition_penalty, 1.0),
             seed=None if body.seed == -1 else body.seed,  # vLLM's "no seed"
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,

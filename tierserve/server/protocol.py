@@ -151,6 +151,9 @@ class _SamplingBody(_Body):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_BOUND, description="vLLM's extension: 0 or -1 = off")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's extension: 1 = off")
+    # Not read here (the vLLM plug-in's tier and tenant), but an object as on vLLM and the gateway.
+    vllm_xargs: dict[str, Any] | None = None
     priority: int | None = Field(None, ge=0, le=3, description="tierserve: 0 (realtime) .. 3 (background)")
     user: str | None = None
     # vLLM's: requests share cached prompt blocks only with requests of the same salt.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.clock import Clock, WallClock
+from tierserve.request import SamplingDefaults
 from tierserve.server.admission import AdmissionController, ThroughputMeter
 from tierserve.server.backends import Backend
 from tierserve.server.body_parser import BodyParser
@@ -38,6 +39,8 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     context_note: str = ""  # why max_model_len is below the model's positions, to end a refusal with
+    # The model's own sampling settings, for the fields a request leaves out (as vLLM).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -157,7 +160,13 @@ def spawn_state(
         client,
         metrics,
         meter,
-        ModelInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.context_note),
+        ModelInfo(
+            ready.model_name,
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.context_note,
+            ready.sampling_defaults,
+        ),
         ready.tokenizer,
         clock,
         ready.block_size,

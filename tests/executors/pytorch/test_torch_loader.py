@@ -26,6 +26,7 @@ from tierserve.executors.pytorch.loader import load_model, make_demo_model, make
 from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer
 from tierserve.model_config import DEMO_MODEL
+from tierserve.request import SamplingDefaults
 
 CPU = torch.device("cpu")
 
@@ -139,6 +140,65 @@ def test_generation_config_eos_ids_win_over_config_json(checkpoint: Checkpoint) 
     executor, tok = build_torch_executor(checkpoint.path, num_device_blocks=4)
     assert tok.eos_token_ids == (1, 7)
     assert executor.spec.eos_token_ids == (1, 7)
+
+
+def test_generation_config_sampling_settings_become_the_models_defaults(checkpoint: Checkpoint) -> None:
+    """Qwen2.5-Instruct's file, say: vLLM takes these for what a request leaves out, and
+    transformers' generate() applies the repetition penalty even when greedy."""
+    settings = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (checkpoint.path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **settings}))
+    executor, _ = build_torch_executor(checkpoint.path, num_device_blocks=4)
+    assert executor.spec.sampling_defaults == SamplingDefaults(0.7, 0.8, 20, 1.05)
+    assert (
+        executor.spec.sampling_defaults.said()
+        == "temperature: 0.7, top_p: 0.8, top_k: 20, repetition_penalty: 1.05"
+    )
+    (checkpoint.path / "generation_config.json").write_text(json.dumps({"top_k": -1, "temperature": None}))
+    assert build_torch_executor(checkpoint.path, num_device_blocks=4)[
+        0
+    ].spec.sampling_defaults == SamplingDefaults(
+        top_k=0  # vLLM's "off"; null is absent
+    )
+
+
+def test_generate_applies_the_models_repetition_penalty_as_transformers_does(checkpoint: Checkpoint) -> None:
+    """transformers' greedy generate() applies generation_config.json's repetition penalty;
+    `tierserve generate` did not, and its tokens parted from transformers' on such models."""
+    from tierserve.generate import generate
+
+    prompt = "the same words and the same words"
+    plain = generate(
+        *build_torch_executor(checkpoint.path, num_device_blocks=8), prompt, max_tokens=16, ignore_eos=True
+    )
+    # Below 1 it favours what was said: a random model's output changes for sure.
+    (checkpoint.path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0.2}))
+    executor, tokenizer = build_torch_executor(checkpoint.path, num_device_blocks=8)
+    penalised = generate(executor, tokenizer, prompt, max_tokens=16, ignore_eos=True)
+    ids = penalised.prompt_token_ids
+    assert penalised.token_ids == checkpoint.greedy(ids, 16, repetition_penalty=0.2) != plain.token_ids
+    asked = generate(executor, tokenizer, prompt, max_tokens=16, ignore_eos=True, repetition_penalty=1.0)
+    assert asked.token_ids == checkpoint.greedy(ids, 16)  # the flag wins over the file
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_k": 2.5}, "top_k: expected an integer, got 2.5"),
+        ({"temperature": "0.7"}, "temperature: expected a number, got '0.7'"),
+        ({"repetition_penalty": True}, "repetition_penalty: expected a number, got True"),
+    ],
+)
+def test_a_sampling_setting_no_request_could_give_is_refused_naming_the_file(
+    checkpoint: Checkpoint, settings: dict[str, object], said: str
+) -> None:
+    (checkpoint.path / "generation_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(checkpoint.path, CPU)
+    assert str(info.value).startswith(f"{checkpoint.path / 'generation_config.json'}: ")
+    assert said in str(info.value)
 
 
 def test_without_chat_template_a_plain_format_is_used(checkpoint: Checkpoint) -> None:

@@ -89,6 +89,17 @@ def test_greedy_with_penalties_equals_transformers_with_the_same_penalties(
     assert got != plain, "the penalties should change what this model says"
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_greedy_with_a_repetition_penalty_equals_transformers(checkpoint: Checkpoint, penalty: float) -> None:
+    """transformers' and vLLM's repetition penalty, over the prompt's tokens and the output's:
+    a positive logit divided by it, a negative one multiplied (below 1 it favours repeats)."""
+    executor = build(checkpoint)
+    ps = prompts()
+    got = greedy_paged(executor, ps, 16, chunk=5, repetition_penalty=penalty)
+    assert got == [checkpoint.greedy(p, 16, repetition_penalty=penalty) for p in ps]
+    assert got != greedy_paged(executor, ps, 16, chunk=5), "the penalty should change what this model says"
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (8, 4), (8, 2), (8, 1)])
 def test_grouped_query_attention_matches_for_each_head_ratio(
     make_checkpoint: Callable[..., Checkpoint], num_heads: int, num_kv_heads: int

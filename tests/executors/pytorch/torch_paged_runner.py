@@ -22,6 +22,7 @@ def greedy_paged(
     seed: int = 0,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
     """Generate `num_tokens` per prompt, all prompts in every step (prefill chunks and decodes mixed)."""
     bs = executor.spec.block_size
@@ -34,6 +35,7 @@ def greedy_paged(
             ignore_eos=True,
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
         )
         req = Request(f"r{i}", list(p), params)
         req.block_ids = [free.pop() for _ in range(-(-(len(p) + num_tokens) // bs))]

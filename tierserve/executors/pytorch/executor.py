@@ -17,6 +17,7 @@ from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.sampling import Sampler, SampleRequest
 from tierserve.executors.pytorch.tokenizer import Tokenizer
 from tierserve.executors.pytorch.workspace import Workspace
+from tierserve.request import SamplingDefaults
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 256 << 20
@@ -37,6 +38,7 @@ class TorchExecutor:
         context_note: str = "",
         sampler: Sampler | None = None,
         eos_token_ids: Sequence[int] = (),
+        sampling_defaults: SamplingDefaults | None = None,
     ):
         """`context_note`: why `max_model_len` is below the model's positions (its sliding
         window), said in every refusal for length."""
@@ -57,6 +59,7 @@ class TorchExecutor:
             kv_bytes_per_block=pool.layout.bytes_per_block,
             eos_token_ids=self.eos_token_ids,
             context_note=context_note,
+            sampling_defaults=sampling_defaults or SamplingDefaults(),
         )
         self._workspace = Workspace()
         self._decode_group = CPU_DECODE_GROUP if self.device.type == "cpu" else None
@@ -88,8 +91,16 @@ class TorchExecutor:
             positions.extend(range(seq.start, end))
             if seq.samples:
                 rows.append(len(ids) - 1)
-                outputs = req.output_token_ids if req.sampling.penalized else ()
-                samples.append(SampleRequest(req.request_id, req.sampling, req.num_output_tokens, outputs))
+                penalized, repeats = req.sampling.penalized, req.sampling.repetition_penalty != 1.0
+                samples.append(
+                    SampleRequest(
+                        req.request_id,
+                        req.sampling,
+                        req.num_output_tokens,
+                        req.output_token_ids if penalized else (),
+                        req.prompt_token_ids if repeats else (),
+                    )
+                )
         if not ids:
             return StepResult(duration_s=time.perf_counter() - start, sampled_token_ids={})
         num_decodes = len(batch.decodes)
@@ -180,5 +191,6 @@ def build_torch_executor(
         context_note=loaded.context_note,
         sampler=sampler,
         eos_token_ids=loaded.tokenizer.eos_token_ids,
+        sampling_defaults=loaded.sampling_defaults,
     )
     return executor, loaded.tokenizer

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tierserve.model_config import ModelConfig, RopeScaling
+from tierserve.request import SamplingDefaults, SamplingParams
 
 
 class ModelLoadError(Exception):
@@ -70,6 +71,8 @@ class HFModelSpec:
     max_model_len: int  # positions the model may attend over (a sliding window caps it)
     quantization: str | None = None  # `quantization_config`'s method ("?" unnamed); None: not quantized
     context_note: str = ""  # why max_model_len is below max_position_embeddings, if it is
+    # generation_config.json's sampling settings, for the fields a request leaves out.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def context_said(self) -> str:
         """ "the model's context of N tokens", and why, where it is not the model's positions."""
@@ -379,7 +382,37 @@ def parse_hf_config(
     )
     max_len, note = _context(path, raw, arch, config.max_position_embeddings, simulated)
     dtype_name = str(dtype) if dtype else None
-    return HFModelSpec(config, arch, options, dtype_name, max_len, _quantization(raw), note)
+    defaults = _sampling_defaults(path.with_name("generation_config.json"), gen)
+    return HFModelSpec(config, arch, options, dtype_name, max_len, _quantization(raw), note, defaults)
+
+
+def _sampling_defaults(path: Path, gen: dict[str, Any]) -> SamplingDefaults:
+    """The sampling settings `gen` (generation_config.json) gives, as vLLM reads them for the
+    fields a request leaves out (`do_sample` is not read, by vLLM either). A value no
+    request could give is refused, naming the file and key."""
+    found: dict[str, Any] = {}
+    for key, is_int in (
+        ("temperature", False),
+        ("top_p", False),
+        ("top_k", True),
+        ("repetition_penalty", False),
+    ):
+        value = gen.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, int) if is_int else isinstance(value, (int, float))
+        if isinstance(value, bool) or not number or not math.isfinite(value):
+            raise ModelLoadError(
+                f"{path}: {key}: expected {'an integer' if is_int else 'a number'}, got {value!r}"
+            )
+        found[key] = value
+    try:
+        SamplingParams(**{k: max(v, 0) if k == "top_k" else v for k, v in found.items()})  # its checks
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    if found.get("top_k", 0) < 0:  # -1 (vLLM) and 0 (transformers) both mean off
+        found["top_k"] = 0
+    return SamplingDefaults(**found)
 
 
 def _attention_heads(path: Path, raw: dict[str, Any], arch: str, hidden: int) -> tuple[int, int, int | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from tierserve.executors.pytorch.hf_config import (
 from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tierserve.model_config import DEMO_MODEL, ModelConfig
+from tierserve.request import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     max_model_len: int
     context_note: str = ""  # why max_model_len is below the model's positions (`HFModelSpec`)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def make_demo_model(
@@ -367,7 +369,9 @@ def load_model(source: str | Path, device: torch.device, dtype: torch.dtype | No
     _check_room(directory / "config.json", shapes, device, dtype)
     model = _unfilled_model(spec.config, device, dtype, spec.options)
     load_weights(model, directory, files)
-    return LoadedModel(model, tokenizer, spec.max_model_len, spec.context_note)
+    if said := spec.sampling_defaults.said():
+        logger.info("%s: generation_config.json's sampling defaults: %s", directory, said)
+    return LoadedModel(model, tokenizer, spec.max_model_len, spec.context_note, spec.sampling_defaults)
 
 
 def _check_room(

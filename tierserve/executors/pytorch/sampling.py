@@ -1,5 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, presence and frequency penalties —
-stateless and reproducible.
+"""Token sampling: greedy, temperature, top-k, top-p, presence, frequency and repetition
+penalties — stateless and reproducible.
 
 The random draw for a request's k-th output token uses a generator seeded from
 (seed, k) alone, so a request preempted by recompute makes the same draws again: the
@@ -53,16 +53,26 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int]
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_token_ids: Sequence[int],
+    prompt_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """One row of logits less OpenAI's presence and frequency penalties for the tokens
-    generated so far, in float32 (the prompt's tokens are not penalised)."""
-    if not output_token_ids:
-        return logits
+    """One row of logits, in float32, with the repetition penalty applied to every token of
+    the prompt and of the output so far (transformers' and vLLM's: a positive logit divided
+    by it, a negative one multiplied), then OpenAI's presence and frequency penalties
+    subtracted for the tokens generated so far (not the prompt's)."""
+    values = logits.to(torch.float32)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor([*prompt_token_ids, *output_token_ids], dtype=torch.long, device=logits.device)
+        picked = values[seen]
+        penalty = params.repetition_penalty
+        values = values.index_put((seen,), torch.where(picked > 0, picked / penalty, picked * penalty))
+    if not output_token_ids or (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0):
+        return values
     ids = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
     counts = torch.bincount(ids, minlength=logits.shape[-1]).to(torch.float32)
-    penalty = params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return logits.to(torch.float32) - penalty
+    return values - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,7 @@ class SampleRequest:
     params: SamplingParams
     output_index: int  # how many tokens the request had generated before this one
     output_token_ids: Sequence[int] = ()  # those tokens; needed only when `params.penalized`
+    prompt_token_ids: Sequence[int] = ()  # needed only for a repetition penalty
 
 
 class Sampler:
@@ -92,7 +103,9 @@ class Sampler:
             params = req.params
             draws = params.temperature >= GREEDY_BELOW_TEMPERATURE
             if draws or params.penalized:
-                values = apply_penalties(logits[row].cpu(), params, req.output_token_ids)
+                values = apply_penalties(
+                    logits[row].cpu(), params, req.output_token_ids, req.prompt_token_ids
+                )
                 tokens[row] = self._draw(values, req) if draws else int(values.argmax())
         return [int(t) for t in tokens]
 
