@@ -60,6 +60,7 @@ class FakeUpstream:
     num_clients_gone: int = 0
     api_key: str | None = None  # set: every route answers 401 without `Authorization: Bearer <it>`
     model: str = FAKE_MODEL  # the one model its /v1/models lists
+    max_model_len: int | None = None  # set: its model card says so, as vLLM's and tierserve's do
     hold: threading.Event | None = None
     fail_on: str | None = None  # set: a request whose body mentions it gets a 500, whatever the mode
     # "ok"; "error": its /metrics answers 500; "silent": it answers nothing for 30 s (a
@@ -141,7 +142,10 @@ class FakeUpstream:
             return PlainTextResponse(METRICS, status_code=500 if self.checks == "error" else 200)
 
         async def models(_: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+            card: dict[str, object] = {"id": self.model, "object": "model"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            return JSONResponse({"object": "list", "data": [card]})
 
         async def ready(_: Request) -> Response:  # asked of an upstream of kind "tierserve"
             if self.checks == "draining":

@@ -196,6 +196,20 @@ def test_one_model_can_be_retrieved_through_the_gateway_as_from_the_server() -> 
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_model_card_gives_the_least_context_of_the_upstreams_serving_it() -> None:
+    """Clients size prompts by the card's `max_model_len` (vLLM's and the server's cards have
+    it); the gateway's dropped it. The least of the upstreams' is what fits all of them;
+    where one does not say, nor does the gateway."""
+    ups = [FakeUpstream("ok", max_model_len=4096), FakeUpstream("ok", max_model_len=2048)]
+    with fake_upstream(ups[0]) as a, fake_upstream(ups[1]) as b, gateway([a, b]) as (gw, _):
+        listed = httpx.get(f"{gw.url}/v1/models", timeout=10).json()["data"]
+        card = httpx.get(f"{gw.url}/v1/models/{FAKE_MODEL}", timeout=10).json()
+    assert [c["max_model_len"] for c in listed] == [card["max_model_len"]] == [2048]
+    with fake_upstream(ups[0]) as a, fake_upstream(FakeUpstream("ok")) as b, gateway([a, b]) as (gw, _):
+        card = httpx.get(f"{gw.url}/v1/models/{FAKE_MODEL}", timeout=10).json()
+    assert card["id"] == FAKE_MODEL and "max_model_len" not in card
+
+
 def test_a_502_does_not_name_the_addresses_behind_the_gateway() -> None:
     """An upstream gone before the first byte gave the client aiohttp's error text,
     "Cannot connect to host 127.0.0.1:PORT"."""

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tierserve import __version__
 from tierserve.gateway.forward import forward
 from tierserve.gateway.poller import UpstreamPoller
+from tierserve.gateway.router import UpstreamState
 from tierserve.gateway.state import GatewayState
 from tierserve.server.app import HeadAsGet
 from tierserve.server.body_limit import BodyLimitMiddleware
@@ -146,22 +147,27 @@ def _add_error_handlers(app: FastAPI, gw: GatewayState) -> None:
 
 
 def _model_cards(gw: GatewayState) -> dict[str, dict[str, Any]]:
-    """The models the healthy upstreams serve, each with the upstreams serving it."""
-    served: dict[str, list[str]] = {}
+    """The models the healthy upstreams serve, each with the upstreams serving it, and the
+    context a request may use on all of them (`max_model_len`, as vLLM's and tierserve's
+    cards give it: the least of theirs; left out where one of them does not say)."""
+    served: dict[str, list[UpstreamState]] = {}
     for s in gw.router.states:
         if s.healthy:
             for m in s.models:
-                served.setdefault(m, []).append(s.name)
-    return {
-        m: {
+                served.setdefault(m, []).append(s)
+    cards: dict[str, dict[str, Any]] = {}
+    for m, ups in sorted(served.items()):
+        cards[m] = {
             "id": m,
             "object": "model",
             "created": gw.started_at,  # OpenAI's Model object requires it: when this gateway started
             "owned_by": "tierserve-gateway",
-            "upstreams": sorted(ups),
+            "upstreams": sorted(s.name for s in ups),
         }
-        for m, ups in sorted(served.items())
-    }
+        lengths = [s.max_model_len.get(m) for s in ups]
+        if lengths and None not in lengths:
+            cards[m]["max_model_len"] = min(n for n in lengths if n is not None)
+    return cards
 
 
 def _add_routes(app: FastAPI, gw: GatewayState) -> None:

@@ -95,10 +95,6 @@ def read_body(kind: Kind, raw: bytes, prefix_chars: int) -> Read:
         parsed: dict[str, Any] = json.loads(raw)
     except (ValueError, RecursionError) as e:
         return Refused(f"Invalid JSON body: {e}")
-    xargs = parsed.get("vllm_xargs")
-    if xargs is not None and not isinstance(xargs, dict):  # the gateway adds tier and tenant to it
-        said = json.dumps(xargs)[:64]
-        return Refused(f"vllm_xargs: expected an object of extra arguments, got {said}", param="vllm_xargs")
     fields = {k: parsed.pop(k) for k in REWRITTEN if k in parsed}
     try:
         rest = _dumps(parsed)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import httpx
 
@@ -31,16 +33,28 @@ MODELS_REFRESH_S = 30.0  # an admitted upstream's model list is read again this 
 log = logging.getLogger("tierserve.gateway")
 
 
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    ids: frozenset[str]
+    max_model_len: Mapping[str, int]  # vLLM's and tierserve's cards give it; OpenAI's do not
+
+
 async def fetch_models(
     client: httpx.AsyncClient, url: str, timeout_s: float, headers: dict[str, str] | None = None
-) -> frozenset[str]:
+) -> ModelList:
     r = await client.get(url + "/v1/models", timeout=timeout_s, headers=headers)
     r.raise_for_status()
     body = r.json()
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         raise ValueError("/v1/models: not an OpenAI model list")
-    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    lengths = {
+        m["id"]: n
+        for m in cards
+        if isinstance(n := m.get("max_model_len"), int) and not isinstance(n, bool) and n > 0
+    }
+    return ModelList(frozenset(m["id"] for m in cards), lengths)
 
 
 class NotReady(ValueError):
@@ -101,10 +115,12 @@ class UpstreamPoller:
         if sample is not None:
             gw.router.record_sample(s.name, sample)
         self._admitted.add(s.name)
-        if gw.router.record_success(s.name, models):
+        if models is not None:
+            s.max_model_len = models.max_model_len
+        if gw.router.record_success(s.name, None if models is None else models.ids):
             log.info("upstream %s admitted (models: %s)", s.name, ", ".join(sorted(s.models)) or "any")
 
-    async def _probe(self, s: UpstreamState) -> tuple[LoadSample | None, frozenset[str] | None]:
+    async def _probe(self, s: UpstreamState) -> tuple[LoadSample | None, ModelList | None]:
         """The upstream's load (None where it exports none) and, where it is asked for, its
         models; raises what makes the check fail."""
         gw, url, auth = self._gw, s.config.url, s.config.auth_headers

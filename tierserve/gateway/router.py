@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tierserve.clock import Clock
@@ -59,6 +59,7 @@ class UpstreamState:
     # per tier t: our requests at tiers <= t the last scrape could have seen, lowered as they end
     seen_upto: list[int] = field(default_factory=lambda: [0] * len(ALL_TIERS))
     models: frozenset[str] = field(default_factory=frozenset)  # empty: not known, accept any
+    max_model_len: Mapping[str, int] = field(default_factory=dict)  # by model, where its list gives it
     seats: float | None = None  # running in the latest scrape that showed a queue; None: never full
 
     @property
