@@ -186,6 +186,12 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["serve", "--max-headers", "0"], 2, "argument --max-headers: expected an integer >= 1"),
         (["serve", "--backend", "sim", "--device", "cuda"], 2, "--device applies to --backend torch"),
         (["serve", "--tp", "2"], 2, "--tp applies to --backend sim, not torch"),
+        (
+            ["serve", "--backend", "sim", "--kv-cache-gib", "1"],
+            2,
+            "--kv-cache-gib applies to --backend torch",
+        ),
+        (["serve", "--kv-cache-gib", "0"], 2, "--kv-cache-gib"),
         (["gateway", "--config", "x.toml", "--body-timeout", "-1"], 2, "argument --body-timeout"),
         (["bench", "reproduce", "--seed", "0", "-1"], 2, "--seed"),
         (

@@ -79,8 +79,8 @@ def test_sim_speed_refuses_trace_rows_for_closed_loop_clients(
         (["--top-k", "-1"], "tierserve generate: --top-k must be >= 0, got -1\n"),
         (
             ["--max-tokens", "100000"],
-            "tierserve generate: --max-tokens must be below the model's context of 4096 tokens "
-            "(the prompt takes at least one), got 100000\n",
+            "tierserve generate: --max-tokens must be below the model's context of 4096 tokens, "
+            "got 100000: the prompt takes at least one token\n",
         ),
     ],
 )

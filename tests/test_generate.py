@@ -96,6 +96,18 @@ def test_cli_penalties_stop_the_demo_repeating_itself(capsys: pytest.CaptureFixt
     assert "--repetition-penalty must be > 0, got 0" in capsys.readouterr().err
 
 
+def test_kv_cache_gib_sizes_the_cache_and_a_request_past_it_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On a CPU the cache was 256 MiB whatever the model, and nothing could change it."""
+    argv = ["--prompt", "Hello", "--max-tokens", "2000", "--ignore-eos", "--json"]
+    assert cli([*argv, "--kv-cache-gib", "0.001"]) == 2
+    said = capsys.readouterr().err
+    assert "(the KV cache holds" in said and "; --kv-cache-gib gives the cache more memory" in said
+    assert cli([*argv[:3], "8", "--kv-cache-gib", "0.001", "--json"]) == 0  # a request that fits
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) <= 8
+
+
 def test_visible_escapes_control_characters_but_keeps_lines_and_text() -> None:
     assert gen.visible("a\bb\x1b[2J\x7f\r") == "a\\x08b\\x1b[2J\\x7f\\r"
     assert gen.visible("line\n\ttab é 中 \ufffd") == "line\n\ttab é 中 \ufffd"
@@ -111,3 +123,19 @@ def test_cli_text_shows_the_demos_control_characters_escaped(capsys: pytest.Capt
     assert captured.out == gen.visible(text) + "\n"
     # A note, not in the "tierserve generate: ..." form of an error.
     assert captured.err.startswith("note: the demo model has random weights")
+
+
+def test_a_prompt_that_encodes_to_nothing_is_said_so_not_by_an_internal_id(demo) -> None:
+    """A tokenizer that adds no BOS encodes "" to no tokens; the message named the engine's
+    request id ("request 'generate-0': prompt must hold at least one token")."""
+    executor, tokenizer = demo
+
+    class NoBos:
+        def encode(self, text: str) -> list[int]:
+            return tokenizer.encode(text)[1:]  # the demo's, less its BOS
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(tokenizer, name)
+
+    with pytest.raises(ValueError, match=r"^the prompt is empty: it encodes to no tokens"):
+        gen.generate(executor, NoBos(), "", max_tokens=2)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import unicodedata
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierserve.cli_args import device_name, float_between, positive_int
+from tierserve.cli_args import device_name, float_between, positive_float, positive_int
 
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
@@ -80,6 +81,8 @@ def generate(
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     else:
         prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:  # the Request's own error named its internal id
+        raise ValueError("the prompt is empty: it encodes to no tokens, and this model's tokenizer adds none")
     clock = WallClock()
     engine = Engine(EngineConfig(), "hybrid", executor, clock)
     # A repetition penalty from the model's generation_config.json applies, as it does to
@@ -89,7 +92,10 @@ def generate(
     params = SamplingParams(**{"max_tokens": 64, "repetition_penalty": model_penalty or 1.0, **sampling})
     req = Request("generate-0", prompt_ids, params, arrival_time=clock.now())
     if not engine.add_request(req):
-        raise ValueError(f"request rejected: {req.reject_reason}")
+        said = req.reject_reason or ""
+        if "the KV cache holds" in said:  # the executor's note: the pool, not the model, is the limit
+            said += "; --kv-cache-gib gives the cache more memory"
+        raise ValueError(f"request rejected: {said}")
     stream = TextStream(tokenizer, stop, context_token_ids=prompt_ids)
     pieces: list[str] = []
 
@@ -159,6 +165,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument(
+        "--kv-cache-gib",
+        type=positive_float,
+        default=None,
+        help="memory for the K/V cache, in GiB (default: 0.25 on a CPU, half the free memory on CUDA); "
+        "a request's context is at most what it holds",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print prompt_token_ids, token_ids, text and finish_reason as one JSON object",
@@ -182,7 +195,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     limit = _context_limit(args.model)
     if limit is not None and args.max_tokens >= limit[0]:
         raise ValueError(
-            f"--max-tokens must be below {limit[1]} (the prompt takes at least one), got {args.max_tokens}"
+            f"--max-tokens must be below {limit[1]}, got {args.max_tokens}: "
+            "the prompt takes at least one token"
         )
     return sampling
 
@@ -228,11 +242,18 @@ def run(args: argparse.Namespace) -> int:
             print(notices.pop(), file=sys.stderr, flush=True)
         print(visible(text), end="", flush=True)
 
+    # The loader's warnings (a sliding window that caps the context, say) as lines of this
+    # command's own, not bare log records among the output.
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("tierserve generate: warning: %(message)s"))
+    said.setLevel(logging.WARNING)
+    logging.getLogger("tierserve").addHandler(said)
     try:
         sampling = sampling_from_args(args)
         from tierserve.executors.pytorch.executor import build_torch_executor
 
-        executor, tokenizer = build_torch_executor(args.model, args.device)
+        kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
+        executor, tokenizer = build_torch_executor(args.model, args.device, kv_cache_bytes=kv_bytes)
         result = generate(
             executor,
             tokenizer,
@@ -245,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, ValueError) as e:
         print(f"tierserve generate: {e}", file=sys.stderr)
         return 2
+    finally:
+        logging.getLogger("tierserve").removeHandler(said)
     if args.json:
         out = asdict(result)
         print(json.dumps({k: out[k] for k in ("prompt_token_ids", "token_ids", "text", "finish_reason")}))

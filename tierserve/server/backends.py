@@ -41,29 +41,43 @@ class BackendSpec:
     gpu: str | None = None
     tp: int | None = None
     device: str = "cpu"
+    kv_cache_bytes: int | None = None  # torch: the K/V cache's size (None: the executor's default)
 
     def __call__(self) -> Backend:
-        return build_backend(self.kind, self.model, gpu=self.gpu, tp=self.tp, device=self.device)
+        return build_backend(
+            self.kind,
+            self.model,
+            gpu=self.gpu,
+            tp=self.tp,
+            device=self.device,
+            kv_cache_bytes=self.kv_cache_bytes,
+        )
 
 
 def build_backend(
-    kind: str, model: str | None, *, gpu: str | None = None, tp: int | None = None, device: str = "cpu"
+    kind: str,
+    model: str | None,
+    *,
+    gpu: str | None = None,
+    tp: int | None = None,
+    device: str = "cpu",
+    kv_cache_bytes: int | None = None,
 ) -> Backend:
     if kind == "torch":
-        return _torch_backend(model or "demo", device)
+        return _torch_backend(model or "demo", device, kv_cache_bytes)
     if kind == "sim":
         return _sim_backend(model or DEFAULT_SIM_MODEL, gpu or DEFAULT_SIM_GPU, tp or DEFAULT_SIM_TP)
     raise BackendError(f"--backend: unknown backend {kind!r} (torch or sim)")
 
 
-def _torch_backend(model: str, device: str) -> Backend:
+def _torch_backend(model: str, device: str, kv_cache_bytes: int | None = None) -> Backend:
     try:
         from tierserve.executors.pytorch.executor import build_torch_executor
         from tierserve.executors.pytorch.hf_config import ModelLoadError
     except ImportError as e:  # pragma: no cover - torch is a dependency
         raise BackendError(f"the torch backend is unavailable: {e}") from None
     try:
-        executor, tokenizer = build_torch_executor(model, device=device)
+        executor, tokenizer = build_torch_executor(model, device=device, kv_cache_bytes=kv_cache_bytes)
     except (ModelLoadError, OSError, ValueError) as e:
         raise BackendError(f"--model {model}: {e}") from None
     # The directory's own name, also for `.` or `..` (whose `Path.name` is empty or `..`:

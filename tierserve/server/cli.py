@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from tierserve.cli_args import port, positive_int
+from tierserve.cli_args import port, positive_float, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
@@ -57,6 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default=None, help="torch: cpu or cuda (default cpu)")
     p.add_argument(
+        "--kv-cache-gib",
+        type=positive_float,
+        default=None,
+        help="torch: "
+        + "memory for the K/V cache, in GiB (default: 0.25 on a CPU, half the free memory on CUDA); "
+        "a request's context is at most what it holds",
+    )
+    p.add_argument(
         "--policy",
         choices=policy_names(),
         default=DEFAULT_POLICY,
@@ -80,7 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def other_backends_flags(args: argparse.Namespace) -> str | None:
     """A flag given for the backend not chosen (it would be ignored without a word)."""
-    given = {"torch": [("--device", args.device)], "sim": [("--gpu", args.gpu), ("--tp", args.tp)]}
+    given = {
+        "torch": [("--device", args.device), ("--kv-cache-gib", args.kv_cache_gib)],
+        "sim": [("--gpu", args.gpu), ("--tp", args.tp)],
+    }
     for backend, flags in given.items():
         if backend != args.backend:
             for flag, value in flags:
@@ -137,7 +148,8 @@ def _start(args: argparse.Namespace) -> tuple[ServeConfig, ServerState, tuple[st
     problem = cannot_listen(host, port_number, port_hint="make run PORT=...")
     if problem is not None:
         raise _CannotStart(problem)
-    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device or "cpu")
+    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
+    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device or "cpu", kv_bytes)
     try:  # the engine, and the model, are built in a process of their own
         state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())
     except EngineStartError as e:

@@ -134,7 +134,9 @@ class ServerState:
         else:
             num = len(c.tenants)
             access = f"API keys required ({num} tenant{'' if num == 1 else 's'} from {c.source})"
-        return f"model {self.model.name!r} (context {self.model.max_model_len}); access: {access}"
+        why = self.model.context_note.strip().removeprefix("(").removesuffix(")")  # a window, the cache
+        context = f"context {self.model.max_model_len}" + (f", {why}" if why else "")
+        return f"model {self.model.name!r} ({context}); access: {access}"
 
 
 def spawn_state(
