@@ -192,6 +192,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
             "--kv-cache-gib applies to --backend torch",
         ),
         (["serve", "--kv-cache-gib", "0"], 2, "--kv-cache-gib"),
+        (["generate", "--prompt", "x", "--kv-cache-gib", "100000"], 2, "GiB is more than the"),
         (["gateway", "--config", "x.toml", "--body-timeout", "-1"], 2, "argument --body-timeout"),
         (["bench", "reproduce", "--seed", "0", "-1"], 2, "--seed"),
         (

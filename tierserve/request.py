@@ -104,10 +104,12 @@ class SamplingDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
 
     def said(self) -> str:
-        """ "temperature 0.7, top_p 0.8" ("" where none is set), for a log line."""
+        """ "temperature: 0.7, top_p: 0.8" ("" where none is set), for a log line."""
         return ", ".join(f"{f}: {v:g}" for f in self.__slots__ if (v := getattr(self, f)) is not None)
 
 

@@ -221,7 +221,9 @@ def test_the_start_up_access_line_says_how_each_request_finds_its_tenant() -> No
 
     def access(raw: dict[str, Any], source: str | None = "c.toml") -> str:
         config = parse_serve_config(raw, source=source)
-        fake = SimpleNamespace(config=config, model=SimpleNamespace(name="m", max_model_len=8))
+        fake = SimpleNamespace(
+            config=config, model=SimpleNamespace(name="m", max_model_len=8, context_note="")
+        )
         return ServerState.describe(fake)  # type: ignore[arg-type]
 
     keyed = {"tenants": {"gold": {"api_keys": ["sk-gold"], "max_tier": "P0"}}}

@@ -439,7 +439,8 @@ def test_the_models_sampling_defaults_fill_in_what_a_request_leaves_out(
         return params.temperature, params.top_p, params.top_k, params.repetition_penalty
 
     assert sampling() == (1.0, 1.0, 0, 1.0)  # OpenAI's temperature; the rest off
-    model = dataclasses.replace(server.state.model, sampling_defaults=SamplingDefaults(0.7, 0.8, 20, 1.05))
+    defaults = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    model = dataclasses.replace(server.state.model, sampling_defaults=defaults)
     monkeypatch.setattr(server.state, "model", model)
     assert sampling() == (0.7, 0.8, 20, 1.05)
     assert sampling(temperature=0, top_p=1, top_k=-1, repetition_penalty=1) == (0.0, 1.0, 0, 1.0)

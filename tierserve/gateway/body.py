@@ -73,7 +73,6 @@ class Refused:
 
     message: str = ""
     errors: tuple[dict[str, Any], ...] = ()
-    param: str | None = None
 
 
 Read = tuple[ForwardBody, Summary] | Refused

@@ -36,7 +36,7 @@ from tierserve.gateway.state import GatewayState
 from tierserve.gateway.usage import EventTooLarge, ReplyRead, SseUsageTap, read_reply
 from tierserve.server.body_parser import Kind
 from tierserve.server.config import TenantConfig
-from tierserve.server.errors import ApiError, bad_request, invalid_body
+from tierserve.server.errors import ApiError, invalid_body
 from tierserve.server.fast_routes import (
     OFFLOAD_BYTES,
     close_if_unread,
@@ -116,8 +116,6 @@ async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[F
     if isinstance(read, Refused):
         if read.errors:
             raise invalid_body(read.errors)
-        if read.param is not None:
-            raise bad_request(read.message, read.param, "invalid_value")
         raise ApiError(400, read.message, code="invalid_json")
     return read
 

@@ -392,8 +392,8 @@ def prepare(state: ServerState, body: ChatCompletionRequest | CompletionRequest,
             top_k=max(_given(body.top_k, model.top_k, 0), 0),
             repetition_penalty=_given(body.repetition_penalty, model.repetition_penalty, 1.0),
             seed=None if body.seed == -1 else body.seed,  # vLLM's "no seed"
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=_given(body.presence_penalty, model.presence_penalty, 0.0),
+            frequency_penalty=_given(body.frequency_penalty, model.frequency_penalty, 0.0),
             stop_token_ids=stop_ids,
             ignore_eos=bool(body.ignore_eos),
         )

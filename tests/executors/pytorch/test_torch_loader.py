@@ -142,17 +142,26 @@ def test_generation_config_eos_ids_win_over_config_json(checkpoint: Checkpoint) 
     assert executor.spec.eos_token_ids == (1, 7)
 
 
-def test_generation_config_sampling_settings_become_the_models_defaults(checkpoint: Checkpoint) -> None:
+def test_generation_config_sampling_settings_become_the_models_defaults(
+    checkpoint: Checkpoint, caplog: pytest.LogCaptureFixture
+) -> None:
     """Qwen2.5-Instruct's file, say: vLLM takes these for what a request leaves out, and
     transformers' generate() applies the repetition penalty even when greedy."""
     settings = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
-    (checkpoint.path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **settings}))
+    more = {"presence_penalty": 0.5, "min_p": 0.05}
+    (checkpoint.path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 2, **settings, **more})
+    )
     executor, _ = build_torch_executor(checkpoint.path, num_device_blocks=4)
-    assert executor.spec.sampling_defaults == SamplingDefaults(0.7, 0.8, 20, 1.05)
+    expected = SamplingDefaults(
+        temperature=0.7, top_p=0.8, top_k=20, presence_penalty=0.5, repetition_penalty=1.05
+    )
+    assert executor.spec.sampling_defaults == expected
     assert (
         executor.spec.sampling_defaults.said()
-        == "temperature: 0.7, top_p: 0.8, top_k: 20, repetition_penalty: 1.05"
+        == "temperature: 0.7, top_p: 0.8, top_k: 20, presence_penalty: 0.5, repetition_penalty: 1.05"
     )
+    assert "min_p 0.05 not applied (vLLM applies them)" in caplog.text
     (checkpoint.path / "generation_config.json").write_text(json.dumps({"top_k": -1, "temperature": None}))
     assert build_torch_executor(checkpoint.path, num_device_blocks=4)[
         0
@@ -187,6 +196,8 @@ def test_generate_applies_the_models_repetition_penalty_as_transformers_does(che
         ({"top_p": 1.5}, "top_p must be in (0, 1]"),
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"top_k": 2.5}, "top_k: expected an integer, got 2.5"),
+        ({"top_k": -5}, "top_k must be >= 0, got -5"),  # -1 is vLLM's "off"; below it, nothing
+        ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2]"),
         ({"temperature": "0.7"}, "temperature: expected a number, got '0.7'"),
         ({"repetition_penalty": True}, "repetition_penalty: expected a number, got True"),
     ],

@@ -116,3 +116,22 @@ def test_a_seeded_draw_sees_the_penalised_logits() -> None:
 def test_penalties_are_bounded_like_openais(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: 2.5})  # type: ignore[arg-type]
+
+
+def test_a_repetition_penalty_divides_positive_logits_and_multiplies_negative_ones() -> None:
+    """transformers' and vLLM's, over the prompt's tokens and the output's, each once."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [3, 3], (1, 3))
+    torch.testing.assert_close(out, torch.tensor([2.0, -2.0, 0.5, 1.5, -2.0]))
+
+
+def test_a_prompt_kept_as_a_tensor_is_used_only_for_the_same_prompt() -> None:
+    """The sampler keeps each request's prompt as a tensor (rebuilt at every step, a 32k-token
+    prompt cost 2 ms); a request id seen again with another prompt (a bench's "r0" in a second
+    run on the same executor) must not be penalised by the first one's tokens."""
+    params = SamplingParams(repetition_penalty=10.0)
+    rows = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
+    sampler = Sampler()
+    assert sampler.sample(rows, [SampleRequest("r0", params, 0, (), (0,))]) == [1]  # 0 penalised
+    assert sampler.sample(rows, [SampleRequest("r0", params, 0, (), (1,))]) == [0]  # 1 is, now
+    assert sampler.sample(rows, [SampleRequest("r0", params, 0, (), [0])]) == [1]

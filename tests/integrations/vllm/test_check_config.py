@@ -30,7 +30,10 @@ def test_settings_vllm_decides_get_a_note_each(tmp_path: Path, capsys: pytest.Ca
     """A config shared with `tierserve serve` may set the scheduler's limits; inside vLLM its
     flags set them, and the check said nothing of it."""
     path = tmp_path / "tiers.toml"
-    path.write_text("[scheduler]\nmax_num_seqs = 4\nswap_factor = 0.3\nenable_prefix_caching = false\n")
+    path.write_text(
+        "[scheduler]\nmax_num_seqs = 4\nswap_factor = 0.3\n"
+        "enable_prefix_caching = false\ndrr_quantum_tokens = 512\n"
+    )
     assert main([str(path)]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("\n") == 1 and "policy hybrid" in captured.out
@@ -38,7 +41,9 @@ def test_settings_vllm_decides_get_a_note_each(tmp_path: Path, capsys: pytest.Ca
         f"note: {path}: scheduler.max_num_seqs is not read inside vLLM: its --max-num-seqs sets it",
         f"note: {path}: scheduler.enable_prefix_caching is not read inside vLLM: its "
         "--enable-prefix-caching / --no-enable-prefix-caching sets it",
-    ]
+        f"note: {path}: scheduler.swap_factor is not read inside vLLM: vLLM preempts by recomputing "
+        "(its KV offloading aside)",
+    ]  # drr_quantum_tokens is read: the drr policies size their rounds by it
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from tierserve.executors.base import ExecutorSpec, StepBatch, StepResult
 from tierserve.executors.pytorch.attention import SeqSpan, build_metadata
 from tierserve.executors.pytorch.calibrate import Calibration, calibrate
 from tierserve.executors.pytorch.kv_pool import KVLayout, KVPool
-from tierserve.executors.pytorch.loader import load_model
+from tierserve.executors.pytorch.loader import free_bytes, load_model
 from tierserve.executors.pytorch.model import CausalLM
 from tierserve.executors.pytorch.sampling import Sampler, SampleRequest
 from tierserve.executors.pytorch.tokenizer import Tokenizer
@@ -142,6 +142,12 @@ class TorchExecutor:
 
 
 def _device_blocks(layout: KVLayout, device: torch.device, kv_cache_bytes: int | None) -> int:
+    if kv_cache_bytes is not None and kv_cache_bytes > (free := free_bytes(device) or kv_cache_bytes):
+        # Else torch's allocation error, a traceback, once the model had loaded.
+        raise ValueError(
+            f"a K/V cache of {kv_cache_bytes / (1 << 30):.3g} GiB is more than the "
+            f"{free / (1 << 30):.3g} GiB free on {device.type}"
+        )
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)

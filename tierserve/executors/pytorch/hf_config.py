@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 from tierserve.model_config import ModelConfig, RopeScaling
 from tierserve.request import SamplingDefaults, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(Exception):
@@ -388,13 +391,18 @@ def parse_hf_config(
 
 def _sampling_defaults(path: Path, gen: dict[str, Any]) -> SamplingDefaults:
     """The sampling settings `gen` (generation_config.json) gives, as vLLM reads them for the
-    fields a request leaves out (`do_sample` is not read, by vLLM either). A value no
-    request could give is refused, naming the file and key."""
+    fields a request leaves out (`do_sample` is not read, by vLLM either). A value the
+    sampler would refuse is refused, naming the file and key; vLLM's other two, `min_p`
+    (not supported) and `max_new_tokens`, are logged as not applied."""
+    if said := ", ".join(f"{k} {gen[k]!r}" for k in ("min_p", "max_new_tokens") if gen.get(k) is not None):
+        logger.warning("%s: %s not applied (vLLM applies them)", path, said)
     found: dict[str, Any] = {}
     for key, is_int in (
         ("temperature", False),
         ("top_p", False),
         ("top_k", True),
+        ("presence_penalty", False),
+        ("frequency_penalty", False),
         ("repetition_penalty", False),
     ):
         value = gen.get(key)
@@ -406,12 +414,12 @@ def _sampling_defaults(path: Path, gen: dict[str, Any]) -> SamplingDefaults:
                 f"{path}: {key}: expected {'an integer' if is_int else 'a number'}, got {value!r}"
             )
         found[key] = value
+    if found.get("top_k", 0) == -1:  # vLLM's "off", transformers' 0
+        found["top_k"] = 0
     try:
-        SamplingParams(**{k: max(v, 0) if k == "top_k" else v for k, v in found.items()})  # its checks
+        SamplingParams(**found)  # its checks
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    if found.get("top_k", 0) < 0:  # -1 (vLLM) and 0 (transformers) both mean off
-        found["top_k"] = 0
     return SamplingDefaults(**found)
 
 

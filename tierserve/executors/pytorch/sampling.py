@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ def apply_penalties(
     logits: torch.Tensor,
     params: SamplingParams,
     output_token_ids: Sequence[int],
-    prompt_token_ids: Sequence[int] = (),
+    prompt_token_ids: Sequence[int] | torch.Tensor = (),
 ) -> torch.Tensor:
     """One row of logits, in float32, with the repetition penalty applied to every token of
     the prompt and of the output so far (transformers' and vLLM's: a positive logit divided
@@ -64,7 +65,9 @@ def apply_penalties(
     subtracted for the tokens generated so far (not the prompt's)."""
     values = logits.to(torch.float32)
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor([*prompt_token_ids, *output_token_ids], dtype=torch.long, device=logits.device)
+        outputs = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
+        prompt = torch.as_tensor(prompt_token_ids, dtype=torch.long, device=logits.device)
+        seen = torch.cat((prompt, outputs))  # a token in both is written twice, the same value
         picked = values[seen]
         penalty = params.repetition_penalty
         values = values.index_put((seen,), torch.where(picked > 0, picked / penalty, picked * penalty))
@@ -84,9 +87,18 @@ class SampleRequest:
     prompt_token_ids: Sequence[int] = ()  # needed only for a repetition penalty
 
 
+# Prompts kept as tensors for the repetition penalty, in tokens: a 32k-token prompt made into
+# a tensor again at every step took 2 ms a request.
+MAX_KEPT_PROMPT_TOKENS = 1 << 21
+
+
 class Sampler:
     def __init__(self, salt: int | None = None):
         self.salt = int.from_bytes(os.urandom(8), "little") if salt is None else salt
+        # request id -> (its prompt, the same ids as a tensor), least recently used first. The
+        # prompt object itself is kept and compared: an id may come again with another prompt.
+        self._prompts: OrderedDict[str, tuple[Sequence[int], torch.Tensor]] = OrderedDict()
+        self._num_kept_tokens = 0
 
     def seed_for(self, req: SampleRequest) -> int:
         if req.params.seed is not None:
@@ -103,11 +115,25 @@ class Sampler:
             params = req.params
             draws = params.temperature >= GREEDY_BELOW_TEMPERATURE
             if draws or params.penalized:
-                values = apply_penalties(
-                    logits[row].cpu(), params, req.output_token_ids, req.prompt_token_ids
-                )
+                prompt = self._prompt_tensor(req) if params.repetition_penalty != 1.0 else ()
+                values = apply_penalties(logits[row].cpu(), params, req.output_token_ids, prompt)
                 tokens[row] = self._draw(values, req) if draws else int(values.argmax())
         return [int(t) for t in tokens]
+
+    def _prompt_tensor(self, req: SampleRequest) -> torch.Tensor:
+        kept = self._prompts.get(req.request_id)
+        if kept is not None and kept[0] is req.prompt_token_ids:
+            self._prompts.move_to_end(req.request_id)
+            return kept[1]
+        if kept is not None:
+            self._num_kept_tokens -= len(kept[0])
+        ids = torch.as_tensor(req.prompt_token_ids, dtype=torch.long)
+        self._prompts[req.request_id] = (req.prompt_token_ids, ids)
+        self._num_kept_tokens += len(ids)
+        while self._num_kept_tokens > MAX_KEPT_PROMPT_TOKENS and len(self._prompts) > 1:
+            _, (oldest, _) = self._prompts.popitem(last=False)
+            self._num_kept_tokens -= len(oldest)
+        return ids
 
     def _draw(self, logits: torch.Tensor, req: SampleRequest) -> int:
         probs = torch.softmax(filter_logits(logits, req.params), dim=-1)

@@ -129,11 +129,15 @@ def parse_plugin_config(raw: Mapping[str, Any]) -> PluginConfig:
     return PluginConfig(engine, policy, priorities, default_tier, ignored=_vllm_decides(raw))
 
 
-# [scheduler] keys that configure tierserve's own engine; inside vLLM its flags set them.
-_VLLM_FLAGS = {
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "enable_prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
+# [scheduler] keys that configure tierserve's own engine, and what decides each inside vLLM
+# (the policies read the rest: `drr_quantum_tokens`).
+_VLLM_DECIDES = {
+    "max_num_seqs": "its --max-num-seqs sets it",
+    "max_num_batched_tokens": "its --max-num-batched-tokens sets it",
+    "enable_prefix_caching": "its --enable-prefix-caching / --no-enable-prefix-caching sets it",
+    "swap_factor": "vLLM preempts by recomputing (its KV offloading aside)",
+    "long_prompt_tokens": "its --long-prefill-token-threshold chunks long prompts",
+    "long_prompt_chunk_tokens": "its --long-prefill-token-threshold chunks long prompts",
 }
 
 
@@ -144,8 +148,8 @@ def _vllm_decides(raw: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(scheduler, Mapping):
         return ()
     return tuple(
-        f"scheduler.{key} is not read inside vLLM: its {flag} sets it"
-        for key, flag in _VLLM_FLAGS.items()
+        f"scheduler.{key} is not read inside vLLM: {what}"
+        for key, what in _VLLM_DECIDES.items()
         if key in scheduler
     )
 

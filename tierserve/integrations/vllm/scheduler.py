@@ -595,12 +595,17 @@ class TierScheduler(Scheduler):
         group). A prompt block that an earlier request of the group takes (the same block
         hash) is not counted again: vLLM enters a block in its prefix cache as it allocates
         it, and the next admission of the pass finds it. That holds where the model has one
-        full-attention KV-cache group; elsewhere a shared block is counted again, more than
-        vLLM takes (a burst of P0s sharing an uncached system prompt preempted others for
-        its blocks once a request)."""
+        full-attention KV-cache group, with neither EAGLE nor a KV connector; elsewhere a
+        shared block is counted again, more than vLLM takes (a burst of P0s sharing an
+        uncached system prompt preempted others for its blocks once a request)."""
         inner = self.kv_cache_manager.inner
         groups = inner.coordinator.single_type_managers
-        shares = len(groups) == 1 and isinstance(groups[0], FullAttentionManager)
+        shares = (
+            len(groups) == 1
+            and type(groups[0]) is FullAttentionManager  # not its subclasses (sinks, ring buffers)
+            and not inner.coordinator.eagle_group_ids  # EAGLE's lookup drops a hit's last block
+            and self.connector is None  # a KV load in flight caches its blocks only once loaded
+        )
         taken: set[Any] = set()  # hashes of the prompt blocks the group's earlier requests hold
         need = 0
         for request in group:
