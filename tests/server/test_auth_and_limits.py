@@ -162,6 +162,17 @@ def test_a_header_sent_twice_with_different_values_is_400_naming_it(
     assert same.status_code == 200  # the same value twice is no ambiguity
 
 
+def test_one_tier_spelled_twice_is_that_tier(server: LiveServer) -> None:
+    """`P3` and `p3` (or `background`) from a client and a proxy name one tier: a 400 for
+    "different values" was a refusal for nothing."""
+    auth = [("authorization", "Bearer sk-bronze")]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    for second in ("p3", "background"):
+        tiers = [("x-request-tier", "P3"), ("x-request-tier", second)]
+        r = httpx.post(server.base_url + "/chat/completions", json=body, headers=[*auth, *tiers])
+        assert r.status_code == 200 and r.headers["x-tierserve-tier"] == "P3", r.text
+
+
 def test_refusals_before_the_application_takes_a_request_are_counted() -> None:
     """A wrong key, a compressed body, a body over the limit, a trailing slash and a key sent
     twice were answered and counted nowhere (the docs said each one is)."""

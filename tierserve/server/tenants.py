@@ -109,12 +109,22 @@ class TenantResolver:
 
 def one_header(headers: Headers, name: str) -> str | None:
     """The value of a header a request names one thing by (its key, tenant or tier): None when
-    absent, and a 400 naming it when it comes more than once with different values. Reading
-    the first would let whichever proxy or client added one more decide silently."""
+    absent, and a 400 naming it when it comes more than once with different values (for the
+    tier, different tiers: `P0` and `realtime` name one). Reading the first would let
+    whichever proxy or client added one more decide silently."""
     values = headers.getlist(name)
-    if any(v != values[0] for v in values[1:]):
+    meaning = _tier_named if name == "x-request-tier" else str
+    if any(meaning(v) != meaning(values[0]) for v in values[1:]):
         raise bad_request(f"{name}: sent {len(values)} times with different values; send it once", name)
     return values[0] if values else None
+
+
+def _tier_named(value: str) -> object:
+    """The tier `value` names, or `value` itself where it names none (refused later)."""
+    try:
+        return Tier.parse(value)
+    except ValueError:
+        return value
 
 
 def _bearer(authorization: str | None) -> str:
