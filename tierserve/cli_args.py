@@ -136,3 +136,21 @@ def fail(prog: str, message: str, status: int = EXIT_USAGE) -> int:
     """Print `prog: message` as one line on stderr; return `status` for the command to exit with."""
     print(f"{prog}: {one_line(message)}", file=sys.stderr)
     return status
+
+
+def add_kv_cache_flag(parser: argparse.ArgumentParser, applies_to: str = "") -> None:
+    """`--kv-cache-gib`, the torch executor's K/V cache size (`kv_cache_bytes` reads it);
+    `applies_to` starts its help ("torch: " where the command has other backends)."""
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=positive_float,
+        default=None,
+        help=f"{applies_to}memory for the K/V cache, in GiB (default: 0.25 on a CPU, half the free "
+        "memory on CUDA); a request's context is at most what it holds",
+    )
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int | None:
+    """`--kv-cache-gib` in bytes; None where it was not given (the executor's default)."""
+    gib: float | None = args.kv_cache_gib
+    return None if gib is None else int(gib * (1 << 30))

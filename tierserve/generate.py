@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierserve.cli_args import device_name, float_between, positive_float, positive_int
+from tierserve.cli_args import add_kv_cache_flag, device_name, float_between, kv_cache_bytes, positive_int
 
 if TYPE_CHECKING:
     from tierserve.executors.pytorch.executor import TorchExecutor
@@ -164,13 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument(
-        "--kv-cache-gib",
-        type=positive_float,
-        default=None,
-        help="memory for the K/V cache, in GiB (default: 0.25 on a CPU, half the free memory on CUDA); "
-        "a request's context is at most what it holds",
-    )
+    add_kv_cache_flag(p)
     p.add_argument(
         "--json",
         action="store_true",
@@ -244,16 +238,17 @@ def run(args: argparse.Namespace) -> int:
 
     # The loader's warnings (a sliding window that caps the context, say) as lines of this
     # command's own, not bare log records among the output.
-    said = logging.StreamHandler(sys.stderr)
-    said.setFormatter(logging.Formatter("tierserve generate: warning: %(message)s"))
-    said.setLevel(logging.WARNING)
-    logging.getLogger("tierserve").addHandler(said)
+    warning_lines = logging.StreamHandler(sys.stderr)
+    warning_lines.setFormatter(logging.Formatter("tierserve generate: warning: %(message)s"))
+    warning_lines.setLevel(logging.WARNING)
+    logging.getLogger("tierserve").addHandler(warning_lines)
     try:
         sampling = sampling_from_args(args)
         from tierserve.executors.pytorch.executor import build_torch_executor
 
-        kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
-        executor, tokenizer = build_torch_executor(args.model, args.device, kv_cache_bytes=kv_bytes)
+        executor, tokenizer = build_torch_executor(
+            args.model, args.device, kv_cache_bytes=kv_cache_bytes(args)
+        )
         result = generate(
             executor,
             tokenizer,
@@ -267,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tierserve generate: {e}", file=sys.stderr)
         return 2
     finally:
-        logging.getLogger("tierserve").removeHandler(said)
+        logging.getLogger("tierserve").removeHandler(warning_lines)
     if args.json:
         out = asdict(result)
         print(json.dumps({k: out[k] for k in ("prompt_token_ids", "token_ids", "text", "finish_reason")}))

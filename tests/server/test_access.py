@@ -239,6 +239,22 @@ def test_the_start_up_access_line_says_how_each_request_finds_its_tenant() -> No
         assert "the ad-hoc tenant their x-tenant-id names" in line and "OPEN: no" in line
 
 
+def test_the_start_up_line_says_what_caps_the_context() -> None:
+    """A 4,096-position model on a 256 MiB CPU cache said "context 1024", and nothing of why."""
+    from types import SimpleNamespace
+
+    from tierserve.server.config import ServeConfig
+    from tierserve.server.state import ServerState
+
+    capped = SimpleNamespace(name="m", max_model_len=1024, context_note=" (the KV cache holds 1024 tokens)")
+    line = ServerState.describe(SimpleNamespace(config=ServeConfig(), model=capped))  # type: ignore[arg-type]
+    assert line.startswith("model 'm' (context 1024, the KV cache holds 1024 tokens); access: ")
+    whole = SimpleNamespace(name="m", max_model_len=4096, context_note="")
+    assert ServerState.describe(SimpleNamespace(config=ServeConfig(), model=whole)).startswith(  # type: ignore[arg-type]
+        "model 'm' (context 4096); access: "
+    )
+
+
 DOCS = ("/openapi.json", "/docs", "/redoc")
 
 

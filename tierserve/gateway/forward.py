@@ -46,7 +46,7 @@ from tierserve.server.fast_routes import (
 from tierserve.server.ratelimit import Reservation
 from tierserve.server.refusals import draining_error, queue_closed, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
-from tierserve.server.tenants import decide_tier, one_header, parse_declared_tier
+from tierserve.server.tenants import decide_tier, parse_declared_tier, tier_header
 from tierserve.tiers import Tier
 
 log = logging.getLogger("tierserve.gateway")
@@ -150,7 +150,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         return refused_at_the_door(refused, gw.metrics.count_http_error)
     forwarded, body = await _read_body(gw, http, chat)
     _check_model(gw, body.model)
-    declared = parse_declared_tier(one_header(asked, "x-request-tier"), body.priority)
+    declared = parse_declared_tier(tier_header(asked), body.priority)
     tier = decide_tier(tenant, declared).effective
     if gw.flow.is_closed(tier):
         raise queue_closed(tier)

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from tierserve.cli_args import port, positive_float, positive_int
+from tierserve.cli_args import add_kv_cache_flag, kv_cache_bytes, port, positive_int
 from tierserve.scheduling.registry import DEFAULT_POLICY, policy_names
 from tierserve.server.http_limits import add_http_flags, http_overrides, parse_http_limits
 
@@ -56,14 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--tp", type=positive_int, default=None, help="sim: tensor-parallel GPUs (default 8)")
     p.add_argument("--device", default=None, help="torch: cpu or cuda (default cpu)")
-    p.add_argument(
-        "--kv-cache-gib",
-        type=positive_float,
-        default=None,
-        help="torch: "
-        + "memory for the K/V cache, in GiB (default: 0.25 on a CPU, half the free memory on CUDA); "
-        "a request's context is at most what it holds",
-    )
+    add_kv_cache_flag(p, applies_to="torch: ")
     p.add_argument(
         "--policy",
         choices=policy_names(),
@@ -148,8 +141,9 @@ def _start(args: argparse.Namespace) -> tuple[ServeConfig, ServerState, tuple[st
     problem = cannot_listen(host, port_number, port_hint="make run PORT=...")
     if problem is not None:
         raise _CannotStart(problem)
-    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
-    backend = BackendSpec(args.backend, args.model, args.gpu, args.tp, args.device or "cpu", kv_bytes)
+    backend = BackendSpec(
+        args.backend, args.model, args.gpu, args.tp, args.device or "cpu", kv_cache_bytes(args)
+    )
     try:  # the engine, and the model, are built in a process of their own
         state = spawn_state(config, backend, policy=args.policy, log_level=args.log_level.upper())
     except EngineStartError as e:

@@ -32,7 +32,7 @@ from tierserve.server.refusals import draining_error, overloaded, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.state import ServerState
 from tierserve.server.streams import Delta, RequestHandle
-from tierserve.server.tenants import decide_tier, one_header, parse_declared_tier
+from tierserve.server.tenants import decide_tier, parse_declared_tier, tier_header
 from tierserve.server.tracing import RECEIVED_AT, TraceRecord
 from tierserve.tiers import Tier
 
@@ -56,7 +56,7 @@ async def generate(
     if tenant is None:
         tenant = state.tenants.resolve_headers(asked)
     check_model(state, body.model)
-    decision = decide_tier(tenant, parse_declared_tier(one_header(asked, "x-request-tier"), body.priority))
+    decision = decide_tier(tenant, parse_declared_tier(tier_header(asked), body.priority))
     tier = decision.effective
     prepared = (
         prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)

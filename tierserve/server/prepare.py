@@ -107,7 +107,6 @@ IGNORED_VLLM_FIELDS: dict[str, str] = {
     "mm_processor_kwargs": "no media input",
     "mm_payload": "no media input",
     "routed_experts_prompt_start": "an expert-routing readout it is not asked for",
-    "vllm_xargs": "read by the vLLM plug-in; here the tier comes from priority or x-request-tier",
 }
 # `tool_choice` / `function_call` values that ask for no call (or leave it to the model, which
 # makes none here); anything else demands a call this server cannot make.

@@ -6,6 +6,7 @@ A declared tier more urgent than the tenant's entitlement is lowered to it, neve
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from starlette.datastructures import Headers
@@ -107,16 +108,20 @@ class TenantResolver:
         return self._anonymous
 
 
-def one_header(headers: Headers, name: str) -> str | None:
+def one_header(headers: Headers, name: str, meaning: Callable[[str], object] = str) -> str | None:
     """The value of a header a request names one thing by (its key, tenant or tier): None when
-    absent, and a 400 naming it when it comes more than once with different values (for the
-    tier, different tiers: `P0` and `realtime` name one). Reading the first would let
+    absent, and a 400 naming it when it comes more than once meaning different things (by
+    `meaning`: the text itself, or for the tier the tier). Reading the first would let
     whichever proxy or client added one more decide silently."""
     values = headers.getlist(name)
-    meaning = _tier_named if name == "x-request-tier" else str
     if any(meaning(v) != meaning(values[0]) for v in values[1:]):
         raise bad_request(f"{name}: sent {len(values)} times with different values; send it once", name)
     return values[0] if values else None
+
+
+def tier_header(headers: Headers) -> str | None:
+    """`x-request-tier`, sent once or naming one tier each time (`P0`, `p0` and `realtime`)."""
+    return one_header(headers, "x-request-tier", _tier_named)
 
 
 def _tier_named(value: str) -> object:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -427,3 +428,16 @@ def test_encoding_a_long_text_lets_other_threads_run(checkpoint: Checkpoint) -> 
     margin = 0.02
     assert ended - started > 4 * margin, "the text encoded too fast to tell"
     assert any(started + margin < t < ended - margin for t in stamps)
+
+
+def test_generate_says_the_loaders_warnings_as_its_own_lines(
+    make_checkpoint: Callable[..., Checkpoint], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sliding window that caps the context was a bare log record among the output."""
+    from tierserve.cli import main
+
+    checkpoint = make_checkpoint(arch="mistral")
+    edit_json(checkpoint.path / "config.json", sliding_window=64)
+    assert main(["generate", "--model", str(checkpoint.path), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "requests are held to" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("tierserve generate: warning: "), warnings

@@ -142,18 +142,19 @@ class TorchExecutor:
 
 
 def _device_blocks(layout: KVLayout, device: torch.device, kv_cache_bytes: int | None) -> int:
-    if kv_cache_bytes is not None and kv_cache_bytes > (free := free_bytes(device) or kv_cache_bytes):
-        # Else torch's allocation error, a traceback, once the model had loaded.
-        raise ValueError(
-            f"a K/V cache of {kv_cache_bytes / (1 << 30):.3g} GiB is more than the "
-            f"{free / (1 << 30):.3g} GiB free on {device.type}"
-        )
     if kv_cache_bytes is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             kv_cache_bytes = int(free * DEFAULT_GPU_KV_FRACTION)
         else:
             kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+        return layout.blocks_for_bytes(kv_cache_bytes)
+    room = free_bytes(device)
+    if room is not None and kv_cache_bytes > room:  # else torch's traceback, once the model had loaded
+        raise ValueError(
+            f"a K/V cache of {kv_cache_bytes / (1 << 30):.3g} GiB is more than the "
+            f"{room / (1 << 30):.3g} GiB free on {device.type}"
+        )
     return layout.blocks_for_bytes(kv_cache_bytes)
 
 
