@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import make_request
 from tierserve.clock import VirtualClock
-from tierserve.config import EngineConfig, SchedulerConfig
+from tierserve.config import DEFAULT_TIERS, EngineConfig, SchedulerConfig
 from tierserve.engine import Engine
 from tierserve.executors.base import StepBatch
 from tierserve.executors.null import NullExecutor
@@ -555,3 +555,63 @@ def test_a_swapped_decode_is_judged_with_the_block_its_next_token_takes() -> Non
         eng.step()
     assert head.status is RequestStatus.RUNNING and x.num_preemptions == 1
     run(eng)
+
+
+def _behind_the_head(policy: str, victim: Tier, behind: Tier) -> tuple[Engine, Request, list[Request]]:
+    """Ten blocks of 4 tokens, no floors or reserves. `victim` (6 blocks, decoding) is
+    swapped out for a 9-block P0; a 2-block P0 waits behind that one, and two 4-block
+    requests of tier `behind` behind it. Returns them after the pass that follows the
+    first P0's end, which leaves room for the second P0 and `victim`, or for the second
+    P0 and the two behind it."""
+    tiers = {t: replace(c, floor=0.0, reserve=0.0, ceiling=1.0) for t, c in DEFAULT_TIERS.items()}
+    config = EngineConfig(
+        scheduler=SchedulerConfig(swap_factor=1e9),
+        tiers=tiers,
+        policy_options={"hybrid": HybridOptions(p3_yields=False, p0_likely_s=0.0)},
+    )
+    executor = NullExecutor(num_device_blocks=10, num_host_blocks=100, block_size=4)
+    eng = Engine(config, policy, executor, VirtualClock())
+    a = make_request(num_prompt=16, max_tokens=20, tier=victim)
+    eng.add_request(a)
+    for _ in range(4):
+        eng.step()
+    now = eng.clock.now()
+    waiting = [
+        make_request(num_prompt=n, max_tokens=m, tier=t, arrival=now)
+        for n, m, t in ((36, 1, Tier.P0), (5, 4, Tier.P0), (13, 4, behind), (13, 4, behind))
+    ]
+    for req in waiting:
+        eng.add_request(req)
+    eng.step()
+    assert a.status is RequestStatus.SWAPPED and waiting[0].status is RequestStatus.FINISHED
+    eng.step()
+    return eng, a, waiting
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "strict"])
+def test_a_swapped_request_leaves_the_room_of_the_waiting_requests_behind_the_head(policy: str) -> None:
+    # P1 swapped out, P0s behind the head: `a` coming back leaves room for the head but
+    # not for the two behind it, which this pass admits were `a` to stay out. Judged by the
+    # head alone, `a` came back and the next pass swapped it out again for them (a swap
+    # each way for nothing, and a P0 a step late, counted as waiting for memory a P1 held).
+    eng, a, p0s = _behind_the_head(policy, Tier.P1, Tier.P0)
+    assert [p.status for p in p0s[1:]] == [RequestStatus.RUNNING] * 3
+    assert a.status is RequestStatus.SWAPPED
+    run(eng)
+    assert a.num_output_tokens == 20 and a.num_preemptions == 1
+    assert [e.kind for e in a.events].count(EventKind.PREEMPTED_SWAP) == 1
+    assert [p.num_memory_waits for p in p0s] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(("policy", "comes_back"), [("hybrid", True), ("strict", False)])
+def test_the_requests_behind_the_head_keep_a_swapped_request_out_only_where_they_may_take_it(
+    policy: str, comes_back: bool
+) -> None:
+    # A P3 swapped out, P2s behind the P0 head: hybrid's P2 takes no blocks from a P3
+    # beyond its entitlement (none here), so the P3 comes back, as it would keep its place
+    # running, and the P2s wait; strict's P2 preempts any P3, so the P3 stays out for them.
+    _, a, waiting = _behind_the_head(policy, Tier.P3, Tier.P2)
+    assert (a.status is RequestStatus.RUNNING) is comes_back
+    expected = RequestStatus.WAITING if comes_back else RequestStatus.RUNNING
+    assert waiting[1].status is RequestStatus.RUNNING
+    assert [r.status for r in waiting[2:]] == [expected] * 2

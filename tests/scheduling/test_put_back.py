@@ -6,6 +6,7 @@ and its tenant and tier are not charged for it."""
 from __future__ import annotations
 
 import random
+from itertools import islice
 
 import pytest
 
@@ -18,7 +19,7 @@ from tierserve.scheduling.registry import policy_names
 from tierserve.tiers import Tier
 
 FAIR_POLICIES = ("hybrid", "wfq", "article", "strict", "drr", "drr-tokens")
-VARIANTS = ("plain", "abort", "passes")
+VARIANTS = ("plain", "abort", "passes", "look")
 
 
 def _request(rid: str, tier: Tier, tenant: str, weight: float, arrival: float, rng: random.Random) -> Request:
@@ -34,11 +35,13 @@ def _twin_run(name: str, seed: int, variant: str, ops: int = 1200) -> str | None
     get the same arrivals (1-60 tenants of weights 0.5-5, popped slower than they arrive at
     times, so that aging, the rescue's windows and the held-back backstop are reached),
     preemptions and aborts. Variants: an abort between a pass's pops and its put-backs;
-    several skipped passes in a row, time moving between them. Returns the first pop that
+    several skipped passes in a row, time moving between them; `a` without `keep_undo`,
+    looking ahead at 1-5 requests (`Policy.looking_ahead`, as tierserve's own pass does)
+    before each pop, which must then be the first it saw. Returns the first pop that
     differs, if any."""
     rng = random.Random(seed)
     a, b = create_policy(name, EngineConfig()), create_policy(name, EngineConfig())
-    a.keep_undo(True)
+    a.keep_undo(variant != "look")  # looking ahead keeps what it needs, only while it looks
     twins: dict[str, tuple[Request, Request]] = {}
     running: list[str] = []
     tenants = {f"t{i}": rng.choice((0.5, 1.0, 2.0, 5.0)) for i in range(rng.choice((1, 3, 12, 60)))}
@@ -58,6 +61,13 @@ def _twin_run(name: str, seed: int, variant: str, ops: int = 1200) -> str | None
             twins[f"r{serial}"] = pair  # type: ignore[assignment]
             a.add(pair[0], now)
             b.add(pair[1], now)
+        elif op < 0.5 + pop_share and len(b) and variant == "look":
+            with a.looking_ahead(now) as waiting:  # a pass asking whom it would admit
+                seen = [r.request_id for r in islice(waiting, rng.randint(1, 5))]
+            got, want = a.pop(now), b.pop(now)
+            if a.keeps_undo or (got.request_id, want.request_id) != (seen[0], seen[0]):
+                return f"step {step}, t={now:.2f}: looked at {seen}, then popped {got.request_id}"
+            running.append(got.request_id)
         elif op < 0.5 + pop_share and len(b):
             for _ in range(rng.randint(1, 4) if variant == "passes" else 1):
                 taken = [a.pop(now) for _ in range(min(len(a), rng.randint(1, 5)))]

@@ -13,7 +13,7 @@ from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import Request
 from tierserve.scheduling.base import Policy
 from tierserve.scheduling.step import PreemptMode, StepBudget
-from tierserve.tiers import ALL_TIERS, Tier
+from tierserve.tiers import ALL_TIERS
 
 NO_BLOCKS = (0,) * len(ALL_TIERS)  # `KVCacheManager.admit_status_after`: no blocks taken first
 
@@ -156,15 +156,13 @@ class Preemptor:
             victims += self._admission_candidates(req, step, policy.admission_victim_ok)
         return victims
 
-    def fits_after(self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None) -> bool:
-        return self._status_after(req, victims, back) is Alloc.OK
+    def fits_after(self, req: Request, victims: list[Request], taken: Sequence[int] = NO_BLOCKS) -> bool:
+        return self._status_after(req, victims, taken) is Alloc.OK
 
-    def _status_after(
-        self, req: Request, victims: list[Request], back: tuple[Tier, int] | None = None
-    ) -> Alloc:
+    def _status_after(self, req: Request, victims: list[Request], taken: Sequence[int] = NO_BLOCKS) -> Alloc:
         """How `req`'s blocks would fare in the memory check (its tier's ceiling, the
-        unfilled floors of more urgent tiers) once all of `victims` had freed theirs (and,
-        with `back` = (tier, n), once a swapped request had taken n blocks of that tier): those
+        unfilled floors of more urgent tiers) once all of `victims` had freed theirs (and
+        `taken[t]` more blocks had gone to each tier t, to others coming in first): those
         no one else holds (a prefix two victims share is one block; one a request outside
         them holds stays). Counting free blocks alone, a victim went for a request that a
         floor or its ceiling still kept out. Its prefix hits on blocks someone else keeps
@@ -177,10 +175,8 @@ class Preemptor:
             if pool.ref_count[b] == n:
                 freed[pool.charged_tier[b]] += 1
         needed = self.memory.blocks_to_admit(req, holders)
-        taken = [-n for n in freed]
-        if back is not None:
-            taken[back[0]] += back[1]
-        return self.memory.check_after(req.tier, needed, taken)
+        net = [n - f for n, f in zip(taken, freed, strict=True)]
+        return self.memory.check_after(req.tier, needed, net)
 
     def reclaim_for(self, req: Request, step: StepBudget, now: float) -> Alloc:
         """Preempt running requests, as the policy allows, until `req` can be admitted.

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tierserve.clock import Clock
 from tierserve.config import EngineConfig
 from tierserve.engine.lifecycle import Lifecycle
-from tierserve.engine.preemption import NO_BLOCKS, Preemptor
+from tierserve.engine.preemption import Preemptor
 from tierserve.executors.base import Executor, ScheduledSeq, StepBatch, decode_seqs
 from tierserve.memory.manager import Alloc, KVCacheManager
 from tierserve.request import FinishReason, Request, RequestStatus
@@ -38,6 +38,13 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     preempted: list[tuple[Request, PreemptMode]] = field(default_factory=list)
     shed: list[Request] = field(default_factory=list)
+
+
+class Ahead(NamedTuple):
+    """A waiting request a pass would admit, and the blocks per tier taken before it."""
+
+    request: Request
+    taken: tuple[int, ...]
 
 
 class KeptDecodes(Protocol):
@@ -245,11 +252,13 @@ class Scheduler:
 
     def _swap_in(self, step: StepBudget, prefilling: list[Request], now: float) -> None:
         """Swapped requests come back, in `running_key` order, before new admissions, but
-        not into room that a more urgent waiting request can take now (`_yields_to_head`)."""
+        not into room that the more urgent waiting requests this pass admits can take now
+        (`_yields_to`)."""
         life, memory, policy = self.lifecycle, self.memory, self.policy
         just_preempted = {r for r, _ in step.preempted}
         head: Request | None = None
-        held = False  # one stayed out for the head: the rest may not take the head's room
+        ahead: list[Ahead] | None = None  # whom admission takes, as memory and seats stand
+        held = False  # one stayed out for them: the rest may not take their room
         for req in list(life.swapped):
             if len(life.running) >= step.seats or req in just_preempted:
                 break
@@ -265,14 +274,19 @@ class Scheduler:
                 break
             head = head or policy.peek(now)  # the queue does not change in this loop
             if head is not None and not policy.returns_first(req, head):
-                if held and self._takes_head_room(req, head, step, prefilling):
-                    continue
-                if self._yields_to_head(req, head, step, prefilling):
+                if ahead is None:
+                    ahead = self._admitted_ahead(step, prefilling, now)
+                crowded = self._first_crowded(req, ahead, step)
+                if held:
+                    if crowded is not None or self._takes_prompt_room(req, head, step, prefilling):
+                        continue
+                elif crowded is not None and self._yields_to(req, ahead, crowded, step):
                     held = True
                     continue
             mapping = memory.swap_in(req)
             if isinstance(mapping, Alloc):
                 break
+            ahead = None  # it took a seat and blocks
             life.swapped_in(req, len(mapping), now)
             step.swap_in.extend(mapping)
             step.fresh.add(req)
@@ -281,70 +295,94 @@ class Scheduler:
             elif step.tokens_left >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
                 step.add_decode(req)
 
-    def _yields_to_head(
-        self, req: Request, head: Request, step: StepBudget, prefilling: list[Request]
-    ) -> bool:
-        """Whether swapped-out `req` stays out this pass for the policy's more urgent waiting
-        `head`: one that this pass would admit, were `req` to stay out, into a seat or blocks
-        that `req` coming back would take, and that may take them from `req`, were it
-        running (its victim rules, read with `req`'s blocks counted). Swapped in, `req` is no
-        victim in this pass (it is fresh), so the head waited, and at the next pass
-        preempted `req`: a swap each way for nothing, the head a step late and counted as
-        waiting for memory a lower tier held. Where the requests the head would take before
-        `req` (the victim order) make its room on their own with `req` back, or the head may
-        not take `req`'s place, `req` comes back, as a running request keeps its place."""
+    def _admitted_ahead(self, step: StepBudget, prefilling: list[Request], now: float) -> list[Ahead]:
+        """The waiting requests `_admit` would take in this pass, in its order, were no
+        swapped request to come back, each with the blocks per tier that those before it
+        take: each finds a seat, a step token after the running prompts' chunks and those
+        before it (at most each prompt's rest, within the policy's chunk cap and the step's
+        cap on its tier) and room for its blocks, up to the first that does not, or that a
+        swapped request comes back before. Read off the queue by popping and putting back
+        (`Policy.looking_ahead`), so the order is the policy's own however it is kept."""
+        policy, memory, life = self.policy, self.memory, self.lifecycle
+        if step.preempted and not policy.admits_after_preemption:
+            return []
+        ahead: list[Ahead] = []
+        taken = [0] * len(ALL_TIERS)
+        prompts = list(prefilling)
+        seats = step.seats - len(life.running)
+        with policy.looking_ahead(now) as waiting:
+            for req in waiting:
+                if len(ahead) >= seats or not step.has_prefill_room(req.tier):
+                    break
+                if any(policy.returns_first(s, req) for s in life.swapped):
+                    break
+                if not policy.may_admit(req, memory):
+                    break
+                if not _prompt_room_after(req, step, prompts, policy.prefill_chunk_cap):
+                    break
+                if memory.admit_status_after(req, taken) is not Alloc.OK:
+                    break
+                ahead.append(Ahead(req, tuple(taken)))
+                taken[req.tier] += memory.blocks_to_admit(req, {}, taken)
+                prompts.append(req)
+        return ahead
+
+    def _first_crowded(self, req: Request, ahead: list[Ahead], step: StepBudget) -> int | None:
+        """The index in `ahead` of the first request that swapped-out `req` coming back
+        would leave without a seat or without room for its blocks, those before it in."""
+        seats = step.seats - len(self.lifecycle.running) - 1
+        back = self._blocks_back(req, step)
+        for j, (waiting, taken) in enumerate(ahead):
+            if j >= seats:
+                return j
+            with_req = list(taken)
+            with_req[req.tier] += back
+            if self.memory.admit_status_after(waiting, with_req) is not Alloc.OK:
+                return j
+        return None
+
+    def _yields_to(self, req: Request, ahead: list[Ahead], j: int, step: StepBudget) -> bool:
+        """Whether swapped-out `req` stays out this pass for `ahead[j]`, a more urgent waiting
+        request this pass admits were `req` to stay out, whose seat or blocks `req` coming
+        back would take (`_first_crowded`): whether it may take them from `req`, were `req`
+        running (its victim rules, read with `req`'s blocks counted). Swapped in, `req` is
+        no victim in this pass (it is fresh), so the waiting request waited, and at the
+        next pass preempted `req`: a swap each way for nothing, the waiting request a step
+        late and counted as waiting for memory a lower tier held. Judged by the queue's
+        head alone (until 2026-12-07), `req` came back into the room of the requests behind
+        it. Where the requests it would take before `req` (the victim order) make its room
+        on their own with `req` back, or it may not take `req`'s place, `req` comes back, as
+        a running request keeps its place."""
         policy, memory = self.policy, self.memory
-        if not self._admits_head(head, step, prefilling) or not self._crowds_out(req, head, step):
-            return False
+        waiting, taken = ahead[j]
         with memory.as_if_back(req):  # the victim rules read its tier's use with it running
-            if len(self.lifecycle.running) + 1 >= step.seats:
+            if len(self.lifecycle.running) + 1 + j >= step.seats:
                 ok = policy.seat_victim_ok
-                if not policy.preempts_for_seat(head):
+                if not policy.preempts_for_seat(waiting):
                     return False
             else:
                 ok = policy.admission_victim_ok
-                if not policy.preempts_for_admission(head, memory, memory.blocks_to_admit(head, {})):
+                num_blocks = memory.blocks_to_admit(waiting, {})
+                if not policy.preempts_for_admission(waiting, memory, num_blocks):
                     return False
-            if not ok(head, req, memory):
+            if not ok(waiting, req, memory):
                 return False
-            before = self.preemptor.victims_before(head, req, step, ok)
-        # It comes back where the head would take others first and they alone make its room.
-        back = (req.tier, self._blocks_back(req, step))
-        return not before or not self.preemptor.fits_after(head, before, back)
+            before = self.preemptor.victims_before(waiting, req, step, ok)
+        # It comes back where the waiting request would take others first and they alone
+        # make its room.
+        back = list(taken)
+        back[req.tier] += self._blocks_back(req, step)
+        return not before or not self.preemptor.fits_after(waiting, before, back)
 
-    def _admits_head(self, head: Request, step: StepBudget, prefilling: list[Request]) -> bool:
-        """Whether `_admit` would take `head` in this pass as the memory and seats stand:
-        with step tokens left after the running requests' prompt chunks (at most all their
-        prompts, within the policy's chunk cap and the step's cap on their tier), nothing
-        swapped that must come back first, and room for its blocks."""
-        policy, memory = self.policy, self.memory
-        if not _prompt_room_after(head, step, prefilling, policy.prefill_chunk_cap):
-            return False
-        if step.preempted and not policy.admits_after_preemption:
-            return False
-        if any(policy.returns_first(s, head) for s in self.lifecycle.swapped):
-            return False
-        return policy.may_admit(head, memory) and memory.admit_status_after(head, NO_BLOCKS) is Alloc.OK
-
-    def _takes_head_room(
+    def _takes_prompt_room(
         self, req: Request, head: Request, step: StepBudget, prefilling: list[Request]
     ) -> bool:
-        """Whether swapped-out `req` coming back would leave `head` no seat, no blocks, or
-        no step token after the running prompts' chunks and its own (or its decode)."""
-        if self._crowds_out(req, head, step):
-            return True
+        """Whether swapped-out `req` coming back would leave `head` no step token after the
+        running prompts' chunks and its own (or its decode)."""
         cap = self.policy.prefill_chunk_cap
         if req.is_prefilling:
             return not _prompt_room_after(head, step, [*prefilling, req], cap)
         return not _prompt_room_after(head, step, prefilling, cap, num_decodes=1)
-
-    def _crowds_out(self, req: Request, head: Request, step: StepBudget) -> bool:
-        """Whether swapped-out `req` coming back would leave `head` no seat or no room."""
-        if len(self.lifecycle.running) + 1 >= step.seats:
-            return True
-        taken = [0] * len(ALL_TIERS)
-        taken[req.tier] = self._blocks_back(req, step)
-        return self.memory.admit_status_after(head, taken) is not Alloc.OK
 
     def _blocks_back(self, req: Request, step: StepBudget) -> int:
         """The blocks swapped-out `req` takes coming back in this pass: its own, and for a

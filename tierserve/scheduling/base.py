@@ -12,6 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import EngineConfig, PolicyOptions
@@ -86,6 +87,30 @@ class Policy(ABC):
     @abstractmethod
     def peek(self, now: float) -> Request | None:
         """The request `pop` would return now; aging is evaluated here, on every pass."""
+
+    @contextmanager
+    def looking_ahead(self, now: float) -> Iterator[Iterator[Request]]:
+        """Inside, the waiting requests in the order `pop` gives them now, popped one by one
+        as they are read; on leaving, those read are put back (`put_back`, last first), and
+        the queue, its tiers and its tenants are as they were (a pass asking which requests
+        its admission would take, beyond the head)."""
+        kept = self.keeps_undo
+        self.keep_undo(True)
+        popped: list[Request] = []
+
+        def read() -> Iterator[Request]:
+            while len(self):
+                popped.append(self.pop(now))
+                yield popped[-1]
+
+        try:
+            yield read()
+        finally:
+            for req in reversed(popped):
+                self.put_back(req, now)
+            if not kept:  # records of the pass's own pops, where it keeps them, stay
+                self.forget_undo()
+                self.keep_undo(False)
 
     def pop(self, now: float) -> Request:
         req = self._pop(now)
