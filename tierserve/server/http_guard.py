@@ -10,6 +10,8 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
   byte of a later request on it: 408;
 * a body not complete `body_timeout_s` after its headers, or cut short by the client's
   end of stream (a body shorter than its Content-Length, a chunked body without its end): 400;
+* a reply the client reads none of for `send_timeout_s` (the socket's send buffer full
+  all that time): the connection is closed, its request aborted;
 * a connection beyond `max_connections`: 503, unless an open connection has done nothing
   for a second (idle between requests, or waiting for a request's headers): the one quiet
   longest is closed instead (408 if it waited for headers), counted as `evicted`;
@@ -52,6 +54,7 @@ EVICTED = "evicted"  # a connection closed at the cap to make room for a new one
 REFUSED = "tierserve.refused"  # scope key: the reason the guard ended this request's connection
 ABORTED_UPLOAD = "aborted_upload"  # the client ended its stream (or the connection) mid-body
 MALFORMED = "malformed_http"  # the parser refused the bytes
+SEND_TIMEOUT = "send_timeout"  # the client read none of its reply for send_timeout_s
 HEADER_END = b"\r\n\r\n"
 _REASONS = {
     431: "Request Header Fields Too Large",
@@ -94,6 +97,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._num_headers = 0
         self._tail = b""  # last bytes seen in the header phase: a terminator may straddle reads
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._refused = False
         self._refusal: bytes | None = None  # a refused pipelined request's answer, written last
         self._running: Any = None  # the request cycle being answered
@@ -164,6 +168,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_send_timer()
         # uvicorn tells only its newest request (`self.cycle`) that the client went; the one
         # being answered, and those queued behind it, are told here. Untold, a stream went on
         # writing to the closed transport (a traceback) and a whole reply's generation ran
@@ -173,6 +178,34 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 cycle.disconnected = True
                 cycle.message_event.set()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The socket's send buffer is full: the client reads slower than the reply comes.
+        A client that reads nothing more for `send_timeout_s` loses the connection: one that
+        stopped reading held it (and its seat under the cap, and behind the gateway an
+        upstream's) for as long as the process ran, its finished reply's megabytes queued."""
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.settings.limits.send_timeout_s, self._send_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_timer()
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timeout(self) -> None:
+        """Close without flushing (what is queued would never be read): `connection_lost`
+        tells the request being answered that its client went, which aborts it."""
+        self._send_timer = None
+        if self.settings.report is not None:
+            self.settings.report(SEND_TIMEOUT)
+        wait = self.settings.limits.send_timeout_s
+        log.info("HTTP connection from %s closed: its client read nothing for %g s", self.client, wait)
+        self.transport.abort()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._running = cycle  # the request being answered (uvicorn runs one at a time)

@@ -20,6 +20,7 @@ KEYS = (
     "max_headers",
     "header_timeout_s",
     "body_timeout_s",
+    "send_timeout_s",
     "keep_alive_timeout_s",
     "max_connections",
 )
@@ -31,6 +32,7 @@ class HttpLimits:
     max_headers: int = 100  # header fields per request; past it: 431 and close
     header_timeout_s: float = 10.0  # connection open (or a request's first byte) to end of headers: 408
     body_timeout_s: float = 30.0  # from the end of the headers to the end of the body: 400
+    send_timeout_s: float = 60.0  # a reply the client reads none of for this long: closed
     keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this
     max_connections: int = 512  # open connections per server; one more is answered 503 and closed
 
@@ -70,6 +72,7 @@ def parse_http_limits(raw: Mapping[str, Any], base: HttpLimits | None = None) ->
         max_headers=int(get("max_headers", True)),
         header_timeout_s=get("header_timeout_s", False),
         body_timeout_s=get("body_timeout_s", False),
+        send_timeout_s=get("send_timeout_s", False),
         keep_alive_timeout_s=int(get("keep_alive_timeout_s", True)),
         max_connections=int(get("max_connections", True)),
     )
@@ -91,6 +94,12 @@ FLAGS: tuple[tuple[str, str, Callable[[str], float], str], ...] = (
         "body_timeout_s",
         positive_float,
         "seconds to send a body after its headers; then 400",
+    ),
+    (
+        "--send-timeout",
+        "send_timeout_s",
+        positive_float,
+        "seconds a reply may wait on a client that reads none of it; then closed",
     ),
     (
         "--keep-alive-timeout",

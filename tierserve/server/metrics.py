@@ -45,6 +45,7 @@ HTTP_ERROR_REASONS = (
     "evicted",
     "pipeline_limit",
     "aborted_upload",
+    "send_timeout",
     "malformed_http",
     "unsupported_transfer_encoding",
     "invalid_api_key",
