@@ -222,3 +222,39 @@ def test_a_p0_miss_just_under_the_target_does_not_print_as_the_target() -> None:
     cell["p0_fits_alone"] = {"requests": 400, "slo_attainment": 0.98974}
     verdict = next(v for v in judge([cell]) if v.target.startswith("P0"))
     assert verdict.met is False and "98.97 % of 400" in verdict.detail
+
+
+@pytest.mark.parametrize(("offered", "judged_up_to_capacity"), [(0.63, True), (1.2, False), (None, False)])
+def test_a_trace_cell_within_capacity_answers_to_the_p1_target(
+    offered: float | None, judged_up_to_capacity: bool
+) -> None:
+    """A trace whose arrivals come at 0.63x the measured capacity is a load within capacity:
+    its P1 answers to >= 95 % (hybrid's 69 % there read as judged only against
+    vllm-priority's 58 %). Over capacity, or where capacity was not measured, it is judged
+    as beyond capacity."""
+    cells = [
+        run(p, 1.0, p1, 1.0, pattern="trace", offered_load_x_capacity=offered)
+        for p, p1 in (("hybrid", 0.69), ("vllm-priority", 0.58))
+    ]
+    got = {v.target.split(" ")[0]: v for v in judge(cells)}
+    p1 = next(v for v in judge(cells) if v.target.startswith("P1 SLO"))
+    beyond = got["beyond"]
+    assert p1.met is (False if judged_up_to_capacity else None)
+    assert beyond.met is (None if judged_up_to_capacity else True)
+
+
+def test_a_slowdown_p95_of_a_handful_of_p0_prompts_is_not_judged_met() -> None:
+    """Four P0 prompts that alone miss the SLO have a slowdown "P95" that is their maximum:
+    1.45x read as MET beside 300 P0 requests in all. A clear miss is still NOT MET."""
+
+    def verdict(n: int, p95: float, interval: list[float]) -> tuple[bool | None, str]:
+        cell = run("hybrid", 1.0, 1.0, 1.0)
+        cell["p0_fits_alone"] = {"requests": 400, "slo_attainment": 1.0}
+        cell["p0_long_alone"] = {"requests": n, "slowdown_p95": p95, "slowdown_p95_ci": interval}
+        found = next(v for v in judge([cell]) if v.target.startswith("P0"))
+        return found.met, found.detail
+
+    met, detail = verdict(4, 1.45, [1.2, 1.6])
+    assert met is None and "fewer than 20" in detail
+    assert verdict(4, 3.0, [2.0, 4.0])[0] is False
+    assert verdict(40, 1.45, [1.2, 1.6])[0] is True

@@ -104,6 +104,12 @@ def binomial_below(successes: int, n: int, p: float) -> float:
     return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
 
 
+# Below this many P0 prompts that alone miss the SLO, their slowdown P95 is about their
+# maximum: not judged MET (a clear miss still is NOT MET). Judged with the cell's count of
+# all P0 requests, 4 such prompts on Azure's conversation trace read as a P95 (a review).
+MIN_SLOWDOWN_REQUESTS = 20
+
+
 def _p0(run: Run) -> tuple[bool | None, str]:
     """P0 prompts that alone meet the SLO must meet it (attainment); those that alone take
     longer are judged by their slowdown against that idle TTFT instead. A cell with fewer
@@ -128,13 +134,16 @@ def _p0(run: Run) -> tuple[bool | None, str]:
         parts.append(f"{_pct(a)} of {n}")
     if long_["requests"]:
         s, interval = long_["slowdown_p95"], long_.get("slowdown_p95_ci")
+        few_long = long_["requests"] < MIN_SLOWDOWN_REQUESTS
         if s is None:
             verdicts.append(None)
-        elif few:
+        elif few or few_long:
             verdicts.append(False if interval and interval[0] > P0_SLOWDOWN else None)
         else:
             verdicts.append(s <= P0_SLOWDOWN)
         parts.append(f"slowdown P95 {s}x for the {long_['requests']} that alone miss the SLO")
+        if few_long and not few:
+            parts[-1] += f" (fewer than {MIN_SLOWDOWN_REQUESTS}: their P95 is their maximum, not judged MET)"
     shown = ", ".join(parts) or "no P0 request"
     if False in verdicts:
         return False, shown + (
@@ -155,7 +164,8 @@ def _p1_never_below_vllm(runs: Sequence[Run], cells: Sequence[Run]) -> Verdict:
         return None if mine_p1 is None or base_p1 is None else mine_p1 >= base_p1
 
     return _judge(
-        "beyond capacity (and in closed loops and traces), P1 attainment never below vllm-priority's",
+        "beyond capacity (and in closed loops, and traces over capacity or of unmeasured capacity), "
+        "P1 attainment never below vllm-priority's",
         cells,
         ok,
         lambda r: f"{_pct(r['tiers']['P1']['slo_attainment'])} vs vllm-priority {_pct(theirs(r))}",
@@ -252,11 +262,22 @@ def _p3_shown(run: Run) -> str:
     return f"{run['p3_completed']} completed, {run['p3_shed']} shed{share}{unfinished}{reasons}"
 
 
+def _up_to_capacity(run: Run) -> bool:
+    """Whether a cell's offered load is at most the measured capacity: an open loop's load
+    fraction, or a trace's arrivals over its window (until 2026-12-07 trace cells were
+    never judged here, though the bench measures their load: hybrid's P1 at 69 % on a trace
+    at 0.63x capacity read as judged only against vllm-priority's)."""
+    if run["pattern"] in ("poisson", "bursty"):
+        return float(run["load"]) <= 1.0
+    offered = run.get("offered_load_x_capacity")
+    return run["pattern"] == "trace" and offered is not None and offered <= 1.0
+
+
 def judge(runs: Sequence[Run]) -> list[Verdict]:
     mine = [r for r in runs if r["policy"] == TARGET_POLICY]
     if not mine:
         return [Verdict(f"targets apply to {TARGET_POLICY}", None, "not run")]
-    up_to_capacity = [r for r in mine if r["pattern"] in ("poisson", "bursty") and r["load"] <= 1.0]
+    up_to_capacity = [r for r in mine if _up_to_capacity(r)]
     beyond = [r for r in mine if r not in up_to_capacity]
     return [
         _judge(
