@@ -29,8 +29,10 @@ def _run(
     over_time = {t: {"goodput_rps": [None if unmeasured else 1.0] * 2} for t in tiers}
     summary = {
         "duration_s": end_s,
+        "last_arrival_s": 100.0,
         "gpu_hours": replicas_at_end * gpus * end_s / 3600,
         "replicas_at_end": [replicas_at_end, 0],
+        "replicas_over_time": [[0.0, replicas_at_end, 0], [end_s, replicas_at_end, 0]],
         "goodput_unmeasured": unmeasured,
         "tiers": tiers,
         "over_time": {"tiers": over_time},
@@ -126,3 +128,19 @@ def test_the_drain_timeout_is_a_flag_and_what_it_cuts_is_unfinished(tmp_path: Pa
     assert summary["outcomes"].get("unfinished", 0) == 10  # 2,000 tokens take far longer than 5 s
     assert summary["duration_s"] == pytest.approx(4.5 + 5.0)
     assert "(5 s after the last arrival)" in (out / "report.md").read_text()
+
+
+def test_gpu_hours_to_the_last_arrival_are_over_the_same_window_in_every_run() -> None:
+    """To the latest end, a fleet that scaled in early paid for the idle tail the slowest run
+    left (a fixed fleet draining its unfinished requests): 6.15 GPU-h to its own end read as
+    21.0. To the last arrival, each run's own curve over the same window."""
+    fixed = _run("round-robin", 900.0, 4)
+    scaled = _run("tier-aware", 300.0, 1, scaling="tier")
+    # 4 replicas until 60 s, 2 until 150 s, 1 after: the curve the run recorded.
+    scaled["summary"]["replicas_over_time"] = [[0.0, 4, 0], [60.0, 2, 0], [150.0, 1, 0], [300.0, 1, 0]]
+    runs = [fixed, scaled]
+    for r in runs:
+        r["summary"]["last_arrival_s"] = 120.0
+    align(runs, 8, _scaling())
+    assert fixed["summary"]["gpu_hours_arrivals"] == pytest.approx(4 * 8 * 120 / 3600)
+    assert scaled["summary"]["gpu_hours_arrivals"] == pytest.approx((4 * 60 + 2 * 60) * 8 / 3600)

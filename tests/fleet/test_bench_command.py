@@ -162,10 +162,11 @@ def test_a_sparse_traces_goodput_keeps_its_digits_in_the_report() -> None:
 
     counts = {"num_refused": 0, "num_shed": 0, "num_rejected": 0, "num_unfinished": 0}
     tiers = {t: {**tiers[t], **counts} for t in tiers}
-    hours = {"gpu_hours": 0.0012, "gpu_hours_common": 0.0012}
+    hours = {"gpu_hours": 0.0012, "gpu_hours_common": 0.0012, "gpu_hours_arrivals": 0.0011}
     summary = {**summary, "tiers": tiers, "num_replicas_launched": 2, **hours}
+    summary |= {"last_arrival_s": 55.0, "common_end_s": 60.0}
     line = summary_table([{**run, "summary": summary}]).splitlines()[1]
-    assert "0.00278" in line and "0.0012" in line
+    assert "0.00278" in line and "0.0012" in line and "0.0011" in line
 
 
 def test_rates_keep_three_significant_digits_with_their_trailing_zeros() -> None:
@@ -202,21 +203,24 @@ def test_one_row_cut_to_the_context_reads_as_one() -> None:
 
 def test_the_terminal_table_gives_each_runs_own_gpu_hours_beside_those_to_the_last_end() -> None:
     """The same run read 77.4 GPU-hours beside overloaded fixed fleets that ran on to the
-    drain timeout, and 46.7 alone: only the figure to the latest end was printed."""
+    drain timeout, and 46.7 alone: only the figure to the latest end was printed. Beside
+    them, those to the last arrival, the same window for every run (a fleet that scaled in
+    early read 21.0 GPU-h to the slowest run's end, 6.15 to its own)."""
     from tierserve.bench.fleet_bench import summary_table
 
     counts = {"num_refused": 0, "num_shed": 0, "num_rejected": 0, "num_unfinished": 0}
     tiers = {t: {"slo_attainment": 1.0, "goodput_rps": 1.0, **counts} for t in ("P0", "P1", "P2", "P3")}
     base = {"tiers": tiers, "num_replicas_launched": 2, "num_lost": 0, "common_end_s": 1622.0}
-    fixed_hours = {"gpu_hours": 7.21, "gpu_hours_common": 7.21}
+    base["last_arrival_s"] = 1200.0
+    fixed_hours = {"gpu_hours": 7.21, "gpu_hours_common": 7.21, "gpu_hours_arrivals": 5.33}
     fixed = {"router": "round-robin", "scaling": "fixed", "summary": {**base, **fixed_hours}}
-    scaled_hours = {"gpu_hours": 46.7, "gpu_hours_common": 77.4}
+    scaled_hours = {"gpu_hours": 46.7, "gpu_hours_common": 77.4, "gpu_hours_arrivals": 31.2}
     scaled = {"router": "round-robin", "scaling": "tier", "summary": {**base, **scaled_hours}}
     lines = summary_table([fixed, scaled]).splitlines()
-    assert "GPU-h  to last end" in lines[0]
-    assert "46.7" in lines[2] and "77.4" in lines[2]
+    assert "GPU-h  to last arrival  to last end" in lines[0]
+    assert "46.7" in lines[2] and "31.2" in lines[2] and "77.4" in lines[2]
     assert lines[3].startswith("GPU-h: to each run's own end") and "1,622 s" in lines[3]
-    assert len(summary_table([fixed]).splitlines()) == 2  # no note where they agree
+    assert "to last arrival: from the start to 1,200 s" in lines[3]
 
 
 def test_a_scale_interval_past_the_runs_end_is_warned_of(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float,
     summary: dict[str, Any] = {
         "gpu_hours": gpu_hours,
         "gpu_hours_common": gpu_hours,
+        "gpu_hours_arrivals": gpu_hours,
         "duration_s": 60.0,
         "tiers": {t: {"slo_attainment": None, "goodput_rps": 0.0} for t in ("P0", "P1", "P2", "P3")},
         "outcomes": {},
@@ -74,7 +75,7 @@ def test_the_table_shows_gpu_hours_to_three_significant_digits(gpu_hours: float,
         "num_lost": 0,
     }
     row = table([{"router": "tier-aware", "scaling": "fixed", "summary": summary}])[-1]
-    assert row.split(" | ")[2] == row.split(" | ")[3] == shown
+    assert row.split(" | ")[2] == row.split(" | ")[3] == row.split(" | ")[4] == shown
 
 
 def test_a_bin_without_requests_is_a_gap_and_a_lone_bin_is_drawn(

@@ -349,8 +349,8 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
     not serve (report.md has the rest)."""
     from tierserve.fleet.report import rate_text
 
-    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "to last end", "launched", "refused"]
-    head += ["lost", "other"]
+    head = ["run", "P0", "P1", "P2", "P3", "goodput req/s", "GPU-h", "to last arrival", "to last end"]
+    head += ["launched", "refused", "lost", "other"]
     rows = [head]
     for run in runs:
         s = run["summary"]
@@ -362,6 +362,7 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
                 *(_share(tiers[name]["slo_attainment"]) for name in ("P0", "P1", "P2", "P3")),
                 "-" if None in goodput else rate_text(sum(goodput)),  # a sparse trace's 0.0417, not 0.042
                 rate_text(s["gpu_hours"]),
+                rate_text(s.get("gpu_hours_arrivals")),
                 rate_text(s["gpu_hours_common"]),
                 str(s["num_replicas_launched"]),
                 str(sum(t["num_refused"] for t in tiers.values())),
@@ -380,11 +381,13 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
         )
         for row in rows
     ]
-    if any(run["summary"]["gpu_hours"] != run["summary"]["gpu_hours_common"] for run in runs):
-        end_s = runs[0]["summary"]["common_end_s"]
+    if runs:
+        first = runs[0]["summary"]
         lines.append(
-            f"GPU-h: to each run's own end; to last end: every fleet counted on to {end_s:,.0f} s, "
-            "the latest end among these runs, for comparing them (report.md says more)"
+            "GPU-h: to each run's own end; to last arrival: from the start to "
+            f"{first['last_arrival_s']:,.0f} s, the same window for every run; to last end: every "
+            f"fleet counted on to {first['common_end_s']:,.0f} s, the latest end among these runs "
+            "(report.md says more)"
         )
     return "\n".join(lines)
 

@@ -32,14 +32,16 @@ def rate_text(x: float | None) -> str:
 
 def table(runs: Sequence[Run]) -> list[str]:
     tiers = [t.name for t in ALL_TIERS]
-    head = ["router", "scaling", "GPU-h", "GPU-h to last end", "ended at", *(f"{t} SLO" for t in tiers)]
+    head = ["router", "scaling", "GPU-h to last arrival", "GPU-h", "GPU-h to last end", "ended at"]
+    head += [f"{t} SLO" for t in tiers]
     head += [f"{t} goodput/s" for t in tiers]
     head += ["retried", "lost", "refused"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         s = r["summary"]
         refused = sum(v for k, v in s["outcomes"].items() if k.startswith("refused:"))
-        cells = [r["router"], r["scaling"], rate_text(s["gpu_hours"]), rate_text(s["gpu_hours_common"])]
+        cells = [r["router"], r["scaling"], rate_text(s.get("gpu_hours_arrivals"))]
+        cells += [rate_text(s["gpu_hours"]), rate_text(s["gpu_hours_common"])]
         cells.append(_s(s["duration_s"]))
         cells += [_pct(s["tiers"][t]["slo_attainment"]) for t in tiers]
         cells += [rate_text(s["tiers"][t]["goodput_rps"]) for t in tiers]
@@ -62,6 +64,16 @@ def outcomes_table(runs: Sequence[Run]) -> list[str]:
         cells.append(outcomes or "none")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _targets(runs: Sequence[Run]) -> str:
+    """The tiers' TTFT targets, as the runs judged them: "P0 0.5 s, ..., P3 none"."""
+    if not runs:
+        return "-"
+    tiers = runs[0]["summary"]["tiers"]
+    return ", ".join(
+        f"{t} {_s(tiers[t].get('ttft_target_s')) if tiers[t].get('ttft_target_s') else 'none'}" for t in tiers
+    )
 
 
 def _s(seconds: float | None) -> str:
@@ -137,8 +149,10 @@ def write_report(path: Path, meta: Mapping[str, Any], runs: Sequence[Run], plots
         "",
         *_cut_lines(meta),
         *_warning_lines(meta),
-        "SLO attainment: TTFT at the gateway within the tier's target and completed (P3: completed).",
-        "Goodput: attaining requests per second. GPU-hours include model loading: `GPU-h` to the "
+        f"SLO attainment: TTFT at the gateway within the tier's target ({_targets(runs)}) and completed.",
+        "Goodput: attaining requests per second. GPU-hours include model loading: `GPU-h to last "
+        "arrival` from the start to the trace's last arrival, the same window for every run (the "
+        "fairest comparison of what the fleets cost while the traffic came); `GPU-h` to the "
         "run's own end (the same run costs the same whatever runs beside it), `GPU-h to last end` "
         f"to the latest run's end ({_s(runs[0]['summary']['common_end_s']) if runs else '-'}) for "
         "every run, for comparing them: after a run that ended sooner (its last request served "

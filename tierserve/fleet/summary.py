@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,7 @@ def over_time(
                 arrived[b] += 1
                 ok[b] += attained(fr, config)
         tiers[tier.name] = {
+            "num_requests": arrived,  # what each bin's attainment rests on
             "slo_attainment": [o / a if a else None for o, a in zip(ok, arrived, strict=True)],
             "goodput_rps": [None if w is None else o / w for o, w in zip(ok, widths, strict=True)],
         }
@@ -114,9 +116,14 @@ def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[s
     outcomes: dict[str, int] = {}
     for fr in reqs:
         outcomes[fr.outcome or UNFINISHED] = outcomes.get(fr.outcome or UNFINISHED, 0) + 1
+    tiers = {t.name: tier_figures(by_tier[t], config, 0.0 if unmeasured else span) for t in ALL_TIERS}
+    for t in ALL_TIERS:
+        target = config.tier(t).ttft_target_s
+        tiers[t.name]["ttft_target_s"] = None if math.isinf(target) else target
     return {
         "num_requests": len(reqs),
         "duration_s": result.end_s,
+        "last_arrival_s": max((fr.arrival_s for fr in reqs), default=0.0),
         "gpu_hours": result.gpu_seconds / 3600.0,
         "gpu_hours_common": result.gpu_seconds / 3600.0,  # `align` takes it to a common end
         "common_end_s": result.end_s,
@@ -128,7 +135,7 @@ def summarize(result: FleetResult, config: EngineConfig, bin_s: float) -> dict[s
         "num_lost": outcomes.get(LOST, 0),
         "routed_by_reason": result.routed_by_reason,
         "goodput_unmeasured": unmeasured,
-        "tiers": {t.name: tier_figures(by_tier[t], config, 0.0 if unmeasured else span) for t in ALL_TIERS},
+        "tiers": tiers,
         "over_time": over_time(reqs, config, bin_s, measured=not unmeasured),
         "replicas_over_time": [list(x) for x in result.replicas_over_time],
         "faults": [list(x) for x in result.faults],
@@ -153,6 +160,10 @@ def align(
       fleet (the same fixed two replicas: 0.410 against 1.02 GPU-h). After its end a run's
       fleet stands on idle, as its autoscaler (`autoscale_config(scaling)`) keeps it: a
       fixed fleet whole, an autoscaling one as `_idle_replica_seconds` ticks it.
+    - GPU-hours from the start to the last arrival (`gpu_hours_arrivals`), the same window
+      in every run: to the latest end, a run that scaled in early still paid for the idle
+      tail left by the slowest one (a fixed fleet draining its unfinished requests), 6.15
+      GPU-h to its own end read as 21.0.
     - Goodput measured in every run or in none: whether it is depends on the run's latencies
       (`short_span`), and a router that refused many requests at once (their latency is
       the wait before the refusal) was the only one measured."""
@@ -161,6 +172,8 @@ def align(
     end = max(r["summary"]["duration_s"] for r in runs)
     for r in runs:
         s = r["summary"]
+        replica_s = _replica_seconds_until(s["replicas_over_time"], s["last_arrival_s"])
+        s["gpu_hours_arrivals"] = replica_s * num_gpus_per_replica / 3600.0
         serving, starting = s["replicas_at_end"]
         config = autoscale_config(r["scaling"])
         idle_s = _idle_replica_seconds(serving, starting, config, s["duration_s"], end)
@@ -173,6 +186,17 @@ def align(
     for r in runs:
         if not r["summary"]["goodput_unmeasured"]:
             unmeasure(r["summary"], why)
+
+
+def _replica_seconds_until(curve: Sequence[Sequence[float]], until_s: float) -> float:
+    """Replica-seconds (serving and starting) of a `replicas_over_time` step curve, from the
+    start to `until_s`."""
+    total = 0.0
+    for (t, serving, starting), (t_next, *_) in pairwise(curve):
+        if t >= until_s:
+            break
+        total += (serving + starting) * (min(t_next, until_s) - t)
+    return total
 
 
 def _idle_replica_seconds(
