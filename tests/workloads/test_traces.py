@@ -193,6 +193,11 @@ def test_mooncake_rows_without_hash_ids_share_no_prefix(tmp_path: Path) -> None:
     "row, message",
     [
         ("{not json", "invalid JSON"),
+        # The message named no place ("Invalid control character at;").
+        (
+            '{"timestamp": 1, "input_length": "a\x01b"}',
+            "Invalid control character at column 36;",
+        ),
         ("[1, 2]", "expected a JSON object, got an array"),
         ("null", "expected a JSON object, got null"),  # it said "NoneType"
         ('"row"', "expected a JSON object, got a string"),

@@ -346,7 +346,9 @@ def _mooncake_row(
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise TraceFormatError(f"{where}: invalid JSON ({e.msg}; {lines_hint})") from None
+        raise TraceFormatError(
+            f"{where}: invalid JSON ({e.msg.removesuffix(' at')} at column {e.colno}; {lines_hint})"
+        ) from None
     except RecursionError:
         raise TraceFormatError(f"{where}: JSON nested too deeply ({lines_hint})") from None
     except ValueError as e:  # an integer past Python's digit limit
