@@ -63,6 +63,9 @@ class FakeUpstream:
     max_model_len: int | None = None  # set: its model card says so, as vLLM's and tierserve's do
     hold: threading.Event | None = None
     fail_on: str | None = None  # set: a request whose body mentions it gets a 500, whatever the mode
+    # A request whose body mentions `slow_on` replies after `slow_reply_after_s` (not held by `hold`).
+    slow_on: str | None = None
+    slow_reply_after_s: float = 0.0
     # "ok"; "error": its /metrics answers 500; "silent": it answers nothing for 30 s (a
     # stopped process); "draining": its /ready answers 503 as a draining tierserve's does
     checks: str = "ok"
@@ -83,7 +86,8 @@ class FakeUpstream:
             if self.location is not None:
                 headers["Location"] = self.location
             return Response(self.refusal_body, self.refusal_status, headers, media_type=self.refusal_type)
-        if not await self._client_stays(request):
+        slow = self.slow_on is not None and self.slow_on in json.dumps(body)
+        if not await self._client_stays(request, slow):
             self.num_clients_gone += 1
             return Response(status_code=499)
         if not body.get("stream"):
@@ -97,12 +101,14 @@ class FakeUpstream:
             return StreamingResponse(iter(page), media_type="text/event-stream")
         return StreamingResponse(self._stream(), media_type="text/event-stream")
 
-    async def _client_stays(self, request: Request) -> bool:
-        """Whether the client is still there after `reply_after_s` (and `hold`, bounded at 60 s)."""
-        deadline = time.monotonic() + self.reply_after_s
-        held_until = deadline + (60.0 if self.hold is not None else 0.0)
+    async def _client_stays(self, request: Request, slow: bool = False) -> bool:
+        """Whether the client is still there after `reply_after_s` (and `hold`, bounded at 60 s),
+        or `slow_reply_after_s` for a `slow` request."""
+        deadline = time.monotonic() + (self.slow_reply_after_s if slow else self.reply_after_s)
+        hold = None if slow else self.hold
+        held_until = deadline + (60.0 if hold is not None else 0.0)
         while time.monotonic() < deadline or (
-            self.hold is not None and not self.hold.is_set() and time.monotonic() < held_until
+            hold is not None and not hold.is_set() and time.monotonic() < held_until
         ):
             if await request.is_disconnected():
                 return False

@@ -38,12 +38,14 @@ scrape_interval_s = 0.2
 
 
 @contextmanager
-def _keyed_gateway(fake: FakeUpstream) -> Iterator[tuple[Running, GatewayState, list[tuple[int, int]]]]:
-    """A gateway with tenant `a` in front of `fake`, and every settlement it makes, as
-    (id of the reservation, tokens used)."""
+def _keyed_gateway(
+    fake: FakeUpstream, extra: str = ""
+) -> Iterator[tuple[Running, GatewayState, list[tuple[int, int]]]]:
+    """A gateway with tenant `a` in front of `fake` (`extra`: more `[gateway]` settings), and
+    every settlement it makes, as (id of the reservation, tokens used)."""
     with fake_upstream(fake) as url:
         ups = f'[[upstreams]]\nname = "f0"\nkind = "vllm"\nurl = "{url}"\n'
-        with gateway_of(parse_gateway_config(tomllib.loads(TENANT + ups))) as (running, gw):
+        with gateway_of(parse_gateway_config(tomllib.loads(TENANT + extra + "\n" + ups))) as (running, gw):
             settled: list[tuple[int, int]] = []
             settle = gw.limiter.settle
 
@@ -105,6 +107,38 @@ def test_a_reply_without_a_usage_is_charged_its_reservation_as_a_stream_is() -> 
     assert r.status_code == 200
     ((_, used),) = settled
     assert used >= 400  # the whole reservation: at least max_tokens
+
+
+def test_a_generation_past_the_read_timeout_fails_alone_and_is_charged_its_reservation() -> None:
+    """A non-streaming generation longer than `read_timeout_s` was taken for a silent
+    upstream: the upstream was ejected, the other requests awaiting its replies were cut and
+    sent elsewhere, the long one went on to eject the next upstream, and its 502 refunded its
+    whole reservation. Now it alone fails, stopped upstream, and is charged."""
+    fake = FakeUpstream("ok", hold=threading.Event(), slow_on="long story", slow_reply_after_s=60.0)
+    assert fake.hold is not None
+    with _keyed_gateway(fake, extra="read_timeout_s = 3") as (gw, _, settled):
+        long_story = {"messages": [{"role": "user", "content": "long story"}]}
+        replies: dict[str, httpx.Response] = {}
+        long = threading.Thread(target=lambda: replies.setdefault("long", _post(gw, **long_story)))
+        long.start()
+        _wait_for(lambda: fake.bodies)
+        time.sleep(1.0)  # the other one's own read timeout comes 1 s after the long one's
+        other = threading.Thread(target=lambda: replies.setdefault("other", _post(gw)))
+        other.start()
+        _wait_for(lambda: len(fake.bodies) == 2)
+        long.join(timeout=30)
+        fake.hold.set()  # the other one, awaited on the same upstream meanwhile, is answered now
+        other.join(timeout=30)
+        _wait_for(lambda: len(settled) == 2 and fake.num_clients_gone == 1)
+        metrics = httpx.get(gw.url + "/metrics").text
+    timed_out = replies["long"]
+    assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "upstream_timeout"
+    assert replies["other"].status_code == 200, replies["other"].text  # not cut
+    assert len(fake.bodies) == 2 and fake.num_clients_gone == 1  # neither sent again; the long one stopped
+    assert metric_counts(metrics, "tierserve_gateway_upstream_ejections", "upstream") == {}
+    assert metric_counts(metrics, "tierserve_gateway_retries", "upstream") == {}
+    assert sorted(used for _, used in settled)[0] == 5  # the other one: its usage
+    assert sorted(used for _, used in settled)[1] >= 400  # the long one: at least its max_tokens
 
 
 def test_an_upstream_whose_requests_fail_is_ejected_though_its_checks_pass() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 import tomllib
 from functools import partial
 from typing import Any
@@ -22,6 +23,7 @@ from tests.gateway.fakes import (
     gateway,
     gateway_of,
     gateway_over,
+    metric_counts,
     spread_body,
 )
 from tierserve.config import ConfigError
@@ -161,12 +163,18 @@ def test_a_redis_unreachable_at_start_up_is_said_in_one_line_and_exported_as_dow
 
 
 def test_an_upstream_silent_past_the_read_timeout_fails_instead_of_holding_the_request() -> None:
-    """A replica that took a request and never answered held it until the client left."""
+    """A replica that took a request and never answered held it until the client left. The
+    request fails alone (a 504, stopped upstream: its connection is closed)."""
     silent = FakeUpstream("ok", reply_after_s=60.0)
     with fake_upstream(silent) as url, gateway([url], extra="read_timeout_s = 0.5") as (gw, state):
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
-        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout", r.text
         assert state.num_in_flight == 0
+        for _ in range(500):  # the upstream sees its client go (bounded: 10 s)
+            if silent.num_clients_gone:
+                break
+            time.sleep(0.02)
+        assert silent.num_clients_gone == 1
     stalled = FakeUpstream("ok", event_gap_s=60.0)  # the first event, then nothing for a minute
     with fake_upstream(stalled) as url, gateway([url], extra="read_timeout_s = 0.5") as (gw, state):
         with httpx.stream(
@@ -223,22 +231,26 @@ def test_an_event_past_the_limit_ends_the_stream_instead_of_filling_memory() -> 
         tap.feed(b"x" * 600)
 
 
-def test_an_upstream_that_sends_headers_then_nothing_is_ejected_as_a_silent_one_is() -> None:
-    """Its request was retried elsewhere, but the upstream was never ejected, as one silent
-    before its headers is: the next request went to it and waited the read timeout too."""
+def test_a_stream_without_its_first_event_in_the_read_timeout_fails_alone_and_ejects_nothing() -> None:
+    """Headers, then no event for `read_timeout_s` (a long queue there, say) ejected the
+    upstream and sent the request to another, which ran it again: the stream is a 504 of its
+    own, not retried, and its upstream, whose checks pass, stays in."""
     mute, good = FakeUpstream("ok", first_event_after_s=60.0), FakeUpstream("ok")
     with gateway_over(mute, good, extra="read_timeout_s = 0.5") as gw:
+        codes = []
         for i in range(4):
             body = spread_body(CHAT, i, stream=True)
             with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
-                assert r.status_code == 200 and "error" not in r.read().decode()
+                r.read()
+                codes.append(r.status_code)
+                if r.status_code == 504:
+                    assert r.json()["error"]["code"] == "upstream_timeout", r.text
         metrics = httpx.get(gw.url + "/metrics").text
-    # Ejected each time (until its next good health check, which its /metrics passes).
-    ejections = [
-        line for line in metrics.splitlines() if line.startswith("tierserve_gateway_upstream_ejections")
-    ]
-    assert (
-        f'tierserve_gateway_upstream_ejections_total{{upstream="f0"}} {float(len(mute.bodies))}' in ejections
+    assert mute.bodies, "no request went to the mute upstream"
+    assert sorted(codes) == [200] * len(good.bodies) + [504] * len(mute.bodies)  # none sent twice
+    assert metric_counts(metrics, "tierserve_gateway_upstream_ejections", "upstream") == {}
+    assert metric_counts(metrics, "tierserve_gateway_upstream_requests", "outcome")["timeout"] == len(
+        mute.bodies
     )
 
 

@@ -8,7 +8,8 @@ and the tier fails closed; 400 for a request too large to ever fit) -> flow cont
 -> upstream. An upstream that fails before the first byte of its reply reaches the client
 (connect error, 5xx, a stream cut before its first whole event) is left for another one,
 up to `max_attempts`; once bytes have reached the client a broken stream ends with an
-error event. Reserved tokens are settled with the upstream's reported usage.
+error event. A request the upstream took and left unanswered past the read timeout fails
+alone (504, `_timed_out`). Reserved tokens are settled with the upstream's reported usage.
 """
 
 from __future__ import annotations
@@ -337,6 +338,31 @@ def _unserved(call: _Call, num_tried: int, busy: list[float]) -> ApiError:
     )
 
 
+def _timed_out(gw: GatewayState, call: _Call, decision: RouteDecision, what: str) -> ApiError:
+    """The refusal for a request its upstream took, then left without `what` for
+    `read_timeout_s`: a failure of this request alone, whose connection is closed (the
+    upstream sees its client go and stops it). Not retried: the upstream may have worked on
+    it all that time, and another would again. Not held against the upstream, and nothing
+    else of it is cut: a generation longer than the timeout looks just so, and ejecting its
+    upstream for it cut every other request waiting there and sent the long one on to eject
+    the next (its health checks say whether it is alive). Charged its whole reservation: the
+    tokens it used are not known, and a refund made such requests free."""
+    name = decision.upstream
+    _give_back(gw, call)
+    gw.metrics.upstream_requests.labels(name, "timeout").inc()
+    _settle(gw, call, None)
+    timeout_s = gw.config.gateway.read_timeout_s
+    log.warning("upstream %s sent %s in %g s (read_timeout_s): the request fails", name, what, timeout_s)
+    return ApiError(
+        504,
+        f"The upstream sent {what} within the gateway's read timeout ({timeout_s:g} s); the request "
+        "was stopped. Stream it, or ask for fewer tokens, to stay within the timeout.",
+        type="server_error",
+        code="upstream_timeout",
+        headers=call.headers,
+    )
+
+
 class _Retry(Exception):
     """The upstream failed before sending anything: the request may go elsewhere.
     `retry_after_s`: a 503 whose Retry-After said when the upstream expects room. `fault`:
@@ -412,8 +438,10 @@ async def _try(gw: GatewayState, call: _Call, decision: RouteDecision) -> Respon
             allow_redirects=False,  # the request (prompt, tier, tenant) goes to configured upstreams only
         )
     except (aiohttp.ClientError, TimeoutError) as e:
+        if isinstance(e, aiohttp.SocketTimeoutError):  # sent, then no reply: a long generation, say
+            raise _timed_out(gw, call, decision, "no reply") from None
         why = f"{type(e).__name__}: {e}"
-        if isinstance(e, (TimeoutError, aiohttp.ClientConnectorError)):  # no answer at all: out now
+        if isinstance(e, (TimeoutError, aiohttp.ClientConnectorError)):  # no connection at all: out now
             gw.record_failure(
                 decision.upstream,
                 f"a forwarded request failed ({why})",
@@ -457,13 +485,9 @@ async def _stream(
         first = await _first_events(chunks, tap)
     except (aiohttp.ClientError, TimeoutError, StopAsyncIteration, EventTooLarge, NotServerSentEvents) as e:
         reply.close()
-        why = f"stream ended before its first whole event: {type(e).__name__}"
-        if isinstance(e, TimeoutError):  # headers, then silence: ejected as a silent upstream is
-            gw.record_failure(
-                decision.upstream, f"a forwarded request's {why}", eject_now=True, unresponsive=True
-            )
-            raise _Retry(why) from None
-        raise _Retry(why, fault=True) from None
+        if isinstance(e, TimeoutError):  # headers, then silence: a long queue there, say
+            raise _timed_out(gw, call, decision, "no event of its stream") from None
+        raise _Retry(f"stream ended before its first whole event: {type(e).__name__}", fault=True) from None
     except BaseException:  # cancelled (the client left), or a failure no branch foresaw
         reply.close()
         raise
@@ -516,11 +540,10 @@ async def _whole(
     try:
         content = await _read_capped(reply, MAX_REPLY_BYTES)
     except (aiohttp.ClientError, TimeoutError) as e:
-        why = f"reply cut: {type(e).__name__}"
         if isinstance(e, TimeoutError):  # part of a reply, then silence
-            gw.record_failure(name, f"a forwarded request's {why}", eject_now=True, unresponsive=True)
-            raise _Retry(why) from None
-        raise _Retry(why, fault=True) from None
+            reply.close()
+            raise _timed_out(gw, call, decision, "no more of its reply") from None
+        raise _Retry(f"reply cut: {type(e).__name__}", fault=True) from None
     except ReplyTooLarge as e:
         _give_back(gw, call)
         gw.metrics.upstream_requests.labels(name, "too_large").inc()

@@ -104,7 +104,17 @@ REJECTION_REASONS = (
 )
 ROUTING_REASONS = ("affinity", "least_loaded", "p0_soonest")
 # An upstream's outcomes but `http_<status>`, which only a reply names.
-UPSTREAM_OUTCOMES = ("ok", "retried", "failed", "broken", "client_left", "cut", "too_large", "error")
+UPSTREAM_OUTCOMES = (
+    "ok",
+    "retried",
+    "failed",
+    "timeout",
+    "broken",
+    "client_left",
+    "cut",
+    "too_large",
+    "error",
+)
 
 
 class GatewayMetrics:
