@@ -146,3 +146,22 @@ def test_each_tenant_gets_a_cache_salt_of_its_own_on_the_upstream(
     assert len(set(salts)) == 4  # type: ignore[arg-type]
     assert all(isinstance(s, str) and len(s) == 64 and int(s, 16) >= 0 for s in salts)  # vLLM takes it
     assert salt_sent(gold) == salts[0]  # a tenant's own requests share their blocks
+
+
+def test_metrics_scrapes_in_a_loop_are_rendered_once_per_age() -> None:
+    """No key guards /metrics, and each render took milliseconds on the loop that relays the
+    streams: scrapes within `[server] metrics_max_age_s` get the last exposition."""
+    with fake_upstream(FakeUpstream("ok")) as url:
+        ups = f'[[upstreams]]\nname = "t0"\nkind = "vllm"\nurl = "{url}"\n'
+        config = parse_gateway_config(tomllib.loads("[server]\nmetrics_max_age_s = 60\n" + ups))
+        with gateway_of(config) as (running, gw):
+            render = gw.metrics.render
+            renders = []
+
+            def counted() -> bytes:
+                renders.append(1)
+                return render()
+
+            gw.metrics.render = counted  # type: ignore[method-assign]
+            bodies = {httpx.get(running.url + "/metrics", timeout=30).text for _ in range(20)}
+    assert len(renders) == 1 and len(bodies) == 1

@@ -22,6 +22,9 @@ from tests.server.test_http_limits import status_and_code
 KEY = "sk-hardening-test"
 WAIT_S = 10.0
 CONFIG = f"""
+[server]
+metrics_max_age_s = 0  # counts are read before and after each refusal: no cached exposition
+
 [server.http]
 max_header_bytes = 4096
 max_headers = 20

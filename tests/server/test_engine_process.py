@@ -244,7 +244,7 @@ def test_a_stopped_engine_makes_one_scrape_wait_not_every_one(monkeypatch: pytes
     """Each /metrics waited the whole scrape timeout (5 s) for an engine that could not
     answer, past many Prometheus servers' own timeout: the target read as down."""
     monkeypatch.setattr(engine_client, "SCRAPE_TIMEOUT_S", 0.5)
-    state = make_state()
+    state = make_state(ServeConfig(server=ServerSettings(metrics_max_age_s=0.0)))  # each scrape asks
     engine = state.engine
     assert isinstance(engine, EngineClient)
     with live_server(state) as srv:

@@ -31,10 +31,14 @@ LIMITS = {
 }
 WAIT_S = 10.0  # how long a test waits for the server before calling it a hang
 
+# Each test reads a count before and after its refusal: /metrics made at every scrape, not
+# served from the last one (`metrics_max_age_s`, tests/server/test_metrics_cache.py).
+FRESH_METRICS = {"metrics_max_age_s": 0.0}
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    config = parse_serve_config({"server": {"http": LIMITS}})
+    config = parse_serve_config({"server": {"http": LIMITS, **FRESH_METRICS}})
     with live_server(make_state(config)) as srv:
         yield srv
 
@@ -204,7 +208,7 @@ def capped() -> Iterator[LiveServer]:
     """A server of 4 connections whose header and body timeouts (4 s) outlast the wait (1 s)
     after which a quiet connection may be closed at the cap."""
     limits = {**LIMITS, "max_connections": 4, "header_timeout_s": 4.0, "body_timeout_s": 4.0}
-    with live_server(make_state(parse_serve_config({"server": {"http": limits}}))) as srv:
+    with live_server(make_state(parse_serve_config({"server": {"http": limits, **FRESH_METRICS}}))) as srv:
         yield srv
 
 
@@ -322,7 +326,7 @@ def test_a_refused_request_pipelined_behind_others_is_answered_after_them(
 @pytest.fixture(scope="module")
 def slow_server() -> Iterator[LiveServer]:
     """Steps of 10 ms: a response of a few hundred tokens outlasts the body timeout (0.5 s)."""
-    config = parse_serve_config({"server": {"http": LIMITS}})
+    config = parse_serve_config({"server": {"http": LIMITS, **FRESH_METRICS}})
     with live_server(make_state(config, step_s=0.01)) as srv:
         yield srv
 

@@ -33,6 +33,7 @@ from tierserve.server.app import HeadAsGet
 from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error, quoted
 from tierserve.server.fast_routes import aborted_upload, refused_at_the_door
+from tierserve.server.metrics_cache import ExpositionCache
 from tierserve.server.ratelimit import redis_where
 
 log = logging.getLogger("tierserve.gateway")
@@ -212,6 +213,12 @@ def _add_routes(app: FastAPI, gw: GatewayState) -> None:
             return JSONResponse({"status": "not ready", "reason": "no healthy upstream"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
+    async def exposition() -> bytes:
+        return gw.metrics.render()
+
+    # No key guards it, and each render is milliseconds on the loop that relays the streams.
+    cached = ExpositionCache(exposition, gw.config.serve.server.metrics_max_age_s, gw.clock.now)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await cached.get(), media_type=CONTENT_TYPE_LATEST)

@@ -30,6 +30,7 @@ from tierserve.server.body_limit import BodyLimitMiddleware
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.fast_routes import GenerationRoutes, aborted_upload, refused_at_the_door
 from tierserve.server.generate import generate
+from tierserve.server.metrics_cache import ExpositionCache
 from tierserve.server.prepare import check_model
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.ratelimit import redis_where
@@ -204,7 +205,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
 
+    async def exposition() -> bytes:
+        families = await state.engine.metric_families()  # the engine process's, if it has its own
+        return state.metrics.render(families)
+
+    cached = ExpositionCache(exposition, state.config.server.metrics_max_age_s, state.clock.now)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        families = await state.engine.metric_families()  # the engine process's, if it has its own
-        return Response(state.metrics.render(families), media_type=CONTENT_TYPE_LATEST)
+        return Response(await cached.get(), media_type=CONTENT_TYPE_LATEST)

@@ -87,10 +87,14 @@ class ServerSettings:
     # /ready answers 503 while the engine has had work and sent nothing for this long (a hung
     # or stopped engine process: no step ends); 0 = never. Keep it above the longest step.
     engine_stall_s: float = 60.0
+    # /metrics (no key needed) is made at most this often and served from a cache meanwhile:
+    # each one asks the engine process between two steps (metrics_cache.py); 0 = every scrape.
+    metrics_max_age_s: float = 0.5
     ratelimit: RateLimitBackendConfig = field(default_factory=RateLimitBackendConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
 
 
+MAX_METRICS_AGE_S = 60.0
 DEFAULT_QUEUE_CAPS: dict[Tier, int] = {Tier.P0: 256, Tier.P1: 2048, Tier.P2: 8192, Tier.P3: 8192}
 
 
@@ -318,6 +322,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "api_docs",
         "drain_timeout_s",
         "engine_stall_s",
+        "metrics_max_age_s",
         "ratelimit",
         "http",
     )
@@ -352,11 +357,19 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         engine_stall_s=_number(
             "server.engine_stall_s", raw.get("engine_stall_s", base.engine_stall_s), minimum=0.0
         ),
+        metrics_max_age_s=_metrics_max_age_s(raw.get("metrics_max_age_s", base.metrics_max_age_s)),
         ratelimit=_ratelimit_backend(
             "server.ratelimit", _table("server.ratelimit", raw.get("ratelimit", {}))
         ),
         http=parse_http_limits(_table("server.http", raw.get("http", {}))),
     )
+
+
+def _metrics_max_age_s(raw: Any) -> float:
+    age = _number("server.metrics_max_age_s", raw, minimum=0.0)
+    if age > MAX_METRICS_AGE_S:  # Prometheus would read the same samples, scrape after scrape
+        raise ConfigError(f"server.metrics_max_age_s: must be <= {MAX_METRICS_AGE_S:g} s, got {age:g}")
+    return age
 
 
 def _port(raw: Any) -> int:
