@@ -171,6 +171,19 @@ def test_a_wrong_key_with_a_large_body_is_refused_unread_and_the_connection_clos
     assert b"connection: close" in response.lower()
 
 
+def test_a_wrong_key_with_a_small_body_still_coming_closes_the_connection(gateway: Proc) -> None:
+    """A body under 64 KiB was read and skipped after the 401: a client trickling it held
+    the connection (unevictable at the cap) for the body timeout."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT_S) as sock:
+        sock.sendall(post_head(65_000, key="sk-wrong") + b"{")  # the rest of the body never comes
+        out = b""
+        sock.settimeout(1.0)  # under the body timeout (2 s): a connection left open fails here
+        while chunk := sock.recv(65536):
+            out += chunk
+    assert status_and_code(out) == (401, "invalid_api_key")
+    assert b"connection: close" in out.lower()
+
+
 def test_api_docs_are_not_served_where_keys_are_required(gateway: Proc) -> None:
     for path in ("/openapi.json", "/docs", "/redoc"):
         assert httpx.get(gateway.url + path).status_code == 404

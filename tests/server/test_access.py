@@ -3,6 +3,7 @@ loader, the start-up warnings and `tierserve serve` itself."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -106,6 +107,43 @@ def test_a_wrong_key_is_refused_before_the_body_is_read_or_parsed(
     good = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
     assert _raw(server, _head("sk-gold", len(good)) + good).startswith(b"HTTP/1.1 200")
     assert parsed == [len(good)]  # the probe sees the bodies that are parsed
+
+
+def test_a_refused_request_whose_body_is_still_coming_closes_its_connection(server: LiveServer) -> None:
+    """A wrong key with a body under 64 KiB got its 401 at once, but the connection stayed
+    open while the client trickled the body, up to the body timeout (30 s here), and such
+    connections could not be evicted at the connection cap: 40 of them kept a server of
+    `max_connections = 40` refusing everyone, its health checks too."""
+    parts = urlsplit(server.url)
+    with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=10) as sock:
+        sock.sendall(_head("sk-wrong", 65_000) + b"{")  # the rest of the body never comes
+        out = b""
+        while True:  # bounded by the socket's timeout: a connection still open fails here
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 401") and b"connection: close" in out.lower()
+
+
+def test_refused_clients_trickling_their_bodies_do_not_fill_the_connection_cap() -> None:
+    config = parse_serve_config({**CONFIG, "server": {**CONFIG["server"], "http": {"max_connections": 4}}})
+    with live_server(make_state(config)) as srv:
+        parts = urlsplit(srv.url)
+        socks = [
+            socket.create_connection((parts.hostname or "", parts.port or 80), timeout=10) for _ in range(4)
+        ]
+        try:
+            for sock in socks:
+                sock.sendall(_head("sk-wrong", 65_000) + b"{")
+                assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+            for sock in socks:
+                with contextlib.suppress(OSError):  # closed by now, or about to be
+                    sock.sendall(b" ")  # still sending, as a trickle would
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 def test_permissive_settings_are_each_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:

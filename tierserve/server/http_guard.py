@@ -21,6 +21,10 @@ runs, and answers in OpenAI's error envelope with `connection: close`:
 * bytes that are not HTTP/1.1 (a malformed request line, header or chunk framing): 400,
   where uvicorn would answer in plain text, uncounted.
 
+A response that starts before its request's body is all in (a refusal before the body is
+read: a wrong key, an unsupported type) says `connection: close` and the connection closes
+once it is sent: the rest of the body is never read.
+
 A refusal closes the connection; an application task still reading that body sees the
 client gone (`http.disconnect`), and `scope[REFUSED]` says the guard ended it. A refused
 request pipelined behind others is answered after them: closing at once cut off the
@@ -275,8 +279,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._arm(self.settings.limits.body_timeout_s, self._body_timeout)
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle.scope is self.scope and self.scope["http_version"] == "1.0":
-            _close_delimited(cycle)
+        if cycle is not None and cycle.scope is self.scope:
+            self._close_if_answered_unread(cycle)
+            if self.scope["http_version"] == "1.0":
+                _close_delimited(cycle)
+
+    def _close_if_answered_unread(self, cycle: Any) -> None:
+        """Answer `cycle` with `connection: close`, and close once it is answered, when its
+        response starts before its body is all in: refused before the body was read (a
+        wrong key, a 415, a 404), the rest of it would be read only to be skipped. Kept open,
+        a refused client trickling a body under 64 KiB held its connection for the body
+        timeout (30 s), not evictable at the cap: 40 such sockets kept a server of
+        `max_connections = 40` answering 503 `connection_limit`, its health checks too (an
+        attack trial, 2026-12-07)."""
+        send = cycle.send
+
+        async def send_closing_if_unread(message: Any) -> None:
+            if message["type"] == "http.response.start" and self._phase == "body" and self.cycle is cycle:
+                cycle.keep_alive = False  # uvicorn then says `connection: close`, and closes
+            await send(message)
+
+        cycle.send = send_closing_if_unread
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
