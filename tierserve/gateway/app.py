@@ -148,9 +148,11 @@ def _add_error_handlers(app: FastAPI, gw: GatewayState) -> None:
 
 
 def _model_cards(gw: GatewayState) -> dict[str, dict[str, Any]]:
-    """The models the healthy upstreams serve, each with the upstreams serving it, and the
-    context a request may use on all of them (`max_model_len`, as vLLM's and tierserve's
-    cards give it: the least of theirs; left out where one of them does not say)."""
+    """The models the healthy upstreams serve, each with the context a request may use on
+    all of them (`max_model_len`, as vLLM's and tierserve's cards give it: the least of
+    theirs; left out where one of them does not say). Which upstreams serve a model is not
+    said: their names are often their addresses, which the gateway's 502s keep from clients
+    too (any valid key read them here)."""
     served: dict[str, list[UpstreamState]] = {}
     for s in gw.router.states:
         if s.healthy:
@@ -163,7 +165,6 @@ def _model_cards(gw: GatewayState) -> dict[str, dict[str, Any]]:
             "object": "model",
             "created": gw.started_at,  # OpenAI's Model object requires it: when this gateway started
             "owned_by": "tierserve-gateway",
-            "upstreams": sorted(s.name for s in ups),
         }
         lengths = [s.max_model_len.get(m) for s in ups]
         if lengths and None not in lengths:
