@@ -87,7 +87,10 @@ def test_continuous_usage_without_include_usage_is_not_asked_of_the_upstream() -
 
 
 def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_requests() -> None:
-    slow = FakeUpstream("ok", num_events=10, event_gap_s=0.1)
+    # 3 s of stream: the drain and the refused request come well inside it on a busy host
+    # (at 1 s, under a benchmark on the same 2 cores, the stream ended first and the
+    # gateway had closed its socket: "connection refused").
+    slow = FakeUpstream("ok", num_events=10, event_gap_s=0.3)
     with fake_upstream(slow) as url, gateway([url]) as (gw, state):
         result: dict[str, str] = {}
 
