@@ -505,7 +505,18 @@ def test_the_span_line_says_what_a_replay_read(tmp_path: Path) -> None:
     and nothing in the rows can tell: the commands print this line so that it shows."""
     rows = "".join(f'{{"timestamp": {t}, "input_length": 10, "output_length": 1}}\n' for t in (0, 300, 600))
     path = write(tmp_path, "seconds.jsonl", rows)
-    assert span_line(path, load_trace(path)) == f"{path}: 3 rows arriving over 0.6 s (3.333 requests/s at 1x)"
+    assert span_line(path, load_trace(path)).startswith(
+        f"{path}: 3 rows arriving over 0.6 s (3.333 requests/s at 1x); "
+    )
+    # The token columns too, as a person checks them against the file (a trial had to).
+    mixed = "".join(
+        f'{{"timestamp": {t}, "input_length": {n}, "output_length": {m}}}\n'
+        for t, n, m in ((0, 10, 0), (1, 20, 5), (2, 60, 7))
+    )
+    path = write(tmp_path, "mixed.jsonl", mixed)
+    assert span_line(path, load_trace(path)).endswith(
+        "; prompt tokens mean 30.0, median 20, max 60; output tokens mean 4.0, median 5, max 7"
+    )
     one = write(tmp_path, "one.jsonl", '{"timestamp": 5, "input_length": 10, "output_length": 1}\n')
     assert "1 row arriving over 0 s (all at one instant" in span_line(one, load_trace(one))
 

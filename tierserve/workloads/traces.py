@@ -442,13 +442,26 @@ def span_s(records: Sequence[TraceRecord]) -> float:
 
 
 def span_line(path: Path, records: Sequence[TraceRecord]) -> str:
-    """What a replay read, in one line: rows, their span and rate at 1x. The unit of a
-    trace's timestamps cannot always be told from them (seconds read as Mooncake's
-    milliseconds replay a sparse trace a thousand times too fast): this line shows it."""
+    """What a replay read, in one line: rows, their span and rate at 1x, and the token
+    counts. The unit of a trace's timestamps cannot always be told from them (seconds read
+    as Mooncake's milliseconds replay a sparse trace a thousand times too fast), nor a
+    column read in another's place from the row count: this line shows both."""
     span = span_s(records)
     rate = f"{(len(records) - 1) / span:.4g} requests/s" if span > 0 else "all at one instant"
     rows = f"{len(records):,} row{'' if len(records) == 1 else 's'}"
-    return f"{path}: {rows} arriving over {span:,.6g} s ({rate} at 1x)"
+    line = f"{path}: {rows} arriving over {span:,.6g} s ({rate} at 1x)"
+    if not records:
+        return line
+    prompts = [r.num_prompt_tokens for r in records]
+    outputs = [r.num_output_tokens for r in records]
+    return f"{line}; prompt tokens {_spread(prompts)}; output tokens {_spread(outputs)}"
+
+
+def _spread(counts: Sequence[int]) -> str:
+    """Mean, median and largest of a column of token counts, as a person checks a file's."""
+    mean = sum(counts) / len(counts)
+    median = sorted(counts)[len(counts) // 2]
+    return f"mean {mean:,.1f}, median {median:,}, max {max(counts):,}"
 
 
 def _days(seconds: float) -> str:
