@@ -69,3 +69,38 @@ def test_on_redis_loss_open_tiers_get_one_nth_and_closed_tiers_are_refused_then_
     clock[0] += 5.0  # past the retry delay
     assert _admitted(limiter, Tier.P2, 50) == 40  # the global bucket, untouched while Redis was away
     assert limiter.redis_up is True
+
+
+def test_the_charge_before_the_body_falls_back_and_the_tiers_rule_applies_with_its_tokens() -> None:
+    """Before the body is read the tier is not known: on Redis loss the request is charged on
+    the local buckets while any tier fails open, and a fail-closed tier's request is refused
+    once its tier is known (503 `unavailable`), its charge given back; a fail-open one's is
+    served."""
+    clock = [0.0]
+    remote = FlakyRemote(clock)
+    limiter = RateLimiter(
+        RateLimit(requests_per_s=0.001, request_burst=3),
+        remote=remote,
+        fail_open_tiers={Tier.P1: True, Tier.P2: False},
+        now=lambda: clock[0],
+    )
+    remote.down = True
+
+    async def run(tier: Tier) -> tuple[bool, bool, str]:
+        charged = await limiter.acquire_request(TENANT)
+        rate = await limiter.acquire(TENANT, 1, tier, charged=charged)
+        return charged.fell_back, rate.allowed, rate.reason
+
+    assert asyncio.run(run(Tier.P1)) == (True, True, "")
+    assert asyncio.run(run(Tier.P2)) == (True, False, "unavailable")
+    assert [asyncio.run(run(Tier.P1))[1] for _ in range(2)] == [True, True]  # the P2 one given back
+    assert not asyncio.run(limiter.acquire_request(TENANT)).allowed
+    everyone_closed = RateLimiter(
+        RateLimit(requests_per_s=0.001, request_burst=40),
+        remote=remote,
+        fail_open=False,
+        fail_open_tiers={Tier.P1: False, Tier.P2: False},
+        now=lambda: clock[0],
+    )
+    refused = asyncio.run(everyone_closed.acquire_request(TENANT))
+    assert not refused.allowed and refused.reason == "unavailable"

@@ -404,3 +404,41 @@ def test_a_request_past_a_gateways_share_of_the_burst_still_runs_while_redis_is_
         return first.allowed, reserved, again.allowed, again.headers["Retry-After"]
 
     assert asyncio.run(scenario()) == (True, 200, False, "6")  # 4 s without the debt
+
+
+def test_the_request_charged_before_the_body_is_not_charged_again_with_its_tokens() -> None:
+    """`acquire_request` takes the request buckets (global and tenant) before the body is
+    read; `acquire` given that charge takes only the tokens, so a request costs one."""
+    now = FakeTime()
+    limiter = RateLimiter(RateLimit(requests_per_s=0.001, request_burst=10), now=now)
+    tenant = _tenant(requests_per_s=0.001, request_burst=2, tokens_per_s=1.0, token_burst=100)
+
+    async def run() -> list[str]:
+        out = []
+        for _ in range(2):
+            charged = await limiter.acquire_request(tenant)
+            assert charged.allowed
+            rate = await limiter.acquire(tenant, 10, charged=charged)
+            assert rate.allowed and rate.reservation is not None
+            out.append(rate.headers["x-ratelimit-remaining-requests"])
+        refused = await limiter.acquire_request(tenant)
+        assert not refused.allowed and refused.reason == "requests"
+        assert refused.message == "Rate limit reached: tenant 't' (requests)."
+        assert "x-ratelimit-limit-tokens" in refused.headers  # read, not charged
+        return out
+
+    assert asyncio.run(run()) == ["1", "0"]
+
+
+def test_a_tenant_in_token_debt_is_refused_before_its_body() -> None:
+    now = FakeTime()
+    limiter = RateLimiter(RateLimit(), now=now)
+    tenant = _tenant(requests_per_s=100.0, tokens_per_s=10.0, token_burst=100)
+
+    async def run() -> tuple[bool, str, float]:
+        rate = await limiter.acquire(tenant, 100)
+        await limiter.settle(rate.reservation, 150)  # 50 past the reservation: a debt
+        early = await limiter.acquire_request(tenant)
+        return early.allowed, early.reason, early.retry_after_s
+
+    assert asyncio.run(run()) == (False, "tokens", pytest.approx(5.0))

@@ -1,15 +1,17 @@
 """One generation request through the gateway, from the HTTP body to the last byte.
 
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
-is read) -> Content-Type, Content-Encoding (415, unread) -> body (400; 503 past
-`large_body_queue` large bodies) -> model (404) -> tier (400 for a tier header sent twice,
-differing, or a tier whose queue cap is 0) -> rate limits (429, or 503 when Redis is down
-and the tier fails closed; 400 for a request too large to ever fit) -> flow control (503)
--> upstream. An upstream that fails before the first byte of its reply reaches the client
-(connect error, 5xx, a stream cut before its first whole event) is left for another one,
-up to `max_attempts`; once bytes have reached the client a broken stream ends with an
-error event. A request the upstream took and left unanswered past the read timeout fails
-alone (504, `_timed_out`). Reserved tokens are settled with the upstream's reported usage.
+is read) -> Content-Type, Content-Encoding (415, unread) -> one request from the global
+and the tenant's request buckets (429, the body unread; the charge stays whatever the
+answer) -> body (400; 503 past `large_body_queue` large bodies) -> model (404) -> tier
+(400 for a tier header sent twice, differing, or a tier whose queue cap is 0) -> token
+buckets and the tier's (429, or 503 when Redis is down and the tier fails closed; 400 for
+a request too large to ever fit) -> flow control (503) -> upstream. An upstream that fails
+before the first byte of its reply reaches the client (connect error, 5xx, a stream cut
+before its first whole event) is left for another one, up to `max_attempts`; once bytes
+have reached the client a broken stream ends with an error event. A request the upstream
+took and left unanswered past the read timeout fails alone (504, `_timed_out`). Reserved
+tokens are settled with the upstream's reported usage.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from tierserve.server.fast_routes import (
     unsupported_body,
 )
 from tierserve.server.ratelimit import Reservation
-from tierserve.server.refusals import draining_error, queue_closed, rate_refusal
+from tierserve.server.refusals import charge_request, draining_error, queue_closed, rate_refusal
 from tierserve.server.sse import SSEResponse, watch_disconnect
 from tierserve.server.tenants import decide_tier, parse_declared_tier, tier_header
 from tierserve.tiers import Tier
@@ -149,6 +151,11 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
         return refused_at_the_door(e, gw.metrics.count_http_error)
     if (refused := unsupported_body(http)) is not None:
         return refused_at_the_door(refused, gw.metrics.count_http_error)
+    try:
+        charged = await charge_request(gw.limiter, tenant, gw.metrics.reject)
+    except ApiError as e:  # its request buckets are empty: its body is not worth reading
+        close_if_unread(e, http)
+        raise
     forwarded, body = await _read_body(gw, http, chat)
     _check_model(gw, body.model)
     declared = parse_declared_tier(tier_header(asked), body.priority)
@@ -159,7 +166,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     max_tokens = requested if requested is not None else gw.config.serve.server.default_max_tokens
     num_reserved = forwarded.num_prompt_tokens + max_tokens
     num_default, param = body.reserved_output(max_tokens)  # as the server reserves
-    rate = await gw.limiter.acquire(tenant, num_reserved, tier, num_default=num_default)
+    rate = await gw.limiter.acquire(tenant, num_reserved, tier, num_default=num_default, charged=charged)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
     if not rate.allowed:
         gw.metrics.reject(f"rate_limit_{rate.reason}", tier)

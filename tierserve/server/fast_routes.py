@@ -7,15 +7,17 @@ answers `POST /v1/chat/completions` and `POST /v1/completions` itself.
 
 Order: the API key, from the headers alone (a 401 goes out before a byte of the body is
 read, with `connection: close`); then the Content-Type and Content-Encoding (a body that
-is not JSON by its type, or compressed, gets 415, unread); then the body; then one
-validation pass with the same pydantic models (`model_validate_json`) and the same
-`generate`. A body larger than `OFFLOAD_BYTES` is validated in the body parser's process
-(body_parser.py) and prepared on a worker thread, both through a `BodyGate`
-(body_gate.py), so the event loop keeps sending tokens meanwhile. A client gone while
-sending its body is an aborted upload: one log line, a metric, nothing answered. Errors
-leave as the app's handlers would send them (400 naming the field, 413, the `ApiError`
-envelope); anything unexpected goes up to the app's 500 handler. The FastAPI routes stay
-declared, so the OpenAPI schema documents them."""
+is not JSON by its type, or compressed, gets 415, unread); then one request from the
+tenant's request buckets (a 429 when they are empty, the body unread; the charge stays
+whatever the answer: ratelimit.py); then the body; then one validation pass with the
+same pydantic models (`model_validate_json`) and the same `generate`. A body larger than
+`OFFLOAD_BYTES` is validated in the body parser's process (body_parser.py) and prepared
+on a worker thread, both through a `BodyGate` (body_gate.py), so the event loop keeps
+sending tokens meanwhile. A client gone
+while sending its body is an aborted upload: one log line, a metric, nothing answered.
+Errors leave as the app's handlers would send them (400 naming the field, 413, the
+`ApiError` envelope); anything unexpected goes up to the app's 500 handler. The FastAPI
+routes stay declared, so the OpenAPI schema documents them."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
 from tierserve.server.http_guard import ABORTED_UPLOAD, REFUSED
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tierserve.server.refusals import draining_error
+from tierserve.server.refusals import charge_request, draining_error
 from tierserve.server.state import ServerState
 
 log = logging.getLogger("tierserve.server")
@@ -78,6 +80,11 @@ class GenerationRoutes:
         if self._state.draining:  # not worth its body: it cannot be admitted
             return self._draining()
         try:
+            charged = await charge_request(self._state.limiter, tenant, self._state.metrics.reject)
+        except ApiError as e:  # its request buckets are empty: its body is not worth reading
+            close_if_unread(e, http)
+            return e.response()
+        try:
             raw = await self._state.uploads.read(http)
         except ClientDisconnect:
             aborted_upload(self._state.metrics.count_http_error, http.scope, log)
@@ -98,10 +105,10 @@ class GenerationRoutes:
                         raise
                     return refused_at_the_door(e, count)
                 del raw, job  # not held through the generation beside the body parsed from it
-                return await generate(self._state, http, body, tenant, offload=self._gate)
+                return await generate(self._state, http, body, tenant, charged, offload=self._gate)
             body = _validate(model, raw)
             del raw
-            return await generate(self._state, http, body, tenant)
+            return await generate(self._state, http, body, tenant, charged)
         except ValidationError as e:
             return invalid_body(e.errors(include_url=False, include_input=False)).response()
         except BodyInvalid as e:

@@ -1,11 +1,12 @@
 """One generation request, from the HTTP body to the last byte.
 
-Order of checks: draining (503) -> tenant (401) -> model and body (404/400) -> tier ->
-rate limits (429; 400 for a request too large to ever fit) -> admission (503) -> draining
+Order of checks: draining (503) -> tenant (401) -> the request buckets (429, charged
+before the body was read: `charge_request`) -> model and body (404/400) -> tier -> token
+buckets (429; 400 for a request too large to ever fit) -> admission (503) -> draining
 again (it may have begun while the prompt was prepared off the event loop, or the buckets
-answered: past that point the drain would not wait for it) -> engine. Nothing is reserved
-until the body is known to be valid, and a refusal after the rate limit refunds the
-reserved tokens.
+answered: past that point the drain would not wait for it) -> engine. No tokens are
+reserved until the body is known to be valid, and a refusal after the token buckets
+refunds the reserved tokens; the request's charge stays.
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ async def generate(
     http: HttpRequest,
     body: ChatCompletionRequest | CompletionRequest,
     tenant: TenantConfig | None = None,
+    charged: RateDecision | None = None,
     *,
     offload: BodyGate | None = None,
 ) -> Response:
     """Serve one generation; the tier comes from `x-request-tier` or the body's `priority`, the
     tenant from the API key or `x-tenant-id` (resolved here unless the caller did).
-    `offload`: tokenize and check a large prompt through this gate, off the event loop."""
+    `charged`: the request buckets' decision, taken before the body was read (None: they
+    are charged here, with the tokens). `offload`: tokenize and check a large prompt
+    through this gate, off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
     if state.draining:
         state.metrics.reject("draining", None)
@@ -64,7 +68,7 @@ async def generate(
     max_tokens = prepared.sampling.max_tokens
     num_reserved = len(prepared.prompt_token_ids) + max_tokens
     num_default, param = body.reserved_output(max_tokens)
-    rate, headers = await _pass_limits(state, tenant, tier, num_reserved, num_default, param)
+    rate, headers = await _pass_limits(state, tenant, tier, num_reserved, num_default, param, charged=charged)
     request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
     req = Request(
         request_id,
@@ -106,14 +110,17 @@ async def _pass_limits(
     num_reserved: int,
     num_default: int,
     param: str,
+    *,
+    charged: RateDecision | None,
 ) -> tuple[RateDecision, dict[str, str]]:
     """The tenant's token buckets, then admission control for the tier; raises the 429 or
     503 (giving back the reserved tokens) when either refuses, or the 400 naming `param` for
     a request no bucket can ever hold. `num_default`: the output tokens of `num_reserved`
-    that the server chose (`RateLimiter.acquire`). Returns the rate decision and the headers
-    every answer carries."""
+    that the server chose (`RateLimiter.acquire`). `charged`: the request buckets' decision,
+    where they were charged before the body was read. Returns the rate decision and the
+    headers every answer carries."""
     metrics = state.metrics
-    rate = await state.limiter.acquire(tenant, num_reserved, num_default=num_default)
+    rate = await state.limiter.acquire(tenant, num_reserved, num_default=num_default, charged=charged)
     headers = {"x-tierserve-tier": tier.name, **rate.headers}
     if not rate.allowed:
         metrics.reject(f"rate_limit_{rate.reason}", tier)

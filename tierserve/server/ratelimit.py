@@ -1,6 +1,11 @@
 """Global and per-tenant rate limits in requests/s and tokens/s, with OpenAI's headers.
 
-A request reserves ``prompt tokens + max_tokens`` up front; `settle` corrects the token
+A request is charged one request (`acquire_request`) as soon as its key is known, before
+its body is read: a body that is then refused (a 400, a 429 for its tokens) keeps that
+charge, so a tenant's request rate bounds the bodies it can make the server read and
+parse, valid or not. Its tokens are charged once the body is known (`acquire`, passed the
+first charge so that the request buckets are not charged again). It reserves
+``prompt tokens + max_tokens`` up front; `settle` corrects the token
 buckets with the real count when it ends. A request that no token bucket could ever hold
 at once is "too_large" (a 400 at the front door: waiting would not help), except that an
 output length the client did not ask for (the server's default) is first cut to fit.
@@ -41,8 +46,8 @@ OUTAGE_LOG_S = 10.0  # at most one outage line (and its end) this often
 @dataclass(frozen=True, slots=True)
 class Reservation:
     backend: BucketBackend
-    token_buckets: tuple[Bucket, ...]
-    num_tokens: int  # what was debited
+    buckets: tuple[Bucket, ...]  # those debited (token buckets; the request buckets of a charge)
+    num_tokens: int  # what was debited from each
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ class RateDecision:
     reason: str = ""  # when refused: "requests", "tokens", "too_large" or "unavailable"
     message: str = ""
     reservation: Reservation | None = None
+    fell_back: bool = False  # decided on the in-process buckets because Redis did not answer
+    charge: Reservation | None = None  # `acquire_request`'s: the request buckets it debited
 
 
 def format_reset(seconds: float) -> str:
@@ -109,16 +116,30 @@ class RateLimiter:
         self.num_redis_errors = 0  # operations on Redis that failed
         self.redis_up: bool | None = None if remote is None else True
 
-    def _for_tenant(self, tenant: TenantConfig, tier: Tier | None) -> tuple[list[Bucket], list[Bucket]]:
+    def _for_tenant(
+        self, tenant: TenantConfig, tier: Tier | None, *, requests_charged: bool = False
+    ) -> tuple[list[Bucket], list[Bucket]]:
+        """The request and token buckets of a request; `requests_charged`: the global and
+        tenant request buckets were charged already (`acquire_request`), so only the tier's
+        request bucket is left among the request buckets."""
         own = self._tenant_buckets.get(tenant.name)
         if own is None:
             own = _buckets(f"tenant:{tenant.name}", tenant.limit)
             if own != (None, None):  # an unlimited (e.g. ad-hoc) tenant leaves nothing behind
                 self._tenant_buckets[tenant.name] = own
         per_tier = self._tiers.get(tier, (None, None)) if tier is not None else (None, None)
-        requests = [b for b in (self._global[0], own[0], per_tier[0]) if b is not None]
+        early = () if requests_charged else (self._global[0], own[0])
+        requests = [b for b in (*early, per_tier[0]) if b is not None]
         tokens = [b for b in (self._global[1], own[1], per_tier[1]) if b is not None]
         return requests, tokens
+
+    def _fails_open(self, tier: Tier | None) -> bool:
+        """The rule while Redis does not answer for a request of `tier`; None: its tier is
+        not known yet (the first charge, before the body), which falls back while any tier's
+        rule does: the charge of its tokens applies the tier's own rule."""
+        if tier is not None:
+            return self._fail_open_tiers.get(tier, self._fail_open)
+        return any(self._fail_open_tiers.get(t, self._fail_open) for t in Tier)
 
     def fail_rule(self) -> str:
         """What happens to a decision while Redis does not answer, in words for the log."""
@@ -192,8 +213,7 @@ class RateLimiter:
                 self._mark_redis(False, e)
         if remote is not None:
             self.num_fallbacks += 1
-            fail_open = self._fail_open if tier is None else self._fail_open_tiers.get(tier, self._fail_open)
-            if not fail_open:
+            if not self._fails_open(tier):
                 return None
             if self._local_share < 1:
                 share = self._local_share
@@ -207,18 +227,53 @@ class RateLimiter:
                     )
         return _Taken(self._local.take_now(buckets, costs(num_tokens)), self._local, buckets, num_tokens)
 
+    async def acquire_request(self, tenant: TenantConfig) -> RateDecision:
+        """Charge one request to the global and the tenant's request buckets, before the body
+        is read: refused as "requests" when one is empty, as "tokens" when a token bucket is
+        in debt (the request could not pass it, whatever its size), or "unavailable" (Redis
+        down and fail-closed). The token buckets are read, not charged (a cost of 0, in the
+        same atomic take), so that the headers name both kinds. The charge stays whatever the
+        request's answer; pass the decision to `acquire` as `charged`."""
+        requests, tokens = self._for_tenant(tenant, None)
+        if not requests:
+            return RateDecision(allowed=True, headers={})
+        outcome = await self._run_take(requests, tokens, 0, None)
+        if outcome is None:
+            return _unavailable()
+        result, backend, taken, _ = outcome
+        if not result.allowed:
+            return _over_limit(list(taken), result, len(requests))
+        headers = _headers(list(taken), result, len(requests))
+        fell_back = self._remote is not None and backend is self._local
+        charge = Reservation(backend, tuple(taken[: len(requests)]), 1)
+        return RateDecision(allowed=True, headers=headers, fell_back=fell_back, charge=charge)
+
     async def acquire(
-        self, tenant: TenantConfig, num_tokens: int, tier: Tier | None = None, *, num_default: int = 0
+        self,
+        tenant: TenantConfig,
+        num_tokens: int,
+        tier: Tier | None = None,
+        *,
+        num_default: int = 0,
+        charged: RateDecision | None = None,
     ) -> RateDecision:
         """`tier`: the tier the request runs at (its buckets and fail rule); None = no tier rules.
         `num_default`: how many of `num_tokens` are the server's default output length rather
         than a max_tokens the client sent. Where the request is larger than the smallest token
         bucket, that part is cut to fit it (down to one output token): the reservation is only
         a guess of the real count, which `settle` charges. A request still too large, even with
-        a full bucket, is refused as "too_large", with no Retry-After: it would never fit."""
-        requests, tokens = self._for_tenant(tenant, tier)
+        a full bucket, is refused as "too_large", with no Retry-After: it would never fit.
+        `charged`: the request's `acquire_request`, whose request buckets are not charged
+        again (its headers come back with this decision's); None charges them here."""
+        requests, tokens = self._for_tenant(tenant, tier, requests_charged=charged is not None)
+        early = charged.headers if charged is not None else {}
+        if charged is not None and charged.fell_back and not self._fails_open(tier):
+            # Charged on the local buckets while the tier's rule is closed: refused, as it
+            # would have been before its body, so the charge goes back.
+            await self.settle(charged.charge, 0)
+            return _unavailable()
         if not requests and not tokens:
-            return RateDecision(allowed=True, headers={})
+            return RateDecision(allowed=True, headers=dict(early))
         tightest = min(tokens, key=lambda b: b.capacity, default=None)  # the one to name
         if tightest is not None and num_tokens > tightest.capacity:
             least = num_tokens - num_default + (1 if num_default > 0 else 0)
@@ -228,46 +283,58 @@ class RateLimiter:
                     f"{least} tokens requested ({what}); {_scope(tightest.key)} allows at most "
                     f"{tightest.capacity:g} at once (its token_burst), so this request can never run"
                 )
-                return RateDecision(allowed=False, headers={}, reason="too_large", message=message)
+                return RateDecision(allowed=False, headers=dict(early), reason="too_large", message=message)
             num_tokens = math.floor(tightest.capacity)  # >= least, a whole number of tokens
         outcome = await self._run_take(requests, tokens, num_tokens, tier)
         if outcome is None:
-            return RateDecision(
-                allowed=False,
-                headers={"Retry-After": str(math.ceil(REDIS_RETRY_S))},
-                retry_after_s=REDIS_RETRY_S,
-                reason="unavailable",
-            )
+            return _unavailable()
         result, backend, taken, num_taken = outcome
-        headers = _headers(list(taken), result, len(requests))
-        if result.allowed:
-            reservation = Reservation(backend, tuple(taken[len(requests) :]), num_taken) if tokens else None
-            return RateDecision(allowed=True, headers=headers, reservation=reservation)
-        wait = result.wait_s
-        headers["Retry-After"] = str(max(1, math.ceil(wait)))
-        headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
-        req_short = any(lv.wait_s > 0 for lv in result.levels[: len(requests)])
-        short = next(b for b, lv in zip(taken, result.levels, strict=True) if lv.wait_s > 0)
-        kind = "requests" if req_short else "tokens"
-        return RateDecision(
-            allowed=False,
-            headers=headers,
-            retry_after_s=wait,
-            reason=kind,
-            message=f"Rate limit reached: {_scope(short.key)} ({kind}).",
-        )
+        if not result.allowed:
+            refused = _over_limit(list(taken), result, len(requests))
+            return replace(refused, headers={**early, **refused.headers})
+        reservation = Reservation(backend, tuple(taken[len(requests) :]), num_taken) if tokens else None
+        headers = {**early, **_headers(list(taken), result, len(requests))}
+        return RateDecision(allowed=True, headers=headers, reservation=reservation)
 
     async def settle(self, reservation: Reservation | None, num_tokens_used: int) -> None:
         """Refund (or charge) the difference between the reserved and the real token count."""
         if reservation is None or num_tokens_used == reservation.num_tokens:
             return
         delta = float(reservation.num_tokens - num_tokens_used)
-        for bucket in reservation.token_buckets:
+        for bucket in reservation.buckets:
             try:
                 await reservation.backend.give(bucket, delta)
             except (TimeoutError, OSError, ConnectionError, _redis_error()) as e:
                 self.num_fallbacks += 1
                 self._mark_redis(False, e)
+
+
+def _unavailable() -> RateDecision:
+    """Redis did not answer and the rule is fail-closed."""
+    return RateDecision(
+        allowed=False,
+        headers={"Retry-After": str(math.ceil(REDIS_RETRY_S))},
+        retry_after_s=REDIS_RETRY_S,
+        reason="unavailable",
+    )
+
+
+def _over_limit(taken: list[Bucket], result: TakeResult, num_request_buckets: int) -> RateDecision:
+    """A refused take: which kind of bucket was short, when it will fit, and the headers."""
+    headers = _headers(taken, result, num_request_buckets)
+    wait = result.wait_s
+    headers["Retry-After"] = str(max(1, math.ceil(wait)))
+    headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+    req_short = any(lv.wait_s > 0 for lv in result.levels[:num_request_buckets])
+    short = next(b for b, lv in zip(taken, result.levels, strict=True) if lv.wait_s > 0)
+    kind = "requests" if req_short else "tokens"
+    return RateDecision(
+        allowed=False,
+        headers=headers,
+        retry_after_s=wait,
+        reason=kind,
+        message=f"Rate limit reached: {_scope(short.key)} ({kind}).",
+    )
 
 
 class _Taken(NamedTuple):
