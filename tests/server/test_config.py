@@ -51,6 +51,8 @@ def test_burst_defaults_to_one_second_of_rate() -> None:
         ({"server": {"large_body_share": 1.5}}, "server.large_body_share"),
         ({"server": {"large_body_queue": 0}}, "server.large_body_queue"),
         ({"server": {"large_body_queue": 2.5}}, "server.large_body_queue"),
+        ({"server": {"max_chat_messages": 0}}, "server.max_chat_messages"),
+        ({"server": {"max_chat_messages": "many"}}, "server.max_chat_messages"),
         ({"server": {"engine_stall_s": -1}}, "server.engine_stall_s"),
         ({"server": {"engine_stall_s": float("inf")}}, "server.engine_stall_s"),
         ({"server": {"metrics_max_age_s": -0.5}}, "server.metrics_max_age_s"),

@@ -81,3 +81,15 @@ def test_each_request_is_charged_once_whatever_its_answer(server: LiveServer) ->
     remaining.append(served.headers["x-ratelimit-remaining-requests"])
     assert remaining == ["4", "3", "2"]
     assert served.headers["x-ratelimit-limit-tokens"] == "1000"  # the token buckets' headers too
+
+
+def test_a_chat_with_more_messages_than_the_cap_is_a_400_naming_the_setting() -> None:
+    config = parse_serve_config({"server": {"max_chat_messages": 4}})
+    with live_server(make_state(config)) as srv:
+        body = {**VALID, "messages": [{"role": "user", "content": "hi"}] * 5}
+        refused = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=30)
+        fits = httpx.post(srv.base_url + "/chat/completions", json={**body, "messages": body["messages"][:4]})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "messages"
+    assert "at most 4 messages" in error["message"] and "server.max_chat_messages" in error["message"]
+    assert fits.status_code == 200

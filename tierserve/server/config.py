@@ -71,6 +71,8 @@ class ServerSettings:
     # at most `large_body_queue` waiting (more get 503 `busy`): body_gate.py.
     large_body_share: float = 0.1
     large_body_queue: int = 16
+    # A chat request's messages, at most (more get a 400 before the chat template runs).
+    max_chat_messages: int = 512
     default_max_tokens: int = 512  # when a request gives none (capped by the context left)
     tenant_header: bool = False  # accept `x-tenant-id` to name a tenant without an API key
     default_tenant: str = "default"  # tenant of requests without a key, where those are allowed
@@ -314,6 +316,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "max_buffered_body_bytes",
         "large_body_share",
         "large_body_queue",
+        "max_chat_messages",
         "default_max_tokens",
         "tenant_header",
         "default_tenant",
@@ -345,6 +348,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         max_buffered_body_bytes=max_buffered,
         large_body_share=_large_body_share(raw.get("large_body_share", base.large_body_share)),
         large_body_queue=whole("large_body_queue"),
+        max_chat_messages=whole("max_chat_messages"),
         default_max_tokens=whole("default_max_tokens"),
         tenant_header=flag("tenant_header"),
         default_tenant=_string("server.default_tenant", raw.get("default_tenant", base.default_tenant)),
