@@ -33,6 +33,14 @@ def test_tenants_share_no_prefix_cache_unless_the_server_says_so() -> None:
     assert shared.server.share_prefix_cache_across_tenants
 
 
+def test_a_tenants_share_of_the_large_body_queue_is_4_at_most_the_queue() -> None:
+    assert parse_serve_config({}).server.large_body_queue_per_tenant == 4
+    small = parse_serve_config({"server": {"large_body_queue": 2}}).server
+    assert small.large_body_queue_per_tenant == 2  # unset: no more than the whole queue
+    both = parse_serve_config({"server": {"large_body_queue": 32, "large_body_queue_per_tenant": 8}})
+    assert both.server.large_body_queue_per_tenant == 8
+
+
 def test_burst_defaults_to_one_second_of_rate() -> None:
     tenants = {"a": {"api_keys": ["k"], "requests_per_s": 0.5}}
     config = parse_serve_config({"limits": {"tokens_per_s": 500}, "tenants": tenants})
@@ -51,6 +59,8 @@ def test_burst_defaults_to_one_second_of_rate() -> None:
         ({"server": {"large_body_share": 1.5}}, "server.large_body_share"),
         ({"server": {"large_body_queue": 0}}, "server.large_body_queue"),
         ({"server": {"large_body_queue": 2.5}}, "server.large_body_queue"),
+        ({"server": {"large_body_queue_per_tenant": 0}}, "server.large_body_queue_per_tenant"),
+        ({"server": {"large_body_queue_per_tenant": 17}}, "server.large_body_queue_per_tenant"),
         ({"server": {"max_chat_messages": 0}}, "server.max_chat_messages"),
         ({"server": {"max_chat_messages": "many"}}, "server.max_chat_messages"),
         ({"server": {"engine_stall_s": -1}}, "server.engine_stall_s"),

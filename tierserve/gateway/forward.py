@@ -3,15 +3,16 @@
 Order of checks, as in `tierserve serve`: draining (503) -> tenant (401, before the body
 is read) -> Content-Type, Content-Encoding (415, unread) -> one request from the global
 and the tenant's request buckets (429, the body unread; the charge stays whatever the
-answer) -> body (400; 503 past `large_body_queue` large bodies) -> model (404) -> tier
-(400 for a tier header sent twice, differing, or a tier whose queue cap is 0) -> token
-buckets and the tier's (429, or 503 when Redis is down and the tier fails closed; 400 for
-a request too large to ever fit) -> flow control (503) -> upstream. An upstream that fails
-before the first byte of its reply reaches the client (connect error, 5xx, a stream cut
-before its first whole event) is left for another one, up to `max_attempts`; once bytes
-have reached the client a broken stream ends with an error event. A request the upstream
-took and left unanswered past the read timeout fails alone (504, `_timed_out`). Reserved
-tokens are settled with the upstream's reported usage.
+answer) -> body (400; 503 past `large_body_queue` large bodies, 429 past
+`large_body_queue_per_tenant` of the tenant's) -> model (404) -> tier (400 for a tier
+header sent twice, differing, or a tier whose queue cap is 0) -> token buckets and the
+tier's (429, or 503 when Redis is down and the tier fails closed; 400 for a request too
+large to ever fit) -> flow control (503) -> upstream. An upstream that fails before the
+first byte of its reply reaches the client (connect error, 5xx, a stream cut before its
+first whole event) is left for another one, up to `max_attempts`; once bytes have
+reached the client a broken stream ends with an error event. A request the upstream took
+and left unanswered past the read timeout fails alone (504, `_timed_out`). Reserved tokens
+are settled with the upstream's reported usage.
 """
 
 from __future__ import annotations
@@ -99,9 +100,12 @@ def _give_back(gw: GatewayState, call: _Call) -> None:
         call.seat = None
 
 
-async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[ForwardBody, Summary]:
+async def _read_body(
+    gw: GatewayState, http: HttpRequest, chat: bool, tenant: str
+) -> tuple[ForwardBody, Summary]:
     """The body to forward and what the gateway reads of it (`body.read_body`; a large one
-    in the body parser's process). A drain that begins while it comes in refuses it."""
+    in the body parser's process, at `tenant`'s turn). A drain that begins while it comes in
+    refuses it."""
     content = await gw.uploads.read(http)
     if content is None:
         gw.metrics.reject("draining", None)
@@ -110,8 +114,8 @@ async def _read_body(gw: GatewayState, http: HttpRequest, chat: bool) -> tuple[F
     job = partial(read_body, prefix_chars=gw.config.gateway.prefix_chars)
     if len(content) > OFFLOAD_BYTES:
         try:
-            read = await gw.body_gate.admit(partial(gw.body_parser.run, job, kind, content))
-        except ApiError as e:  # too many waiting: 503 `busy`, counted as the server counts it
+            read = await gw.body_gate.admit(partial(gw.body_parser.run, job, kind, content), tenant)
+        except ApiError as e:  # too many waiting: 503 `busy` (429 `busy_tenant`), as the server counts it
             gw.metrics.count_http_error(e.code or "busy")
             raise
     else:
@@ -156,7 +160,7 @@ async def forward(gw: GatewayState, http: HttpRequest, chat: bool, arrived: floa
     except ApiError as e:  # its request buckets are empty: its body is not worth reading
         close_if_unread(e, http)
         raise
-    forwarded, body = await _read_body(gw, http, chat)
+    forwarded, body = await _read_body(gw, http, chat, tenant.name)
     _check_model(gw, body.model)
     declared = parse_declared_tier(tier_header(asked), body.priority)
     tier = decide_tier(tenant, declared).effective

@@ -55,8 +55,10 @@ class GatewayState:
     draining: bool = False
     uploads: Uploads = field(default_factory=Uploads)  # bodies coming in: draining refuses them
     body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies, in a process of its own
-    # At most `[server] large_body_queue` of them waiting for it (more get 503 `busy`); not
-    # paced to a share of the time as the server paces them (no engine shares this process).
+    # At most `[server] large_body_queue` of them waiting for it (more get 503 `busy`), and
+    # `large_body_queue_per_tenant` of one tenant's (429 `busy_tenant`), its time shared
+    # fairly among tenants; not paced to a share of the time as the server paces them (no engine
+    # shares this process).
     body_gate: BodyGate = field(default_factory=lambda: BodyGate(share=1.0))
     num_in_flight: int = 0  # requests between arrival and their last byte
     relays: set[Relay] = field(default_factory=set)  # streams being passed on (cut at the drain timeout)
@@ -191,5 +193,9 @@ def build_gateway_state(
         metrics=metrics,
         client=client,
         remote_buckets=remote_buckets,
-        body_gate=BodyGate(share=1.0, max_waiting=serve.server.large_body_queue),
+        body_gate=BodyGate(
+            share=1.0,
+            max_waiting=serve.server.large_body_queue,
+            max_waiting_per_tenant=serve.server.large_body_queue_per_tenant,
+        ),
     )

@@ -68,9 +68,12 @@ class ServerSettings:
     # The bytes of all bodies being uploaded at once; a body past it: 503 `busy` (body_limit.py).
     max_buffered_body_bytes: int = 64 << 20
     # Bodies over 64 KiB are parsed one at a time, for at most this share of the time, with
-    # at most `large_body_queue` waiting (more get 503 `busy`): body_gate.py.
+    # at most `large_body_queue` waiting (more get 503 `busy`), of which at most
+    # `large_body_queue_per_tenant` of one tenant's (more get 429 `busy_tenant`), the time
+    # shared fairly among tenants: body_gate.py.
     large_body_share: float = 0.1
     large_body_queue: int = 16
+    large_body_queue_per_tenant: int = 4
     # A chat request's messages, at most (more get a 400 before the chat template runs).
     max_chat_messages: int = 512
     default_max_tokens: int = 512  # when a request gives none (capped by the context left)
@@ -316,6 +319,7 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         "max_buffered_body_bytes",
         "large_body_share",
         "large_body_queue",
+        "large_body_queue_per_tenant",
         "max_chat_messages",
         "default_max_tokens",
         "tenant_header",
@@ -341,13 +345,15 @@ def _server(raw: Mapping[str, Any]) -> ServerSettings:
         return _bool(f"server.{key}", raw.get(key, getattr(base, key)))
 
     max_body, max_buffered = _body_sizes(raw, base, whole)
+    queue, queue_per_tenant = _large_body_queues(raw, whole)
     return ServerSettings(
         host=_string("server.host", raw.get("host", base.host)),
         port=_port(raw.get("port", base.port)),
         max_body_bytes=max_body,
         max_buffered_body_bytes=max_buffered,
         large_body_share=_large_body_share(raw.get("large_body_share", base.large_body_share)),
-        large_body_queue=whole("large_body_queue"),
+        large_body_queue=queue,
+        large_body_queue_per_tenant=queue_per_tenant,
         max_chat_messages=whole("max_chat_messages"),
         default_max_tokens=whole("default_max_tokens"),
         tenant_header=flag("tenant_header"),
@@ -388,6 +394,20 @@ def _large_body_share(raw: Any) -> float:
     if share > 1.0:
         raise ConfigError(f"server.large_body_share: a share of the time, at most 1, got {share:g}")
     return share
+
+
+def _large_body_queues(raw: Mapping[str, Any], whole: Callable[[str], int]) -> tuple[int, int]:
+    """`server.large_body_queue` and `large_body_queue_per_tenant`; unset, the second is the
+    default (4) or the whole queue, whichever is less; set, it may not exceed the queue."""
+    queue = whole("large_body_queue")
+    per_tenant = whole("large_body_queue_per_tenant")
+    if "large_body_queue_per_tenant" not in raw:
+        return queue, min(per_tenant, queue)
+    if per_tenant > queue:
+        raise ConfigError(
+            f"server.large_body_queue_per_tenant: at most server.large_body_queue ({queue}), got {per_tenant}"
+        )
+    return queue, per_tenant
 
 
 def _body_sizes(raw: Mapping[str, Any], base: ServerSettings, whole: Callable[[str], int]) -> tuple[int, int]:

@@ -12,8 +12,8 @@ tenant's request buckets (a 429 when they are empty, the body unread; the charge
 whatever the answer: ratelimit.py); then the body; then one validation pass with the
 same pydantic models (`model_validate_json`) and the same `generate`. A body larger than
 `OFFLOAD_BYTES` is validated in the body parser's process (body_parser.py) and prepared
-on a worker thread, both through a `BodyGate` (body_gate.py), so the event loop keeps
-sending tokens meanwhile. A client gone
+on a worker thread, both through a `BodyGate` (body_gate.py, which shares its time
+fairly among tenants), so the event loop keeps sending tokens meanwhile. A client gone
 while sending its body is an aborted upload: one log line, a metric, nothing answered.
 Errors leave as the app's handlers would send them (400 naming the field, 413, the
 `ApiError` envelope); anything unexpected goes up to the app's 500 handler. The FastAPI
@@ -32,7 +32,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tierserve.server.body_gate import BodyGate
+from tierserve.server.body_gate import BUSY, BodyGate
 from tierserve.server.body_parser import BodyInvalid, Kind
 from tierserve.server.errors import ApiError, http_error, invalid_body
 from tierserve.server.generate import generate
@@ -56,7 +56,9 @@ class GenerationRoutes:
         self._app = app
         self._state = state
         server = state.config.server
-        self._gate = BodyGate(server.large_body_share, server.large_body_queue)
+        self._gate = BodyGate(
+            server.large_body_share, server.large_body_queue, server.large_body_queue_per_tenant
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = ROUTES.get(scope["path"]) if scope["type"] == "http" else None
@@ -99,9 +101,9 @@ class GenerationRoutes:
                 parser = self._state.body_parser
                 job = partial(parser.parse, kind, raw)
                 try:
-                    body = await self._gate.admit(job)
+                    body = await self._gate.admit(job, tenant.name)
                 except ApiError as e:
-                    if e.code != "busy":
+                    if e.code not in BUSY:
                         raise
                     return refused_at_the_door(e, count)
                 del raw, job  # not held through the generation beside the body parsed from it

@@ -11,10 +11,12 @@ refunds the reserved tokens; the request's charge stays.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -62,9 +64,10 @@ async def generate(
     check_model(state, body.model)
     decision = decide_tier(tenant, parse_declared_tier(tier_header(asked), body.priority))
     tier = decision.effective
-    prepared = (
-        prepare(state, body, tier) if offload is None else await offload.run(prepare, state, body, tier)
-    )
+    if offload is None:
+        prepared = prepare(state, body, tier)
+    else:
+        prepared = await offload.admit(partial(asyncio.to_thread, prepare, state, body, tier), tenant.name)
     max_tokens = prepared.sampling.max_tokens
     num_reserved = len(prepared.prompt_token_ids) + max_tokens
     num_default, param = body.reserved_output(max_tokens)
