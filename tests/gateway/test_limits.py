@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from tierserve.server.buckets import Bucket, LocalBuckets, TakeResult
 from tierserve.server.config import RateLimit, TenantConfig
@@ -38,6 +39,21 @@ def _admitted(limiter: RateLimiter, tier: Tier, n: int) -> int:
     return asyncio.run(run())
 
 
+def _redis_lost(request_burst: int, **kw: Any) -> tuple[list[float], FlakyRemote, RateLimiter]:
+    """A limiter whose Redis is down, P1 failing open and P2 closed, on a clock of its own."""
+    clock = [0.0]
+    remote = FlakyRemote(clock)
+    limiter = RateLimiter(
+        RateLimit(requests_per_s=0.001, request_burst=request_burst),
+        remote=remote,
+        fail_open_tiers={Tier.P1: True, Tier.P2: False},
+        now=lambda: clock[0],
+        **kw,
+    )
+    remote.down = True
+    return clock, remote, limiter
+
+
 def test_a_tier_bucket_limits_that_tier_only() -> None:
     clock = [0.0]
     limiter = RateLimiter(
@@ -50,16 +66,7 @@ def test_a_tier_bucket_limits_that_tier_only() -> None:
 
 
 def test_on_redis_loss_open_tiers_get_one_nth_and_closed_tiers_are_refused_then_it_resumes() -> None:
-    clock = [0.0]
-    remote = FlakyRemote(clock)
-    limiter = RateLimiter(
-        RateLimit(requests_per_s=0.001, request_burst=40),
-        remote=remote,
-        fail_open_tiers={Tier.P1: True, Tier.P2: False},
-        local_share=0.25,
-        now=lambda: clock[0],
-    )
-    remote.down = True
+    clock, remote, limiter = _redis_lost(request_burst=40, local_share=0.25)
     refused = asyncio.run(limiter.acquire(TENANT, 1, Tier.P2))
     assert not refused.allowed and refused.reason == "unavailable"  # fail closed, whatever is left
     assert _admitted(limiter, Tier.P1, 40) == 10  # 40 / 4 gateways
@@ -76,15 +83,7 @@ def test_the_charge_before_the_body_falls_back_and_the_tiers_rule_applies_with_i
     the local buckets while any tier fails open, and a fail-closed tier's request is refused
     once its tier is known (503 `unavailable`), its charge given back; a fail-open one's is
     served."""
-    clock = [0.0]
-    remote = FlakyRemote(clock)
-    limiter = RateLimiter(
-        RateLimit(requests_per_s=0.001, request_burst=3),
-        remote=remote,
-        fail_open_tiers={Tier.P1: True, Tier.P2: False},
-        now=lambda: clock[0],
-    )
-    remote.down = True
+    clock, remote, limiter = _redis_lost(request_burst=3)
 
     async def run(tier: Tier) -> tuple[bool, bool, str]:
         charged = await limiter.acquire_request(TENANT)

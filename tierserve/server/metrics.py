@@ -54,6 +54,7 @@ HTTP_ERROR_REASONS = (
     "unsupported_content_encoding",
     "request_too_large",
     "busy",
+    "busy_tenant",
     "not_found",
     "method_not_allowed",
 )
