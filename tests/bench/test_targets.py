@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from tierserve.bench.driver import NEVER_STARTED, RUN_ENDED
-from tierserve.bench.report import _load_label
+from tierserve.bench.report import _load_label, _preempt
 from tierserve.bench.targets import Verdict, binomial_below, judge
 
 
@@ -258,3 +258,12 @@ def test_a_slowdown_p95_of_a_handful_of_p0_prompts_is_not_judged_met() -> None:
     assert met is None and "fewer than 20" in detail
     assert verdict(4, 3.0, [2.0, 4.0])[0] is False
     assert verdict(40, 1.45, [1.2, 1.6])[0] is True
+
+
+def test_preemptions_gpu_time_keeps_three_significant_digits() -> None:
+    """To a tenth of a second, 20 swaps' 0.0288 s read as 0.0 s in the report's table."""
+    cell = {
+        "preemptions": {"swap": 20, "recompute": 0, "reclaim": 20},
+        "preemption_gpu_s": {"swap_s": 0.0288, "recompute_prefill_s": 101.04},
+    }
+    assert _preempt(cell) == "20/0/20 (0.0288 s swap, 101 s prefill)"
