@@ -3,13 +3,16 @@ report.md and the plots, two routers side by side, and the simulation's own spee
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
 
 import pytest
 
+from tierserve.bench.fleet_bench import _replayed_line
 from tierserve.cli import main
+from tierserve.workloads.traces import TraceRecord
 
 
 def _azure_trace(path: Path, num_rows: int, seed: int) -> Path:
@@ -246,3 +249,28 @@ def test_rows_cut_and_kills_are_said_under_the_table() -> None:
         "faults, tier-aware / fixed: replica 0 at 30 s: killed; replica 1 at 5000 s: after the end",
     ]
     assert _notes({}, [{"router": "r", "scaling": "s", "summary": {"faults": []}}]) == []
+
+
+@pytest.mark.parametrize(
+    ("scale_by", "expected"),
+    [
+        (
+            "copies",
+            "replayed at --rate-scale 4 (the trace's hours, --scale-by copies): "
+            "200 requests over 100 s, 2 requests/s, per run",
+        ),
+        (
+            "time",
+            "replayed at --rate-scale 4 (--scale-by time): 50 requests over 25 s, 2 requests/s, per run",
+        ),
+    ],
+)
+def test_the_replayed_line_says_what_each_run_sends_beside_the_trace_at_1x(
+    scale_by: str, expected: str
+) -> None:
+    """The stderr line said "50 rows ... at 1x" where each run sent 200 requests."""
+    rows = [
+        TraceRecord(arrival_s=100.0 * i / 49, num_prompt_tokens=10, num_output_tokens=1) for i in range(50)
+    ]
+    args = argparse.Namespace(rate_scale=4.0, scale_by=scale_by)
+    assert _replayed_line(args, 200 if scale_by == "copies" else 50, rows) == expected

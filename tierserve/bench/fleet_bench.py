@@ -14,12 +14,13 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tierserve.cli_args import non_negative_float, non_negative_int, out_path, positive_float, positive_int
 from tierserve.workloads.trace_stream import SCALE_BY, cut_note
-from tierserve.workloads.traces import span_line
+from tierserve.workloads.traces import span_line, span_s
 
 TRACE_FILE = "AzureLLMInferenceTrace_code.csv"
 WORKLOAD = "default"  # the deployment each replica runs
@@ -292,6 +293,7 @@ def main(args: argparse.Namespace) -> int:
         bench = FleetBench(args, trace)
         make_out_dir(args.out)  # now: a bad --out must not cost the runs
         print(span_line(trace, bench.rows), file=sys.stderr)  # after: an error is its one line
+        print(_replayed_line(args, bench.num_requests, bench.rows), file=sys.stderr)
         runs = [bench.run(router, scaling) for router in routers for scaling in scalings]
         _warn_if_never_scaled(args, scalings, runs)
     align(runs, bench.preset.tp, bench.autoscale_config)
@@ -342,6 +344,20 @@ def _warn_if_never_scaled(args: argparse.Namespace, scalings: list[str], runs: l
             args.scale_interval_s,
             end_s,
         )
+
+
+def _replayed_line(args: argparse.Namespace, num_requests: int, rows: Sequence[Any]) -> str:
+    """What each run sends, beside what the trace holds at 1x (the line above): a scaled
+    replay read as the trace's own rows and rate (50 rows at 1x, where 200 requests went)."""
+    span = span_s(rows)
+    if args.scale_by == "time":
+        span /= args.rate_scale
+    rate = f", {num_requests / span:.4g} requests/s" if span > 0 else ""
+    how = "the trace's hours, --scale-by copies" if args.scale_by == "copies" else "--scale-by time"
+    return (
+        f"replayed at --rate-scale {args.rate_scale:g} ({how}): {num_requests:,} requests "
+        f"over {span:,.6g} s{rate}, per run"
+    )
 
 
 def summary_table(runs: list[dict[str, Any]]) -> str:
