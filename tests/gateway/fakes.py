@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -225,6 +226,10 @@ def gateway(
         f'\n[[upstreams]]\nname = "f{i}"\nkind = "{kind}"\nurl = "{u}"\n' for i, u in enumerate(upstream_urls)
     )
     config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{extra}\n{ups}"))
+    if "metrics_max_age_s" not in extra:
+        # Tests read counts right after the requests that moved them: each scrape made anew.
+        fresh = dataclasses.replace(config.serve.server, metrics_max_age_s=0.0)
+        config = dataclasses.replace(config, serve=dataclasses.replace(config.serve, server=fresh))
     with gateway_of(config, drain_timeout_s) as running:
         yield running
 

@@ -140,11 +140,22 @@ def text_backend(**executor_kw: Any) -> Backend:
 
 
 def make_state(
-    config: ServeConfig | None = None, *, policy: str = "hybrid", **executor_kw: object
+    config: ServeConfig | None = None,
+    *,
+    policy: str = "hybrid",
+    fresh_metrics: bool = True,
+    **executor_kw: object,
 ) -> ServerState:
     """A server's state over the stand-in executor, its engine in a process of its own as
-    `tierserve serve` runs it; `executor_kw` go to `TextExecutor` there."""
-    return spawn_state(config or ServeConfig(), partial(text_backend, **executor_kw), policy=policy)
+    `tierserve serve` runs it; `executor_kw` go to `TextExecutor` there.
+
+    With `fresh_metrics` each /metrics scrape is made anew (`metrics_max_age_s` 0): tests
+    read counts right after the requests that moved them, and a scrape by the test before,
+    inside the default 0.5 s, would otherwise answer with the counts as they were then."""
+    config = config or ServeConfig()
+    if fresh_metrics:
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, metrics_max_age_s=0.0))
+    return spawn_state(config, partial(text_backend, **executor_kw), policy=policy)
 
 
 # Probes for `LiveServer.inspect` (module-level, so that they reach the engine process).

@@ -78,7 +78,7 @@ def test_a_failed_exposition_is_not_kept() -> None:
 def test_scrapes_in_a_loop_ask_the_engine_once_per_age() -> None:
     """Each scrape asked the engine process for its families between two steps: 4 clients
     looping on /metrics cut another client's P0 stream from 110 to 33 chunks/s."""
-    state = make_state(ServeConfig(server=ServerSettings(metrics_max_age_s=60.0)))
+    state = make_state(ServeConfig(server=ServerSettings(metrics_max_age_s=60.0)), fresh_metrics=False)
     asked = []
     families = state.engine.metric_families
 
