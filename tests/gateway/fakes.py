@@ -226,18 +226,20 @@ def gateway(
         f'\n[[upstreams]]\nname = "f{i}"\nkind = "{kind}"\nurl = "{u}"\n' for i, u in enumerate(upstream_urls)
     )
     config = parse_gateway_config(tomllib.loads(f"[gateway]\nscrape_interval_s = 0.2\n{extra}\n{ups}"))
-    if "metrics_max_age_s" not in extra:
-        # Tests read counts right after the requests that moved them: each scrape made anew.
-        fresh = dataclasses.replace(config.serve.server, metrics_max_age_s=0.0)
-        config = dataclasses.replace(config, serve=dataclasses.replace(config.serve, server=fresh))
-    with gateway_of(config, drain_timeout_s) as running:
+    fresh = "metrics_max_age_s" not in extra
+    with gateway_of(config, drain_timeout_s, fresh_metrics=fresh) as running:
         yield running
 
 
 @contextmanager
 def gateway_of(
-    config: GatewayConfig, drain_timeout_s: float = 10.0
+    config: GatewayConfig, drain_timeout_s: float = 10.0, *, fresh_metrics: bool = True
 ) -> Iterator[tuple[Running, GatewayState]]:
+    """With `fresh_metrics` each /metrics scrape is made anew (`metrics_max_age_s` 0): tests
+    read counts right after the requests that moved them."""
+    if fresh_metrics:
+        server = dataclasses.replace(config.serve.server, metrics_max_age_s=0.0)
+        config = dataclasses.replace(config, serve=dataclasses.replace(config.serve, server=server))
     gw = build_gateway_state(config)
     with serve_thread(
         DrainingGateway, create_gateway_app(gw), gw=gw, drain_timeout_s=drain_timeout_s

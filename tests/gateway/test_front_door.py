@@ -154,7 +154,7 @@ def test_metrics_scrapes_in_a_loop_are_rendered_once_per_age() -> None:
     with fake_upstream(FakeUpstream("ok")) as url:
         ups = f'[[upstreams]]\nname = "t0"\nkind = "vllm"\nurl = "{url}"\n'
         config = parse_gateway_config(tomllib.loads("[server]\nmetrics_max_age_s = 60\n" + ups))
-        with gateway_of(config) as (running, gw):
+        with gateway_of(config, fresh_metrics=False) as (running, gw):
             render = gw.metrics.render
             renders = []
 
