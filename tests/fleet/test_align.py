@@ -54,10 +54,11 @@ def test_a_fixed_fleet_costs_the_same_gpu_hours_whichever_router_ended_first() -
 @pytest.mark.parametrize(
     ("serving", "idle_s", "replica_s"),
     [
-        # Ticks at 510, 525, ...: calm from 510, one out at 570, 630 and 690, down to 1.
-        (4, 60.0, 4 * 70 + 3 * 60 + 2 * 60 + 1 * 310),
-        # No idle time: one out at each tick (not all at once).
-        (4, 0.0, 4 * 10 + 3 * 15 + 2 * 15 + 1 * 460),
+        # Ticks at 510, 525, ...: calm from 510, three out at 570, down to 1 (one a period of
+        # 60 s, at 570, 630 and 690, before the autoscaler scaled in to the load's size).
+        (4, 60.0, 4 * 70 + 1 * 430),
+        # No idle time: down to 1 at the first tick.
+        (4, 0.0, 4 * 10 + 1 * 490),
         # Under its minimum (a replica died): one is launched at the first tick.
         (0, 60.0, 1 * 490),
     ],

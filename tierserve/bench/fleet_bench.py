@@ -221,7 +221,7 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
         "--idle-s",
         type=non_negative_float,
         default=defaults["idle_s"],
-        help="calm this long before removing a replica (default: %(default)s)",
+        help="calm this long before scaling in, to the size the load needs (default: %(default)s)",
     )
     p.add_argument(
         "--kill",

@@ -15,6 +15,11 @@ busy as one with a full batch; it scales in only when nothing queued through the
 and the fleet one replica smaller would carry the token load (tokens computed a second, as
 a share of what full prompt steps compute) under `scale_in_token_load`.
 
+Once a policy's scale-in conditions have held for `idle_s`, it removes in one decision as
+many replicas as the load allows (the fewest that would carry it under the policy's targets,
+as Kubernetes' autoscaler scales to ceil(n * load / target) after its stabilization window),
+at least one and down to `min_replicas`; the fleet drains them (each finishes what it holds).
+
 Default start-up delay: 265 s, the download-and-initialise time Anyscale measured for
 Llama-2-70B before their optimisations (4 min 25 s; "Loading Llama-2 70b 20x faster
 with Anyscale Endpoints", anyscale.com/blog, 2023; 20 s after them).
@@ -44,7 +49,9 @@ class AutoscaleConfig:
     startup_delay_s: float = DEFAULT_STARTUP_DELAY_S
     interval_s: float = 15.0
     scale_out_utilization: float = 0.85  # utilization policy: the mean busy fraction to add a replica at
-    scale_in_utilization: float = 0.4  # utilization policy: under which, held for `idle_s`, to remove one
+    # utilization policy: under which, held for `idle_s`, to scale in, to the fewest replicas
+    # that would share the fleet's busy time under it
+    scale_in_utilization: float = 0.4
     idle_s: float = 300.0
     p0_attainment_floor: float = 0.95  # tier policy: P0 attainment under this is at risk ...
     p0_min_samples: int = 20  # ... judged on at least this many P0 requests (see `_p0_at_risk`)
@@ -53,7 +60,8 @@ class AutoscaleConfig:
     # it scales in, held for `idle_s`, under `scale_in_kv_usage` with nothing waiting on any
     # replica through the interval, where the others would carry the token load (the tokens
     # computed a second, as a share of what full prompt steps compute) under
-    # `scale_in_token_load`.
+    # `scale_in_token_load`; to the fewest that would carry both the token load and the
+    # caches' contents under these two.
     scale_out_kv_usage: float = 0.9
     scale_in_kv_usage: float = 0.4
     scale_in_token_load: float = 0.5
@@ -105,6 +113,7 @@ class Autoscaler:
     def __init__(self, config: AutoscaleConfig) -> None:
         self.config = config
         self._calm_since: float | None = None  # since when scale-in conditions have held
+        self._fewest_wanted = 0  # the most replicas `_fewest` asked for since `_calm_since`
 
     def decide(self, obs: Observation) -> int:
         """Replicas to add (> 0), remove (< 0) or 0. A scaling fleet under its minimum (a
@@ -127,16 +136,45 @@ class Autoscaler:
         if not self._calm(obs, (read + unread) / num if num else 0.0):
             self._calm_since = None
             return 0
+        return self._scale_in(obs, read + unread)
+
+    def _scale_in(self, obs: Observation, busy: float) -> int:
+        """In a calm fleet, once calm for `idle_s`: remove as many replicas as the load allows,
+        in one decision, down to `min_replicas` (`busy`: the summed busy fraction of the
+        serving replicas, one not read counted as busy). How many is the size the load needs
+        (`_fewest`) at its largest over the calm period, as Kubernetes' autoscaler scales in to
+        the highest recommendation of its stabilization window (by default of the last 300 s,
+        with no other bound on how many go), so a lull in the last interval does not size the
+        fleet; and at least one, as the calm gate (`_calm`) has
+        allowed one. One at a time, a fleet grown to 16 by a burst took 15 idle periods of
+        300 s (75 minutes) to scale back in, every replica the load no longer needed charged
+        meanwhile."""
+        c, n = self.config, obs.num_serving
         if self._calm_since is None:
-            self._calm_since = obs.now
-        if (
-            obs.now - self._calm_since >= c.idle_s
-            and obs.num_serving > c.min_replicas
-            and not obs.num_starting
-        ):
-            self._calm_since = obs.now  # one replica per idle period
-            return -1
-        return 0
+            self._calm_since, self._fewest_wanted = obs.now, 0
+        self._fewest_wanted = max(self._fewest_wanted, self._fewest(obs, busy))
+        if obs.now - self._calm_since < c.idle_s or n <= c.min_replicas or obs.num_starting:
+            return 0
+        keep = max(c.min_replicas, min(self._fewest_wanted, n - 1))
+        self._calm_since, self._fewest_wanted = obs.now, 0  # the next scale-in waits a new period
+        return keep - n
+
+    def _fewest(self, obs: Observation, busy: float) -> int:
+        """The fewest replicas that would carry the serving replicas' load under the policy's
+        scale-in target, each metric summed over the fleet and shared among them (Kubernetes'
+        ceil(n * load / target), strictly under it here as the calm gate is): for `tier` its
+        token load under `scale_in_token_load` and its caches' use under `scale_in_kv_usage`
+        (the larger of the two, as Kubernetes' autoscaler takes the largest over its metrics),
+        for `utilization` its busy fraction under `scale_in_utilization`."""
+        c, n = self.config, obs.num_serving
+        if c.policy is ScalingPolicy.TIER:
+            loads = [
+                (_mean_of_read(obs.token_load, n) * n, c.scale_in_token_load),
+                (_mean_of_read(obs.kv_usage, n) * n, c.scale_in_kv_usage),
+            ]
+        else:
+            loads = [(busy, c.scale_in_utilization)]
+        return next((m for m in range(1, n) if all(load / m < bar for load, bar in loads)), n)
 
     def _wants_more(self, obs: Observation, util: float) -> bool:
         c = self.config

@@ -377,8 +377,10 @@ class FleetSim:
         change = self.autoscaler.decide(obs)
         if change > 0:
             self._launch(self.config.autoscale.startup_delay_s)
-        elif change < 0 and serving:
-            self._drain(min(serving, key=lambda r: (r.exported.num_running + r.exported.num_waiting, r.name)))
+        elif change < 0:  # drain the least loaded, as the gateway last saw them
+            by_load = sorted(serving, key=lambda r: (r.exported.num_running + r.exported.num_waiting, r.name))
+            for replica in by_load[:-change]:
+                self._drain(replica)
         self.events.push(now + self.config.autoscale.interval_s, EventKind.AUTOSCALE)
 
     def _drain(self, replica: Replica) -> None:

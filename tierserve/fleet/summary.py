@@ -230,7 +230,7 @@ def _idle_replica_seconds(
         if change > 0:
             ready_at.append(t + config.startup_delay_s)
         elif change < 0:
-            serving -= 1
+            serving += change
         tick += config.interval_s
     return total
 
