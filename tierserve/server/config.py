@@ -11,7 +11,7 @@ import difflib
 import math
 import unicodedata
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypedDict
 from urllib.parse import parse_qs, urlsplit
@@ -312,28 +312,8 @@ def _ratelimit_backend(path: str, raw: Mapping[str, Any]) -> RateLimitBackendCon
 
 
 def _server(raw: Mapping[str, Any]) -> ServerSettings:
-    known = (
-        "host",
-        "port",
-        "max_body_bytes",
-        "max_buffered_body_bytes",
-        "large_body_share",
-        "large_body_queue",
-        "large_body_queue_per_tenant",
-        "max_chat_messages",
-        "default_max_tokens",
-        "tenant_header",
-        "default_tenant",
-        "allow_anonymous",
-        "share_prefix_cache_across_tenants",
-        "api_docs",
-        "drain_timeout_s",
-        "engine_stall_s",
-        "metrics_max_age_s",
-        "ratelimit",
-        "http",
-    )
-    _reject_unknown("server", raw, known)
+    # The keys are the settings' names, the nested tables (`ratelimit`, `http`) included.
+    _reject_unknown("server", raw, tuple(f.name for f in fields(ServerSettings)))
     base = ServerSettings()
 
     def whole(key: str) -> int:

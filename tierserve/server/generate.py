@@ -55,14 +55,8 @@ async def generate(
     are charged here, with the tokens). `offload`: tokenize and check a large prompt
     through this gate, off the event loop."""
     chat = isinstance(body, ChatCompletionRequest)
-    if state.draining:
-        state.metrics.reject("draining", None)
-        raise draining_error()
-    asked = http.headers
-    if tenant is None:
-        tenant = state.tenants.resolve_headers(asked)
-    check_model(state, body.model)
-    decision = decide_tier(tenant, parse_declared_tier(tier_header(asked), body.priority))
+    tenant = _refuse_early(state, http, body, tenant)
+    decision = decide_tier(tenant, parse_declared_tier(tier_header(http.headers), body.priority))
     tier = decision.effective
     if offload is None:
         prepared = prepare(state, body, tier)
@@ -104,6 +98,23 @@ async def generate(
     finally:
         watcher.cancel()
     return Response(json.dumps(result), headers=headers, media_type="application/json")
+
+
+def _refuse_early(
+    state: ServerState,
+    http: HttpRequest,
+    body: ChatCompletionRequest | CompletionRequest,
+    tenant: TenantConfig | None,
+) -> TenantConfig:
+    """The refusals before any work on the prompt: draining (503), the tenant (401, unless
+    the caller resolved it) and the model (404). Returns the tenant."""
+    if state.draining:
+        state.metrics.reject("draining", None)
+        raise draining_error()
+    if tenant is None:
+        tenant = state.tenants.resolve_headers(http.headers)
+    check_model(state, body.model)
+    return tenant
 
 
 async def _pass_limits(
