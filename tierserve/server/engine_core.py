@@ -274,13 +274,13 @@ class EngineCore:
         return out
 
     def _account(self, seen: list[tuple[RequestOutput, _Live]]) -> None:
+        # `vllm:generation_tokens` is the server's count (GenerationRun): the tokens made past
+        # a stop string before the server's `finish` arrives are no client's.
         now = self.engine.clock.now()
-        generated = 0
         for out, live in seen:
             req = out.request
             n = len(out.new_token_ids)
             if n:
-                generated += n
                 if live.last_token_time is None:
                     ttft = (req.first_token_time or now) - req.arrival_time
                     self._metrics.observe_first_token(req.tier, ttft, req.num_prompt_tokens)
@@ -289,8 +289,6 @@ class EngineCore:
                 live.last_token_time = now
             if out.finished:
                 self._account_end(live, req)
-        if generated:
-            self._metrics.generation_tokens.inc(generated)
 
     def _account_end(self, live: _Live, req: Request) -> None:
         del self._live[req.request_id]

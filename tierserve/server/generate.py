@@ -173,6 +173,7 @@ class GenerationRun:
         self._reservation = reservation
         self._text = TextStream(state.tokenizer, prepared.stop, prepared.prompt_token_ids)
         self._num_received = 0
+        self._num_counted = 0  # of the tokens used, those counted in `vllm:generation_tokens`
         self._cached = 0
         self._closed = False
         self.trace: TraceRecord | None = None
@@ -197,6 +198,7 @@ class GenerationRun:
         self._num_received += len(ids)
         self._cached = max(self._cached, *(d.num_cached_tokens for d in deltas))
         text = self._text.push(ids)
+        self._count_generated()
         if self._text.stopped:
             if end is None:
                 self._state.engine.finish(self._handle.request.request_id)
@@ -208,6 +210,16 @@ class GenerationRun:
         text += self._text.flush()  # a stop string may complete only now
         stopped = self._text.stopped or end.finish_reason is not FinishReason.LENGTH
         return text, ("stop" if stopped else "length"), None
+
+    def _count_generated(self) -> None:
+        """`vllm:generation_tokens` counts what the usage counts, as it comes: up to the stop
+        string's last token, not the tokens the engine made before the server's `finish`
+        reached it (1-3 at a 2 ms step), which no client is sent or charged for. vLLM's
+        frontend drops those too, before its statistics."""
+        used = self._text.num_tokens_used
+        if used > self._num_counted:
+            self._state.metrics.generation_tokens.inc(used - self._num_counted)
+            self._num_counted = used
 
     def _close(self) -> None:
         if self._closed:
