@@ -4,7 +4,10 @@ uvicorn's own handling would close the listening socket at once (new clients get
 "connection refused", not a 503) and re-raise the signal after shutdown (exit status
 143). `DrainingServer` instead marks the server draining (new requests: 503, /ready:
 503), waits up to the drain timeout for in-flight requests, aborts whatever is left,
-and then lets uvicorn shut down normally, so the process exits with status 0.
+and then lets uvicorn shut down normally, so the process exits with status 0. A client
+that reads none of its reply does not hold the drain: once the engine has ended the requests
+left, a connection whose queued bytes have not moved for `UNREAD_GRACE_S` is closed
+(`UnreadReplies`), one log line for those closed together.
 A second signal cuts the drain short: what is left is aborted at once (each client gets
 the same 503 or stream error event as at the drain timeout) and the server exits; a third,
 or any once the drain is over, forces an immediate exit (`GracefulServer`, which the
@@ -24,7 +27,9 @@ import logging
 import math
 import socket
 import time
+from collections.abc import Collection
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -32,6 +37,11 @@ from tierserve.server.state import ServerState
 
 log = logging.getLogger("tierserve.server")
 ENGINE_LOST_LINGER_S = 1.0
+# A reply whose client has read none of it for this long, once the engine has ended every
+# request the drain waits for, is closed (the rest of it would only wait for that client).
+UNREAD_GRACE_S = 1.0
+MAX_PEERS_LOGGED = 5  # client addresses named in the line that reports such closings
+POLL_S = 0.02  # how often the drain looks at what is left
 SAME_SIGNAL_S = 0.5  # a signal again within this is the same one, delivered twice
 
 
@@ -131,15 +141,81 @@ class DrainingServer(GracefulServer):
             engine.num_in_flight,
             self._drain_timeout_s,
         )
-        idle = asyncio.ensure_future(engine.wait_idle(self._drain_timeout_s))
-        hurried = asyncio.ensure_future(hurry.wait())
-        await asyncio.wait((idle, hurried), return_when=asyncio.FIRST_COMPLETED)
-        if not (idle.done() and idle.result()):
+        unread = UnreadReplies(self.server_state.connections)
+        if not await self._settle(unread, self._drain_timeout_s, hurry):
             why = "second signal" if hurry.is_set() else "drain timeout"
             log.warning("%s: aborting %d requests", why, engine.num_in_flight)
-            idle.cancel()
             await engine.stop()
-            await engine.wait_idle(2.0)
-        hurried.cancel()
+            await self._settle(unread, 2.0, None)
+        # A cut stream's last chunks, or a whole reply, may still wait for a client reading
+        # none of it, its request over: uvicorn would wait for it and then cancel its handler.
+        while unread.close_stuck(time.monotonic()):
+            await asyncio.sleep(POLL_S)
         log.info("drained; shutting down")
         self.should_exit = True
+
+    async def _settle(self, unread: UnreadReplies, timeout_s: float, hurry: asyncio.Event | None) -> bool:
+        """Wait until every request's handler is done (True), or `timeout_s` passes or `hurry`
+        is set (False). Once the engine has ended every request left, a reply whose client
+        reads none of it is closed after `UNREAD_GRACE_S`: its handler, waiting in uvicorn's
+        flow control, held the drain to its timeout."""
+        engine = self._state.engine
+        deadline = time.monotonic() + timeout_s
+        while engine.num_in_flight:
+            now = time.monotonic()
+            if now >= deadline or (hurry is not None and hurry.is_set()):
+                return False
+            if not engine.num_generating:
+                unread.close_stuck(now)
+            await asyncio.sleep(POLL_S)
+        return True
+
+
+class UnreadReplies:
+    """Connections with reply bytes queued that their clients do not read: the transport's
+    write buffer holds some and has not shrunk since it was last looked at. (Writing stops on a
+    full buffer, the handler waiting in uvicorn's flow control; a reply already written whole
+    keeps the connection open, uvicorn's shutdown waiting for it to be flushed.)"""
+
+    def __init__(self, connections: Collection[Any]) -> None:
+        self._connections = connections
+        self._stuck_since: dict[Any, tuple[float, int]] = {}  # connection: (since, bytes queued)
+
+    def close_stuck(self, now: float) -> bool:
+        """Close those whose queued bytes have not shrunk for `UNREAD_GRACE_S`, with one log
+        line for them all: a handler still writing sees its client gone and ends, as at
+        `send_timeout_s`. True while some have bytes queued, not yet for that long."""
+        looked: dict[Any, tuple[float, int]] = {}
+        for connection in list(self._connections):
+            queued = _queued_bytes(connection)
+            if queued:
+                since, before = self._stuck_since.get(connection, (now, queued))
+                looked[connection] = (since if queued >= before else now, queued)
+        stuck = [c for c, (since, _) in looked.items() if now - since >= UNREAD_GRACE_S]
+        for connection in stuck:
+            del looked[connection]
+            connection.transport.abort()
+        self._stuck_since = looked
+        if stuck:
+            peers = ", ".join(_peer(c) for c in stuck[:MAX_PEERS_LOGGED])
+            more = f" and {len(stuck) - MAX_PEERS_LOGGED} more" if len(stuck) > MAX_PEERS_LOGGED else ""
+            log.warning(
+                "draining: closed %d connection(s) whose client read none of its reply for %g s (%s%s)",
+                len(stuck),
+                UNREAD_GRACE_S,
+                peers,
+                more,
+            )
+        return bool(looked)
+
+
+def _queued_bytes(connection: Any) -> int:
+    """Bytes of a connection's replies waiting in its transport, not yet in the socket's."""
+    transport = getattr(connection, "transport", None)
+    size: int = transport.get_write_buffer_size() if transport is not None else 0
+    return size
+
+
+def _peer(connection: Any) -> str:
+    client = getattr(connection, "client", None)
+    return f"{client[0]}:{client[1]}" if client else "?"

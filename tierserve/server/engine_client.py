@@ -184,6 +184,12 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._handles)
 
+    @property
+    def num_generating(self) -> int:
+        """Requests in flight whose last delta has not come: the others' handlers have only
+        their clients' replies to write (the drain waits for those, a while)."""
+        return sum(not handle.finished for handle in self._handles.values())
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every request has ended (or `timeout_s`); True if they all did."""
         loop = asyncio.get_running_loop()
