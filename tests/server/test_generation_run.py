@@ -16,7 +16,7 @@ from tierserve.server.streams import Delta, RequestHandle
 def _run(stop: tuple[str, ...]) -> tuple[GenerationRun, list[str]]:
     finished: list[str] = []
     engine = SimpleNamespace(finish=finished.append)
-    metrics = SimpleNamespace(generation_tokens=SimpleNamespace(inc=lambda n: None))
+    metrics = SimpleNamespace(count_generated=lambda n: None)
     state: Any = SimpleNamespace(tokenizer=ByteTokenizer(), engine=engine, metrics=metrics)
     prompt = ByteTokenizer().encode("a prompt")
     prepared = Prepared(prompt, SamplingParams(max_tokens=8), stop, stream=False, include_usage=False)

@@ -218,7 +218,7 @@ class GenerationRun:
         frontend drops those too, before its statistics."""
         used = self._text.num_tokens_used
         if used > self._num_counted:
-            self._state.metrics.generation_tokens.inc(used - self._num_counted)
+            self._state.metrics.count_generated(used - self._num_counted)
             self._num_counted = used
 
     def _close(self) -> None:

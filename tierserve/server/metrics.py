@@ -134,6 +134,14 @@ class ServerMetrics:
         self._engine_families: Sequence[Metric] = ()  # the engine process's, as it answered last
         self._state = StateCollector(model_name, self.sla_counts)
         r.register(self._state)
+        # Generated tokens counted by the handlers (`count_generated`) since the last exposition:
+        # a plain sum on the event loop, folded into `vllm:generation_tokens` when rendered (a
+        # Counter.inc costs 0.86 us, once per delta of every stream).
+        self._generated_unrendered = 0
+
+    def count_generated(self, num_tokens: int) -> None:
+        """Tokens a response used (on the server's event loop, like `render`)."""
+        self._generated_unrendered += num_tokens
 
     def _declare_model_series(self) -> None:
         """The series vLLM exports under the same names, labelled with the model."""
@@ -219,6 +227,9 @@ class ServerMetrics:
 
         An empty `engine_families` (the engine did not answer in time) once some have come:
         the last ones stand in, stale but never lower, so its counters never read as reset."""
+        if self._generated_unrendered:
+            self.generation_tokens.inc(self._generated_unrendered)
+            self._generated_unrendered = 0
         if engine_families:
             self._engine_families = engine_families
         if not self._engine_families:
