@@ -30,6 +30,12 @@ from tierserve.scheduling.errors import PolicyOrderError
 from tierserve.scheduling.step import PreemptMode, StepBudget
 from tierserve.tiers import ALL_TIERS
 
+# Waiting requests a pass reads ahead of its swap-ins (`_admitted_ahead`). More than a pass
+# admits while it has swapped requests to bring back, and a small share of what a policy's
+# undo records hold (SERVES_KEPT, 256): read at every seat, up to 512, the pops past those
+# records were put back inexactly, and with 20,000 waiting a pass took 75-550 ms, not 3.
+LOOK_AHEAD_MAX = 64
+
 
 @dataclass
 class SchedulerOutput:
@@ -88,6 +94,13 @@ class Scheduler:
         self.executor = executor
         self.preemptor = Preemptor(config, policy, memory, executor, lifecycle)
         self._forced: list[Request] = []  # victims named from outside, taken at the next pass
+        # Whether a waiting request may ever take a running one's seat or blocks: where not
+        # (fcfs, wfq, drr), a swapped request never stays out for one (`_yields_to`), and
+        # the pass need not read ahead in the queue.
+        self._looks_ahead = any(
+            getattr(type(policy), name) is not getattr(Policy, name)
+            for name in ("preempts_for_seat", "preempts_for_admission")
+        )
 
     def request_preemption(self, req: Request) -> None:
         """Preempt a running request at the next step boundary."""
@@ -258,6 +271,7 @@ class Scheduler:
         just_preempted = {r for r, _ in step.preempted}
         head: Request | None = None
         ahead: list[Ahead] | None = None  # whom admission takes, as memory and seats stand
+        cut = False  # the look stopped at a request a swapped one returns before
         held = False  # one stayed out for them: the rest may not take their room
         for req in list(life.swapped):
             if len(life.running) >= step.seats or req in just_preempted:
@@ -273,9 +287,10 @@ class Scheduler:
             if status is not Alloc.OK:
                 break
             head = head or policy.peek(now)  # the queue does not change in this loop
-            if head is not None and not policy.returns_first(req, head):
+            crowded: int | None = None
+            if head is not None and self._looks_ahead and not policy.returns_first(req, head):
                 if ahead is None:
-                    ahead = self._admitted_ahead(step, prefilling, now)
+                    ahead, cut = self._admitted_ahead(step, prefilling, now)
                 crowded = self._first_crowded(req, ahead, step)
                 if held:
                     if crowded is not None or self._takes_prompt_room(req, head, step, prefilling):
@@ -283,10 +298,11 @@ class Scheduler:
                 elif crowded is not None and self._yields_to(req, ahead, crowded, step):
                     held = True
                     continue
+            elif ahead:  # it comes back before the head: whose room it takes all the same
+                crowded = self._first_crowded(req, ahead, step)
             mapping = memory.swap_in(req)
             if isinstance(mapping, Alloc):
                 break
-            ahead = None  # it took a seat and blocks
             life.swapped_in(req, len(mapping), now)
             step.swap_in.extend(mapping)
             step.fresh.add(req)
@@ -294,37 +310,65 @@ class Scheduler:
                 prefilling.append(req)
             elif step.tokens_left >= 1 and memory.grow(req, req.num_tokens) is Alloc.OK:
                 step.add_decode(req)
+            if ahead is not None:  # it took a seat, blocks and perhaps tokens: fewer fit
+                ahead = None if cut else self._still_admitted(ahead[:crowded], step, prefilling)
 
-    def _admitted_ahead(self, step: StepBudget, prefilling: list[Request], now: float) -> list[Ahead]:
+    def _admitted_ahead(
+        self, step: StepBudget, prefilling: list[Request], now: float
+    ) -> tuple[list[Ahead], bool]:
         """The waiting requests `_admit` would take in this pass, in its order, were no
         swapped request to come back, each with the blocks per tier that those before it
         take: each finds a seat, a step token after the running prompts' chunks and those
         before it (at most each prompt's rest, within the policy's chunk cap and the step's
         cap on its tier) and room for its blocks, up to the first that does not, or that a
-        swapped request comes back before. Read off the queue by popping and putting back
-        (`Policy.looking_ahead`), so the order is the policy's own however it is kept."""
+        swapped request comes back before (then the second value is True), and at most
+        LOOK_AHEAD_MAX. A request over its tier's ceiling sets its tier aside where the
+        policy `holds_tiers`, as `_admit` does, and the look goes on behind it. Read off the
+        queue by popping and putting back (`Policy.looking_ahead`), so the order is the
+        policy's own however it is kept."""
         policy, memory, life = self.policy, self.memory, self.lifecycle
         if step.preempted and not policy.admits_after_preemption:
-            return []
+            return [], False
         ahead: list[Ahead] = []
         taken = [0] * len(ALL_TIERS)
-        prompts = list(prefilling)
-        seats = step.seats - len(life.running)
+        room = _PromptRoom(step, policy.prefill_chunk_cap, prefilling)
+        most = min(step.seats - len(life.running), LOOK_AHEAD_MAX)
+        cut = held = False
         with policy.looking_ahead(now) as waiting:
             for req in waiting:
-                if len(ahead) >= seats or not step.has_prefill_room(req.tier):
+                if len(ahead) >= most or not step.has_prefill_room(req.tier):
                     break
                 if any(policy.returns_first(s, req) for s in life.swapped):
+                    cut = True
                     break
-                if not policy.may_admit(req, memory):
+                if not policy.may_admit(req, memory) or not room.fits(req):
                     break
-                if not _prompt_room_after(req, step, prompts, policy.prefill_chunk_cap):
-                    break
-                if memory.admit_status_after(req, taken) is not Alloc.OK:
+                status = memory.admit_status_after(req, taken)
+                if status is Alloc.OVER_CEILING and policy.holds_tiers:
+                    policy.hold_tier(req.tier)
+                    held = True
+                    continue
+                if status is not Alloc.OK:
                     break
                 ahead.append(Ahead(req, tuple(taken)))
                 taken[req.tier] += memory.blocks_to_admit(req, {}, taken)
-                prompts.append(req)
+                room.add(req)
+        if held:
+            policy.release_held()  # `_admit` holds its own; nothing was held before it
+        return ahead, cut
+
+    def _still_admitted(self, ahead: list[Ahead], step: StepBudget, prefilling: list[Request]) -> list[Ahead]:
+        """`ahead` once a swapped request has come back, cut where it crowded the first
+        (`_first_crowded`, which asked each one's blocks with it back): its requests up to
+        the first that no longer finds a seat or a step token. A swap-in only takes room, so
+        the look's other answers stand (where it stopped at a request the swapped one
+        returned before, the caller looks again)."""
+        seats = step.seats - len(self.lifecycle.running)
+        room = _PromptRoom(step, self.policy.prefill_chunk_cap, prefilling)
+        for j, (req, _) in enumerate(ahead):
+            if j >= seats or not step.has_prefill_room(req.tier) or not room.fits(req):
+                return ahead[:j]
+            room.add(req)
         return ahead
 
     def _first_crowded(self, req: Request, ahead: list[Ahead], step: StepBudget) -> int | None:
@@ -355,7 +399,10 @@ class Scheduler:
         a running request keeps its place."""
         policy, memory = self.policy, self.memory
         waiting, taken = ahead[j]
-        with memory.as_if_back(req):  # the victim rules read its tier's use with it running
+        # The victim rules read the tiers' use with `req` running and the blocks of the
+        # requests admitted before `waiting` taken: a P0 ahead of it could make `req`'s tier
+        # a borrower, which only then may lose its place to `waiting`.
+        with memory.as_if_back(req), memory.as_if_taken(taken):
             if len(self.lifecycle.running) + 1 + j >= step.seats:
                 ok = policy.seat_victim_ok
                 if not policy.preempts_for_seat(waiting):
@@ -513,14 +560,36 @@ def _prompt_room_after(
     """Whether a prompt of `head`'s tier could still get a token in `step` once `num_decodes`
     decodes and the chunks of `prompts` had taken theirs (at most each prompt's whole rest,
     its `chunk_cap` (the policy's) and the cap on its tier's prompts)."""
-    tokens, capped = step.tokens_left - num_decodes, step.capped_tokens_left
-    for req in prompts:
-        n = min(req.num_tokens - req.num_computed_tokens, tokens)
-        cap = chunk_cap(req)
+    return _PromptRoom(step, chunk_cap, prompts, num_decodes).fits(head)
+
+
+class _PromptRoom:
+    """A step's tokens (and its capped tiers' share) left once the chunks of the prompts
+    added so far have taken theirs, in order, as `_prompt_room_after` counts them: one
+    prompt at a time, so that a pass reading many waiting requests counts each once."""
+
+    def __init__(
+        self,
+        step: StepBudget,
+        chunk_cap: Callable[[Request], int | None],
+        prompts: list[Request],
+        num_decodes: int = 0,
+    ) -> None:
+        self._step, self._chunk_cap = step, chunk_cap
+        self._tokens, self._capped = step.tokens_left - num_decodes, step.capped_tokens_left
+        for req in prompts:
+            self.add(req)
+
+    def fits(self, req: Request) -> bool:
+        """Whether a prompt of `req`'s tier would still get a token."""
+        return self._tokens >= 1 and (req.tier not in self._step.capped_tiers or self._capped >= 1)
+
+    def add(self, req: Request) -> None:
+        n = min(req.num_tokens - req.num_computed_tokens, self._tokens)
+        cap = self._chunk_cap(req)
         if cap is not None:
             n = min(n, cap)
-        if req.tier in step.capped_tiers:
-            n = min(n, capped)
-            capped -= n
-        tokens -= n
-    return tokens >= 1 and (head.tier not in step.capped_tiers or capped >= 1)
+        if req.tier in self._step.capped_tiers:
+            n = min(n, self._capped)
+            self._capped -= n
+        self._tokens -= n

@@ -176,6 +176,20 @@ class KVCacheManager:
         finally:
             used[req.tier] -= n
 
+    @contextmanager
+    def as_if_taken(self, taken: Sequence[int]) -> Iterator[None]:
+        """Inside, each tier t's use counts `taken[t]` blocks more, as if the requests a pass
+        admits before the one asked about held them: what the victim rules read for it
+        (with `as_if_back`, the same caveat: nothing may be allocated inside)."""
+        used = self.pool.used_by_tier
+        for tier, n in enumerate(taken):
+            used[tier] += n
+        try:
+            yield
+        finally:
+            for tier, n in enumerate(taken):
+                used[tier] -= n
+
     # ---- device blocks -------------------------------------------------------------------
 
     def admit(self, req: Request) -> Alloc:

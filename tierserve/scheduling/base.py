@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from tierserve.config import EngineConfig, PolicyOptions
 from tierserve.request import Request
+from tierserve.scheduling.errors import EmptyQueueError
 from tierserve.tiers import ALL_TIERS, Tier
 
 if TYPE_CHECKING:
@@ -93,14 +94,19 @@ class Policy(ABC):
         """Inside, the waiting requests in the order `pop` gives them now, popped one by one
         as they are read; on leaving, those read are put back (`put_back`, last first), and
         the queue, its tiers and its tenants are as they were (a pass asking which requests
-        its admission would take, beyond the head)."""
+        its admission would take, beyond the head). Exact for up to SERVES_KEPT pops (the
+        fair queues' undo records), with those of the pass already kept: read fewer."""
         kept = self.keeps_undo
-        self.keep_undo(True)
+        if not kept:  # turned on, the fair queues' undo records start afresh
+            self.keep_undo(True)
         popped: list[Request] = []
 
         def read() -> Iterator[Request]:
             while len(self):
-                popped.append(self.pop(now))
+                try:
+                    popped.append(self.pop(now))
+                except EmptyQueueError:  # the rest are of tiers set aside (`hold_tier`)
+                    return
                 yield popped[-1]
 
         try:
