@@ -39,17 +39,20 @@ def test_jobs_run_off_the_event_loop_thread_one_at_a_time() -> None:
 def test_after_a_job_the_gate_rests_so_jobs_take_at_most_their_share() -> None:
     gate = BodyGate(share=0.25)
 
-    def job() -> tuple[float, float]:
-        start = time.monotonic()
-        time.sleep(0.02)
-        return start, time.monotonic()
+    def job() -> tuple[float, float, float]:
+        start, cpu = time.monotonic(), time.thread_time()
+        while time.thread_time() - cpu < 0.02:  # 20 ms of CPU (a thread's time is charged)
+            pass
+        return start, time.monotonic(), time.thread_time() - cpu
 
-    async def main() -> list[tuple[float, float]]:
-        return list(await asyncio.gather(gate.run(job), gate.run(job)))
+    async def main() -> tuple[float, list[tuple[float, float, float]]]:
+        asked = time.monotonic()
+        return asked, list(await asyncio.gather(gate.run(job), gate.run(job)))
 
-    (start1, end1), (start2, _) = asyncio.run(main())
-    # At a 25 % share, a job is followed by a rest of at least three times its duration.
-    assert start2 >= end1 + 3 * (end1 - start1)
+    asked, ((_, _, cpu1), (start2, _, _)) = asyncio.run(main())
+    # At a 25 % share, the second job starts no sooner than four times the first's CPU time
+    # after both were asked for (three times after the first ended, on an idle host).
+    assert start2 - asked >= 4 * cpu1
 
 
 def test_past_max_waiting_the_gate_refuses_with_503() -> None:
@@ -293,3 +296,41 @@ def test_the_jobs_take_at_most_the_share_over_a_run_whatever_the_tenants(
         assert done <= share * end + body_gate.BURST_S + 0.020
     assert clock.count("once299") == 1 and clock.t >= until
     assert done >= 0.9 * share * clock.t  # and the gate is not left idle
+
+
+def test_a_job_is_charged_the_cpu_time_it_reports_not_its_wait_for_a_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy host a parse in the niced parser process took 3x its CPU time (valid 200 KB
+    bodies: 10 ms median beside a flood, 3 ms alone), and its tenant paid for the wait: a
+    job that reports its CPU time is charged that, its wall time being the cap."""
+    clock = FakeClock(monkeypatch)
+    gate = BodyGate(share=0.1, max_waiting=16, now=clock.now)
+
+    async def busy_host_parse() -> None:
+        clock.t += 0.030  # 30 ms on the clock, 3 ms of them on a CPU
+        body_gate.report_cpu(0.003)
+        await clock.turn()
+        clock.jobs.append(("b", 0.0, clock.t))
+
+    async def main() -> None:
+        while clock.t < 10.0:
+            await gate.admit(busy_host_parse, "b")
+
+    _run(main())
+    # Charged 3 ms, each is followed by 27 ms of rest at 10 %: ~300 in 10 s, not ~33.
+    assert clock.count("b") >= 250
+
+
+def test_a_thread_job_reports_its_own_cpu_time() -> None:
+    gate = BodyGate(share=1.0)
+    charged: list[float] = []
+    monkey = gate._charge
+
+    def spy(tenant: str, spent: float) -> None:
+        charged.append(spent)
+        monkey(tenant, spent)
+
+    gate._charge = spy  # type: ignore[method-assign]
+    asyncio.run(gate.run(time.sleep, 0.05))  # 50 ms asleep, next to no CPU
+    assert charged and charged[0] < 0.02

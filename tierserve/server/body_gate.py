@@ -42,6 +42,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import ParamSpec, TypeVar
 
 from tierserve.server.errors import ApiError
@@ -55,6 +56,17 @@ MIN_COST_S = 0.001  # what a job costs its tenant at the least, so that quick jo
 # enough for another's; the most the jobs may run past `share` after an idle spell.
 BURST_S = 0.1
 EPSILON_S = 1e-9  # a budget refilled to zero by a sleep of exactly the time it needed
+# The CPU time the job holding the gate says it took (`report_cpu`), for its task and the
+# threads it starts (they copy the task's context).
+_CPU: ContextVar[list[float] | None] = ContextVar("body_gate_cpu", default=None)
+
+
+def report_cpu(seconds: float) -> None:
+    """Say that the gate's job took `seconds` of CPU (its thread's, or the parser process's):
+    the gate charges that rather than the job's wall time, when it is less."""
+    meter = _CPU.get()
+    if meter is not None:
+        meter.append(seconds)
 
 
 class BodyGate:
@@ -94,7 +106,15 @@ class BodyGate:
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on a worker thread, within the gate's share of time."""
-        return await self.admit(lambda: asyncio.to_thread(fn, *args, **kwargs))
+
+        def timed() -> T:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                report_cpu(time.thread_time() - start)
+
+        return await self.admit(lambda: asyncio.to_thread(timed))
 
     async def admit(self, job: Callable[[], Awaitable[T]], tenant: str = "") -> T:
         """Await `job()` (work done elsewhere: a thread, a process) within the gate's share,
@@ -108,11 +128,15 @@ class BodyGate:
             await self._turn(tenant)
             spent = 0.0
             try:
+                meter: list[float] = []
+                reported = _CPU.set(meter)
                 started = self._now()
                 try:
                     return await job()
                 finally:
                     spent = self._now() - started
+                    _CPU.reset(reported)
+                    spent = min(spent, sum(meter)) if meter else spent
                     self.num_jobs += 1
             finally:
                 self._charge(tenant, spent)

@@ -41,6 +41,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 from pydantic import ValidationError
 
+from tierserve.server.body_gate import report_cpu
 from tierserve.server.errors import pick_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -69,6 +70,13 @@ def parse(kind: Kind, raw: bytes) -> Parsed:
     except ValidationError as e:
         return None, [first_error(e)]
     return compact(body), None
+
+
+def parse_timed(kind: Kind, raw: bytes) -> tuple[Parsed, float]:
+    """`parse`, and the CPU time it took on its thread (the body gate charges that)."""
+    start = time.thread_time()
+    parsed = parse(kind, raw)
+    return parsed, time.thread_time() - start
 
 
 def first_error(e: ValidationError) -> dict[str, Any]:
@@ -177,7 +185,8 @@ class BodyParser:
 
     async def parse(self, kind: Kind, raw: bytes) -> Body:
         """The validated body; raises `BodyInvalid` with the first error if it is not valid."""
-        body, errors = await self.run(parse, kind, raw)
+        (body, errors), cpu_s = await self.run(parse_timed, kind, raw)
+        report_cpu(cpu_s)  # the time the gate charges: waiting for a CPU is not parsing
         if body is None:
             raise BodyInvalid(errors or [])
         return body
