@@ -1,39 +1,47 @@
-"""Large request bodies are validated and tokenized on a worker thread (or the body parser's
-process), one at a time, and for at most `share` of the time over a run, so that they
-cannot take the CPU from token streams; that time is shared fairly among tenants.
+"""Large request bodies are validated and tokenized off the event loop (the body parser's
+process, a worker thread), one at a time, and for at most `share` of the CPU over a run
+(10 % by default), so they cannot take it from token streams; that share is split fairly
+among the tenants with large bodies.
 
 Parsing a body holds the interpreter lock for as long as pydantic or the tokenizer runs
 (~20 ms for 1 MiB of token ids on the reference host), on whichever thread. A worker
-thread keeps that off the event loop's own turn; the gate also bounds how much of it
-happens. `admit` applies the bounds to a job done elsewhere (body_parser.py).
+keeps that off the event loop's own turn; the gate also bounds how much of it happens.
+`admit` applies the bounds to a job done elsewhere (body_parser.py).
 
-Two budgets of job time (its wall time, IPC included), both refilled with time:
-- the gate's: `share` seconds per second, at most `BURST_S` banked. No job starts while
-  it is below zero, so the jobs' total time stays within `share * elapsed + BURST_S`
-  plus the one job that overdrew it (10 % of the CPU by default);
+What a job costs is the CPU time it reports (`report_cpu`: the parser process's thread,
+a `run` thread), else its wall time; at most its wall time. Two budgets of that time,
+refilled as time passes:
+- the gate's: `share` seconds a second, at most `BURST_S` banked. No job starts while it
+  is below zero, so the jobs' total stays within `share * elapsed + BURST_S`, plus the
+  one job that overdrew it;
 - each active tenant's (one with a body in the gate, or in debt): the same `share`, split
-  evenly among them, at most `BURST_S` banked. A job starts only when its tenant's is not
-  below zero; the job's time is then taken from both.
-So a tenant pays for its own jobs with its own rest: one that floods the gate with slow
-bodies waits for its share to pay for each, while another tenant, whose bodies are cheap,
-is served at its own share meanwhile, close to half of what it would get alone. Among
-tenants that may start, the turn goes to the one that has used the least of the gate's
-time (start-time fair queuing over `t / share`; each tenant's bodies in arrival order).
+  evenly among them, at most `BURST_S` banked. A tenant's job starts only when its budget
+  is not below zero, and the job's cost is taken from both.
+So a tenant pays for its jobs with a rest of its own: one that floods the gate with slow
+bodies waits for its part of the share to pay for each, while another, whose bodies are
+cheap, is served at its own part meanwhile, about half of its rate alone when there are
+two. Among the tenants that may start, the turn goes to the one that has used the least
+of the gate (start-time fair queuing over `cost / share`; each tenant's bodies in arrival
+order).
 
-Before, the rest after a job (`t * (1 - share) / share`) was the gate's, not the tenant's:
-no one's job ran in it. A tenant sending 12 connections of invalid 800 KB bodies (18 ms
-each here, against 2 ms for another tenant's valid 200 KB prompt) took the gate whenever
-the other had no body waiting (between its parse and its prompt's preparation, or its
-next request), and everyone then waited out its 0.16 s rest: the other tenant's prompts,
-one at a time, fell from 68 served in 8 s alone to 6 (issue 14's trial: 8-22 of 143 in
-20 s). Now they keep about half (tests/server/test_body_gate.py, /tmp figures in the
-commit). One FIFO for all, before the fair queue, had left 2 of 127.
+Until 2026-12-08 the rest after a job (`t * (1 - share) / share`) was the gate's: no one's
+job ran in it. A tenant sending invalid 800 KB bodies (10 ms of CPU each, 18 ms on the
+clock on this busy 2-core host) took the gate whenever another, sending valid 200 KB
+prompts (2 ms) one after another, had no body waiting (between its parse and its prompt's
+preparation, or before its next request), and everyone waited out the rest, 0.16 s.
+Served in 20 s, alone and beside 4 connections of the flood (medians of 3, this host,
+runs alternated): 373 and 65 before; 295 and 132 with the tenants' own rests; 508 and
+292 charged CPU time too. Beside 12 connections, whose extra bodies the server reads
+before refusing them (429 `busy_tenant`), taking CPU of its own: 225 and 23 before, 397
+and 186 now. Charging wall time had also charged a parse its wait for a CPU, 3x its CPU
+time for the cheap prompts beside the flood (10 ms median, 3 ms alone). One FIFO for
+all, before the fair queue, had served 2 in 20 s of 127 (an attack trial).
 
 At most `max_waiting` jobs are in the gate (more get a 503 `busy`), and at most
 `max_waiting_per_tenant` of one tenant's (more get a 429 `busy_tenant`), so one tenant
-cannot fill it either. The tenants tracked are those with a body in the gate or in debt:
-a debt is at most what the gate's budget let run, so with jobs of at least `MIN_COST_S`
-they number at most ~(`BURST_S` + a job) / `MIN_COST_S` beside the waiting ones.
+cannot fill it either. The tenants tracked are those with a body in the gate or in debt;
+a job costs at least `MIN_COST_S` of both budgets, so the debts outstanding, at most the
+gate's burst and a job, are held by at most ~(`BURST_S` + a job) / `MIN_COST_S` tenants.
 """
 
 from __future__ import annotations
@@ -191,7 +199,7 @@ class BodyGate:
     def _charge(self, tenant: str, spent: float) -> None:
         """A job's time, from the gate's budget and its tenant's; its fair-queue cost."""
         self._settle()
-        self._level -= spent
+        self._level -= max(spent, MIN_COST_S)
         self._balance[tenant] = self._balance.get(tenant, 0.0) - max(spent, MIN_COST_S)
         self._finish[tenant] = self._virtual + max(spent, MIN_COST_S) / self._share
 
