@@ -82,3 +82,19 @@ def test_the_result_says_what_each_kill_did() -> None:
         (1e9, 0, "after the end"),
     ]
     assert summarize(result, CONFIG, 60.0)["faults"][1] == [2.0, 1, "killed"]
+
+
+def test_the_progress_callback_counts_each_request_once_as_it_ends() -> None:
+    """The bench's bar counts requests ended, whatever their outcome (lost to the dead
+    replica, answered, cut at the drain timeout): counted on arrivals, it read 100 % while
+    the drain was still to run."""
+    workload = specs(300, seed=7, gap_s=0.04, prompt=(200, 3000), output=(100, 400))
+    sim = FleetSim(
+        FleetConfig(3, router="least-loaded", kills=((KILL_S, 1),), drain_timeout_s=15.0), build_engine
+    )
+    ended_when_called: list[int] = []
+    sim.on_end = lambda: ended_when_called.append(sum(fr.outcome is not None for fr in sim.requests))
+    sim.run(workload)
+    assert ended_when_called == list(range(1, 301))
+    outcomes = {fr.outcome for fr in sim.requests}
+    assert {LOST, COMPLETED, UNFINISHED} <= outcomes

@@ -122,8 +122,10 @@ class FleetBench:
         )
         sim = FleetSim(self.config(router, scaling), self.build_engine, alone)
         started = time.process_time()
+        # Requests ended (answered, refused or lost), not arrived: the drain after the last
+        # arrival is part of the run.
         with progress_bar(total=self.num_requests, desc=f"{router}/{scaling}", unit="req") as bar:
-            sim.on_arrival = lambda now: bar.update(1)
+            sim.on_end = lambda: bar.update(1)
             result = sim.run(self.specs())
         cpu_s = time.process_time() - started
         summary = summarize(result, self.engine_config, self.args.bin_s)
