@@ -264,15 +264,21 @@ def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: flo
     for i, r in enumerate(runs):
         rot = r["summary"]["replicas_over_time"]
         style = _style(i)
-        ax1.step(
-            [x[0] / per for x in rot],
+        times = [x[0] / per for x in rot]
+        (line,) = ax1.step(
+            times,
             [x[1] + x[2] for x in rot],
             where="post",
             label=f"{r['router']} / {r['scaling']}",
             linestyle=style["linestyle"],
             linewidth=style["linewidth"],
         )
-    ax1.set_title("replicas (serving or draining, + starting)")
+        if any(x[2] for x in rot):
+            # Those serving, thin, in the run's colour: the gap above is replicas starting,
+            # which hold their GPUs but serve nothing (one line for both hid the start-up).
+            serving = [x[1] for x in rot]
+            ax1.step(times, serving, where="post", color=line.get_color(), linewidth=0.8, alpha=0.6)
+    ax1.set_title("replicas holding GPUs (thin: of them serving; the gap, starting)", fontsize=9)
     ax1.set_xlabel(f"time ({unit})")
     # Whole replicas from zero: a fleet of a constant 2 was drawn on an axis of 1.900 to 2.100.
     ax1.yaxis.set_major_locator(MaxNLocator(integer=True))
