@@ -274,3 +274,25 @@ def test_the_replayed_line_says_what_each_run_sends_beside_the_trace_at_1x(
     ]
     args = argparse.Namespace(rate_scale=4.0, scale_by=scale_by)
     assert _replayed_line(args, 200 if scale_by == "copies" else 50, rows) == expected
+
+
+def test_bench_fleet_runs_the_replicas_named_by_model_gpu_and_tp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each replica was the default workload's 70B on 8 x A100, whatever the question."""
+    trace = _azure_trace(tmp_path / "trace.csv", 20, seed=2)
+    out = tmp_path / "out"
+    argv = ["bench", "fleet", "--replicas", "2", "--trace", str(trace), "--out", str(out)]
+    assert main([*argv, "--model", "llama-3.1-8b", "--gpu", "h100"]) == 0
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert (meta["model"], meta["gpu"], meta["tp"]) == ("llama-3.1-8b", "h100-80gb", 1)
+    assert "2 replicas of llama-3.1-8b on 1 x h100-80gb" in (out / "report.md").read_text()
+    capsys.readouterr()
+    # A deployment that cannot hold its K/V cache, or an unknown GPU: one line, status 2.
+    for bad, said in (
+        (["--model", "llama-3.1-70b", "--tp", "1"], "leaves no memory for the K/V cache"),
+        (["--gpu", "v100"], "unknown GPU 'v100'"),
+    ):
+        assert main([*argv, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err

@@ -234,7 +234,19 @@ def _add_scaling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    """Each engine's policy, the tier draw, the simulation mode and the output."""
+    """Each replica's deployment and engine policy, the tier draw, the simulation mode and the
+    output."""
+    p.add_argument(
+        "--model",
+        help="each replica's model: llama-3.1-70b, llama-3.1-8b, demo, or a local Hugging Face "
+        "model folder (its config.json; default: llama-3.1-70b, the default workload's)",
+    )
+    p.add_argument("--gpu", help="each replica's GPUs: a100-80gb, h100-80gb or h200 (default: a100-80gb)")
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        help="GPUs per replica, tensor-parallel (default: 8 with the default model, else 1)",
+    )
     p.add_argument(
         "--policy", default="hybrid", help="each engine's scheduling policy (default: %(default)s)"
     )

@@ -6,6 +6,7 @@ import argparse
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,11 @@ from tierserve.bench.idle import IdleTtft
 from tierserve.clock import VirtualClock
 from tierserve.engine import Engine
 from tierserve.executors.sim.executor import build_sim_executor
+from tierserve.executors.sim.gpus import get_gpu
 from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
 from tierserve.fleet.sim import FleetConfig, FleetSim
 from tierserve.fleet.summary import summarize
-from tierserve.workloads import RequestSpec, TierMix, get_preset, load_trace, trace_stream
+from tierserve.workloads import RequestSpec, TierMix, WorkloadPreset, get_preset, load_trace, trace_stream
 from tierserve.workloads.trace_stream import num_cut_to_fit, replay_count
 
 WORKLOAD = "default"  # each replica: this workload's model on its GPUs
@@ -29,6 +31,17 @@ MAX_REQUESTS = 10_000_000  # about 3 CPU-hours at a fleet's ~1,000 requests per 
 MAX_BINS = 100_000  # over-time bins in the summary and the plots
 
 
+def _deployment(args: argparse.Namespace) -> WorkloadPreset:
+    """Each replica's model, GPUs and tensor parallelism: the default workload's (Llama-3.1-70B
+    on 8 x A100-80GB) unless `--model`, `--gpu` or `--tp` say otherwise. Another model alone
+    runs on one GPU of the default kind unless `--tp` is given."""
+    base = get_preset(WORKLOAD)
+    model = getattr(args, "model", None) or base.model
+    tp = getattr(args, "tp", None) or (base.tp if model == base.model else 1)
+    gpu = get_gpu(getattr(args, "gpu", None) or base.gpu).name  # "h100" is h100-80gb
+    return replace(base, model=model, gpu=gpu, tp=tp)
+
+
 class FleetBench:
     def __init__(self, args: argparse.Namespace, trace: Path) -> None:
         self.args = args
@@ -37,7 +50,7 @@ class FleetBench:
         if not self.rows:
             raise ValueError(f"{trace}: no requests")
         self._check_size()
-        self.preset = get_preset(WORKLOAD)
+        self.preset = _deployment(args)
         self.setup = BenchSetup(tier_mix=args.tier_mix)
         self.engine_config = self.setup.engine_config()
         self.max_model_len = self._executor().spec.max_model_len
