@@ -63,3 +63,31 @@ def test_vllms_own_reserve_adds_to_the_floors_not_to_the_ceiling() -> None:
         book.add(asked, Tier.P3, "t")
         # 39 free less vLLM's 5 leave 34: the ceiling alone decides
         assert (guard.allocate_slots(asked, asked.num_tokens, reserved_blocks=5) is not None) is fits
+
+
+def test_a_shared_block_after_a_requests_own_blocks_counts_once() -> None:
+    """vLLM caches duplicate blocks (identical prompts and greedy output compute the same
+    block in one step), so a prefix hit may share a block that, in another request's list,
+    comes after blocks of that request's own. Each block counts once: own where one request
+    holds it, shared (by block id) wherever it sits; a sliding window's null block never."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from tierserve.integrations.vllm.kv_guard import Freeing, holdings
+
+    null = KVCacheBlock(0, ref_cnt=5, is_null=True)
+    a_own, b_own, both = KVCacheBlock(1, ref_cnt=1), KVCacheBlock(2, ref_cnt=1), KVCacheBlock(3, ref_cnt=2)
+    tail = KVCacheBlock(4, ref_cnt=1)
+    lists = {"a": ([null, a_own, both, tail],), "b": ([b_own, both],)}
+    manager = SimpleNamespace(
+        coordinator=SimpleNamespace(get_blocks=lists.__getitem__),
+        block_pool=SimpleNamespace(null_block=null),
+    )
+    shared_a, own_a = holdings(manager, "a")  # type: ignore[arg-type]
+    shared_b, own_b = holdings(manager, "b")  # type: ignore[arg-type]
+    assert (own_a, [b.block_id for b in shared_a]) == (2, [3])
+    assert (own_b, [b.block_id for b in shared_b]) == (1, [3])
+    freeing = Freeing(manager)  # type: ignore[arg-type]
+    assert freeing.add("a") == 2  # block 3 stays with b
+    assert freeing.add("b") == 4  # the whole pool in use: 1, 2, 3, 4

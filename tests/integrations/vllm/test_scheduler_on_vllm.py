@@ -431,6 +431,38 @@ def test_a_shared_prefix_counts_once_toward_its_tier(plugin: Driver, vanilla: Dr
     assert not any(sched.requests[rid].num_preemptions for rid in rids if rid in sched.requests)
 
 
+def test_a_duplicate_cached_block_counts_once(plugin: Driver) -> None:
+    """Identical prompts and greedy output: each request computes its own copy of the same
+    output blocks, and vLLM caches the copies side by side. A later prompt that extends
+    them hits the first copy of each: the one of a finished request for the first output
+    block (revived, its own), the one a running request still holds for the second. That
+    second block then sits after blocks of their own in both requests' lists; counted as
+    their own by walks that stopped at the first one, it made the tiers' counts pass the
+    blocks in use (P3 at 66 blocks on a 63-block pool with 24 such requests)."""
+    sched = scheduler_of(plugin.llm)
+    pool = sched.kv_cache_manager.block_pool
+    system = prompt(950, BLOCK_SIZE)
+
+    def check() -> None:
+        in_use = sched.num_pool_blocks - pool.get_num_free_blocks()
+        assert sum(sched.ledger.used) == in_use <= sched.num_pool_blocks  # each block once
+
+    plugin.submit("dup-first", system, BLOCK_SIZE + 8, Tier.P1)  # its first output block full
+    plugin.steps(4)  # its copies enter vLLM's cache first
+    plugin.submit("dup-second", system, 5 * BLOCK_SIZE, Tier.P3)
+    plugin.run(400, until=lambda: len(plugin.tokens.get("dup-second", [])) > 2 * BLOCK_SIZE)
+    assert plugin.finished["dup-first"] == 1
+    output = plugin.tokens["dup-second"]
+    assert output[:BLOCK_SIZE] == plugin.tokens["dup-first"][:BLOCK_SIZE]  # greedy: one block, two copies
+    plugin.submit("dup-extends", system + output[: 2 * BLOCK_SIZE + 1], 4, Tier.P2)
+    for _ in range(400):
+        plugin.step()
+        check()
+        if not plugin.llm.llm_engine.has_unfinished_requests():
+            break
+    assert all(plugin.finished[rid] == 1 for rid in ("dup-first", "dup-second", "dup-extends"))
+
+
 def test_a_seat_for_p0_is_taken_from_the_request_with_least_work_done(plugin: Driver) -> None:
     """Eight P3 requests admitted ten steps apart hold every seat; the P0 takes the seat of
     the latest (least computed), not of the oldest (the shadows' computed counts were

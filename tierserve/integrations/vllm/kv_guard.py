@@ -36,20 +36,25 @@ from tierserve.tiers import Tier
 
 def holdings(manager: KVCacheManager, request_id: str) -> tuple[list[KVCacheBlock], int]:
     """The request's blocks in vLLM's pool, over all KV cache groups: those other requests
-    hold too, and the number of its own. (A block is shared through a prefix-cache hit,
-    which always takes a request's leading blocks, so the walk stops at the first block of
-    its own: the rest are its own too. Read on the coordinator's lists: `get_block_ids`
-    would build a list of ids for each, several times a step for every running request.)"""
+    hold too, and the number of its own. Every block's count is read: a prefix-cache hit
+    shares a request's leading blocks, but vLLM caches duplicates (requests that compute the
+    same tokens, as identical greedy ones do, each cache their copy), and a later hit may
+    share a block that, in the list of a request holding it, comes after blocks of that
+    request's own. Stopping at the first block of its own counted such a block twice: the
+    tiers' counts read 57 blocks for 54 in use with 24 identical prompts and greedy output.
+    (Read on the coordinator's lists: `get_block_ids` would build a list of ids for each,
+    several times a step for every running request.)"""
+    null = manager.block_pool.null_block  # a sliding window's dropped block: in no pool
     shared: list[KVCacheBlock] = []
     own = 0
     for blocks in manager.coordinator.get_blocks(request_id):
-        for i, block in enumerate(blocks):
-            if block.is_null:  # a sliding window's dropped block: in no pool
-                continue
-            if block.ref_cnt <= 1:
-                own += len(blocks) - i
-                break
-            shared.append(block)
+        # A comprehension over every block, the few shared ones sorted after: the step's
+        # recount of 256 requests of 64 blocks took 0.41-0.52 ms (0.08-0.15 ms stopping at
+        # the first block of its own; a plain loop 0.50-0.54, max() over attrgetter 0.95).
+        others = [block for block in blocks if block.ref_cnt > 1 or block is null]
+        own += len(blocks) - len(others)
+        if others:
+            shared += [block for block in others if block is not null]
     return shared, own
 
 
