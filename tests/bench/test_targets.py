@@ -267,3 +267,6 @@ def test_preemptions_gpu_time_keeps_three_significant_digits() -> None:
         "preemption_gpu_s": {"swap_s": 0.0288, "recompute_prefill_s": 101.04},
     }
     assert _preempt(cell) == "20/0/20 (0.0288 s swap, 101 s prefill)"
+    # Past a thousand seconds, whole seconds, not 1.2e+03.
+    cell["preemption_gpu_s"] = {"swap_s": 1199.6, "recompute_prefill_s": 1763.2}
+    assert _preempt(cell) == "20/0/20 (1,200 s swap, 1,763 s prefill)"

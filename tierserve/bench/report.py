@@ -44,8 +44,18 @@ def _fmt(x: Any, kind: str) -> str:
     if kind == "x":
         return f"{x:.2f}x"
     if kind == "s":
-        return f"{x:.3g}"
+        return _sig3(x)
     return str(x)
+
+
+def _sig3(x: float) -> str:
+    """Three significant digits, never in exponent form (1,200 rather than 1.2e+03, as a
+    preemption's 1,199.6 s of prefill was printed)."""
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if 0 < abs(x) < 0.001:
+        return "<0.001" if x > 0 else "-<0.001"
+    return f"{x:.3g}"
 
 
 def _ci(run: Run, tier: str, name: str = "ttft_p95") -> str:
@@ -53,7 +63,7 @@ def _ci(run: Run, tier: str, name: str = "ttft_p95") -> str:
     if t[f"{name}_s"] is None:
         return "–"
     low, high = t[f"{name}_ci_s"]
-    return f"{t[f'{name}_s']:.3g} [{low:.3g}, {high:.3g}]"
+    return f"{_sig3(t[f'{name}_s'])} [{_sig3(low)}, {_sig3(high)}]"
 
 
 def _preempt(run: Run) -> str:
@@ -62,7 +72,7 @@ def _preempt(run: Run) -> str:
     p, c = run["preemptions"], run["preemption_gpu_s"]
     return (
         f"{p['swap']}/{p['recompute']}/{p['reclaim']} "
-        f"({c['swap_s']:.3g} s swap, {c['recompute_prefill_s']:.3g} s prefill)"
+        f"({_sig3(c['swap_s'])} s swap, {_sig3(c['recompute_prefill_s'])} s prefill)"
     )
 
 
