@@ -296,3 +296,36 @@ def test_bench_fleet_runs_the_replicas_named_by_model_gpu_and_tp(
         assert main([*argv, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
+
+
+def test_bench_fleet_reads_the_gateway_settings_of_a_gateway_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The simulated gateway ran with the gateway's defaults whatever a deployment set: a
+    gateway's own config file now sets its flow control and routing (its upstreams ignored).
+    One replica full at one waiting request, and P1-P3 waiting at most 10 ms at the gateway:
+    requests the defaults queue and serve are refused."""
+    trace = _azure_trace(tmp_path / "trace.csv", 60, seed=3)
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        "[gateway]\nmax_waiting = 1\nstale_after_s = 1.5\n"
+        "[gateway.max_wait_s]\nP1 = 0.01\nP2 = 0.01\nP3 = 0.01\n"
+        '[[upstreams]]\nkind = "vllm"\nurl = "http://127.0.0.1:9"\n'
+    )
+    argv = ["bench", "fleet", "--replicas", "1", "--trace", str(trace)]
+    outcomes = []
+    for extra in ([], ["--gateway-config", str(config)]):
+        out = tmp_path / f"out{len(extra)}"
+        assert main([*argv, "--out", str(out), *extra]) == 0
+        results = json.loads((out / "results.json").read_text())
+        outcomes.append(results["runs"][0]["summary"]["outcomes"])
+    meta = results["meta"]
+    assert meta["gateway_config"] == str(config)
+    gateway = meta["gateway"]
+    assert (gateway["max_waiting"], gateway["stale_after_s"], gateway["max_wait_s"]["P3"]) == (1, 1.5, 0.01)
+    assert outcomes[0] == {"completed": 60} and outcomes[1].get("refused:queue_timeout", 0) > 0
+    capsys.readouterr()
+    config.write_text("[gateway]\nmax_waitng = 1\n")  # a misspelt key: one line naming the file
+    assert main([*argv, "--out", str(tmp_path / "bad"), "--gateway-config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(config) in err[0] and "max_waitng" in err[0], err

@@ -250,6 +250,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy", default="hybrid", help="each engine's scheduling policy (default: %(default)s)"
     )
+    p.add_argument(
+        "--gateway-config",
+        type=Path,
+        metavar="FILE",
+        help="a gateway config (as `tierserve gateway --config` reads it): its [gateway] flow "
+        "control and routing settings for the simulated gateway; its other sections are not used "
+        "(default: the gateway's defaults; docs/fleet.md lists what the simulation honours)",
+    )
     p.add_argument("--tier-mix", default="5/60/30/5", help="P0/P1/P2/P3 shares (default: %(default)s)")
     p.add_argument(
         "--seed",

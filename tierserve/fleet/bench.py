@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,12 +13,14 @@ from typing import Any
 from tierserve.bench.cell import BenchSetup
 from tierserve.bench.idle import IdleTtft
 from tierserve.clock import VirtualClock
+from tierserve.config import ConfigError, load_raw
 from tierserve.engine import Engine
 from tierserve.executors.sim.executor import build_sim_executor
 from tierserve.executors.sim.gpus import get_gpu
 from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
 from tierserve.fleet.sim import FleetConfig, FleetSim
 from tierserve.fleet.summary import summarize
+from tierserve.gateway.config import GatewaySettings, gateway_settings
 from tierserve.workloads import RequestSpec, TierMix, WorkloadPreset, get_preset, load_trace, trace_stream
 from tierserve.workloads.trace_stream import num_cut_to_fit, replay_count
 
@@ -42,6 +44,44 @@ def _deployment(args: argparse.Namespace) -> WorkloadPreset:
     return replace(base, model=model, gpu=gpu, tp=tp)
 
 
+# The `[gateway]` settings the simulated gateway reads: its flow control (the tier queues'
+# order and wait caps), the router's judgement of a full replica and of staleness, prefix
+# affinity's load bound, the scrapes and the retries. The others (Redis, rate limits,
+# ejection on failed checks or requests, timeouts, instances, `prefix_chars`: the simulation
+# keys prefixes on token ids) act on what the simulation does not model.
+SIMULATED_GATEWAY_KEYS = (
+    "policy",
+    "max_wait_s",
+    "max_waiting",
+    "max_kv_usage",
+    "stale_after_s",
+    "scrape_interval_s",
+    "affinity_load_bound",
+    "max_attempts",
+)
+
+
+def _gateway_settings(path: Path | None) -> GatewaySettings:
+    """`[gateway]` of the file at `path` (the gateway's defaults without one); the file's
+    other sections ([[upstreams]], [tiers], tenants) are the deployment's, not the fleet's."""
+    if path is None:
+        return GatewaySettings()
+    raw = load_raw(path)
+    try:
+        return gateway_settings(raw.get("gateway", {}))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def settings_json(settings: GatewaySettings) -> dict[str, Any]:
+    """The simulated gateway's settings, for results.json (tiers by name)."""
+    out: dict[str, Any] = {}
+    for key in SIMULATED_GATEWAY_KEYS:
+        value = getattr(settings, key)
+        out[key] = {t.name: v for t, v in value.items()} if isinstance(value, Mapping) else value
+    return out
+
+
 class FleetBench:
     def __init__(self, args: argparse.Namespace, trace: Path) -> None:
         self.args = args
@@ -51,6 +91,7 @@ class FleetBench:
             raise ValueError(f"{trace}: no requests")
         self._check_size()
         self.preset = _deployment(args)
+        self.settings = _gateway_settings(getattr(args, "gateway_config", None))
         self.setup = BenchSetup(tier_mix=args.tier_mix)
         self.engine_config = self.setup.engine_config()
         self.max_model_len = self._executor().spec.max_model_len
@@ -108,6 +149,7 @@ class FleetBench:
             a.replicas,
             router,
             self.autoscale_config(scaling),
+            settings=self.settings,
             num_gpus_per_replica=self.preset.tp,
             kills=_kills(a),
             drain_timeout_s=a.drain_timeout_s,
@@ -178,6 +220,8 @@ class FleetBench:
             "bin_s": self.args.bin_s,
             "drain_timeout_s": self.args.drain_timeout_s,
             "kills": [list(k) for k in _kills(self.args)],
+            "gateway_config": str(path) if (path := getattr(self.args, "gateway_config", None)) else None,
+            "gateway": settings_json(self.settings),
             "commit": commit,
             "cpu_s": cpu_s,
             "load_average": load,
