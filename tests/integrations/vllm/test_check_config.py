@@ -79,3 +79,37 @@ def test_it_reads_tierserve_config_and_runs_as_a_module(tmp_path: Path) -> None:
     env.pop("TIERSERVE_CONFIG")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "TIERSERVE_CONFIG is not set" in done.stderr
+
+
+def test_the_running_policys_settings_are_said_where_they_differ_from_its_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user could not tell that `[policy.hybrid]` was read at all."""
+    path = tmp_path / "tiers.toml"
+    path.write_text("[policy.hybrid]\nstep_bound_x_p0 = 0.5\np3_yields = false\n")
+    assert main([str(path)]) == 0
+    assert "policy hybrid (step_bound_x_p0 0.5, p3_yields False), default tier P1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "says"),
+    [
+        ('{"tierserve": {"vllm": {"default_tier": "P2"}}}', 0, "--additional-config"),
+        ('{"tierserve": {"vllm": {"default_teir": "P2"}}}', 2, "vllm.default_teir: unknown key"),
+        ('{"tiersrve": {}}', 2, "did you mean 'tierserve'?"),
+        ('{"tiers": {}}', 2, "the plug-in reads its tables under"),
+        ("{bad", 2, "--additional-config: invalid JSON"),
+        ("[1]", 2, "expected a JSON object"),
+    ],
+)
+def test_additional_config_json_is_checked_as_the_plugin_reads_it(
+    capsys: pytest.CaptureFixture[str], text: str, code: int, says: str
+) -> None:
+    """Mistakes in `--additional-config` surfaced only once the model had loaded (35-90 s on
+    the CPU build), in vLLM's traceback."""
+    assert main(["--additional-config", text]) == code
+    captured = capsys.readouterr()
+    said = captured.out if code == 0 else captured.err
+    assert said.count("\n") == 1 and says in said, said
+    if code == 0:
+        assert "default tier P2" in said
