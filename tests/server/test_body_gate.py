@@ -334,3 +334,25 @@ def test_a_thread_job_reports_its_own_cpu_time() -> None:
     gate._charge = spy  # type: ignore[method-assign]
     asyncio.run(gate.run(time.sleep, 0.05))  # 50 ms asleep, next to no CPU
     assert charged and charged[0] < 0.02
+
+
+def test_a_tenants_thread_job_is_charged_to_it_at_its_own_cpu_time() -> None:
+    """A large prompt's preparation went through the gate charged its wall time, paying for
+    a busy host's wait for a CPU as the parses had."""
+    gate = BodyGate(share=1.0)
+    charged: list[tuple[str, float]] = []
+    monkey = gate._charge
+
+    def spy(tenant: str, spent: float) -> None:
+        charged.append((tenant, spent))
+        monkey(tenant, spent)
+
+    gate._charge = spy  # type: ignore[method-assign]
+    assert asyncio.run(gate.run_for("acme", _asleep_then, 0.05, "prepared")) == "prepared"
+    (tenant, spent), *_ = charged
+    assert tenant == "acme" and spent < 0.02  # 50 ms asleep, next to no CPU
+
+
+def _asleep_then(seconds: float, result: str) -> str:
+    time.sleep(seconds)
+    return result

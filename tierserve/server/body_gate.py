@@ -114,6 +114,12 @@ class BodyGate:
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on a worker thread, within the gate's share of time."""
+        return await self.run_for("", fn, *args, **kwargs)
+
+    async def run_for(self, tenant: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`run`, at `tenant`'s turn and charged to it: the CPU time `fn` takes on its thread
+        (a large prompt's preparation, charged its wall time until 2026-12-08, paid for a
+        busy host's wait for a CPU as the parses had)."""
 
         def timed() -> T:
             start = time.thread_time()
@@ -122,7 +128,7 @@ class BodyGate:
             finally:
                 report_cpu(time.thread_time() - start)
 
-        return await self.admit(lambda: asyncio.to_thread(timed))
+        return await self.admit(lambda: asyncio.to_thread(timed), tenant)
 
     async def admit(self, job: Callable[[], Awaitable[T]], tenant: str = "") -> T:
         """Await `job()` (work done elsewhere: a thread, a process) within the gate's share,

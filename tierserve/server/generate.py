@@ -11,12 +11,10 @@ refunds the reserved tokens; the request's charge stays.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -61,7 +59,7 @@ async def generate(
     if offload is None:
         prepared = prepare(state, body, tier)
     else:
-        prepared = await offload.admit(partial(asyncio.to_thread, prepare, state, body, tier), tenant.name)
+        prepared = await offload.run_for(tenant.name, prepare, state, body, tier)
     max_tokens = prepared.sampling.max_tokens
     num_reserved = len(prepared.prompt_token_ids) + max_tokens
     num_default, param = body.reserved_output(max_tokens)
