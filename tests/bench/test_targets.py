@@ -50,7 +50,7 @@ def test_hybrid_is_judged_against_the_numbers_and_the_baselines() -> None:
     assert [met for target, met in got.items() if target.startswith("goodput")] == [False]  # 7.0 < 7.5
     # The detail names the best baseline and how far behind it hybrid is.
     goodput = next(v for v in judge(runs) if v.target.startswith("goodput"))
-    assert goodput.detail.endswith("7.0 vs best baseline 7.5 rps (vllm-priority, -6.67 %)")
+    assert goodput.detail.endswith("7.0000 vs best baseline 7.5000 rps (vllm-priority, -6.67 %)")
     assert [met for target, met in got.items() if target.startswith("P1 SLO")] == [None]  # no cell <= 1.0x
 
 
@@ -155,7 +155,7 @@ def test_throughput_is_not_judged_on_a_small_run() -> None:
     a long run is judged, with or without P0 requests."""
     few = run("hybrid", 1.0, 1.0, 1.0, throughput_vs_fcfs=0.95)  # 30 requests
     verdict = next(v for v in judge([few]) if v.target.startswith("throughput"))
-    assert verdict.met is None and "0.95x (fewer than 1000 requests: not judged)" in verdict.detail
+    assert verdict.met is None and "0.950x (fewer than 1000 requests: not judged)" in verdict.detail
     long_without_p0 = run("hybrid", 1.0, 1.0, 1.0, low_sample=True, throughput_vs_fcfs=0.95)
     long_without_p0["tiers"]["P1"]["requests"] = 5000
     assert next(v for v in judge([long_without_p0]) if v.target.startswith("throughput")).met is False
@@ -187,7 +187,7 @@ def test_goodput_against_every_baseline_is_not_run_without_all_of_them() -> None
     runs = [run("hybrid", 1.0, 1.0, 7.0), run("fcfs", 1.0, 1.0, 5.0)]
     verdict = next(v for v in judge(runs) if v.target.startswith("goodput"))
     assert verdict.met is None
-    assert "7.0 rps; not run: vllm-priority, sglang-priority, article" in verdict.detail
+    assert "7.0000 rps; not run: vllm-priority, sglang-priority, article" in verdict.detail
 
 
 def test_a_clear_p0_miss_on_few_requests_is_not_met() -> None:

@@ -325,7 +325,14 @@ def test_bench_fleet_reads_the_gateway_settings_of_a_gateway_config(
     assert (gateway["max_waiting"], gateway["stale_after_s"], gateway["max_wait_s"]["P3"]) == (1, 1.5, 0.01)
     assert outcomes[0] == {"completed": 60} and outcomes[1].get("refused:queue_timeout", 0) > 0
     capsys.readouterr()
-    config.write_text("[gateway]\nmax_waitng = 1\n")  # a misspelt key: one line naming the file
-    assert main([*argv, "--out", str(tmp_path / "bad"), "--gateway-config", str(config)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and str(config) in err[0] and "max_waitng" in err[0], err
+    # A misspelt key or section, or no [gateway] at all (a trial's [gatway] ran the defaults
+    # without a word): one line naming the file.
+    for text, said in (
+        ("[gateway]\nmax_waitng = 1\n", "max_waitng"),
+        ('[gateway]\npolicy = "fcfs"\n[serverr]\nport = 1\n', "serverr: unknown section"),
+        ('[gatway]\npolicy = "fcfs"\n', "no [gateway] table"),
+    ):
+        config.write_text(text)
+        assert main([*argv, "--out", str(tmp_path / "bad"), "--gateway-config", str(config)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(config) in err[0] and said in err[0], err

@@ -141,7 +141,7 @@ def _p0(run: Run) -> tuple[bool | None, str]:
             verdicts.append(False if interval and interval[0] > P0_SLOWDOWN else None)
         else:
             verdicts.append(s <= P0_SLOWDOWN)
-        parts.append(f"slowdown P95 {s}x for the {long_['requests']} that alone miss the SLO")
+        parts.append(f"slowdown P95 {s:.3g}x for the {long_['requests']} that alone miss the SLO")
         if few_long and not few:
             parts[-1] += f" (fewer than {MIN_SLOWDOWN_REQUESTS}: their P95 is their maximum, not judged MET)"
     shown = ", ".join(parts) or "no P0 request"
@@ -198,12 +198,13 @@ def _goodput_at_least_every_baseline(runs: Sequence[Run], cells: Sequence[Run]) 
         if mine is None:
             return "not measured (see the sample-size warnings)"
         if missing(run):
-            return f"{mine} rps; not run: {', '.join(missing(run))}"
+            return f"{mine:.4f} rps; not run: {', '.join(missing(run))}"
         if top is None:
-            return f"{mine} vs best baseline – rps"
+            return f"{mine:.4f} vs best baseline – rps"
         theirs = float(top["goodput_rps"])
         gap = f", {100 * (mine - theirs) / theirs:+.2f} %" if theirs > 0 else ""
-        return f"{mine} vs best baseline {theirs} rps ({top['policy']}{gap}{_by_seed(run, top)})"
+        # Four decimals, the gap in % beside them (a gap of -0.01 % shows in the percentage).
+        return f"{mine:.4f} vs best baseline {theirs:.4f} rps ({top['policy']}{gap}{_by_seed(run, top)})"
 
     return _judge("goodput >= every baseline's at every load", cells, ok, show)
 
@@ -302,7 +303,7 @@ def judge(runs: Sequence[Run]) -> list[Verdict]:
             lambda r: (
                 "–"
                 if r["throughput_vs_fcfs"] is None
-                else f"{r['throughput_vs_fcfs']}x"
+                else f"{r['throughput_vs_fcfs']:.3f}x"
                 + (f" (fewer than {MIN_THROUGHPUT_REQUESTS} requests: not judged)" if _small(r) else "")
             ),
         ),

@@ -196,11 +196,6 @@ def _tier_limit(tier: Tier, value: Any) -> RateLimit:
     return _rate_limit(path, table)
 
 
-def gateway_settings(raw: Mapping[str, Any]) -> GatewaySettings:
-    """`[gateway]`, checked (`tierserve bench fleet --gateway-config` reads it alone)."""
-    return _settings(_table("gateway", raw))
-
-
 def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
     base = GatewaySettings()
     numbers = {

@@ -45,7 +45,8 @@ class DrainingGateway(GracefulServer):
             await asyncio.sleep(POLL_S)
         if gw.num_in_flight:
             why = "second signal" if hurry.is_set() else "drain timeout"
-            log.warning("%s: %d requests still in flight are cut", why, gw.num_in_flight)
+            n = gw.num_in_flight
+            log.warning("%s: %d request%s still in flight cut", why, n, "" if n == 1 else "s")
             await self._cut_streams()
         log.info("drained; shutting down")
         self.should_exit = True

@@ -144,7 +144,8 @@ class DrainingServer(GracefulServer):
         unread = UnreadReplies(self.server_state.connections)
         if not await self._settle(unread, self._drain_timeout_s, hurry):
             why = "second signal" if hurry.is_set() else "drain timeout"
-            log.warning("%s: aborting %d requests", why, engine.num_in_flight)
+            n = engine.num_in_flight
+            log.warning("%s: aborting %d request%s", why, n, "" if n == 1 else "s")
             await engine.stop()
             await self._settle(unread, 2.0, None)
         # A cut stream's last chunks, or a whole reply, may still wait for a client reading

@@ -103,13 +103,39 @@ def test_the_running_policys_settings_are_said_where_they_differ_from_its_defaul
     ],
 )
 def test_additional_config_json_is_checked_as_the_plugin_reads_it(
-    capsys: pytest.CaptureFixture[str], text: str, code: int, says: str
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, text: str, code: int, says: str
 ) -> None:
     """Mistakes in `--additional-config` surfaced only once the model had loaded (35-90 s on
     the CPU build), in vLLM's traceback."""
+    monkeypatch.delenv("TIERSERVE_CONFIG", raising=False)
     assert main(["--additional-config", text]) == code
     captured = capsys.readouterr()
     said = captured.out if code == 0 else captured.err
     assert said.count("\n") == 1 and says in said, said
     if code == 0:
         assert "default tier P2" in said
+
+
+def test_additional_config_beside_tierserve_config_is_refused_as_the_plugin_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With $TIERSERVE_CONFIG set the check read the JSON alone and passed a pair the plug-in
+    refuses at start."""
+    path = tmp_path / "tiers.toml"
+    path.write_text('[vllm]\ndefault_tier = "P3"\n')
+    monkeypatch.setenv("TIERSERVE_CONFIG", str(path))
+    assert main(["--additional-config", '{"tierserve": {"vllm": {"default_tier": "P2"}}}']) == 2
+    assert "use one" in capsys.readouterr().err
+    assert main(["--additional-config", "{}"]) == 0  # no tierserve key: the file is read
+    assert "default tier P3" in capsys.readouterr().out
+
+
+def test_the_command_line_forms(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TIERSERVE_CONFIG", raising=False)
+    assert main(["--help"]) == 0 and "--additional-config JSON" in capsys.readouterr().out
+    assert main(['--additional-config={"tierserve": {}}']) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path / "t.toml"), "--additional-config", "{}"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -71,7 +71,16 @@ def _options_set(config: PluginConfig) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["--additional-config"] and len(args) == 2:
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    inline = [a for a in args if a.startswith("--additional-config=")]
+    if inline:  # --additional-config=JSON, as argparse users write it
+        args = [a for a in args if a not in inline] + ["--additional-config", inline[0].split("=", 1)[1]]
+    if "--additional-config" in args:
+        if len(args) != 2 or args[0] != "--additional-config":
+            print(f"error: give a FILE or --additional-config JSON, not both\n{USAGE}", file=sys.stderr)
+            return 2
         return _check_inline(args[1])
     if len(args) > 1 or any(a.startswith("-") for a in args):
         print(USAGE, file=sys.stderr)
@@ -95,8 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_inline(text: str) -> int:
-    """`--additional-config JSON`: read as vLLM hands it to the plug-in (its errors name the
-    source: a misplaced table or a misspelt key too)."""
+    """`--additional-config JSON`: read as vLLM hands it to the plug-in, beside
+    $TIERSERVE_CONFIG where it is set (its errors name the source: a misplaced table or a
+    misspelt key too)."""
     try:
         extra = json.loads(text)
     except json.JSONDecodeError as e:
@@ -105,8 +115,8 @@ def _check_inline(text: str) -> int:
     if not isinstance(extra, dict):
         print(f"error: --additional-config: expected a JSON object, got {text!r:.60}", file=sys.stderr)
         return 2
-    try:
-        config = load_plugin_config(extra, environ={})
+    try:  # with $TIERSERVE_CONFIG set too, the plug-in refuses the pair, and so does this
+        config = load_plugin_config(extra)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
