@@ -290,7 +290,7 @@ def test_bench_fleet_runs_the_replicas_named_by_model_gpu_and_tp(
     capsys.readouterr()
     # A deployment that cannot hold its K/V cache, or an unknown GPU: one line, status 2.
     for bad, said in (
-        (["--model", "llama-3.1-70b", "--tp", "1"], "leaves no memory for the K/V cache"),
+        (["--model", "llama-3.1-70b", "--tp", "1"], "does not fit on 1 x a100-80gb"),
         (["--gpu", "v100"], "unknown GPU 'v100'"),
     ):
         assert main([*argv, *bad]) == 2

@@ -61,6 +61,16 @@ SIMULATED_GATEWAY_KEYS = (
 )
 
 
+def _check_fits(preset: WorkloadPreset) -> None:
+    """Refuse, naming the smallest --tp that fits (as `tierserve profile` does), a replica whose
+    weights leave no room for its K/V cache."""
+    from tierserve.executors.sim.profile_cli import does_not_fit, profile
+
+    reason = does_not_fit(profile(preset.model, preset.gpu, preset.tp))
+    if reason is not None:
+        raise ValueError(reason)
+
+
 def _gateway_settings(path: Path | None) -> GatewaySettings:
     """`[gateway]` of the file at `path` (the gateway's defaults without one); the file's
     other sections ([[upstreams]], [tiers], tenants) are the deployment's, not the fleet's."""
@@ -96,6 +106,7 @@ class FleetBench:
             raise ValueError(f"{trace}: no requests")
         self._check_size()
         self.preset = _deployment(args)
+        _check_fits(self.preset)
         self.settings = _gateway_settings(getattr(args, "gateway_config", None))
         self.setup = BenchSetup(tier_mix=args.tier_mix)
         self.engine_config = self.setup.engine_config()
