@@ -290,10 +290,19 @@ def _plot_replicas(plt: Any, out: Path, runs: Sequence[Run], unit: str, per: flo
     common = [r["summary"]["gpu_hours_common"] for r in runs]
     ax2.barh(rows, common, color="0.85")
     ax2.barh(rows, [r["summary"]["gpu_hours"] for r in runs], height=0.5, color="0.35")
+    # To the last arrival, the same window for every run (the report's fairest figure): a mark.
+    arrivals = [(i, r["summary"].get("gpu_hours_arrivals")) for i, r in zip(rows, runs, strict=True)]
+    marked = [(i, x) for i, x in arrivals if x is not None]
+    if marked:
+        xs, ys = [x for _, x in marked], [i for i, _ in marked]
+        ax2.scatter(xs, ys, marker="|", s=300, linewidths=2, color="tab:red", zorder=3)
     ax2.set_yticks(rows, labels, fontsize=7)
     ax2.invert_yaxis()  # the first run on top, as in the tables
     # Said in the title: a legend on the axes sat on the bars' ends, the figures compared.
-    ax2.set_title("GPU-hours: to its own end (dark), to the latest run's end (light)", fontsize=9)
+    ax2.set_title(
+        "GPU-hours: to its own end (dark), to the latest run's end (light),\nto the last arrival (red |)",
+        fontsize=9,
+    )
     _legend_below(fig)
     fig.savefig(out / "replicas_gpu_hours.png", dpi=90)
     plt.close(fig)
