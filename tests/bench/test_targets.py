@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from tierserve.bench.driver import NEVER_STARTED, RUN_ENDED
-from tierserve.bench.report import _load_label, _preempt
+from tierserve.bench.report import _load_label, _preempt, _sig3
 from tierserve.bench.targets import Verdict, binomial_below, judge
 
 
@@ -270,3 +270,13 @@ def test_preemptions_gpu_time_keeps_three_significant_digits() -> None:
     # Past a thousand seconds, whole seconds, not 1.2e+03.
     cell["preemption_gpu_s"] = {"swap_s": 1199.6, "recompute_prefill_s": 1763.2}
     assert _preempt(cell) == "20/0/20 (1,200 s swap, 1,763 s prefill)"
+
+
+def test_seconds_print_in_three_digits_and_never_in_exponent_form() -> None:
+    assert [_sig3(x) for x in (0.0, 0.0004, 0.0288, 101.04, 1763.2)] == [
+        "0",
+        "<0.001",
+        "0.0288",
+        "101",
+        "1,763",
+    ]

@@ -181,3 +181,19 @@ def test_a_pass_reads_at_most_look_ahead_max_waiting_requests() -> None:
     eng.scheduler.policy.end_step(step, 0.0)
     assert (len(ahead), cut) == (LOOK_AHEAD_MAX, False)
     _same_pops(eng.scheduler.policy, twin, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "looks"),
+    [
+        *((name, False) for name in ("fcfs", "wfq", "drr", "drr-tokens", "vllm-priority")),
+        *((name, True) for name in ("hybrid", "strict", "article", "sglang-priority")),
+    ],
+)
+def test_only_a_policy_whose_waiting_requests_may_preempt_reads_ahead(name: str, looks: bool) -> None:
+    """Where no waiting request may take a running one's seat or blocks, no swapped request
+    stays out for one, and the pass does not read the queue (it cost fcfs-like policies
+    time for nothing)."""
+    executor = NullExecutor(num_device_blocks=20, num_host_blocks=10, block_size=4)
+    eng = Engine(EngineConfig(), name, executor, VirtualClock())
+    assert eng.scheduler._looks_ahead is looks

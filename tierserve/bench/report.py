@@ -53,8 +53,8 @@ def _sig3(x: float) -> str:
     preemption's 1,199.6 s of prefill was printed)."""
     if abs(x) >= 1000:
         return f"{x:,.0f}"
-    if 0 < abs(x) < 0.001:
-        return "<0.001" if x > 0 else "-<0.001"
+    if 0 < x < 0.001:  # seconds, never negative
+        return "<0.001"
     return f"{x:.3g}"
 
 

@@ -20,7 +20,7 @@ from tierserve.executors.sim.gpus import get_gpu
 from tierserve.fleet.autoscaler import AutoscaleConfig, ScalingPolicy
 from tierserve.fleet.sim import FleetConfig, FleetSim
 from tierserve.fleet.summary import summarize
-from tierserve.gateway.config import GatewaySettings, parse_gateway_config
+from tierserve.gateway.config import GatewaySettings, parse_gateway_settings
 from tierserve.workloads import RequestSpec, TierMix, WorkloadPreset, get_preset, load_trace, trace_stream
 from tierserve.workloads.trace_stream import num_cut_to_fit, replay_count
 
@@ -79,11 +79,8 @@ def _gateway_settings(path: Path | None) -> GatewaySettings:
     raw = load_raw(path)
     if "gateway" not in raw:  # a misspelt [gatway] ran the defaults without a word
         raise ConfigError(f"{path}: no [gateway] table (the fleet reads only its [gateway] settings)")
-    # The whole file is checked as `tierserve gateway --config` checks it (an unknown section
-    # is an error there too); a file written for the fleet alone needs no [[upstreams]].
-    raw = {**raw, "upstreams": raw.get("upstreams") or [{"kind": "vllm", "url": "http://127.0.0.1:9"}]}
     try:
-        return parse_gateway_config(raw, source=str(path)).gateway
+        return parse_gateway_settings(raw, source=str(path))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 

@@ -256,10 +256,19 @@ def _settings(raw: Mapping[str, Any]) -> GatewaySettings:
     )
 
 
-def parse_gateway_config(raw: Mapping[str, Any], source: str | None = None) -> GatewayConfig:
+def _serve_and_settings(raw: Mapping[str, Any], source: str | None) -> tuple[ServeConfig, GatewaySettings]:
     rest = {k: v for k, v in raw.items() if k not in ("gateway", "upstreams")}
-    serve = parse_serve_config(rest, source=source)
-    settings = _settings(_table("gateway", raw.get("gateway", {})))
+    return parse_serve_config(rest, source=source), _settings(_table("gateway", raw.get("gateway", {})))
+
+
+def parse_gateway_settings(raw: Mapping[str, Any], source: str | None = None) -> GatewaySettings:
+    """`[gateway]`, with the file's other sections checked as `parse_gateway_config` checks
+    them (an unknown section is an error); its [[upstreams]] are not read."""
+    return _serve_and_settings(raw, source)[1]
+
+
+def parse_gateway_config(raw: Mapping[str, Any], source: str | None = None) -> GatewayConfig:
+    serve, settings = _serve_and_settings(raw, source)
     ups = raw.get("upstreams", [])
     if not isinstance(ups, list) or not ups:
         raise ConfigError("upstreams: expected at least one [[upstreams]] table")
